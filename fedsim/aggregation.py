@@ -10,6 +10,11 @@ config validation (which calls the rule once on ``clients_per_round`` rows) repo
 
 The robust rules (``median``, ``trimmed_mean``, ``krum``, ``multi_krum``) ignore the sample
 counts, as in their papers: an attacker could otherwise claim a large count.
+
+Every rule maps finite updates to a finite aggregate, however large (float32 updates up to
+3.4e38, as an attacker may send): means are convex combinations (``_combine``), whose partial
+sums never exceed the largest value, rather than sums divided afterwards; norms and distances
+are accumulated in float64 (``_norms``, ``squared_distances``), where float32 squares overflow.
 """
 from __future__ import annotations
 
@@ -45,16 +50,25 @@ def _fail(message: str):
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    # an int is finite however large (math.isfinite would raise OverflowError above 1.8e308)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        isinstance(value, int) or math.isfinite(value))
 
 
 def _is_integer(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_FLOAT32 = torch.finfo(torch.float32)
+
+
 def _positive(name: str, value) -> float:
-    if not _is_number(value) or value <= 0:
-        _fail(f"{name} must be a number > 0, got {value!r}")
+    """A number > 0 that the float32 engine holds at full precision: in float32's normal range,
+    so that it neither overflows to inf nor becomes a subnormal or 0 (``max_norm = 1e-45``
+    would otherwise clip every update to zero)."""
+    if not _is_number(value) or not _FLOAT32.tiny <= value <= _FLOAT32.max:
+        _fail(f"{name} must be a number > 0 in float32's normal range "
+              f"[{_FLOAT32.tiny:.3g}, {_FLOAT32.max:.3g}], got {value!r}")
     return float(value)
 
 
@@ -66,6 +80,53 @@ def _check_count(name: str, value, low: int) -> None:
 def _normalized(weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     w = weights.to(device=like.device, dtype=like.dtype)
     return w / w.sum()
+
+
+def _combine(coefficients: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``coefficients @ rows`` in the rows' dtype, for coefficients >= 0 summing to at most 1:
+    a weighted mean, possibly of scaled-down rows.
+
+    Every partial sum, in any summation order, is then a combination of values with
+    coefficients summing to at most 1, so no larger than the largest ``|value|`` up to
+    rounding; a sum divided afterwards overflows float32 once the values pass 3.4e38 / k.
+    Rounding alone can lift a result within ~k * 6e-8 of the float32 limit past it; the exact
+    result is within the limit, so the clamp only undoes that rounding. (A partial sum can only
+    overflow if its coefficients sum to nearly 1, so the other terms are too small to matter and
+    no partial sum can overflow the other way: the clamp sees inf, never NaN.)
+    """
+    limit = torch.finfo(rows.dtype).max
+    return (coefficients.to(rows.dtype) @ rows).clamp_(-limit, limit)
+
+
+def _mean(rows: torch.Tensor) -> torch.Tensor:
+    """The unweighted mean of the rows, as a convex combination (see ``_combine``)."""
+    return _combine(_normalized(rows.new_ones(rows.shape[0]), rows), rows)
+
+
+_BLOCK = 1 << 20  # elements of the float64 block in ``_norms``: 8 MiB
+
+
+def _norms(rows: torch.Tensor, point: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``[k]`` Euclidean norms of ``rows[i] - point`` (``point`` default 0), in float64.
+
+    In float32 a sum of squares overflows once an entry passes 1.8e19, and an infinite norm
+    then gives 0 / 0 or inf / inf = NaN downstream. Float64 holds the difference of two float32
+    values to ~1e-16 and a sum of P squares of them up to (6.8e38)^2 P ~ 5e77 P. The work is in
+    column blocks, copied one at a time into a single float64 buffer of ~``_BLOCK`` elements, so
+    that the float64 copy stays small; the norm of a row is the norm of its blocks' norms.
+    """
+    k, p = rows.shape
+    columns = max(1, min(p, _BLOCK // max(1, k)))
+    buffer = rows.new_empty((k, columns), dtype=torch.float64)
+    point = None if point is None else point.to(torch.float64)
+    parts = []
+    for start in range(0, p, columns):
+        block = buffer[:, :min(columns, p - start)]
+        block.copy_(rows[:, start:start + columns])
+        if point is not None:
+            block -= point[start:start + columns]
+        parts.append(torch.linalg.vector_norm(block, dim=1))
+    return torch.linalg.vector_norm(torch.stack(parts), dim=0)
 
 
 def _middle(values: torch.Tensor) -> torch.Tensor:
@@ -81,7 +142,7 @@ def _middle(values: torch.Tensor) -> torch.Tensor:
 @AGGREGATORS.register("fedavg", "mean weighted by client sample counts (McMahan et al. 2017)")
 def fedavg() -> Rule:
     def rule(updates, weights):
-        return _normalized(weights, updates) @ updates
+        return _combine(_normalized(weights, updates), updates)
 
     return rule
 
@@ -89,7 +150,7 @@ def fedavg() -> Rule:
 @AGGREGATORS.register("mean", "unweighted mean of the client updates")
 def mean() -> Rule:
     def rule(updates, weights):
-        return updates.mean(dim=0)
+        return _mean(updates)
 
     return rule
 
@@ -107,12 +168,12 @@ def norm_clip(max_norm=None) -> Rule:
         max_norm = _positive("max_norm", max_norm)
 
     def rule(updates, weights):
-        norms = torch.linalg.vector_norm(updates, dim=1)
+        norms = _norms(updates)  # float64: finite for any float32 update
         bound = _middle(norms) if max_norm is None else max_norm
-        # a zero norm gives inf, clamped to 1: a zero update stays zero
-        scale = (bound / norms).clamp(max=1.0)
+        # updates within the bound keep their scale of 1, a zero update too (even for a bound of 0)
+        scale = torch.where(norms > bound, bound / norms, 1.0)
         # scaling the weights instead of the rows avoids a second [k, P] tensor
-        return (_normalized(weights, updates) * scale) @ updates
+        return _combine(_normalized(weights, updates) * scale, updates)
 
     return rule
 
@@ -153,8 +214,8 @@ def trimmed_mean(beta=0.1) -> Rule:
         k = updates.shape[0]
         drop = int(beta * k + 1e-9)  # the epsilon keeps e.g. 0.29 * 100 = 28.999... at 29
         if drop == 0:
-            return updates.mean(dim=0)
-        return updates.sort(dim=0).values[drop:k - drop].mean(dim=0)
+            return _mean(updates)
+        return _mean(updates.sort(dim=0).values[drop:k - drop])
 
     return rule
 
@@ -167,20 +228,29 @@ def squared_distances(updates: torch.Tensor) -> torch.Tensor:
 
     ``||a - b||^2 = ||a||^2 + ||b||^2 - 2 <a, b>`` costs one ``[k, P] x [P, k]`` product
     instead of k^2 row differences (~100x faster on a CPU for k = 100, P = 1.7M). Its
-    weakness is cancellation: in float32 the absolute error is about 1e-7 ||a||^2 times a
-    factor growing with P, which swamps the distance between two updates that are close
-    compared to their length. The products are therefore accumulated in float64 (the product
-    of two float32 numbers is exact in float64), in column blocks so that the float64 copy
-    stays small: this costs a few times a float32 product and leaves an error of about
-    1e-16 ||a||^2.
+    weakness is cancellation: the rounding error of ``<a, b>`` scales with ``||a|| ||b||``,
+    so it swamps the distance between updates that are close compared to their length, and
+    its size depends on the BLAS's summation order, so on the machine. Distances do not
+    change under translation, so the rows are first moved by a centre among them: the
+    inner products are then the size of the rows' spread around it rather than of their
+    length, and the error is at most about P * 1e-16 times that spread squared, in any
+    summation order. The centre is the mean of the rows no longer than twice the median
+    norm: a plain mean would be dragged far off by one huge update, and the honest rows'
+    distances, which Krum exists to compare, would be lost in the cancellation again. The
+    work is in float64 (which holds float32 inputs exactly), in column blocks so that the
+    float64 copy stays small.
     """
+    norms = _norms(updates)
+    typical = (norms <= 2 * norms.median()).to(updates.dtype)
+    centre = _combine(typical / typical.sum(), updates).to(torch.float64)
     block = 1 << 18
     gram = torch.zeros(updates.shape[0], updates.shape[0], dtype=torch.float64, device=updates.device)
-    for chunk in updates.split(block, dim=1):
-        chunk = chunk.double()
+    for start in range(0, updates.shape[1], block):
+        chunk = updates[:, start:start + block].to(torch.float64, copy=True)  # the input stays as it is
+        chunk -= centre[start:start + block]
         gram.addmm_(chunk, chunk.T)
-    norms = gram.diagonal()
-    return (norms[:, None] + norms[None, :] - 2 * gram).clamp_(min=0)
+    squared = gram.diagonal()
+    return (squared[:, None] + squared[None, :] - 2 * gram).clamp_(min=0)
 
 
 def _check_krum(k: int, f: int | None) -> int:
@@ -243,7 +313,10 @@ def multi_krum(f=None, m=None) -> Rule:
             _fail(f"m = {m} is too large for k = {k} clients per round and f = {assumed}: "
                   f"aggregator_options.m must be in [1, {k - assumed}]")
         order = krum_scores(updates, assumed).sort(stable=True).indices
-        return updates[order[:chosen]].mean(dim=0)
+        # weight 1 / m on the chosen rows and 0 on the others: no copy of the chosen rows
+        selected = updates.new_zeros(k)
+        selected[order[:chosen]] = 1.0
+        return _combine(_normalized(selected, updates), updates)
 
     return rule
 
@@ -264,8 +337,9 @@ def geometric_median(eps=1e-6, tol=1e-5, max_iter=100) -> Rule:
     times its norm, or after ``max_iter`` iterations. (A test on the relative change of the
     objective, as in the paper's code, stops far too early when attackers send huge updates:
     their distances dominate the objective and hardly change while ``z`` is still travelling
-    towards the honest updates.) Each iteration is two passes over the ``[k, P]`` stack and
-    one host synchronization for the stopping test.
+    towards the honest updates.) Each iteration is two passes over the ``[k, P]`` stack (the
+    distances, in float64 column blocks, and the combination) and one host synchronization for
+    the stopping test.
     """
     eps = _positive("eps", eps)
     tol = _positive("tol", tol)
@@ -274,12 +348,11 @@ def geometric_median(eps=1e-6, tol=1e-5, max_iter=100) -> Rule:
 
     def rule(updates, weights):
         alpha = _normalized(weights, updates)
-        z = alpha @ updates
+        z = _combine(alpha, updates)
         for _ in range(max_iter):
-            distances = torch.linalg.vector_norm(updates - z, dim=1).clamp_(min=eps)
-            beta = alpha / distances
-            previous, z = z, (beta / beta.sum()) @ updates
-            if torch.linalg.vector_norm(z - previous) <= tol * torch.linalg.vector_norm(z):
+            beta = alpha / _norms(updates, z).clamp_(min=eps)  # float64: no overflow
+            previous, z = z, _combine(beta / beta.sum(), updates)
+            if _norms(z[None], previous) <= tol * _norms(z[None]):
                 break
         return z
 

@@ -13,6 +13,7 @@ from fedsim import aggregation
 from fedsim.errors import ConfigError
 
 RULES = ["fedavg", "mean", "median", "trimmed_mean", "krum", "multi_krum", "geometric_median", "norm_clip"]
+U32 = 2.0**-24  # float32 unit roundoff
 
 
 # ----------------------------------------------------------------------------- references
@@ -83,6 +84,19 @@ def run(name, u, w, **options):
     return out.numpy()
 
 
+def rounding_bound(roundings, magnitude):
+    """Twice the worst-case error of a float32 result reached through ``roundings`` roundings,
+    in any order, each of a partial result no larger than ``magnitude`` (for a mean with
+    weights >= 0, the same mean of the absolute values): the factor 2 covers second-order
+    terms and the float64 reference. It holds for any summation order, BLAS or SIMD width."""
+    return 2 * roundings * U32 * magnitude
+
+
+def assert_within(got, expected, bound):
+    error = np.abs(np.asarray(got, dtype=np.float64) - expected)
+    assert np.all(error <= bound), f"error / bound up to {np.max(error / bound):.3g}, error {np.max(error):.3g}"
+
+
 # ----------------------------------------------------------------------------- against the references
 
 
@@ -90,9 +104,12 @@ def run(name, u, w, **options):
 def test_fedavg_mean_and_median_match_references(k):
     u, w = random_stack(k, 41, seed=k)
     u64 = u.astype(np.float64)
-    np.testing.assert_allclose(run("fedavg", u, w), ref_weighted_mean(u64, w), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(run("mean", u, w), u64.mean(axis=0), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(run("median", u, w), ref_median(u64), rtol=1e-6, atol=1e-7)
+    # k - 1 additions, one rounding per product and one per normalized weight (or for 1 / k)
+    assert_within(run("fedavg", u, w), ref_weighted_mean(u64, w),
+                  rounding_bound(k + 1, ref_weighted_mean(abs(u64), w)))
+    assert_within(run("mean", u, w), u64.mean(axis=0), rounding_bound(k + 1, abs(u64).mean(axis=0)))
+    # halving is exact, so a / 2 + b / 2 is (a + b) / 2 rounded once: the float64 value rounded
+    np.testing.assert_array_equal(run("median", u, w), ref_median(u64).astype(np.float32))
 
 
 def test_median_of_an_even_count_is_the_mean_of_the_two_middle_values():
@@ -103,8 +120,10 @@ def test_median_of_an_even_count_is_the_mean_of_the_two_middle_values():
 @pytest.mark.parametrize("k,beta", [(1, 0.4), (5, 0.0), (5, 0.2), (10, 0.1), (10, 0.3), (10, 0.49), (100, 0.29)])
 def test_trimmed_mean_matches_reference(k, beta):
     u, w = random_stack(k, 13, seed=k)
-    np.testing.assert_allclose(run("trimmed_mean", u, w, beta=beta), ref_trimmed_mean(u.astype(np.float64), beta),
-                               rtol=1e-5, atol=1e-6)
+    drop = math.floor(Fraction(str(beta)) * k)
+    kept = np.sort(u.astype(np.float64), axis=0)[drop:k - drop]  # sorting is exact: only the mean rounds
+    assert_within(run("trimmed_mean", u, w, beta=beta), ref_trimmed_mean(u.astype(np.float64), beta),
+                  rounding_bound(len(kept) + 1, abs(kept).mean(axis=0)))
 
 
 def test_trimmed_mean_rounds_the_count_down():
@@ -118,15 +137,18 @@ def test_krum_and_multi_krum_match_references(k, f):
     u, w = random_stack(k, 29, seed=10 + k)
     u64 = u.astype(np.float64)
     np.testing.assert_array_equal(run("krum", u, w, f=f), ref_krum(u64, f).astype(np.float32))
+    # the mean of m of the rows (the others weigh 0 and add exactly 0): m + 1 roundings of values <= max |u|
     for m in range(1, k - f + 1):
-        np.testing.assert_allclose(run("multi_krum", u, w, f=f, m=m), ref_multi_krum(u64, f, m), rtol=1e-5, atol=1e-6)
+        assert_within(run("multi_krum", u, w, f=f, m=m), ref_multi_krum(u64, f, m),
+                      rounding_bound(m + 1, abs(u64).max(axis=0)))
 
 
 def test_krum_defaults_to_the_largest_f_and_multi_krum_to_k_minus_f():
     u, w = random_stack(10, 7, seed=4)
     u64 = u.astype(np.float64)
     np.testing.assert_array_equal(run("krum", u, w), ref_krum(u64, 3).astype(np.float32))
-    np.testing.assert_allclose(run("multi_krum", u, w), ref_multi_krum(u64, 3, 7), rtol=1e-5, atol=1e-6)
+    assert_within(run("multi_krum", u, w), ref_multi_krum(u64, 3, 7),
+                  rounding_bound(7 + 1, abs(u64).max(axis=0)))
 
 
 def test_krum_ties_go_to_the_lower_row():
@@ -143,40 +165,63 @@ def test_krum_ties_go_to_the_lower_row():
 def test_geometric_median_matches_a_float64_weiszfeld(k):
     u, w = random_stack(k, 17, seed=20 + k)
     got = run("geometric_median", u, w, tol=1e-9, max_iter=500)
+    # a Weiszfeld step computes distances and weights in float64 (relative error < 1e-15) and rounds
+    # each weight once to float32, after the float32 rounding of the sample weight: 2 roundings, then
+    # one per product and k - 1 additions: k + 2 <= 13 roundings of values <= max |u| = 3.1: 2.4e-6.
+    # Near the fixed point the float64 iteration contracts by <= 0.45 a step for these k, so the fixed
+    # points are <= 2.4e-6 / 0.55 = 4.4e-6 apart; atol twice that.
     np.testing.assert_allclose(got, ref_geometric_median(u.astype(np.float64), w.astype(np.float64)),
-                               rtol=1e-4, atol=1e-4)
+                               rtol=0, atol=9e-6)
 
 
 def test_geometric_median_in_one_dimension_is_the_weighted_median():
     u = np.array([[0.0], [1.0], [10.0], [-3.0], [2.0]], dtype=np.float32)
     weights = [1, 3, 1, 1, 1]  # the weighted median is 1.0: weight 3 of 7 at it, 2 below, 2 above
-    assert run("geometric_median", u, weights, tol=1e-12, max_iter=10_000)[0] == pytest.approx(1.0, abs=1e-3)
+    # with eps = 1e-6 the smoothed objective is flat on [1 - eps, 1 + eps] (the term of 1.0 is
+    # constant there, the others balance 2 against 2): any point there, plus a float32 ulp, is right
+    got = run("geometric_median", u, weights, eps=1e-6, tol=1e-12, max_iter=10_000)[0]
+    assert got == pytest.approx(1.0, abs=1e-6 + 2.0**-23)
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 3.0, 100.0])
 def test_norm_clip_matches_reference(max_norm):
     u, w = random_stack(7, 9, seed=3)
-    np.testing.assert_allclose(run("norm_clip", u, w, max_norm=max_norm),
-                               ref_norm_clip(u.astype(np.float64), w, max_norm), rtol=1e-5, atol=1e-6)
+    u64 = u.astype(np.float64)
+    # the norms and scales are float64 (relative error < 1e-15); the float32 weight rounds once, its
+    # product with the scale once more (to float32), each product with u once, then k - 1 additions:
+    # k + 2 roundings of terms <= the clipped |u|
+    assert_within(run("norm_clip", u, w, max_norm=max_norm), ref_norm_clip(u64, w, max_norm),
+                  rounding_bound(7 + 2, ref_norm_clip(abs(u64), w, max_norm)))
 
 
 def test_norm_clip_defaults_to_the_median_norm_and_keeps_zero_updates():
     u = np.zeros((4, 3), dtype=np.float32)
     u[1], u[2], u[3] = [3, 4, 0], [0, 0, 1], [0, 30, 40]  # norms 0, 5, 1, 50: median (1 + 5) / 2 = 3
     expected = ref_norm_clip(u[1:].astype(np.float64), [1, 1, 1], 3.0) * 3 / 4  # the zero row adds nothing
-    np.testing.assert_allclose(run("norm_clip", u, [1, 1, 1, 1]), expected, rtol=1e-6)
+    # exact norms and median, weight 1/4 exact, terms >= 0: the scale times the weight (float64, rounded
+    # to float32), the product and 3 additions round 5 times
+    np.testing.assert_allclose(run("norm_clip", u, [1, 1, 1, 1]), expected, rtol=2 * 5 * U32)
+
+
+def test_norm_clip_with_mostly_zero_updates_clips_to_zero():
+    # median norm 0: the nonzero update is clipped to norm 0, and the zero ones stay zero (not 0 / 0)
+    u = np.zeros((3, 4), dtype=np.float32)
+    u[0] = 1.0
+    np.testing.assert_array_equal(run("norm_clip", u, [1, 1, 1]), np.zeros(4, dtype=np.float32))
 
 
 @pytest.mark.parametrize("name", ["fedavg", "mean", "median", "trimmed_mean", "geometric_median", "norm_clip"])
 def test_one_client_gives_its_own_update(name):
     u = np.array([[0.5, -2.0, 7.0]], dtype=np.float32)
-    np.testing.assert_allclose(run(name, u, [3]), u[0], rtol=1e-6)
+    # exact: the weight normalizes to 1, the median of one value is x / 2 + x / 2, the norm ratio is 1
+    np.testing.assert_array_equal(run(name, u, [3]), u[0])
 
 
 @pytest.mark.parametrize("name", RULES)
 def test_integer_and_float_weights_agree(name):
     u, w = random_stack(9, 11, seed=5)
-    np.testing.assert_allclose(run(name, u, w), run(name, u, w.astype(np.float32)), rtol=1e-6, atol=1e-7)
+    # counts < 2^24 convert exactly, so both runs do the same float32 arithmetic
+    np.testing.assert_array_equal(run(name, u, w), run(name, u, w.astype(np.float32)))
 
 
 # ----------------------------------------------------------------------------- robustness
@@ -201,18 +246,131 @@ def test_robust_rules_stay_near_the_honest_mean_and_the_mean_does_not():
     assert error("mean") > 1e5 * radius
 
 
+# ----------------------------------------------------------------------------- huge updates
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def huge_stacks():
+    """Finite float32 stacks near the float32 limit, where sums and squares overflow."""
+    rng = np.random.default_rng(11)
+    signs = rng.choice([-1.0, 1.0], size=(8, 6))
+    spread = (signs * rng.uniform(0.1, 3.4, size=(8, 6)) * 1e38).astype(np.float32)
+    one_huge = rng.normal(size=(7, 6)).astype(np.float32)
+    one_huge[3] = signs[0] * 3e38  # among rows of size ~1
+    # every value at the limit: a mean of 10 of them rounds past it (1/10 rounds up in float32)
+    limit = np.tile(np.array([1, -1, 1, 1, -1, -1], dtype=np.float32) * np.float32(FLOAT32_MAX), (10, 1))
+    return {"spread": spread, "one huge": one_huge, "limit": limit}
+
+
+def ref_geometric_median_magnitude(u, w, z, eps=1e-6):
+    """The Weiszfeld step's weighted mean of |u| at z: its terms' size, for a rounding bound."""
+    b = w / np.maximum(eps, np.sqrt(((u - z) ** 2).sum(axis=1)))
+    return b @ abs(u) / b.sum()
+
+
+@pytest.mark.parametrize("stack", ["spread", "one huge", "limit"])
+@pytest.mark.parametrize("name", RULES)
+def test_huge_updates_give_a_finite_aggregate(name, stack):
+    u = huge_stacks()[stack]
+    k = len(u)
+    w = np.random.default_rng(k).integers(1, 500, size=k)
+    u64, w64 = u.astype(np.float64), w.astype(np.float64)
+    options = {"tol": 1e-9, "max_iter": 500} if name == "geometric_median" else {}
+    got = run(name, u, w, **options)
+    assert np.all(np.isfinite(got)), got
+    # the references are in float64, where nothing here overflows; the bounds are the ones of the
+    # tests above, relative to the size of the values, so they hold at any scale
+    if name == "fedavg":
+        assert_within(got, ref_weighted_mean(u64, w64), rounding_bound(k + 1, ref_weighted_mean(abs(u64), w64)))
+    elif name == "mean":
+        assert_within(got, u64.mean(axis=0), rounding_bound(k + 1, abs(u64).mean(axis=0)))
+    elif name == "median":
+        np.testing.assert_array_equal(got, ref_median(u64).astype(np.float32))
+    elif name == "trimmed_mean":  # beta = 0.1 drops 0 of 7 or 8 values, 1 of 10 at each end
+        kept = np.sort(u64, axis=0)[k // 10:k - k // 10]
+        assert_within(got, ref_trimmed_mean(u64, 0.1), rounding_bound(len(kept) + 1, abs(kept).mean(axis=0)))
+    elif name in ("krum", "multi_krum") and stack == "one huge":
+        # squared_distances centres each column on its mean, which the huge row dominates: the honest
+        # rows' distances to each other (~1) drown in rounding errors of ~1e-16 P^2 (3e38 / k)^2 ~ 1e61,
+        # so Krum's choice among them is not the reference's. Only the exclusion of the huge row is
+        # checked here, and test_one_huge_update_does_not_move_the_robust_rules bounds the result.
+        honest = np.delete(u, 3, axis=0)
+        if name == "krum":
+            assert any(np.array_equal(got, row) for row in honest), got
+        else:
+            assert np.all(abs(got) <= abs(honest).max(axis=0)), got
+    elif name == "krum":
+        np.testing.assert_array_equal(got, ref_krum(u64, (k - 3) // 2).astype(np.float32))
+    elif name == "multi_krum":
+        f = (k - 3) // 2
+        assert_within(got, ref_multi_krum(u64, f, k - f), rounding_bound(k - f + 1, abs(u64).max(axis=0)))
+    elif name == "norm_clip":  # clipped to the median norm
+        bound = np.median(np.sqrt((u64 ** 2).sum(axis=1)))
+        assert_within(got, ref_norm_clip(u64, w64, bound),
+                      rounding_bound(k + 2, ref_norm_clip(abs(u64), w64, bound)))
+    elif name == "geometric_median":
+        # as in test_geometric_median_matches_a_float64_weiszfeld: a step rounds k + 2 times, relative
+        # to its terms (the huge row's weighs ~1e-38); near these fixed points the float64 iteration
+        # contracts by <= 0.49 a step (for the identical rows of "limit", it stays put)
+        expected = ref_geometric_median(u64, w64)
+        magnitude = ref_geometric_median_magnitude(u64, w64, expected)
+        assert_within(got, expected, rounding_bound(k + 2, magnitude) / (1 - 0.5))
+
+
+def test_one_huge_update_does_not_move_the_robust_rules():
+    u = huge_stacks()["one huge"]
+    honest = np.delete(u, 3, axis=0).astype(np.float64)
+    honest_mean = honest.mean(axis=0)
+    radius = max(np.linalg.norm(h - honest_mean) for h in honest)
+    for name in ["median", "trimmed_mean", "krum", "multi_krum", "geometric_median", "norm_clip"]:
+        options = {"beta": 0.2} if name == "trimmed_mean" else {}  # drops 1 of 7 at each end
+        assert np.linalg.norm(run(name, u, [100] * len(u), **options) - honest_mean) <= 2 * radius, name
+
+
 # ----------------------------------------------------------------------------- numerics and devices
 
 
 def test_squared_distances_are_accurate_for_close_updates_of_large_norm():
-    # ||a||^2 ~ 1e9 while ||a - b||^2 ~ 0.2: a float32 Gram matrix is off by ~100 here
+    # ||a||^2 ~ 3e9 while ||a - b||^2 ~ 0.6: without centring, a float64 Gram matrix is off by
+    # ~1e-6 relative even with correctly rounded sums (~1e-3 with MKL). p spans two of the
+    # function's column blocks. Bound, with n = p summed terms and u = 2^-53: the centred rows
+    # x_i are exact to u, and in any summation order |error of <x_i, x_j>| <= n u |x_i| |x_j|,
+    # so D_ij is off by <= n u (|x_i| + |x_j|)^2 ~ 1.5 n u D_ij (4 rows of isotropic noise of
+    # variance s^2: |x_i|^2 ~ 3/4 s^2 n, D_ij ~ 2 s^2 n). The reference sums n positive squares,
+    # each correct to 2u: <= (n + 2) u D_ij. Total ~2.5 n u = 8e-11; rtol 4 n u.
     rng = np.random.default_rng(0)
-    base = rng.normal(scale=100.0, size=100_000)
-    u = (base + 1e-3 * rng.normal(size=(4, 100_000))).astype(np.float32)
+    p = 300_000
+    base = rng.normal(scale=100.0, size=p)
+    u = (base + 1e-3 * rng.normal(size=(4, p))).astype(np.float32)
     u64 = u.astype(np.float64)
     expected = np.array([[np.sum((a - b) ** 2) for b in u64] for a in u64])
     got = aggregation.squared_distances(torch.from_numpy(u)).numpy()
-    np.testing.assert_allclose(got, expected, rtol=1e-4)
+    np.testing.assert_allclose(got, expected, rtol=4 * p * 2.0**-53, atol=0)  # the diagonal is exactly 0
+    as_float64 = torch.from_numpy(u64.copy())
+    np.testing.assert_allclose(aggregation.squared_distances(as_float64).numpy(), expected,
+                               rtol=4 * p * 2.0**-53, atol=0)
+    np.testing.assert_array_equal(as_float64.numpy(), u64)  # the input is not centred in place
+
+
+def test_one_huge_update_does_not_blur_the_distances_between_the_others():
+    # the rows are moved by a centre among them before the Gram product; a plain mean would sit
+    # ~1e29 away from the honest rows here, and their distances (~0.6) would vanish in the
+    # cancellation. With the outlier left out of the centre, the honest block keeps the bound
+    # of the test above; the outlier's own distances (~1e65) are exact to float64's n u.
+    rng = np.random.default_rng(1)
+    p = 300_000
+    base = rng.normal(scale=100.0, size=p)
+    honest = base + 1e-3 * rng.normal(size=(5, p))
+    u = np.concatenate([honest, 1e30 * rng.normal(size=(1, p))]).astype(np.float32)
+    u64 = u.astype(np.float64)
+    expected = np.array([[np.sum((a - b) ** 2) for b in u64] for a in u64])
+    got = aggregation.squared_distances(torch.from_numpy(u)).numpy()
+    np.testing.assert_allclose(got, expected, rtol=4 * p * 2.0**-53, atol=0)
+    # so Krum (f = 1) picks the honest row that is really closest to its k - f - 2 neighbours
+    scores = np.sort(expected + np.diag([np.inf] * 6), axis=1)[:, :3].sum(axis=1)
+    np.testing.assert_array_equal(run("krum", u, [1] * 6, f=1), u[np.argmin(scores)])
 
 
 @pytest.mark.cuda
@@ -246,6 +404,14 @@ def test_cuda_matches_cpu(name):
     ("norm_clip", {"max_norm": -2.0}, 9, ["max_norm", "> 0"]),
     ("geometric_median", {"max_iter": 0}, 9, ["max_iter", ">= 1"]),
     ("geometric_median", {"eps": 0.0}, 9, ["eps", "> 0"]),
+    # the float32 engine's range: overflowing, subnormal, infinite, NaN or huge-int values
+    ("geometric_median", {"eps": 1e39}, 9, ["eps", "float32", "3.4e+38", "got 1e+39"]),
+    ("geometric_median", {"tol": 1e-39}, 9, ["tol", "float32", "1.18e-38", "got 1e-39"]),
+    ("geometric_median", {"tol": math.nan}, 9, ["tol", "> 0", "got nan"]),
+    ("geometric_median", {"eps": "small"}, 9, ["eps", "> 0", "got 'small'"]),
+    ("norm_clip", {"max_norm": 1e-45}, 9, ["max_norm", "1.18e-38", "got 1e-45"]),
+    ("norm_clip", {"max_norm": math.inf}, 9, ["max_norm", "3.4e+38", "got inf"]),
+    ("norm_clip", {"max_norm": 10**39}, 9, ["max_norm", "3.4e+38", "got 1" + "0" * 39]),
     ("trimmed_mean", {"bet": 0.1}, 9, ["'bet'", "it takes: beta"]),
     ("mean", {"beta": 0.1}, 9, ["'beta'", "no options"]),
 ])
@@ -257,6 +423,22 @@ def test_invalid_options_give_one_line_errors(name, options, k, words):
     assert message.startswith("aggregator_options: ") and "\n" not in message, message
     for word in words:
         assert word in message, message
+
+
+def test_options_at_the_float32_bounds_are_accepted():
+    tiny, huge = float(np.finfo(np.float32).tiny), FLOAT32_MAX
+    u, w = random_stack(5, 4, seed=1)
+    u64 = u.astype(np.float64)
+    # a bound above every norm clips nothing: the weighted mean, with the k + 2 roundings of
+    # test_norm_clip_matches_reference
+    assert_within(run("norm_clip", u, w, max_norm=huge), ref_weighted_mean(u64, w),
+                  rounding_bound(5 + 2, ref_weighted_mean(abs(u64), w)))
+    for eps, tol in [(tiny, tiny), (huge, huge)]:
+        assert np.all(np.isfinite(run("geometric_median", u, w, eps=eps, tol=tol))), (eps, tol)
+    # eps above every distance weighs the updates as the sample counts: the weighted mean again, after
+    # one step that stops the iteration (k + 2 roundings, as in the float64 Weiszfeld test)
+    assert_within(run("geometric_median", u, w, eps=huge), ref_weighted_mean(u64, w),
+                  rounding_bound(5 + 2, ref_weighted_mean(abs(u64), w)))
 
 
 def test_config_validation_reports_k_dependent_options():
