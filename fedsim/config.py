@@ -6,8 +6,10 @@ key and what is allowed, in one line.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -18,7 +20,7 @@ from typing import Any, Optional
 
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, FedsimError
 
 
 def default_data_root() -> str:
@@ -115,26 +117,105 @@ def load_config(source: "str | os.PathLike | dict | Config" = None, overrides=No
     elif isinstance(source, Config):
         raw = source.to_dict()
     elif isinstance(source, dict):
-        raw = _deep_copy(source)
+        raw = copy.deepcopy(source)
     else:
         origin = str(source)
         raw = _read_yaml(Path(source))
-    from_overrides = apply_overrides(raw, overrides or {})
+    from_overrides = apply_overrides(raw, overrides or {}, origin)
     cfg = _build(Config, raw, "", origin, from_overrides)
     validate(cfg, origin, from_overrides)
+    cfg.origin = (origin, frozenset(from_overrides))  # for errors found later (see locate)
     return cfg
 
 
-def _deep_copy(value):
-    if isinstance(value, dict):
-        return {k: _deep_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_deep_copy(v) for v in value]
-    return value
+MAX_FILE_BYTES = 1 << 20  # an experiment file is a few hundred bytes; anything near this is not one
+MAX_NODES = 10_000  # values in a document once its aliases are expanded
+MAX_DEPTH = 32  # nesting of mappings and lists
+
+
+class RefusedYAML(yaml.MarkedYAMLError):
+    """Well-formed YAML that fedsim will not read: too deep, too large, or a key given twice."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, bounded: a few hundred bytes of aliases can expand into millions of
+    values (which every later copy, dump or error message would then pay for), and deep nesting
+    exhausts Python's recursion limit. Documents beyond MAX_DEPTH or MAX_NODES are refused, and
+    so is a key given twice in one mapping, which PyYAML would silently resolve to the last."""
+
+    def compose_node(self, parent, index):
+        depth = getattr(self, "_depth", 0)
+        if depth >= MAX_DEPTH:
+            raise RefusedYAML(problem=f"nested more than {MAX_DEPTH} levels deep",
+                              problem_mark=self.peek_event().start_mark)
+        self._depth = depth + 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth = depth
+
+    def construct_document(self, node):
+        if _expanded_size(node) > MAX_NODES:
+            raise RefusedYAML(problem=f"expands into more than {MAX_NODES:,} values (aliases included)",
+                              problem_mark=node.start_mark)
+        return super().construct_document(node)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *defaults` merges keys that the mapping may then override
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise RefusedYAML(problem=f"key {_cut(repr(key))} given twice in one mapping",
+                                      problem_mark=key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+# YAML 1.1 (PyYAML) reads 1e-3 as text; YAML 1.2 and every user read it as the number it means
+_BoundedLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$"),
+                                     list("-+0123456789"))
+
+
+def _expanded_size(root) -> int:
+    """Nodes of the document with every alias expanded; a recursive alias counts as unbounded.
+    Iterative and memoized by node, so neither a long alias chain nor a wide one is costly."""
+    size: dict[int, int] = {}
+    stack = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in size and not children_done:
+            continue
+        children = _children(node)
+        if children_done:
+            size[id(node)] = min(1 + sum(size.get(id(c), MAX_NODES + 1) for c in children), MAX_NODES + 1)
+            continue
+        size[id(node)] = MAX_NODES + 1  # in progress: a cycle back to it counts as too large
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in size)
+    return size[id(root)]
+
+
+def _children(node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def parse_yaml(text: str):
+    """``yaml.safe_load`` within the bounds of ``_BoundedLoader``."""
+    return yaml.load(text, Loader=_BoundedLoader)
 
 
 def _read_yaml(path: Path) -> dict:
     try:
+        if path.is_file() and path.stat().st_size > MAX_FILE_BYTES:
+            raise ConfigError(f"{path}: {path.stat().st_size:,} bytes is too large for an experiment file "
+                              f"(at most {MAX_FILE_BYTES:,})")
         text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
@@ -143,13 +224,14 @@ def _read_yaml(path: Path) -> dict:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = parse_yaml(text)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown line"
-        raise ConfigError(f"{path}: YAML syntax error at {where}: {e.problem or e.context}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: YAML error: {e}") from None
+        kind = "refused" if isinstance(e, RefusedYAML) else "syntax error"
+        raise ConfigError(f"{path}: YAML {kind} at {where}: {e.problem or e.context}") from None
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer of more digits than Python converts
+        raise ConfigError(f"{path}: YAML error: {_cut(' '.join(str(e).split()), 200)}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -158,30 +240,44 @@ def _read_yaml(path: Path) -> dict:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """'local.lr=0.1' -> ('local.lr', 0.1); the value is read as a YAML scalar."""
+    """'local.lr=0.1' -> ('local.lr', 0.1); the value is read as YAML (text that is not YAML
+    stays text)."""
     key, sep, value = text.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ConfigError(f"--set {text}: expected dotted.key=value, e.g. --set local.lr=0.05")
+        raise ConfigError(f"--set {_cut(text)}: expected dotted.key=value, e.g. --set local.lr=0.05")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = parse_yaml(value) if value.strip() else None
+    except RefusedYAML as e:
+        raise ConfigError(f"--set {key}: YAML refused: {e.problem}") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise ConfigError(f"--set {key}: {_cut(str(e))}") from None
     except yaml.YAMLError:
         parsed = value
     return key, parsed
 
 
-def apply_overrides(raw: dict, overrides) -> set[str]:
-    """Write overrides into the raw dict in place; return the dotted keys they set."""
+def apply_overrides(raw: dict, overrides, origin: str = "config") -> set[str]:
+    """Write overrides into the raw dict in place; return the dotted keys they set.
+
+    A dotted key reaches into a section (``local.lr``) or an option mapping
+    (``aggregator_options.beta``); a section that holds something other than a mapping is
+    an error, never silently replaced (an empty one, ``local:``, counts as no keys)."""
     if isinstance(overrides, dict):
         items = list(_flatten(overrides))
     else:
-        items = [parse_override(o) for o in overrides]
+        items = [parse_override(o) for o in ([overrides] if isinstance(overrides, str) else overrides)]
     for key, value in items:
         node = raw
         parts = key.split(".")
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
+        for depth, part in enumerate(parts[:-1]):
+            if node.get(part) is None:
                 node[part] = {}
+            elif not isinstance(node[part], dict):
+                section = ".".join(parts[:depth + 1])
+                where = "--set" if section in {k for k, _ in items} else f"{origin}:"
+                raise ConfigError(f"{where} {section}: expected a mapping of keys (for --set {key}), "
+                                  f"got {_shown(node[part])}")
             node = node[part]
         node[parts[-1]] = value
     return {key for key, _ in items}
@@ -198,14 +294,40 @@ def _flatten(d: dict, prefix: str = ""):
             yield dotted, value
 
 
+def _cut(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _shown(value) -> str:
+    """A value for an error message: its type and repr, cut short (it may be huge)."""
+    return f"{type(value).__name__} {_cut(repr(value))}"
+
+
 _SECTIONS = {f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)}
+_KEYS = {f.name for f in dataclasses.fields(Config)} | {
+    f"{section}.{f.name}" for section in _SECTIONS for f in dataclasses.fields(getattr(Config(), section))}
 
 
 # ----------------------------------------------------------------------------- typing
 
 
 def _where(origin: str, key: str, from_overrides: set[str]) -> str:
-    return f"--set {key}" if key in from_overrides else f"{origin}: {key}"
+    """Where a key's value came from: ``--set key`` (also when --set gave one of its sub-keys,
+    such as aggregator_options.beta), or ``FILE: key``."""
+    overridden = key in from_overrides or any(k.startswith(key + ".") for k in from_overrides)
+    return f"--set {key}" if overridden else f"{origin}: {key}"
+
+
+def locate(cfg: Config, error: FedsimError) -> FedsimError:
+    """An error found after loading (when the data is split, say) that names a key, named as
+    validation names it: with the file, or the --set, that gave the value."""
+    origin, overrides = getattr(cfg, "origin", ("config", frozenset()))
+    key, sep, rest = str(error).partition(": ")
+    if not sep or key not in _KEYS:
+        return error
+    located = copy.copy(error)
+    located.args = (f"{_where(origin, key, overrides)}: {rest}",)
+    return located
 
 
 def _build(cls, raw: dict, prefix: str, origin: str, from_overrides: set[str]):
@@ -217,11 +339,14 @@ def _build(cls, raw: dict, prefix: str, origin: str, from_overrides: set[str]):
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
-            raise ConfigError(f"{_where(origin, dotted, from_overrides)}: unknown key{hint}")
+            raise ConfigError(f"{_where(origin, _cut(dotted), from_overrides)}: unknown key{hint}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
+            if value is None:  # `local:` with every key commented out
+                value = {}
             if not isinstance(value, dict):
-                raise ConfigError(f"{_where(origin, dotted, from_overrides)}: expected a mapping of keys")
+                raise ConfigError(f"{_where(origin, dotted, from_overrides)}: expected a mapping of keys, "
+                                  f"got {_shown(value)}")
             kwargs[key] = _build(hint, value, dotted + ".", origin, from_overrides)
         else:
             kwargs[key] = _coerce(value, hint, _where(origin, dotted, from_overrides))
@@ -229,6 +354,13 @@ def _build(cls, raw: dict, prefix: str, origin: str, from_overrides: set[str]):
 
 
 _TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}
+# Integers become int64 tensors and seeds, floats float32 tensor values: beyond these the
+# engine cannot represent a value, so validation refuses it rather than a later traceback.
+MAX_INT = 2**63 - 1
+MAX_FLOAT = float(3.4e38)
+MIN_FLOAT = float(1.18e-38)  # smaller magnitudes are float32 subnormals: an lr of 1e-45 would be 0
+MAX_TIMEOUT = 1_000_000  # seconds
+MAX_CLIENTS = 100_000_000
 
 
 def _coerce(value, hint, where: str):
@@ -240,11 +372,6 @@ def _coerce(value, hint, where: str):
         if optional:
             return None
         raise ConfigError(f"{where}: expected {_TYPE_WORDS[hint]}, got null")
-    if hint is float and isinstance(value, str):
-        try:  # YAML 1.1 reads 1e-3 as a string; accept it as the number it means
-            return float(value)
-        except ValueError:
-            pass
     ok = {
         int: isinstance(value, int) and not isinstance(value, bool),
         float: isinstance(value, (int, float)) and not isinstance(value, bool),
@@ -253,14 +380,23 @@ def _coerce(value, hint, where: str):
         dict: isinstance(value, dict),
     }[hint]
     if not ok:
-        got = "null" if value is None else f"{type(value).__name__} {value!r}"
-        raise ConfigError(f"{where}: expected {_TYPE_WORDS[hint]}, got {got}")
-    return float(value) if hint is float else value
+        raise ConfigError(f"{where}: expected {_TYPE_WORDS[hint]}, got {_shown(value)}")
+    if hint is int and abs(value) > MAX_INT:
+        raise ConfigError(f"{where}: must be within ±(2^63 - 1), the 64-bit integers the engine computes "
+                          f"with; got a {value.bit_length()}-bit integer")
+    if hint is float:
+        value = float(value)
+        if not math.isfinite(value) or abs(value) > MAX_FLOAT or 0 < abs(value) < MIN_FLOAT:
+            raise ConfigError(f"{where}: must be a finite number within ±3.4e38 (float32), and 0 or at least "
+                              f"1.2e-38 in size, got {value}")
+    if hint is str and ("\0" in value or len(value) > 1000):
+        raise ConfigError(f"{where}: must be text of at most 1,000 characters without NUL bytes")
+    return value
 
 
 # ----------------------------------------------------------------------------- validation
 
-_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def validate(cfg: Config, origin: str = "config", from_overrides: set[str] = frozenset()) -> None:
@@ -276,18 +412,22 @@ def validate(cfg: Config, origin: str = "config", from_overrides: set[str] = fro
 
     def choice(key, value, table):
         if value not in table:
-            fail(key, f"unknown {table.kind} '{value}'; choose one of: {', '.join(table.names())}")
+            fail(key, f"unknown {table.kind} {_cut(repr(value))}; choose one of: {', '.join(table.names())}")
 
     def one_of(key, value, allowed):
         if value not in allowed:
-            fail(key, f"must be one of {', '.join(allowed)}, got '{value}'")
+            fail(key, f"must be one of {', '.join(allowed)}, got {_cut(repr(value))}")
 
     d, loc = cfg.data, cfg.local
-    if not _DEVICE.match(cfg.device):
-        fail("device", f"must be auto, cpu, cuda or cuda:N, got '{cfg.device}'")
+    if not cfg.name.strip() or any(ord(ch) < 32 or ord(ch) == 127 for ch in cfg.name):
+        fail("name", f"must be a non-empty name without control characters, got {_shown(cfg.name)}")
+    if not _DEVICE.fullmatch(cfg.device):
+        fail("device", f"must be auto, cpu, cuda or cuda:N, got {_cut(repr(cfg.device))}")
     at_least("seed", cfg.seed, 0)
     at_least("rounds", cfg.rounds, 1)
     at_least("data.num_clients", d.num_clients, 1)
+    if d.num_clients > MAX_CLIENTS:  # the engine keeps per-client tensors (attackers, SCAFFOLD's c_i)
+        fail("data.num_clients", f"must be at most {MAX_CLIENTS:,}, got {d.num_clients:,}")
     at_least("clients_per_round", cfg.clients_per_round, 1)
     if cfg.clients_per_round > d.num_clients:
         fail("clients_per_round", f"must be <= data.num_clients ({d.num_clients}), got {cfg.clients_per_round}")
@@ -305,10 +445,18 @@ def validate(cfg: Config, origin: str = "config", from_overrides: set[str] = fro
     at_least("checkpoint_every", cfg.checkpoint_every, 0)
     if cfg.stop_at_accuracy is not None and not 0 < cfg.stop_at_accuracy <= 1:
         fail("stop_at_accuracy", f"must be a fraction in (0, 1], got {cfg.stop_at_accuracy}")
-    if cfg.worker_timeout is not None and cfg.worker_timeout <= 0:
-        fail("worker_timeout", f"must be > 0 seconds, got {cfg.worker_timeout}")
+    if cfg.worker_timeout is not None and not 0 < cfg.worker_timeout <= MAX_TIMEOUT:
+        fail("worker_timeout", f"must be > 0 and at most {MAX_TIMEOUT:,} seconds (waits are counted in "
+                               f"milliseconds of a C int), got {cfg.worker_timeout}")
     if d.limit is not None and d.limit < d.num_clients:
         fail("data.limit", f"must be >= data.num_clients ({d.num_clients}) so every client gets data, got {d.limit}")
+    if d.alpha <= 0:
+        fail("data.alpha", f"must be > 0, got {d.alpha}")
+    at_least("data.sigma", d.sigma, 0)
+    at_least("data.min_samples", d.min_samples, 0)
+    at_least("data.shards_per_client", d.shards_per_client, 1)
+    at_least("data.classes_per_client", d.classes_per_client, 1)
+    one_of("data.quantity_skew", d.quantity_skew, ("lognormal", "dirichlet"))
     at_least("local.epochs", loc.epochs, 1)
     at_least("local.batch_size", loc.batch_size, 1)
     if loc.lr <= 0:
@@ -322,8 +470,8 @@ def validate(cfg: Config, origin: str = "config", from_overrides: set[str] = fro
     for key in ("server_momentum", "server_beta1", "server_beta2"):
         if not 0 <= getattr(cfg, key) < 1:
             fail(key, f"must be in [0, 1), got {getattr(cfg, key)}")
-    if cfg.server_tau <= 0:
-        fail("server_tau", f"must be > 0, got {cfg.server_tau}")
+    if not 0 < cfg.server_tau <= 1e18:
+        fail("server_tau", f"must be > 0 and at most 1e18 (its square must fit in float32), got {cfg.server_tau}")
     if not 0 <= cfg.attack.fraction < 1:
         fail("attack.fraction", f"must be in [0, 1), got {cfg.attack.fraction}")
     one_of("backend", cfg.backend, ("process", "vmap"))
@@ -355,4 +503,6 @@ def work_items(cfg: Config) -> int:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    from .results import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

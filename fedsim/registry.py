@@ -23,7 +23,7 @@ class Registry:
 
     def get(self, name: str):
         if name not in self._entries:
-            raise ConfigError(f"unknown {self.kind} '{name}'; choose one of: {', '.join(self.names())}")
+            raise ConfigError(f"unknown {self.kind} {name!r}; choose one of: {', '.join(self.names())}")
         return self._entries[name][0]
 
     def names(self) -> list[str]:

@@ -64,3 +64,18 @@ def test_bad_values_are_rejected_in_one_line(tmp_path, text, message):
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, text))
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_numbers_in_exponent_form_are_numbers_everywhere():
+    # YAML 1.1 reads 1e-3 as text; in a file, in --set and inside option mappings it is a number
+    cfg = load_config({}, ["local.lr=1e-3", "aggregator=norm_clip", "aggregator_options.max_norm=2E1"])
+    assert cfg.local.lr == 0.001 and cfg.aggregator_options == {"max_norm": 20.0}
+
+
+def test_one_override_may_be_given_as_a_string():
+    assert load_config({}, "rounds=4").rounds == 4
+
+
+def test_an_empty_section_is_no_keys(tmp_path):
+    cfg = load_config(write(tmp_path, "rounds: 2\nlocal:\n  # lr: 0.1\n"), ["local.epochs=3"])
+    assert cfg.local.epochs == 3 and cfg.local.lr == 0.01
