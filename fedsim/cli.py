@@ -8,68 +8,72 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
-
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread so that the run unwinds and cleans up."""
-
-
-def _install_signal_handlers() -> None:
-    from .workers import kill_all_pools
-
-    def at_once(signum, frame):
-        kill_all_pools()
-        os._exit(128 + signum)
-
-    def first(signum, frame):
-        signal.signal(signal.SIGINT, at_once)
-        signal.signal(signal.SIGTERM, at_once)
-        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
-
-    signal.signal(signal.SIGINT, first)
-    signal.signal(signal.SIGTERM, first)
+from .interrupts import Terminated, install_handlers
 
 
 def cmd_run(args) -> int:
     from .config import load_config
+    from .errors import DataError, FedsimError
+    from .progress import write_or_silence
     from .results import RunDirectory
     from .server import resume_run, start_run
 
     if args.resume:
         if args.config:
-            args.parser.error("give either an experiment FILE or --resume RUN_DIR, not both")
+            raise FedsimError("give either an experiment FILE or --resume RUN_DIR, not both")
+        if args.out or args.overwrite:
+            raise FedsimError(f"--{'out' if args.out else 'overwrite'} does not apply to --resume: a run "
+                              f"continues in its own directory")
         path = args.resume
         runner = lambda: resume_run(args.resume, args.set, quiet=args.quiet, progress=args.progress)  # noqa: E731
     else:
         if not args.config:
-            args.parser.error("missing the experiment FILE (or --resume RUN_DIR)")
+            raise FedsimError("missing the experiment FILE (or --resume RUN_DIR)")
         cfg = load_config(args.config, args.set)
         path = RunDirectory.target(args.out, cfg.name, args.overwrite)
         runner = lambda: start_run(cfg, out=path, overwrite=args.overwrite, quiet=args.quiet,  # noqa: E731
                                    progress=args.progress)
-    _install_signal_handlers()
+    install_handlers()
     try:
         history = runner()
     except (KeyboardInterrupt, Terminated) as e:
         print(f"fedsim: {_interrupted_message(path)}", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 143
+    except DataError as e:
+        if e.missing and not args.resume:  # offer what works at once, without the files
+            limit = " --set data.limit=null" if cfg.data.limit else ""
+            raise DataError(f"{e}; or try it now on generated data: fedsim run {args.config} "
+                            f"--set data.dataset=synthetic{limit}") from None
+        raise
     summary = history.summary
     if summary.get("final_test_accuracy") is not None:
-        print(f"final test accuracy {summary['final_test_accuracy']:.4f} after round {summary['rounds']} "
-              f"({summary['wall_seconds']:.1f} s); results in {history.run_dir}")
+        write_or_silence(sys.stdout, f"final test accuracy {summary['final_test_accuracy']:.4f} after round "
+                                     f"{summary['rounds']} ({summary['wall_seconds']:.1f} s); results in "
+                                     f"{history.run_dir}\n")
     return 0
 
 
 def _interrupted_message(path) -> str:
-    import json
+    """What an interrupted run left on disk, read from the disk itself."""
     from pathlib import Path
 
-    summary_file = Path(path) / "summary.json"
-    if not summary_file.is_file():
+    from .errors import FedsimError
+    from .results import load_run
+
+    path = Path(path)
+    if not path.is_dir() or not any(path.iterdir()):
         return "interrupted during start-up; nothing was written"
-    checkpoint = json.loads(summary_file.read_text()).get("checkpoint_round")
+    try:
+        history = load_run(path)
+    except FedsimError:
+        return f"interrupted during start-up; what was written is in {path}"
+    status, checkpoint = history.summary.get("status"), history.summary.get("checkpoint_round")
+    if status == "finished":
+        return f"interrupted after the run finished; its results are in {path}"
+    if not history.summary:
+        return f"interrupted during start-up; {path} holds its config and no rounds yet"
     if not checkpoint:
         return f"interrupted before the first checkpoint; what was written is in {path}"
     return (f"interrupted; metrics so far and the checkpoint of round {checkpoint} are in {path}; "
@@ -90,12 +94,18 @@ def cmd_list(args) -> int:
 def cmd_partition(args) -> int:
     from pathlib import Path
 
-    from .config import load_config
+    from .config import load_config, locate
     from .data.report import write_report
+    from .errors import FedsimError
+    from .results import check_output_path, safe_dir_name
 
     cfg = load_config(args.config, args.set)
-    out = Path(args.out) if args.out else Path("runs") / f"{cfg.name}-partition"
-    report = write_report(cfg, out)
+    out = Path(args.out) if args.out else Path("runs") / f"{safe_dir_name(cfg.name)}-partition"
+    check_output_path(out)
+    try:
+        report = write_report(cfg, out)
+    except FedsimError as e:
+        raise locate(cfg, e) from None
     print(report["summary"])
     print(f"wrote {out / 'partition.json'} and {out / 'partition.png'}")
     return 0
@@ -112,11 +122,12 @@ def cmd_plot(args) -> int:
 
 
 def cmd_sweep(args) -> int:
+    from .errors import FedsimError
     from .sweep import sweep
 
     if not args.grid:
-        args.parser.error("give at least one --grid KEY=V1,V2,...")
-    _install_signal_handlers()
+        raise FedsimError("give at least one --grid KEY=V1,V2,..., e.g. --grid aggregator=fedavg,median")
+    install_handlers()
     try:
         sweep(args.config, args.grid, args.set, out=args.out, overwrite=args.overwrite, quiet=args.quiet)
     except (KeyboardInterrupt, Terminated) as e:
@@ -152,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="show the rounds as one updating line (default: only on a terminal)")
     run.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    run.set_defaults(func=cmd_run, parser=run)
+    run.set_defaults(func=cmd_run)
 
     lst = sub.add_parser("list", help="list datasets, partitions, models, aggregators, ...")
     lst.set_defaults(func=cmd_list)
@@ -194,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "(default runs/<name>-sweep-<timestamp>)")
     swp.add_argument("--overwrite", action="store_true", help="replace the run files in an existing --out DIR")
     swp.add_argument("--quiet", action="store_true", help="print no per-round lines")
-    swp.set_defaults(func=cmd_sweep, parser=swp)
+    swp.set_defaults(func=cmd_sweep)
     return parser
 
 
@@ -212,4 +223,17 @@ def main(argv=None) -> None:
         code = e.exit_code
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:  # `fedsim list | head`: the reader has all it wanted
+        from .progress import write_or_silence
+
+        write_or_silence(sys.stdout, "")
+        code = 0
+    except OSError as e:  # the output itself failed (fedsim list > /dev/full)
+        if args.debug:
+            raise
+        from .progress import write_or_silence
+
+        write_or_silence(sys.stdout, "")
+        print(f"fedsim: error: cannot write the output: {e.strerror or e}", file=sys.stderr)
+        code = 1
     sys.exit(code)

@@ -1,6 +1,8 @@
 """Errors that reach the user as one line, without a traceback."""
 from __future__ import annotations
 
+import errno
+
 
 class FedsimError(Exception):
     """A problem the user can fix (bad config, missing data, failed worker).
@@ -16,7 +18,11 @@ class ConfigError(FedsimError):
 
 
 class DataError(FedsimError):
-    """A dataset that cannot be found, downloaded or read."""
+    """A dataset that cannot be found, downloaded or read; ``missing``: its files are not there."""
+
+    def __init__(self, message: str, missing: bool = False):
+        super().__init__(message)
+        self.missing = missing
 
 
 class WorkerError(FedsimError):
@@ -37,25 +43,31 @@ class ResourceError(FedsimError):
     exit_code = 1
 
 
-# (what the error text contains, which knob to turn)
-_RESOURCE_HINTS = (
-    (("shared memory", "No space left on device"),
-     "shared memory (/dev/shm) is full: CPU runs keep the dataset and the client weights there; "
-     "give it more room (docker run --shm-size=2g) or lower data.limit or clients_per_round"),
-    (("Too many open files",),
-     "too many open file descriptors: raise the limit (ulimit -n 65536) or set sharing_strategy: file_system"),
-    (("CUDA out of memory", "OutOfMemoryError"),
-     "the GPU is out of memory: lower workers, local.batch_size or eval_batch_size"),
-    (("Cannot allocate memory",),
-     "host memory is exhausted: lower workers or data.limit"),
-)
+class OutputError(FedsimError):
+    """A file of the run could not be written (disk full, read-only, no permission)."""
+
+    exit_code = 1
 
 
 def resource_hint(text: str) -> str | None:
-    """The knob to turn for an out-of-resource error message, or None if it is not one."""
-    for needles, hint in _RESOURCE_HINTS:
-        if any(needle in text for needle in needles):
-            return hint
+    """The knob to turn for an out-of-resource error message, or None if it is not one.
+
+    The causes are told apart by the error's own words, most specific first: a low descriptor
+    limit also makes shared-memory calls fail, and a full disk and a full /dev/shm both say
+    "No space left on device".
+    """
+    if "Too many open files" in text:
+        return ("too many open file descriptors: raise the limit (ulimit -n 65536) or set "
+                "sharing_strategy: file_system")
+    if "CUDA out of memory" in text or "OutOfMemoryError" in text:
+        return "the GPU is out of memory: lower workers, local.batch_size or eval_batch_size"
+    if "Cannot allocate memory" in text or "can't allocate memory" in text:
+        return "host memory is exhausted: lower workers or data.limit"
+    if "No space left on device" in text:
+        if any(where in text for where in ("shared memory", "/torch_", "/dev/shm")):
+            return ("shared memory (/dev/shm) is full: CPU runs keep the dataset and the client weights there; "
+                    "give it more room (docker run --shm-size=2g) or lower data.limit or clients_per_round")
+        return "a disk is full (No space left on device): free some space"
     return None
 
 
@@ -64,3 +76,24 @@ def explain_resource_error(error: BaseException) -> "ResourceError | None":
     text = f"{type(error).__name__}: {error}"
     hint = resource_hint(text)
     return ResourceError(f"{hint} ({text.splitlines()[0]})") if hint else None
+
+
+# errno -> (what it means for a file fedsim writes, exit with 1: the machine, not the input)
+_WRITE_CAUSES = {
+    errno.ENOSPC: ("the disk is full", True),
+    errno.EDQUOT: ("the disk quota is exhausted", True),
+    errno.EROFS: ("the file system is read-only", True),
+    errno.EACCES: ("permission denied", True),
+    errno.EPERM: ("permission denied", True),
+    errno.EIO: ("an input/output error", True),
+    errno.ENOTDIR: ("a part of the path is a file, not a directory", False),
+    errno.EISDIR: ("it is a directory", False),
+    errno.ENAMETOOLONG: ("the name is too long", False),
+}
+
+
+def write_error(path, error: OSError, advice: str = "choose another place with --out") -> FedsimError:
+    """One line for a file that could not be written: the path, the cause, what to do."""
+    cause, environment = _WRITE_CAUSES.get(error.errno, (error.strerror or str(error), True))
+    message = f"cannot write {path}: {cause}; {advice}"
+    return OutputError(message) if environment else FedsimError(message)

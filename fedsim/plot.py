@@ -15,8 +15,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from .errors import FedsimError
-from .results import COLUMNS, RUN_SPECIFIC_KEYS, History, flatten_config, group_repeats, load_run, load_runs
+from .errors import FedsimError, write_error
+from .results import (COLUMNS, RUN_SPECIFIC_KEYS, History, check_output_path, flatten_config, group_repeats,
+                      load_run, load_runs, write_atomically)
 
 # Okabe & Ito's palette, which stays distinct under the common colour-vision deficiencies;
 # yellow comes last because it is faint on white.
@@ -46,8 +47,8 @@ def plot_runs(runs, *, metric: str = "test_accuracy", x: str = "round", label: s
     _check_choice("x", x, X_AXES)
     _check_choice("band", band, BANDS)
     inches = WIDTHS.get(width, width)
-    if not isinstance(inches, (int, float)) or inches <= 0:
-        raise FedsimError(f"width: {width!r} is not 'single', 'double' or a width in inches")
+    if not isinstance(inches, (int, float)) or not 0.5 <= inches <= 50:
+        raise FedsimError(f"width: {width!r} is not 'single', 'double' or a width from 0.5 to 50 inches")
     distinguish = ("name",) if label is None else (label,)
     groups = group_repeats(histories, distinguish)
 
@@ -107,21 +108,22 @@ def save_figure(fig: Figure, path, pdf: bool = False) -> list[Path]:
     if suffix not in (".png", ".pdf"):
         raise FedsimError(f"{path}: the file name must end in .png or .pdf")
     paths = [path, path.with_suffix(".pdf")] if pdf and suffix == ".png" else [path]
+    check_output_path(path.parent, "-o")
     for target in paths:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise write_error(target.parent, e, "choose another file with -o") from None
         # 300 dpi is print resolution; a PDF keeps lines and text as vectors
-        fig.savefig(target, dpi=300)
+        write_atomically(target, lambda tmp: fig.savefig(tmp, dpi=300, format=target.suffix[1:].lower()),
+                         "choose another file with -o")
     return paths
-
-
-def accuracy_figure(histories, metric: str = "test_accuracy", x: str = "round") -> Figure:
-    """One line per run of ``metric`` against rounds (or wall seconds with x="seconds")."""
-    return plot_runs(histories, metric=metric, x=x)
 
 
 def save_accuracy_plot(history, path: Path) -> None:
     """The accuracy.png of a run directory."""
-    plot_runs([history], width=5.0).savefig(path, dpi=150)
+    figure = plot_runs([history], width=5.0)
+    write_atomically(path, lambda tmp: figure.savefig(tmp, dpi=150, format="png"))
 
 
 # ----------------------------------------------------------------------------- drawing

@@ -8,6 +8,7 @@ every line prints as it comes, which is what a log file or a CI job wants.
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import sys
@@ -49,13 +50,12 @@ class RoundLog:
         match = _ROUND_LINE.match(line) if self.enabled() else None
         if match is None:
             self.close()
-            print(line, file=self.stream, flush=True)
+            self._write(line + "\n")
             return
         rnd, total = int(match[1]), int(match[2])
         text = self._render(rnd, total, match[3])
         # spaces overwrite what is left of a longer previous line; "\r" goes back to its start
-        self.stream.write("\r" + text.ljust(self._shown))
-        self.stream.flush()
+        self._write("\r" + text.ljust(self._shown))
         self._shown = len(text)
         if rnd >= total:
             self.close()
@@ -63,14 +63,17 @@ class RoundLog:
     def warn(self, message: str) -> None:
         """Warnings go to stderr even when quiet, after ending an open progress line."""
         self.close()
-        print(f"fedsim: warning: {message}", file=sys.stderr, flush=True)
+        write_or_silence(sys.stderr, f"fedsim: warning: {message}\n")
 
     def close(self) -> None:
         """End the progress line, if one is open, so that the next output starts on its own line."""
         if self._shown:
-            self.stream.write("\n")
-            self.stream.flush()
             self._shown = 0
+            self._write("\n")
+
+    def _write(self, text: str) -> None:
+        if not write_or_silence(self.stream, text):
+            self.quiet = True  # nobody reads any more (`fedsim run ... | head`): the run goes on silently
 
     def _render(self, rnd: int, total: int, rest: str) -> str:
         done = round(_BAR_WIDTH * rnd / total)
@@ -100,6 +103,24 @@ class RoundLog:
             if len(rest) > room:
                 return rest[:max(room - 3, 0)] + "..."
         return rest
+
+
+def write_or_silence(stream, text: str) -> bool:
+    """Write and flush; False if the output cannot take it (a closed pipe, a full disk). The
+    stream's descriptor then points at /dev/null, so that later writes, and the interpreter's
+    flush at exit, neither fail nor print an error; the run itself goes on."""
+    try:
+        stream.write(text)
+        stream.flush()
+        return True
+    except OSError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        except (OSError, AttributeError, ValueError):
+            pass  # not a file-backed stream
+        return False
 
 
 def format_duration(seconds: float) -> str:

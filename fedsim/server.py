@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,25 +17,30 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+import yaml
 
 from . import aggregation
 from .attacks import attacker_mask, corrupt_updates
 from .client import derive_seed
-from .config import Config, apply_overrides, load_config, save_config, work_items
+from .config import Config, apply_overrides, load_config, locate, save_config, work_items
 from .data import load_dataset, options_for, partition
-from .errors import ConfigError, FedsimError, NonFiniteError, WorkerError, explain_resource_error
+from .errors import (ConfigError, FedsimError, NonFiniteError, OutputError, WorkerError,
+                     explain_resource_error)
+from .interrupts import shielded
 from .flat import FlatModel
 from .models import build_model
 from .progress import RoundLog
-from .results import History, RunDirectory
+from .results import History, RunDirectory, flatten_config
 from .server_opt import make_server_optimizer
 from .workers import Shared, WorkerPool, peak_rss_bytes
 
 _SAMPLE_STREAM, _ATTACK_STREAM = 1, 2  # keys that keep the server's random streams apart
 _START_TIMEOUT = 300.0  # seconds for workers to start (spawn, imports, CUDA context, model)
 _FIRST_ROUND_TIMEOUT = 900.0  # the first round also pays for cuDNN set-up and first kernels
-_RESUMABLE_KEYS = {"rounds", "workers", "worker_timeout", "checkpoint_every", "stop_at_accuracy",
-                   "on_worker_failure", "eval_every", "eval_batch_size"}
+# Keys a resumed run may change: how long it runs, where and how fast, how often it reports.
+RESUMABLE_KEYS = {"rounds", "workers", "worker_timeout", "checkpoint_every", "stop_at_accuracy",
+                  "on_worker_failure", "eval_every", "eval_batch_size", "device", "sharing_strategy",
+                  "data.root", "data.download", "data.placement"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -182,14 +188,17 @@ class Simulation:
             "global": self.model.flat.cpu(),
             "server_optimizer": {k: v.cpu() for k, v in self.server_opt.state_dict().items()},
             "torch_rng": torch.get_rng_state(),
+            "config": run_identity(self.cfg),
         }
         if s.client_controls is not None:
             state["server_control"] = s.server_control.cpu()
             state["client_controls"] = s.client_controls.cpu()
         return state
 
-    def restore(self, state: dict, rows: list[dict]) -> None:
+    def restore(self, state: dict, rows: list[dict], source: Path) -> None:
+        """Continue from ``state``, the checkpoint read from the file ``source``."""
         s = self.shared
+        self._check_checkpoint(state, source)
         self.model.flat.copy_(state["global"])
         self.server_opt.load_state_dict(state["server_optimizer"])
         torch.set_rng_state(state["torch_rng"])
@@ -200,6 +209,30 @@ class Simulation:
         self.checkpoint_round = state["round"]
         self.elapsed_before = state["elapsed_seconds"]
         self.rows = rows
+
+    def _check_checkpoint(self, state: dict, source: Path) -> None:
+        """Every tensor the run restores must be there with this run's shape: a checkpoint
+        copied from a run of another model (or torn by hand) is refused in one line."""
+        s = self.shared
+        expected = {"global": self.model.flat, "torch_rng": torch.get_rng_state()}
+        expected.update({f"server_optimizer.{k}": v for k, v in self.server_opt.state_dict().items()})
+        if s.client_controls is not None:
+            expected.update(server_control=s.server_control, client_controls=s.client_controls)
+        saved = state.get("server_optimizer")
+        unexpected = sorted(set(saved) - set(self.server_opt.state_dict())) if isinstance(saved, dict) else []
+        if unexpected:
+            raise FedsimError(f"{source}: holds server_optimizer.{unexpected[0]}, which {self.cfg.server_optimizer} "
+                              f"does not keep; it is not this run's checkpoint")
+        for key, like in expected.items():
+            section, _, name = key.partition(".")
+            value = state.get(section)
+            if name:
+                value = value.get(name) if isinstance(value, dict) else None
+            if not isinstance(value, torch.Tensor) or value.shape != like.shape or value.dtype != like.dtype:
+                got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "nothing"
+                raise FedsimError(f"{source}: holds {got} for {key} where this run ({self.cfg.model}, "
+                                  f"{self.cfg.algorithm}, {self.cfg.server_optimizer}) needs {tuple(like.shape)}; "
+                                  f"it is not this run's checkpoint")
 
     # ------------------------------------------------------------------ the loop
 
@@ -219,18 +252,24 @@ class Simulation:
                 t0 = time.perf_counter()
                 timeout = cfg.worker_timeout or (_FIRST_ROUND_TIMEOUT if slowest == 0 else max(120.0, 10 * slowest))
                 pool = self._train_round(pool, rnd, timeout)
-                row = self._finish_round(rnd, t0, train_seconds=time.perf_counter() - t0,
+                evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
+                row = self._finish_round(rnd, t0, evaluated, train_seconds=time.perf_counter() - t0,
                                          worker_seconds=max(pool.busy_seconds))
                 slowest = max(slowest, time.perf_counter() - t0)
                 reached = self._reached_target(row)
-                if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds or reached):
-                    self.run_dir.save_checkpoint(self.state_dict(rnd, row["elapsed_seconds"]))
-                    self.checkpoint_round = rnd
-                self.log(_round_line(row, cfg.rounds))  # once printed, the round is on disk
+                with shielded():  # the row, the checkpoint and the line stay in step
+                    if evaluated:
+                        self.rows.append(row)
+                        self.run_dir.append(row)
+                    if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds or reached):
+                        self.run_dir.save_checkpoint(self.state_dict(rnd, row["elapsed_seconds"]))
+                        self.checkpoint_round = rnd
+                    self.log(_round_line(row, cfg.rounds))  # once printed, the round is on disk
+                    if reached or rnd == cfg.rounds:
+                        status = "finished"  # whatever arrives from here on, every round is done
                 if reached:
                     self.log(f"reached stop_at_accuracy {cfg.stop_at_accuracy} in round {rnd}")
                     break
-            status = "finished"
         except FedsimError:
             status = "failed"
             raise
@@ -238,13 +277,20 @@ class Simulation:
             status = "failed"
             raise explain_resource_error(e) or e
         finally:
-            self.worker_peak_memory_mb = [round(b / 2**20, 1) for b in pool.peak_memory]
-            pool.close()
-            try:
-                self._write_summary(status)
-            except OSError as e:  # never mask the error that ended the run
-                self.log.warn(f"could not write the summary and plot: {e}")
-            self.log.close()  # an error or interrupt message starts on a line of its own
+            ended_by = sys.exc_info()[1]  # the error that ends the run, if one does
+            with shielded():
+                self.worker_peak_memory_mb = [round(b / 2**20, 1) for b in pool.peak_memory]
+                pool.close()
+                try:
+                    self._write_summary(status)
+                except FedsimError as e:
+                    if status == "finished":
+                        raise
+                    if not isinstance(ended_by, OutputError):  # a failing disk is said once
+                        self.log.warn(f"could not write the summary and plot: {e}")  # never mask what ended the run
+                finally:
+                    self.run_dir.unlock()
+                    self.log.close()  # an error or interrupt message starts on a line of its own
         return History(self.rows, cfg.to_dict(), self.run_dir.path, self.summary)
 
     def _start(self, pool: WorkerPool) -> WorkerPool:
@@ -268,7 +314,8 @@ class Simulation:
                 pool.close()
                 pool = self._start(WorkerPool(self.cfg, self.workers, self.device))
 
-    def _finish_round(self, rnd: int, t0: float, train_seconds: float, worker_seconds: float) -> dict:
+    def _finish_round(self, rnd: int, t0: float, evaluated: bool, train_seconds: float,
+                      worker_seconds: float) -> dict:
         cfg, s, clients = self.cfg, self.shared, self.clients
         k, n = len(clients), self.model.num_params
         updates = s.local_flat[:k].sub_(self.model.flat)  # client weights - global weights, in place
@@ -289,30 +336,39 @@ class Simulation:
         sizes, losses = s.stats[keep, 0], s.stats[keep, 1]
         if len(keep):
             delta = self.aggregate(updates[keep], sizes)
+            self._check_finite(delta, rnd, f"the aggregator {cfg.aggregator} returned a non-finite update")
             self.server_opt.step(self.model.params, delta[:n])
             self.model.flat[n:].add_(delta[n:])  # buffers (batch-norm statistics) are averaged as they are
+            self._check_finite(self.model.flat, rnd, f"the server optimizer {cfg.server_optimizer} made the "
+                                                     f"global weights non-finite")
             if s.control_deltas is not None:
                 kept_clients = clients[keep.cpu()].to(s.client_controls.device)
                 s.server_control.add_(s.control_deltas[keep].sum(dim=0), alpha=1 / cfg.data.num_clients)
                 s.client_controls[kept_clients] += s.control_deltas[keep]
+                self._check_finite(s.server_control, rnd, "SCAFFOLD's server control variate became non-finite")
         train_loss = float((sizes * losses).sum() / sizes.sum()) if len(keep) else math.nan  # syncs the device
         t_aggregated = time.perf_counter()
-        evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
         accuracy, test_loss = math.nan, math.nan
         if evaluated:
             accuracy, test_loss = evaluate(self.model.module, self.test_x, self.test_y, cfg.eval_batch_size)
         seconds = time.perf_counter() - t0
         elapsed = self.elapsed_before + time.perf_counter() - self.t_start
-        row = {"round": rnd, "test_accuracy": accuracy, "test_loss": test_loss, "train_loss": train_loss,
-               "seconds": round(seconds, 4), "elapsed_seconds": round(elapsed, 4), "clients": k,
-               "dropped_clients": dropped, "attackers": int(attacking.sum()),
-               "train_seconds": round(train_seconds, 4), "worker_seconds": round(worker_seconds, 4),
-               "aggregate_seconds": round(t_aggregated - t0 - train_seconds, 4),
-               "eval_seconds": round(time.perf_counter() - t_aggregated, 4)}
-        if evaluated:
-            self.rows.append(row)
-            self.run_dir.append(row)
-        return row
+        return {"round": rnd, "test_accuracy": accuracy, "test_loss": test_loss, "train_loss": train_loss,
+                "seconds": round(seconds, 4), "elapsed_seconds": round(elapsed, 4), "clients": k,
+                "dropped_clients": dropped, "attackers": int(attacking.sum()),
+                "train_seconds": round(train_seconds, 4), "worker_seconds": round(worker_seconds, 4),
+                "aggregate_seconds": round(t_aggregated - t0 - train_seconds, 4),
+                "eval_seconds": round(time.perf_counter() - t_aggregated, 4)}
+
+    def _check_finite(self, tensor: torch.Tensor, rnd: int, what: str) -> None:
+        """The global state must stay finite even when every client update is (a rule or a server
+        optimizer can overflow): stop before such a state is evaluated or checkpointed."""
+        if not torch.isfinite(tensor).all():
+            kept = f"the checkpoint of round {self.checkpoint_round} is kept" if self.checkpoint_round else \
+                "no checkpoint was written"
+            raise NonFiniteError(f"round {rnd}: {what} (NaN/Inf) although every client update used was finite; "
+                                 f"nothing of this round was saved and {kept}; lower server_lr or attack.scale, or "
+                                 f"bound updates with aggregator: norm_clip")
 
     def _reached_target(self, row: dict) -> bool:
         target = self.cfg.stop_at_accuracy
@@ -390,7 +446,11 @@ def start_run(cfg: Config, out=None, overwrite: bool = False, quiet: bool = Fals
     sim = _setup(cfg, quiet, progress)
     try:
         run_dir = RunDirectory.create(path, overwrite)
-        save_config(sim.cfg, run_dir.path / "config.yaml")
+        try:
+            save_config(sim.cfg, run_dir.path / "config.yaml")
+        except BaseException:
+            run_dir.unlock()
+            raise
     except BaseException:
         sim.pool.close()
         raise
@@ -403,29 +463,63 @@ def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None) -> H
     path = Path(run_dir)
     if not (path / "config.yaml").is_file():
         raise FedsimError(f"--resume {path}: not a run directory (no config.yaml)")
-    bad = sorted(apply_overrides({}, overrides or {}) - _RESUMABLE_KEYS)
+    bad = sorted(apply_overrides({}, overrides or {}) - RESUMABLE_KEYS)
     if bad:
         raise ConfigError(f"--set {bad[0]}: cannot change when resuming (the rounds before and after would not "
-                          f"be one run); allowed: {', '.join(sorted(_RESUMABLE_KEYS))}")
+                          f"be one run); allowed: {', '.join(sorted(RESUMABLE_KEYS))}")
     directory = RunDirectory(path)
-    state = directory.load_checkpoint()
-    cfg = load_config(path / "config.yaml", overrides)
-    if state["round"] >= cfg.rounds:
-        print(f"{path}: already at round {state['round']} of {cfg.rounds}; nothing to do (extend with --set rounds=N)")
-        return History(directory.rows(), cfg.to_dict(), path)
-    sim = _setup(cfg, quiet, progress)
+    directory.lock()  # a second resume of the same directory is refused, not interleaved
     try:
-        sim.restore(state, directory.keep_rows_until(state["round"]))
+        state = directory.load_checkpoint()
+        cfg = load_config(path / "config.yaml", overrides)
+        _check_same_run(path, state, cfg)
+        rows = directory.rows()
+        if state["round"] >= cfg.rounds:
+            print(f"{path}: already at round {state['round']} of {cfg.rounds}; nothing to do "
+                  f"(extend with --set rounds=N)")
+            directory.unlock()
+            return History(rows, cfg.to_dict(), path)
+        sim = _setup(cfg, quiet, progress)
+    except BaseException:
+        directory.unlock()
+        raise
+    try:
+        # rows after the checkpoint happened after it, and are dropped (the rounds run again)
+        sim.restore(state, [r for r in rows if r["round"] <= state["round"]], path / "checkpoint.pt")
+        directory.write_rows(sim.rows)
         save_config(sim.cfg, path / "config.yaml")
     except BaseException:
+        directory.unlock()
         sim.pool.close()
         raise
     return sim.run(directory)
 
 
-def _setup(cfg: Config, quiet: bool, progress: bool | None = None) -> Simulation:
+def run_identity(cfg: Config) -> str:
+    """The config of a run without the keys that may change on resume, as YAML: a checkpoint
+    keeps it, so that a config.yaml edited by hand is not taken for the same run."""
+    kept = {k: v for k, v in flatten_config(cfg.to_dict()) if k not in RESUMABLE_KEYS}
+    return yaml.safe_dump(kept, sort_keys=True)
+
+
+def _check_same_run(path: Path, state: dict, cfg: Config) -> None:
+    recorded = state.get("config")
+    if not isinstance(recorded, str):
+        return  # a checkpoint from before runs recorded their identity
+    before, now = yaml.safe_load(recorded), yaml.safe_load(run_identity(cfg))
+    changed = sorted(k for k in set(before) | set(now) if before.get(k, "(unset)") != now.get(k, "(unset)"))
+    if changed:
+        key = changed[0]
+        raise ConfigError(f"{path}: config.yaml says {key}: {now.get(key)!r} but checkpoint.pt was written by a run "
+                          f"with {before.get(key)!r}; they are not one run (restore the matching file, or start "
+                          f"a new run)")
+
+
+def _setup(cfg: Config, quiet: bool, progress: bool | None) -> Simulation:
     try:
         sim = Simulation(cfg, log=RoundLog(progress, quiet=quiet))
+    except FedsimError as e:
+        raise locate(cfg, e) from None
     except (RuntimeError, OSError) as e:
         raise explain_resource_error(e) or e
     cfg.workers, cfg.device = sim.workers, str(sim.device)  # the resolved values, as they ran

@@ -12,16 +12,12 @@ from __future__ import annotations
 import csv
 import itertools
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config, load_config
-from .errors import ConfigError, FedsimError
-from .results import History, RunDirectory
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")  # characters kept out of directory names
-
+from .errors import ConfigError, FedsimError, write_error
+from .results import History, RunDirectory, safe_dir_name, write_atomically
 
 @dataclass
 class SweepRun:
@@ -48,24 +44,31 @@ def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
 
 
 def run_label(name: str, point: list[tuple[str, str]]) -> str:
-    parts = [name] + [f"{key}={value}" for key, value in point]
-    return _UNSAFE.sub("_", "-".join(parts))
+    return safe_dir_name("-".join([name] + [f"{key}={value}" for key, value in point]))
 
 
 def plan(config, grid: list[str], overrides: list[str] = ()) -> list[SweepRun]:
     """One validated Config per grid point: the file, then ``overrides``, then the point."""
     axes = parse_grid(grid)
     name = load_config(config, list(overrides)).name
-    runs = []
+    runs, seen = [], {}
     for values in itertools.product(*(texts for _, texts in axes)):
         point = [(key, value) for (key, _), value in zip(axes, values)]
         cfg = load_config(config, [*overrides, *(f"{key}={value}" for key, value in point)])
+        same = seen.setdefault(repr(cfg.to_dict()), point)  # 0.1 and 0.10 are one value
+        if same is not point:
+            raise ConfigError(f"--grid: {_spelled(same)} and {_spelled(point)} are the same experiment; "
+                              f"list each value once")
         cfg.name = run_label(name, point)
         runs.append(SweepRun(cfg.name, point, cfg))
     labels = [run.label for run in runs]
     if len(set(labels)) < len(labels):
         raise ConfigError("--grid: two grid points give the same run name; make the values distinct")
     return runs
+
+
+def _spelled(point: list[tuple[str, str]]) -> str:
+    return ",".join(f"{key}={value}" for key, value in point)
 
 
 def seconds_per_round(history: History) -> float:
@@ -75,15 +78,20 @@ def seconds_per_round(history: History) -> float:
 
 
 def sweep(config, grid: list[str], overrides: list[str] = (), out=None, overwrite: bool = False,
-          quiet: bool = False, log=print) -> list[SweepRun]:
+          quiet: bool = False, log=None) -> list[SweepRun]:
     """Run every grid point of ``config`` into ``out`` (default ``runs/<name>-sweep-<timestamp>``);
     return the runs with their histories and write ``out/sweep.csv``."""
+    from .progress import RoundLog
     from .server import start_run
 
+    log = log or RoundLog(progress=False)
     runs = plan(config, grid, overrides)
     base = load_config(config, list(overrides)).name
     root = RunDirectory.target(out, f"{base}-sweep", overwrite)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise write_error(root, e) from None
     log(f"sweep of {len(runs)} runs into {root}")
     try:
         for index, run in enumerate(runs, 1):
@@ -110,10 +118,14 @@ def _row(run: SweepRun) -> dict:
 
 def write_table(runs: list[SweepRun], path: Path) -> None:
     rows = [_row(run) for run in runs]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+
+    def write(tmp):
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+    write_atomically(path, write)
 
 
 def format_table(runs: list[SweepRun]) -> str:

@@ -25,12 +25,14 @@ message naming worker, client and round.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing.resource_sharer
 import os
 import resource
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -39,7 +41,7 @@ import torch
 import torch.multiprocessing as mp
 
 from .config import vmap_group_size
-from .errors import WorkerError, resource_hint
+from .errors import ResourceError, WorkerError, resource_hint
 
 STARTING, IDLE = -2, -1  # Shared.progress values besides a client id
 
@@ -276,12 +278,14 @@ class WorkerPool:
         self.peak_memory = [0] * num_workers  # bytes, as last reported by each worker
         self.busy_seconds = [0.0] * num_workers  # each worker's training time in the last round
         _LIVE_POOLS.add(self)
+        _raise_descriptor_limit()
         try:
             for rank in range(num_workers):
                 parent_end, child_end = ctx.Pipe()
                 process = ctx.Process(target=_worker_main, name=f"fedsim-worker-{rank}", daemon=True,
                                       args=(rank, num_workers, config, str(device), child_end))
-                process.start()
+                with _born_ignoring_sigint():
+                    process.start()
                 child_end.close()
                 self.processes.append(process)
                 self.conns.append(parent_end)
@@ -294,6 +298,7 @@ class WorkerPool:
         self.shared = shared
         shared.progress.fill_(STARTING)
         try:
+            _check_descriptors(shared, self.num_workers)
             for conn in self.conns:
                 try:
                     conn.send(shared)
@@ -401,9 +406,7 @@ class WorkerPool:
         self.kill()
         for conn in self.conns:
             conn.close()
-        # descriptors of CPU tensors that a dead worker never collected stay open in the
-        # resource sharer until it stops; release them now
-        multiprocessing.resource_sharer.stop()
+        _stop_resource_sharer()
         _LIVE_POOLS.discard(self)
 
     def kill(self) -> None:
@@ -425,6 +428,67 @@ class WorkerPool:
 
 
 _LIVE_POOLS: set[WorkerPool] = set()
+
+
+@contextlib.contextmanager
+def _born_ignoring_sigint():
+    """Ctrl-C reaches every process of the terminal's group, and the server decides what it
+    means; a worker still importing torch would print a traceback. An ignored signal stays
+    ignored across exec, so the worker is started while SIGINT is ignored here; meanwhile
+    SIGINT is also blocked, which on Linux keeps one that arrives pending for the server's own
+    handler instead of discarding it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may change handlers; the worker ignores SIGINT once it runs
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _stop_resource_sharer() -> None:
+    """Descriptors of CPU tensors that a dead worker never collected stay open in
+    multiprocessing's resource sharer until it stops; release them. Its stop() waits for the
+    sharer's thread to answer, which it cannot do while descriptors are exhausted, so the wait
+    is bounded (the thread is a daemon and ends with the process)."""
+    stopper = threading.Thread(target=multiprocessing.resource_sharer.stop, daemon=True)
+    stopper.start()
+    stopper.join(5)
+
+
+_DESCRIPTOR_TARGET = 65536
+
+
+def _raise_descriptor_limit() -> None:
+    """Lift the soft limit on open descriptors towards the hard one, as PyTorch advises for the
+    file_descriptor sharing strategy (every shared CPU tensor is one descriptor per process)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = _DESCRIPTOR_TARGET if hard == resource.RLIM_INFINITY else min(hard, _DESCRIPTOR_TARGET)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def _check_descriptors(shared: Shared, num_workers: int) -> None:
+    """Refuse to start, in one line, when the descriptor limit is too low to hand the buffers to
+    the workers: running out midway leaves multiprocessing's resource sharer spinning on failed
+    accepts, with a traceback each time. The server needs its open descriptors, plus for each
+    worker its pipe, sentinel and handshake and, with file_descriptor, one per CPU tensor."""
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return  # not Linux: nothing to count with
+    per_tensor = torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
+    tensors = sum(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in vars(shared).values())
+    needed = open_now + num_workers * (4 + tensors * per_tensor) + 16
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        alternative = " or set sharing_strategy: file_system" if per_tensor else ""
+        raise ResourceError(f"too few file descriptors: {num_workers} worker(s) need about {needed} open at "
+                            f"once and the limit (ulimit -n) is {soft}; raise it (ulimit -n 65536){alternative}")
 
 
 def kill_all_pools() -> None:

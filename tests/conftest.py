@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -70,3 +76,80 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# ----------------------------------------------------------------------------- the real command
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Live processes whose environment carries FEDSIM_TEST_TAG=tag."""
+    needle = f"FEDSIM_TEST_TAG={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "environ").read_bytes() and "Z" not in (entry / "stat").read_text().split()[2]:
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+_started: list[tuple[subprocess.Popen, str]] = []
+
+
+@pytest.fixture(autouse=True)
+def kill_leftovers():
+    """A failing test must not leave its run (or that run's workers) behind."""
+    yield
+    while _started:
+        proc, tag = _started.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in tagged_processes(tag):
+            os.kill(pid, signal.SIGKILL)
+
+
+def start(args, tag, popen_options=None, **env):
+    """``python -m fedsim ARGS`` with FEDSIM_TEST_TAG=tag in its environment (and its workers')."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedsim", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "FEDSIM_TEST_TAG": tag, "PYTHONUNBUFFERED": "1", **env}, **(popen_options or {}),
+    )
+    _started.append((proc, tag))
+    return proc
+
+
+def run_cli(args, timeout=60, popen_options=None, **env):
+    tag = uuid.uuid4().hex
+    t0 = time.monotonic()
+    proc = start(args, tag, popen_options, **env)
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err, time.monotonic() - t0, tag
+
+
+def wait_for_round(proc, rnd: int, timeout: float = 60) -> list[str]:
+    """Read stdout until the line of round ``rnd`` appears; return the lines read."""
+    pattern = re.compile(rf"^round\s+{rnd}/")
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if pattern.match(line):
+            return lines
+    raise AssertionError(f"never saw round {rnd}; got {lines}")
+
+
+def assert_one_line_error(err: str, *fragments: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("fedsim: warning")]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("fedsim: error: ") and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -12,15 +11,11 @@ import torch
 import fedsim
 from fedsim.results import COLUMNS
 
-from conftest import child_pids
-
-
-def shm_files() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+from conftest import child_pids, shm_entries
 
 
 def test_run_learns_writes_files_and_leaves_nothing_behind(small_config, tmp_path):
-    shm_before = shm_files()
+    shm_before = shm_entries()
     history = fedsim.run(small_config, out=tmp_path / "run", quiet=True)
 
     assert history.round == [1, 2, 3]
@@ -44,7 +39,7 @@ def test_run_learns_writes_files_and_leaves_nothing_behind(small_config, tmp_pat
     assert resolved.workers == 2 and resolved.device == "cpu" and resolved.local.lr == 0.05
 
     assert child_pids() == []
-    assert shm_files() <= shm_before
+    assert shm_entries() <= shm_before
 
 
 def test_metrics_do_not_depend_on_the_number_of_workers(small_config, tmp_path):

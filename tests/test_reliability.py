@@ -9,8 +9,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -19,6 +17,8 @@ import pytest
 import yaml
 
 import fedsim
+
+from conftest import assert_one_line_error, run_cli, shm_entries, start, tagged_processes, wait_for_round
 
 BASE = {
     "name": "reliability",
@@ -37,79 +37,6 @@ def write_config(tmp_path, **changes) -> Path:
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def tagged_processes(tag: str) -> list[int]:
-    """Live processes whose environment carries FEDSIM_TEST_TAG=tag."""
-    needle = f"FEDSIM_TEST_TAG={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "environ").read_bytes() and "Z" not in (entry / "stat").read_text().split()[2]:
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
-
-
-_started: list[tuple[subprocess.Popen, str]] = []
-
-
-@pytest.fixture(autouse=True)
-def kill_leftovers():
-    """A failing test must not leave its run (or that run's workers) behind."""
-    yield
-    while _started:
-        proc, tag = _started.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in tagged_processes(tag):
-            os.kill(pid, signal.SIGKILL)
-
-
-def start(args, tag, **env):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fedsim", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "FEDSIM_TEST_TAG": tag, "PYTHONUNBUFFERED": "1", **env},
-    )
-    _started.append((proc, tag))
-    return proc
-
-
-def run_cli(args, timeout=60, **env):
-    tag = uuid.uuid4().hex
-    t0 = time.monotonic()
-    proc = start(args, tag, **env)
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err, time.monotonic() - t0, tag
-
-
-def wait_for_round(proc, rnd: int, timeout: float = 60) -> list[str]:
-    """Read stdout until the line of round ``rnd`` appears; return the lines read."""
-    pattern = re.compile(rf"^round\s+{rnd}/")
-    lines, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if pattern.match(line):
-            return lines
-    raise AssertionError(f"never saw round {rnd}; got {lines}")
-
-
-def assert_one_line_error(err: str, *fragments: str) -> None:
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("fedsim: warning")]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("fedsim: error: ") and "Traceback" not in err, err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-
-
-def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
 # ----------------------------------------------------------------------------- worker failure

@@ -91,4 +91,5 @@ def test_fedsim_partition_refuses_a_bad_option_in_one_line(tmp_path, small_confi
               "--out", str(tmp_path / "out")])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("fedsim: error: data.alpha: must be")
+    assert "\n" not in err and err.startswith("fedsim: error: --set data.alpha: must be > 0")
+    assert not (tmp_path / "out").exists()  # refused before any data is loaded or file written

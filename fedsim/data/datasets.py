@@ -5,8 +5,11 @@ once and shares it with every worker, so no sample passes through Python on the 
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
+import math
 import pickle
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,14 +59,24 @@ _IDX_FILES = {
 def read_idx(path: Path) -> np.ndarray:
     """Read an IDX file (the MNIST format), gzipped or not."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        raw = f.read()
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError, zlib.error) as e:  # a truncated or corrupt archive
+        raise _corrupt(path, f"{type(e).__name__}: {e}") from None
     magic = int.from_bytes(raw[:4], "big")
-    if magic >> 8 != 0x08:  # 0x08 = unsigned byte, the only type these datasets use
-        raise DataError(f"{path}: not an IDX file of unsigned bytes (magic {magic:#x})")
+    if len(raw) < 4 or magic >> 8 != 0x08:  # 0x08 = unsigned byte, the only type these datasets use
+        raise _corrupt(path, f"not an IDX file of unsigned bytes (magic {magic:#x})")
     ndim = magic & 0xFF
     shape = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    if len(raw) != 4 + 4 * ndim + math.prod(shape):
+        raise _corrupt(path, f"{len(raw):,} bytes where its header promises {4 + 4 * ndim + math.prod(shape):,}")
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def _corrupt(path: Path, reason: str) -> DataError:
+    return DataError(f"{path}: truncated or corrupt ({reason}); delete it to download it again, or set "
+                     f"data.root (FEDSIM_DATA) to a folder with a good copy")
 
 
 def _find_idx(folder: Path, stem: str) -> Path | None:
@@ -86,6 +99,13 @@ def _mnist_like(root: Path, download: bool, folder: str, torchvision_name: str, 
         if None in paths.values():
             raise DataError(f"data.root: {root} has no {folder} files in {raw} after download")
     arrays = {key: read_idx(path) for key, path in paths.items()}
+    for split in ("train", "test"):
+        images, labels = arrays[f"{split}_x"], arrays[f"{split}_y"]
+        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+            raise _corrupt(paths[f"{split}_x"], f"{images.shape} images for {labels.shape} labels of "
+                                                f"{paths[f'{split}_y'].name}")
+        if labels.size and labels.max() > 9:
+            raise _corrupt(paths[f"{split}_y"], f"label {labels.max()} outside the 10 classes")
 
     def images(a):
         x = torch.from_numpy(a.astype(np.float32) / 255.0).unsqueeze(1)
@@ -104,20 +124,24 @@ def _download(root: Path, files: Path, torchvision_name: str, allowed: bool) -> 
     """Fetch a torchvision dataset into ``root``; ``files`` is where its files should then be."""
     if not allowed:
         raise DataError(f"data.root: no {torchvision_name} files in {files} (data.download is false); "
-                        f"set data.root or FEDSIM_DATA to a folder that holds them")
+                        f"set data.root or FEDSIM_DATA to a folder that holds them", missing=True)
     import torchvision
 
     cls = getattr(torchvision.datasets, torchvision_name)
+    created = [p for p in (files, *files.parents) if not p.exists()]
     try:
         root.mkdir(parents=True, exist_ok=True)
         for train in (True, False):
             cls(str(root), train=train, download=True)
     except Exception as e:  # no network, a read-only root, a failed checksum
+        for folder in created:  # deepest first; leave nothing behind but what was fetched
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         lines = [line.strip("<> ") for line in str(e).splitlines() if line.strip()]
         reason = lines[-1] if lines else type(e).__name__  # torchvision puts the cause last
         raise DataError(
             f"data.root: no {torchvision_name} files in {files} and the download failed ({reason}); "
-            f"set data.root or FEDSIM_DATA to a folder that holds them"
+            f"set data.root or FEDSIM_DATA to a folder that holds them", missing=True,
         ) from None
 
 
@@ -142,10 +166,23 @@ CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 
+class _ArraysOnly(pickle.Unpickler):
+    """Unpickles dicts, lists, strings, numbers and numpy arrays, and refuses anything else: a
+    pickle can name any callable to run while it loads, and a dataset file may come from anyone."""
+
+    _ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+                ("numpy", "ndarray"), ("numpy", "dtype")}
+
+    def find_class(self, module, name):
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it asks to load {module}.{name}, which a dataset file has no need of")
+
+
 def _unpickle(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
-            entry = pickle.load(f, encoding="latin1")  # the batches were pickled by Python 2
+            entry = _ArraysOnly(f, encoding="latin1").load()  # the batches were pickled by Python 2
     except (OSError, pickle.UnpicklingError, EOFError, ValueError) as e:
         raise DataError(f"{path}: cannot read this CIFAR-10 file ({type(e).__name__}: {e})") from None
     if not isinstance(entry, dict):

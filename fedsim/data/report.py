@@ -13,6 +13,8 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from ..errors import write_error
+from ..results import atomic_write_text, write_atomically
 from .datasets import load_dataset
 from .partition import local_test_split, options_for, partition
 
@@ -117,9 +119,13 @@ def write_report(config, out_dir) -> dict:
         test_stats = partition_stats(test_parts, data.test_y, data.num_classes)
         report["test_samples"], report["test_class_counts"] = test_stats["samples"], test_stats["class_counts"]
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "partition.json").write_text(_json_text(report))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise write_error(out, e) from None
+    atomic_write_text(out / "partition.json", _json_text(report))
     described = ", ".join(f"{key}={value}" for key, value in sorted(options.items()))
     title = f"{config.name}: {d.dataset}, {d.partition}" + (f" ({described})" if described else "")
-    partition_figure(stats, title).savefig(out / "partition.png", dpi=120)
+    figure = partition_figure(stats, title)
+    write_atomically(out / "partition.png", lambda tmp: figure.savefig(tmp, dpi=120, format="png"))
     return report

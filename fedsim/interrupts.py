@@ -1,0 +1,67 @@
+"""Ctrl-C and SIGTERM: the first stops a run cleanly, a second ends everything at once.
+
+A run writes its files in short critical sections (a round's row, checkpoint and line; the
+summary and plot at the end). A signal that arrives inside one is held until the section
+ends, so an interrupt never leaves those files half-written or out of step with each other.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from contextlib import contextmanager
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that the run unwinds and cleans up."""
+
+
+def install_handlers() -> None:
+    """The command line's handlers: the first SIGINT or SIGTERM raises KeyboardInterrupt or
+    Terminated in the main thread; a second kills the workers and exits at once."""
+    from .workers import kill_all_pools
+
+    def at_once(signum, frame):
+        kill_all_pools()
+        os._exit(128 + signum)
+
+    def first(signum, frame):
+        signal.signal(signal.SIGINT, at_once)
+        signal.signal(signal.SIGTERM, at_once)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+
+    signal.signal(signal.SIGINT, first)
+    signal.signal(signal.SIGTERM, first)
+
+
+@contextmanager
+def shielded():
+    """Hold SIGINT and SIGTERM until the block ends, then deliver the first that came to the
+    handler that was in place; a second signal inside the block is delivered at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals are only ever handled in the main thread
+        return
+    held: list[int] = []
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    def hold(signum, frame):
+        if held:  # asked twice: do not wait for the block
+            _deliver(signum, previous[signum])
+        held.append(signum)
+
+    for signum in previous:
+        signal.signal(signum, hold)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if held:
+            _deliver(held[0], previous[held[0]])
+
+
+def _deliver(signum: int, handler) -> None:
+    if callable(handler):
+        handler(signum, None)
+    elif handler == signal.SIG_DFL:
+        os.kill(os.getpid(), signum)  # the default action, now that it is back in place
