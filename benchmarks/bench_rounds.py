@@ -249,11 +249,8 @@ def main(argv=None) -> int:
     machine = harness.machine_info()
     entries, commands = measure_all(args, device)
     extra = report(entries, commands, args, device)
-    names = [e["device_name"] for e in entries if e.get("device_name")]
-    machine["device"], machine["device_name"] = device, names[0] if names else device
-    path = harness.write_results("bench_rounds", machine["device_name"] if device == "cuda" else "cpu",
-                                 {"machine": machine, "options": vars(args), "entries": entries,
-                                  "commands": commands, **extra}, args.output)
+    path = harness.write_results("bench_rounds", args, machine, device, entries,
+                                 {"entries": entries, "commands": commands, **extra})
     print(f"\nwrote {path}")
     return 1 if any(e["status"] == "failed" for e in entries + commands) else 0
 

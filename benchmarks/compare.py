@@ -101,10 +101,7 @@ def main(argv=None) -> int:
     columns = COLUMNS if args.dataloader else [c for c in COLUMNS if "dataloader" not in c[1]]
     print("\nSequential seconds per round / fedsim seconds per round (medians over rounds 2..), same invocation")
     print(harness.format_table(columns, rows))
-    names = [e["device_name"] for e in results["fedsim"] if e.get("device_name")]
-    machine["device"], machine["device_name"] = device, names[0] if names else device
-    path = harness.write_results("compare", machine["device_name"] if device == "cuda" else "cpu",
-                                 {"machine": machine, "options": vars(args), "ratios": rows, **results}, args.output)
+    path = harness.write_results("compare", args, machine, device, results["fedsim"], {"ratios": rows, **results})
     print(f"\nwrote {path}")
     return 0 if rows and all(r.get("round_ratio") for r in rows) else 1
 

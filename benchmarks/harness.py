@@ -384,15 +384,20 @@ def _load_average() -> list[float] | None:
         return None
 
 
-def write_results(name: str, device_label: str, payload: dict, output: str | None) -> Path:
-    """Write the payload (plus the command line and the load average at the end) as JSON."""
-    payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), **payload}
-    payload.setdefault("machine", {})["load_average_end"] = _load_average()
-    if output:
-        path = Path(output)
+def write_results(name: str, args, machine: dict, device: str, ran: list[dict], payload: dict) -> Path:
+    """Write the results JSON, ``args.output`` or benchmarks/results/<name>-<device>-<time>.json:
+    the command line, the machine (with the device, the name of the one the entries in ``ran``
+    report, and the load average at the end), the options, then ``payload``."""
+    names = [e["device_name"] for e in ran if e.get("device_name")]
+    machine["device"], machine["device_name"] = device, names[0] if names else device
+    machine["load_average_end"] = _load_average()
+    payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine,
+               "options": vars(args), **payload}
+    if args.output:
+        path = Path(args.output)
     else:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        slug = re.sub(r"[^a-z0-9]+", "-", device_label.lower()).strip("-")
+        slug = re.sub(r"[^a-z0-9]+", "-", (machine["device_name"] if device == "cuda" else "cpu").lower()).strip("-")
         path = RESULTS_DIR / f"{name}-{slug}-{stamp}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")

@@ -3,7 +3,8 @@
     python benchmarks/profile_round.py --workload W2 --models fedavg_cnn
     python benchmarks/profile_round.py --size cpu --device cpu --trace
 
-In a fresh process, set up as a worker is (one CPU thread, or the CUDA device), a
+In a fresh process, set up as a worker is (one CPU thread, or the CUDA device), and from the
+run's own start (fedsim.federation: its clients and initial weights), a
 fedsim.client.LocalTrainer on a fedsim.flat.FlatModel trains a few clients of round 1 on the
 device-resident data: first one client to warm up, then the clients timed without the
 profiler, then the same clients under the profiler (CPU and, on a GPU, CUDA activity). The
@@ -63,24 +64,24 @@ class Setup:
     def __init__(self, spec: dict):
         import torch
 
-        from fedsim.client import LocalTrainer, derive_seed
+        from fedsim import components
+        from fedsim.client import LocalTrainer
         from fedsim.config import load_config
-        from fedsim.data import load_dataset, options_for, partition
         from fedsim.data.augment import augmentation_for
+        from fedsim.federation import initial_model, load_federation
         from fedsim.flat import FlatModel
-        from fedsim.models import build_model
-        from fedsim.server import resolve_device, sample_clients
+        from fedsim.server import resolve_device
+        from fedsim.streams import client_seed, sample_clients
 
         cfg = self.cfg = load_config(spec["config"], spec["overrides"])
         self.device = resolve_device(cfg.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        data = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.limit, cfg.data.download)
-        parts = partition(data.train_y, cfg.data.partition, cfg.data.num_clients, cfg.seed,
-                          **options_for(cfg.data.partition, cfg.data))
-        torch.manual_seed(cfg.seed)
-        self.server_model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes), self.device)
-        self.worker_model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes), self.device)
+        federation = load_federation(cfg)  # what the run starts from: its clients, then its initial weights
+        data, parts = federation.data, federation.parts
+        self.server_model = FlatModel(initial_model(cfg, data), self.device)
+        self.worker_model = FlatModel(components.build_model(cfg.model, data.input_shape, data.num_classes),
+                                      self.device)
         self.test_x, self.test_y = data.test_x.to(self.device), data.test_y.to(self.device)
         self.trainer = LocalTrainer(self.worker_model, data.train_x.to(self.device), data.train_y.to(self.device),
                                     cfg.local, num_classes=data.num_classes,
@@ -88,7 +89,7 @@ class Setup:
         round_clients = sample_clients(cfg.seed, 1, cfg.data.num_clients, cfg.clients_per_round).tolist()
         self.clients = round_clients[:spec["clients"]]
         self.indices = {c: parts[c].to(self.device) for c in self.clients}
-        self.seeds = {c: derive_seed(cfg.seed, 1, c) for c in self.clients}
+        self.seeds = {c: client_seed(cfg.seed, 1, c) for c in self.clients}
         self.start = self.server_model.flat.clone()
         self.steps = cfg.local.epochs * math.ceil(len(parts[self.clients[0]]) / cfg.local.batch_size)
 
@@ -187,7 +188,7 @@ def make_server_round(setup: Setup, trained: list):
     of a round are the trained clients' weights, repeated."""
     import torch
 
-    from fedsim import aggregation
+    from fedsim import components
     from fedsim.server_opt import make_server_optimizer
 
     cfg, model, device = setup.cfg, setup.server_model, setup.device
@@ -196,7 +197,7 @@ def make_server_round(setup: Setup, trained: list):
     sizes = [len(setup.indices[c]) for c in setup.clients]
     counts = torch.tensor([sizes[i % len(sizes)] for i in range(k)], dtype=torch.float32, device=device)
     losses = torch.ones(k, device=device)
-    rule = aggregation.get(cfg.aggregator, **cfg.aggregator_options)
+    rule = components.aggregator(cfg.aggregator, cfg.aggregator_options)
     optimizer = make_server_optimizer(cfg, n, device)
 
     def server_round():
@@ -333,10 +334,7 @@ def main(argv=None) -> int:
     ok = [e for e in entries if e["status"] == "ok"]
     print("\nWall time without the profiler")
     print(harness.format_table(TIMING_COLUMNS, ok))
-    names = [e["device_name"] for e in ok]
-    machine["device"], machine["device_name"] = device, names[0] if names else device
-    path = harness.write_results("profile_round", machine["device_name"] if device == "cuda" else "cpu",
-                                 {"machine": machine, "options": vars(args), "entries": entries}, args.output)
+    path = harness.write_results("profile_round", args, machine, device, ok, {"entries": entries})
     path.with_suffix(".txt").write_text("\n".join(texts))
     print(f"\nwrote {path} and {path.with_suffix('.txt')}")
     return 1 if len(ok) < len(entries) else 0

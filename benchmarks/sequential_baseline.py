@@ -4,13 +4,15 @@
     python benchmarks/sequential_baseline.py --dataloader              # a DataLoader per client
     python benchmarks/sequential_baseline.py --size cpu --device cpu
 
-One process trains the sampled clients one after another: the same data, partition, model
-and initial weights as fedsim, the same client sampling, E/B/lr/momentum/weight decay, a fresh
-torch.optim.SGD per client per round, FedAvg weighted by sample counts and a test-set
-evaluation every round. Nothing of fedsim's engine (worker pool, flat weights, local trainer)
-is used. The default keeps the whole dataset on the device and gathers batches by index;
---dataloader instead iterates a torch DataLoader over a Subset of a CPU TensorDataset per
-client and copies each batch to the device, as most simulators do.
+One process trains the sampled clients one after another. It starts where a fedsim run of the
+same config starts (fedsim.federation: the data, its partition among the clients, the initial
+weights) and draws from the same random streams (fedsim.streams: each round's clients, each
+client's seed); then the same E/B/lr/momentum/weight decay, a fresh torch.optim.SGD per client
+per round, FedAvg weighted by sample counts and a test-set evaluation every round. Nothing of
+fedsim's engine (worker pool, flat weights, local trainer) is used. The default keeps the
+whole dataset on the device and gathers batches by index; --dataloader instead iterates a
+torch DataLoader over a Subset of a CPU TensorDataset per client and copies each batch to the
+device, as most simulators do.
 """
 from __future__ import annotations
 
@@ -32,7 +34,6 @@ COLUMNS = [
     ("startup s", "startup_seconds", ".2f"), ("run s", "run_call_seconds", ".2f"),
     ("acc", "final_test_accuracy", ".4f"), ("peak MB", "peak_mb", ".1f"),
 ]
-_SAMPLE_STREAM = 1  # fedsim's key for the stream that samples each round's clients
 
 
 def parse_args(argv=None):
@@ -46,20 +47,6 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- FedAvg, plainly
-
-
-def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> list[int]:
-    """The clients of a round, drawn as fedsim draws them (so both train the same clients)."""
-    import numpy as np
-
-    rng = np.random.default_rng([seed, _SAMPLE_STREAM, rnd])
-    return sorted(rng.choice(num_clients, size=k, replace=False).tolist())
-
-
-def client_seed(seed: int, rnd: int, client: int) -> int:
-    import numpy as np
-
-    return int(np.random.SeedSequence([seed, rnd, client]).generate_state(1)[0])
 
 
 def tensor_batches(train_x, train_y, indices, batch_size: int):
@@ -123,15 +110,12 @@ def prepare(cfg, use_dataloader: bool):
     import torch
     from torch.utils.data import DataLoader, Subset, TensorDataset
 
-    from fedsim.data import load_dataset, options_for, partition
-    from fedsim.models import build_model
+    from fedsim.federation import initial_model, load_federation
 
     device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    data = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.limit, cfg.data.download)
-    parts = partition(data.train_y, cfg.data.partition, cfg.data.num_clients, cfg.seed,
-                      **options_for(cfg.data.partition, cfg.data))
-    torch.manual_seed(cfg.seed)  # fedsim seeds the same way before building the model: same initial weights
-    model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
+    federation = load_federation(cfg)  # what fedsim's run starts from: its clients, then its initial weights
+    data, parts = federation.data, federation.parts
+    model = initial_model(cfg, data).to(device)
     test = (data.test_x.to(device), data.test_y.to(device))
     if use_dataloader:
         dataset = TensorDataset(data.train_x, data.train_y)
@@ -155,9 +139,11 @@ def train_round(cfg, rnd: int, model, global_state: dict, client_sizes: list[int
     the mean of the clients' weights, weighted by sample counts) and the mean train loss."""
     import torch
 
+    from fedsim.streams import client_seed, sample_clients
+
     total = {name: torch.zeros_like(value) for name, value in global_state.items()}
     weight_sum, loss_sum, samples_seen = 0, 0.0, 0
-    for client in sample_clients(cfg.seed, rnd, cfg.data.num_clients, cfg.clients_per_round):
+    for client in sample_clients(cfg.seed, rnd, cfg.data.num_clients, cfg.clients_per_round).tolist():
         torch.manual_seed(client_seed(cfg.seed, rnd, client))  # shuffling and dropout of this client
         model.load_state_dict(global_state)
         client_loss, seen = train_client(model, partial(epoch_batches, client), cfg.local)
@@ -283,10 +269,7 @@ def main(argv=None) -> int:
     for e in entries:
         if e["status"] != "ok":
             print(f"{e['workload']} {e['model']}: {e['status']}: {e.get('message')}")
-    names = [e["device_name"] for e in entries if e.get("device_name")]
-    machine["device"], machine["device_name"] = device, names[0] if names else device
-    path = harness.write_results("sequential_baseline", machine["device_name"] if device == "cuda" else "cpu",
-                                 {"machine": machine, "options": vars(args), "entries": entries}, args.output)
+    path = harness.write_results("sequential_baseline", args, machine, device, entries, {"entries": entries})
     print(f"\nwrote {path}")
     return 1 if any(e["status"] == "failed" for e in entries) else 0
 

@@ -3,6 +3,7 @@
     import fedsim
     history = fedsim.run("experiments/mnist_seed.yaml", rounds=5, **{"local.lr": 0.05})
     history.test_accuracy        # one entry per evaluated round
+    fedsim.run("experiments/mnist_seed.yaml", aggregator=my_rule, model=MyNet)   # your own parts
 
 Imports are lazy so that worker processes, which import this package, start quickly.
 """
@@ -11,14 +12,17 @@ __version__ = "0.1.0"
 _API = {
     "run": "server", "resume": "server", "load_config": "config", "Config": "config",
     "History": "results", "load_run": "results", "load_runs": "results",
-    "results_table": "results", "plot_runs": "plot",
+    "results_table": "results", "plot_runs": "plot", "Algorithm": "algorithms", "Callback": "callbacks",
 }
+_MODULES = {"data", "algorithms", "callbacks", "aggregation", "attacks", "models"}
 __all__ = sorted(_API)
 
 
 def __getattr__(name):
-    if name in _API:
-        import importlib
+    import importlib
 
+    if name in _API:
         return getattr(importlib.import_module(f".{_API[name]}", __name__), name)
+    if name in _MODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'fedsim' has no attribute {name!r}")

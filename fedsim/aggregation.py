@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from .errors import ConfigError
+from .options import Options, is_number
 from .registry import Registry
 
 Rule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -45,36 +46,8 @@ def get(name: str, **options) -> Rule:
 # ----------------------------------------------------------------------------- option checks
 
 
-def _fail(message: str):
-    raise ConfigError(f"aggregator_options: {message}")
-
-
-def _is_number(value) -> bool:
-    # an int is finite however large (math.isfinite would raise OverflowError above 1.8e308)
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and (
-        isinstance(value, int) or math.isfinite(value))
-
-
-def _is_integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-_FLOAT32 = torch.finfo(torch.float32)
-
-
-def _positive(name: str, value) -> float:
-    """A number > 0 that the float32 engine holds at full precision: in float32's normal range,
-    so that it neither overflows to inf nor becomes a subnormal or 0 (``max_norm = 1e-45``
-    would otherwise clip every update to zero)."""
-    if not _is_number(value) or not _FLOAT32.tiny <= value <= _FLOAT32.max:
-        _fail(f"{name} must be a number > 0 in float32's normal range "
-              f"[{_FLOAT32.tiny:.3g}, {_FLOAT32.max:.3g}], got {value!r}")
-    return float(value)
-
-
-def _check_count(name: str, value, low: int) -> None:
-    if value is not None and (not _is_integer(value) or value < low):
-        _fail(f"{name} must be an integer >= {low} (or null), got {value!r}")
+_OPTIONS = Options("aggregator_options")
+_fail = _OPTIONS.fail
 
 
 def _normalized(weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -129,6 +102,11 @@ def _norms(rows: torch.Tensor, point: torch.Tensor | None = None) -> torch.Tenso
     return torch.linalg.vector_norm(torch.stack(parts), dim=0)
 
 
+def row_norms(rows: torch.Tensor) -> torch.Tensor:
+    """The ``[k]`` Euclidean norms of the rows, in float64: finite for any finite rows."""
+    return _norms(rows)
+
+
 def _middle(values: torch.Tensor) -> torch.Tensor:
     """Median along dim 0 from one sort; for even k, the mean of the two middle values."""
     k = values.shape[0]
@@ -165,7 +143,7 @@ def norm_clip(max_norm=None) -> Rule:
     updates, a bound that adapts as updates shrink during training.
     """
     if max_norm is not None:
-        max_norm = _positive("max_norm", max_norm)
+        max_norm = _OPTIONS.positive("max_norm", max_norm)
 
     def rule(updates, weights):
         norms = _norms(updates)  # float64: finite for any float32 update
@@ -207,7 +185,7 @@ def trimmed_mean(beta=0.1) -> Rule:
     and ``beta < 0.5`` always leaves at least one value. ``beta = 0`` is the plain mean.
     Sample counts are ignored.
     """
-    if not _is_number(beta) or not 0 <= beta < 0.5:
+    if not is_number(beta) or not 0 <= beta < 0.5:
         _fail(f"beta must be a number in [0, 0.5), got {beta!r}")
 
     def rule(updates, weights):
@@ -284,7 +262,7 @@ def krum(f=None) -> Rule:
     lower row. ``f`` is the number of attackers assumed among the ``k`` clients of a round and
     must satisfy ``k > 2f + 2``; ``f: null`` takes the largest such f. Sample counts are ignored.
     """
-    _check_count("f", f, 0)
+    _OPTIONS.count("f", f, 0, optional=True)
 
     def rule(updates, weights):
         assumed = _check_krum(updates.shape[0], f)
@@ -302,8 +280,8 @@ def multi_krum(f=None, m=None) -> Rule:
     [1, k - f] (more would have to include updates scored as the f outliers), and ``m: null``
     takes ``k - f``. ``m = 1`` is Krum.
     """
-    _check_count("f", f, 0)
-    _check_count("m", m, 1)
+    _OPTIONS.count("f", f, 0, optional=True)
+    _OPTIONS.count("m", m, 1, optional=True)
 
     def rule(updates, weights):
         k = updates.shape[0]
@@ -341,10 +319,9 @@ def geometric_median(eps=1e-6, tol=1e-5, max_iter=100) -> Rule:
     distances, in float64 column blocks, and the combination) and one host synchronization for
     the stopping test.
     """
-    eps = _positive("eps", eps)
-    tol = _positive("tol", tol)
-    if not _is_integer(max_iter) or max_iter < 1:
-        _fail(f"max_iter must be an integer >= 1, got {max_iter!r}")
+    eps = _OPTIONS.positive("eps", eps)
+    tol = _OPTIONS.positive("tol", tol)
+    _OPTIONS.count("max_iter", max_iter, 1)
 
     def rule(updates, weights):
         alpha = _normalized(weights, updates)

@@ -1,47 +1,83 @@
-"""Byzantine clients, to test robust aggregation.
+"""Byzantine clients, to test robust aggregation: each attack is one registered class.
 
 A seeded set of clients (``attack.fraction`` of all clients, fixed for the run) misbehaves
-whenever it is sampled. Update attacks rewrite the attackers' rows of the stacked updates
-on the server before aggregation; ``label_flip`` attackers train on flipped labels instead.
+whenever it is sampled. An attack rewrites the attackers' rows of the stacked updates on the
+server before aggregation (``rewrite``), or changes the labels they train on (``relabel``).
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .registry import Registry
+from .streams import attackers_rng
 
 ATTACKS = Registry("attack")
-ATTACKS.register("none", "every client is honest")("none")
-ATTACKS.register("sign_flip", "send -scale x the honest update")("sign_flip")
-ATTACKS.register("scale", "send scale x the honest update")("scale")
-ATTACKS.register("gaussian", "send Gaussian noise with the honest update's standard deviation")("gaussian")
-ATTACKS.register("label_flip", "train on flipped labels (class c becomes C-1-c)")("label_flip")
-
-_ATTACKER_STREAM = 7  # a key of its own, so the attacker set never shares a stream with training
 
 
-def attacker_mask(seed: int, num_clients: int, attack) -> torch.Tensor:
+class Attack:
+    """Every client is honest: nothing is rewritten and nothing relabelled."""
+
+    def __init__(self, scale: float = 1.0):
+        self.scale = scale
+
+    def rewrite(self, honest: torch.Tensor, generator: torch.Generator) -> torch.Tensor | None:
+        """What the attackers send instead of their honest updates ``[a, L]``; None: unchanged."""
+        return None
+
+    def relabel(self, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+        """The labels an attacker trains on instead of ``labels``."""
+        return labels
+
+    @property
+    def relabels(self) -> bool:
+        return type(self).relabel is not Attack.relabel
+
+
+ATTACKS.register("none", "every client is honest")(Attack)
+
+
+@ATTACKS.register("sign_flip", "send -scale x the honest update")
+class SignFlip(Attack):
+    def rewrite(self, honest, generator):
+        return honest * -self.scale
+
+
+@ATTACKS.register("scale", "send scale x the honest update")
+class Scale(Attack):
+    def rewrite(self, honest, generator):
+        return honest * self.scale
+
+
+@ATTACKS.register("gaussian", "send Gaussian noise with the honest update's standard deviation")
+class Gaussian(Attack):
+    def rewrite(self, honest, generator):
+        noise = torch.randn(honest.shape, generator=generator, device="cpu").to(honest.device)
+        return noise * honest.std(dim=1, keepdim=True)
+
+
+@ATTACKS.register("label_flip", "train on flipped labels (class c becomes C-1-c)")
+class LabelFlip(Attack):
+    def relabel(self, labels, num_classes):
+        return num_classes - 1 - labels
+
+
+def make_attack(attack_config) -> Attack:
+    return ATTACKS.get(attack_config.type)(scale=attack_config.scale)
+
+
+def attacker_mask(seed: int, num_clients: int, attack_config) -> torch.Tensor:
     """Bool tensor over clients: True for the round(fraction x num_clients) attackers (Python's
     round, so an exact half goes to the even count), drawn from their own stream of ``seed``."""
     mask = torch.zeros(num_clients, dtype=torch.bool)
-    if attack.type != "none":
-        count = int(round(attack.fraction * num_clients))
-        rng = np.random.default_rng([seed, _ATTACKER_STREAM])
-        mask[torch.from_numpy(rng.choice(num_clients, size=count, replace=False))] = True
+    if attack_config.type != "none":
+        count = int(round(attack_config.fraction * num_clients))
+        mask[torch.from_numpy(attackers_rng(seed).choice(num_clients, size=count, replace=False))] = True
     return mask
 
 
-def corrupt_updates(attack, updates: torch.Tensor, rows: torch.Tensor, generator: torch.Generator) -> None:
+def corrupt_updates(attack_config, updates: torch.Tensor, rows: torch.Tensor, generator: torch.Generator) -> None:
     """Rewrite ``updates[rows]`` in place according to the attack."""
-    if attack.type in ("none", "label_flip") or len(rows) == 0:
-        return
-    honest = updates[rows]
-    if attack.type == "sign_flip":
-        bad = honest * -attack.scale
-    elif attack.type == "scale":
-        bad = honest * attack.scale
-    else:  # gaussian
-        noise = torch.randn(honest.shape, generator=generator, device="cpu").to(honest.device)
-        bad = noise * honest.std(dim=1, keepdim=True)
-    updates[rows] = bad
+    if len(rows):
+        bad = make_attack(attack_config).rewrite(updates[rows], generator)
+        if bad is not None:
+            updates[rows] = bad

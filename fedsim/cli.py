@@ -14,12 +14,14 @@ from .interrupts import Terminated, install_handlers
 
 
 def cmd_run(args) -> int:
+    from .callbacks import TensorBoard
     from .config import load_config
     from .errors import DataError, FedsimError
     from .progress import write_or_silence
     from .results import RunDirectory
     from .server import resume_run, start_run
 
+    callbacks = [TensorBoard()] if args.tensorboard else []
     if args.resume:
         if args.config:
             raise FedsimError("give either an experiment FILE or --resume RUN_DIR, not both")
@@ -27,14 +29,15 @@ def cmd_run(args) -> int:
             raise FedsimError(f"--{'out' if args.out else 'overwrite'} does not apply to --resume: a run "
                               f"continues in its own directory")
         path = args.resume
-        runner = lambda: resume_run(args.resume, args.set, quiet=args.quiet, progress=args.progress)  # noqa: E731
+        runner = lambda: resume_run(args.resume, args.set, quiet=args.quiet, progress=args.progress,  # noqa: E731
+                                    callbacks=callbacks)
     else:
         if not args.config:
             raise FedsimError("missing the experiment FILE (or --resume RUN_DIR)")
         cfg = load_config(args.config, args.set)
         path = RunDirectory.target(args.out, cfg.name, args.overwrite)
         runner = lambda: start_run(cfg, out=path, overwrite=args.overwrite, quiet=args.quiet,  # noqa: E731
-                                   progress=args.progress)
+                                   progress=args.progress, callbacks=callbacks)
     install_handlers()
     try:
         history = runner()
@@ -81,9 +84,9 @@ def _interrupted_message(path) -> str:
 
 
 def cmd_list(args) -> int:
-    from .registries import ALL
+    from .registry import tables
 
-    for kind, table in ALL.items():
+    for kind, table in tables().items():
         print(f"{kind}:")
         width = max(len(name) for name in table.names())
         for name, description in table.describe():
@@ -162,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="print nothing per round")
     run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="show the rounds as one updating line (default: only on a terminal)")
+    run.add_argument("--tensorboard", action="store_true",
+                     help="also write TensorBoard scalars to RUN_DIR/tensorboard (needs the tensorboard package)")
     run.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     run.set_defaults(func=cmd_run)
 

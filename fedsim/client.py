@@ -1,43 +1,36 @@
-"""Local training of one client: E epochs of SGD on its slice of the device-resident data.
+"""Local training: E epochs of SGD on a client's slice of the device-resident data.
 
 The SGD step works on the flat parameter and gradient tensors (see ``flat.py``), so it is the
 same few kernels for any model. It matches ``torch.optim.SGD`` (weight decay added to the
-gradient, then heavy-ball momentum without dampening); the client algorithms add their
-gradient terms before momentum:
-
-* ``fedprox``  adds mu * (w - w_global), the gradient of mu/2 ||w - w_global||^2;
-* ``scaffold`` adds c - c_i, the server minus the client control variate, and keeps the mean
-  of the uncorrected gradients of the local steps: the client's new control variate. With
-  plain SGD that mean equals option II of Karimireddy et al. 2020, (x - y_i) / (K lr) + c_i - c;
-  unlike that formula it stays right with local momentum, where the weights travel about
-  1 / (1 - momentum) times further than the gradients alone would take them.
+gradient, then heavy-ball momentum without dampening); the run's algorithm adds its term to the
+gradient before momentum (``Algorithm.adjust_gradient``) and may ask for the mean of the raw
+gradients (``keeps_mean_gradient``). Two trainers: ``LocalTrainer`` trains clients one after
+another, ``VmapTrainer`` a group of clients in lockstep. Neither knows any particular algorithm.
 """
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from .algorithms import Algorithm
 from .flat import FlatModel
-from .registry import Registry
 
-ALGORITHMS = Registry("algorithm")
-ALGORITHMS.register("fedavg", "plain local SGD from the global weights (McMahan et al. 2017)")("fedavg")
-ALGORITHMS.register("fedprox", "local SGD plus the proximal term mu/2 ||w - w_global||^2 (Li et al. 2020)")("fedprox")
-ALGORITHMS.register("scaffold", "local SGD corrected by control variates c - c_i; the new c_i is the mean "
-                                "uncorrected gradient (option II under plain SGD; Karimireddy et al. 2020)")("scaffold")
+
+@dataclass
+class Trained:
+    """What one call of ``train`` did, for c clients (1 for ``LocalTrainer``)."""
+
+    loss: torch.Tensor  # [c] mean training loss (on the device: no host sync per step)
+    steps: torch.Tensor  # [c] SGD steps taken
+    mean_gradient: torch.Tensor | None  # [c, n] mean raw gradient, when the algorithm keeps it
 
 
 def _autocast(local, device: torch.device) -> torch.autocast:
     """bf16 autocast of forward and loss when local.precision is bf16 (weights, gradients and
     the SGD step stay fp32); a disabled context otherwise."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=local.precision == "bf16")
-
-
-def derive_seed(*keys: int) -> int:
-    """A 63-bit seed from integer keys, e.g. (seed, round, client): the same keys give the
-    same stream in any process, so results never depend on which worker trains a client."""
-    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
 def _batch(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor, device: torch.device):
@@ -50,26 +43,23 @@ class LocalTrainer:
     """Trains clients one after another on one flat model; one per worker process."""
 
     def __init__(self, model: FlatModel, train_x: torch.Tensor, train_y: torch.Tensor, local, *,
-                 num_classes: int, augment=None):
+                 num_classes: int, algorithm: Algorithm | None = None, augment=None):
         self.model = model
         self.train_x, self.train_y = train_x, train_y
         self.local = local
         self.num_classes = num_classes
+        self.algorithm = algorithm or Algorithm()
         self.augment = augment
         self.momentum = torch.zeros_like(model.params) if local.momentum else None
         self.loss_sum = torch.zeros((), device=model.flat.device)
         self.autocast = _autocast(local, model.flat.device)
-        self.mean_gradient: torch.Tensor | None = None  # set by train() when given a correction
 
-    def train(self, indices: torch.Tensor, start: torch.Tensor, seed: int, *, prox_mu: float = 0.0,
-              correction: torch.Tensor | None = None, flip_labels: bool = False) -> tuple[torch.Tensor, int]:
+    def train(self, indices: torch.Tensor, start: torch.Tensor, seed: int, *, local_state=None,
+              relabel=None) -> Trained:
         """Train from ``start`` on the samples ``indices``; the result is left in ``model.flat``.
-
-        Returns the mean training loss (a device scalar, so no host sync per step) and the
-        number of SGD steps taken. With a ``correction`` (SCAFFOLD), ``self.mean_gradient``
-        then holds the mean uncorrected gradient of the steps.
-        """
-        model, local = self.model, self.local
+        ``local_state`` is what the algorithm's ``start_client`` returned for this client;
+        ``relabel(labels, num_classes)`` replaces the labels it trains on (a label attack)."""
+        model, local, algorithm = self.model, self.local, self.algorithm
         torch.manual_seed(seed)  # shuffling, dropout and augmentation of this client, this round
         model.flat.copy_(start)
         model.module.train()
@@ -78,7 +68,8 @@ class LocalTrainer:
         if self.momentum is not None:
             self.momentum.zero_()
         self.loss_sum.zero_()
-        gradient_sum = torch.zeros_like(params) if correction is not None else None
+        adjusts = algorithm.has_gradient_term
+        gradient_sum = torch.zeros_like(params) if algorithm.keeps_mean_gradient else None
         steps = 0
         for _ in range(local.epochs):
             order = indices[torch.randperm(len(indices), device=indices.device)]
@@ -86,27 +77,27 @@ class LocalTrainer:
                 x, y = _batch(self.train_x, self.train_y, batch, model.flat.device)
                 if self.augment is not None:
                     x = self.augment(x)
-                if flip_labels:
-                    y = self.num_classes - 1 - y
+                if relabel is not None:
+                    y = relabel(y, self.num_classes)
                 with self.autocast:
                     loss = F.cross_entropy(model.module(x), y)
                 grad.zero_()
                 loss.backward()
                 if local.weight_decay:
                     grad.add_(params, alpha=local.weight_decay)
-                if prox_mu:
-                    grad.add_(params - start_params, alpha=prox_mu)
-                if correction is not None:
+                if gradient_sum is not None:
                     gradient_sum.add_(grad)
-                    grad.add_(correction)
+                if adjusts:
+                    algorithm.adjust_gradient(grad[None], params[None], start_params, local_state)
                 step = grad
                 if self.momentum is not None:
                     step = self.momentum.mul_(local.momentum).add_(grad)
                 params.add_(step, alpha=-local.lr)
                 self.loss_sum.add_(loss.detach(), alpha=len(batch))
                 steps += 1
-        self.mean_gradient = gradient_sum / steps if correction is not None else None
-        return self.loss_sum / (len(indices) * local.epochs), steps
+        mean_gradient = None if gradient_sum is None else (gradient_sum / steps)[None]
+        return Trained((self.loss_sum / (len(indices) * local.epochs))[None],
+                       torch.tensor([steps], device=model.flat.device), mean_gradient)
 
 
 class VmapTrainer:
@@ -121,11 +112,12 @@ class VmapTrainer:
     """
 
     def __init__(self, module: torch.nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, local, *,
-                 num_classes: int, augment=None):
+                 num_classes: int, algorithm: Algorithm | None = None, augment=None):
         from torch.func import functional_call, grad_and_value, vmap
 
         self.train_x, self.train_y, self.local = train_x, train_y, local
         self.num_classes, self.augment = num_classes, augment
+        self.algorithm = algorithm or Algorithm()
         self.device = next(module.parameters()).device  # compute; the data may stay in host memory
         self.data_device = train_x.device
         module.train()
@@ -163,12 +155,11 @@ class VmapTrainer:
         return index.view(shape).transpose(0, 1), weight.view(shape).transpose(0, 1)
 
     def train(self, clients_indices: list[torch.Tensor], start: torch.Tensor, client_seeds: list[int],
-              group_seed: int, *, prox_mu: float = 0.0, correction: torch.Tensor | None = None,
-              flip_labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Train the group from ``start``; return the ``[c, P]`` weights, the mean training loss
-        of each client and each client's number of SGD steps. With a ``correction`` (SCAFFOLD),
-        ``self.mean_gradient`` then holds each client's mean uncorrected gradient, ``[c, P]``."""
-        local, c = self.local, len(clients_indices)
+              group_seed: int, *, local_state=None, relabel=None,
+              attacked: torch.Tensor | None = None) -> tuple[torch.Tensor, Trained]:
+        """Train the group from ``start``; return its ``[c, P]`` weights and what it did.
+        ``relabel`` replaces the labels of the clients marked in ``attacked`` ([c] bool)."""
+        local, algorithm, c = self.local, self.algorithm, len(clients_indices)
         torch.manual_seed(group_seed)  # dropout and augmentation of this group, this round
         generators = [torch.Generator(self.data_device).manual_seed(s) for s in client_seeds]
         weights = start.expand(c, -1).clone()
@@ -176,25 +167,25 @@ class VmapTrainer:
         start_params = start[: weights.shape[1]]
         momentum = torch.zeros_like(weights) if local.momentum else None
         loss_sum = torch.zeros(c, device=self.device)
-        gradient_sum = torch.zeros_like(weights) if correction is not None else None
+        adjusts = algorithm.has_gradient_term
+        gradient_sum = torch.zeros_like(weights) if algorithm.keeps_mean_gradient else None
         for _ in range(local.epochs):
             index, sample_weight = self._epoch_plan(clients_indices, generators)
             for batch, w in zip(index, sample_weight):
                 x, y = _batch(self.train_x, self.train_y, batch, self.device)  # [c, B, ...], [c, B]
                 if self.augment is not None:
                     x = self.augment(x.flatten(0, 1)).view_as(x)
-                if flip_labels is not None:
-                    y = torch.where(flip_labels[:, None], self.num_classes - 1 - y, y)
+                if relabel is not None:
+                    y = torch.where(attacked[:, None], relabel(y, self.num_classes), y)
                 grads, losses = self.step(params, x, y, w)
                 grad = torch.cat([grads[name].reshape(c, -1) for name in self.shapes], dim=1)
                 if local.weight_decay:
                     grad.add_(weights, alpha=local.weight_decay)
-                if prox_mu:
-                    grad.add_(weights - start_params, alpha=prox_mu)
                 active = (w.sum(dim=1) > 0).to(weights.dtype)[:, None]  # clients that have this step
-                if correction is not None:
+                if gradient_sum is not None:
                     gradient_sum.add_(grad * active)
-                    grad.add_(correction)
+                if adjusts:
+                    algorithm.adjust_gradient(grad, weights, start_params, local_state)
                 step = grad
                 if momentum is not None:
                     momentum.copy_(torch.where(active > 0, momentum * local.momentum + grad, momentum))
@@ -202,8 +193,7 @@ class VmapTrainer:
                 weights.sub_(step * active, alpha=local.lr)
                 loss_sum.add_(losses * w.sum(dim=1))
         sizes = torch.tensor([len(ix) for ix in clients_indices], device=self.device)
-        steps = [-(-len(ix) // local.batch_size) * local.epochs for ix in clients_indices]
-        self.mean_gradient = None
-        if correction is not None:
-            self.mean_gradient = gradient_sum / torch.tensor(steps, device=self.device, dtype=weights.dtype)[:, None]
-        return weights, loss_sum / (sizes * local.epochs), steps
+        steps = torch.tensor([-(-len(ix) // local.batch_size) * local.epochs for ix in clients_indices],
+                             device=self.device)
+        mean_gradient = None if gradient_sum is None else gradient_sum / steps[:, None].to(weights.dtype)
+        return weights, Trained(loss_sum / (sizes * local.epochs), steps, mean_gradient)

@@ -29,7 +29,7 @@ def default_data_root() -> str:
 
 @dataclass
 class DataConfig:
-    dataset: str = "mnist"
+    dataset: Any = "mnist"  # a name, a .pt/.npz file, an import path, or a Dataset (see components.py)
     root: str = field(default_factory=default_data_root)
     partition: str = "iid"
     num_clients: int = 10
@@ -54,7 +54,6 @@ class LocalConfig:
     lr: float = 0.01
     momentum: float = 0.0
     weight_decay: float = 0.0
-    mu: float = 0.0  # fedprox proximal weight
     precision: str = "fp32"  # fp32 | bf16 (autocast of forward and loss; weights and SGD stay fp32)
 
 
@@ -71,16 +70,17 @@ class Config:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     rounds: int = 10
-    workers: Optional[int] = None  # None: min(clients_per_round, CPU cores), capped on a GPU
+    workers: Optional[int] = None  # None: min(clients_per_round, CPU cores), capped on a GPU; 0: none
     backend: str = "process"  # process | vmap
     vmap_group_size: int = 0  # vmap: clients trained together in one group; 0 = the whole round
     clients_per_round: int = 10
     eval_every: int = 1
     eval_batch_size: int = 2000
     stop_at_accuracy: Optional[float] = None
-    model: str = "mnist_cnn"
-    algorithm: str = "fedavg"
-    aggregator: str = "fedavg"
+    model: Any = "mnist_cnn"  # model, algorithm, aggregator: a name, an import path or an object
+    algorithm: Any = "fedavg"
+    algorithm_options: dict = field(default_factory=dict)
+    aggregator: Any = "fedavg"
     aggregator_options: dict = field(default_factory=dict)
     server_optimizer: str = "none"
     server_lr: Optional[float] = None  # None: the optimizer's own default
@@ -98,7 +98,21 @@ class Config:
     attack: AttackConfig = field(default_factory=AttackConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain values only: a component given as an object is named by ``describe``."""
+        from .components import describe
+
+        def plain(value):
+            if isinstance(value, (Config, DataConfig, LocalConfig, AttackConfig)):
+                return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+            if isinstance(value, dict):
+                return {k: plain(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [plain(v) for v in value]
+            if value is None or isinstance(value, (str, int, float, bool)):
+                return value
+            return describe(value)
+
+        return plain(self)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -336,6 +350,8 @@ def _build(cls, raw: dict, prefix: str, origin: str, from_overrides: set[str]):
     kwargs = {}
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
+        if dotted in _MOVED:
+            raise ConfigError(f"{_where(origin, dotted, from_overrides)}: is now {_MOVED[dotted]}")
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
@@ -353,7 +369,9 @@ def _build(cls, raw: dict, prefix: str, origin: str, from_overrides: set[str]):
     return cls(**kwargs)
 
 
-_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping",
+               Any: "a name, an import path (pkg.module:name) or, from Python, the object"}
+_MOVED = {"local.mu": "algorithm_options.mu (with algorithm: fedprox)"}
 # Integers become int64 tensors and seeds, floats float32 tensor values: beyond these the
 # engine cannot represent a value, so validation refuses it rather than a later traceback.
 MAX_INT = 2**63 - 1
@@ -372,6 +390,8 @@ def _coerce(value, hint, where: str):
         if optional:
             return None
         raise ConfigError(f"{where}: expected {_TYPE_WORDS[hint]}, got null")
+    if hint is Any:  # a component: checked when it is resolved (components.check)
+        return value
     ok = {
         int: isinstance(value, int) and not isinstance(value, bool),
         float: isinstance(value, (int, float)) and not isinstance(value, bool),
@@ -401,7 +421,10 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 def validate(cfg: Config, origin: str = "config", from_overrides: set[str] = frozenset()) -> None:
     """Range and name checks; raises ConfigError naming the first bad key."""
-    from . import registries  # the tables import torch; load them only when validating
+    from . import components  # these import torch; load them only when validating
+    from .registry import tables
+
+    tables = tables()
 
     def fail(key, message):
         raise ConfigError(f"{_where(origin, key, from_overrides)}: {message}")
@@ -432,7 +455,7 @@ def validate(cfg: Config, origin: str = "config", from_overrides: set[str] = fro
     if cfg.clients_per_round > d.num_clients:
         fail("clients_per_round", f"must be <= data.num_clients ({d.num_clients}), got {cfg.clients_per_round}")
     if cfg.workers is not None:
-        at_least("workers", cfg.workers, 1)
+        at_least("workers", cfg.workers, 0)
         if cfg.workers > cfg.clients_per_round:
             fail("workers", f"must be <= clients_per_round ({cfg.clients_per_round}): "
                             f"a worker without a client would idle, got {cfg.workers}")
@@ -464,7 +487,6 @@ def validate(cfg: Config, origin: str = "config", from_overrides: set[str] = fro
     if not 0 <= loc.momentum < 1:
         fail("local.momentum", f"must be in [0, 1), got {loc.momentum}")
     at_least("local.weight_decay", loc.weight_decay, 0)
-    at_least("local.mu", loc.mu, 0)
     if cfg.server_lr is not None and cfg.server_lr <= 0:
         fail("server_lr", f"must be > 0, got {cfg.server_lr}")
     for key in ("server_momentum", "server_beta1", "server_beta2"):
@@ -480,14 +502,29 @@ def validate(cfg: Config, origin: str = "config", from_overrides: set[str] = fro
     one_of("on_worker_failure", cfg.on_worker_failure, ("stop", "restart"))
     one_of("on_nonfinite", cfg.on_nonfinite, ("drop", "fail"))
     one_of("sharing_strategy", cfg.sharing_strategy, ("file_descriptor", "file_system"))
-    choice("data.dataset", d.dataset, registries.DATASETS)
-    choice("data.partition", d.partition, registries.PARTITIONS)
-    choice("model", cfg.model, registries.MODELS)
-    choice("algorithm", cfg.algorithm, registries.ALGORITHMS)
-    choice("aggregator", cfg.aggregator, registries.AGGREGATORS)
-    choice("server_optimizer", cfg.server_optimizer, registries.SERVER_OPTIMIZERS)
-    choice("attack.type", cfg.attack.type, registries.ATTACKS)
-    registries.check_options(cfg, lambda key, message: fail(key, message))
+    choice("data.partition", d.partition, tables["partitions"])
+    choice("server_optimizer", cfg.server_optimizer, tables["server optimizers"])
+    choice("attack.type", cfg.attack.type, tables["attacks"])
+    if cfg.attack.type != "none" and cfg.attack.fraction == 0:
+        fail("attack.fraction", f"attack.type is {cfg.attack.type} but fraction is 0; set a fraction in (0, 1)")
+    try:
+        components.check(cfg)
+    except ConfigError as e:  # the message starts with the key it is about
+        key, _, message = str(e).partition(": ")
+        fail(key, message)
+
+
+_PARTITION_KEYS = ("alpha", "min_samples", "shards_per_client", "classes_per_client", "sigma", "quantity_skew")
+
+
+def unused_settings(cfg: Config) -> list[str]:
+    """Partition options set to other than their default although the chosen partition does not
+    read them: a run would silently ignore them, so the run warns."""
+    from .data import options_for
+
+    used, default = options_for(cfg.data.partition, cfg.data), DataConfig()
+    return [f"data.{key} is {getattr(cfg.data, key)!r} but data.partition {cfg.data.partition} does not use it"
+            for key in _PARTITION_KEYS if key not in used and getattr(cfg.data, key) != getattr(default, key)]
 
 
 def vmap_group_size(cfg: Config) -> int:

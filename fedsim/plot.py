@@ -61,11 +61,12 @@ def plot_runs(runs, *, metric: str = "test_accuracy", x: str = "round", label: s
         fig = Figure(figsize=(inches, height), layout="constrained")
         axes = fig.subplots(2 if loss else 1, 1, sharex=True, squeeze=False)[:, 0]
         metrics = [metric, "test_loss"] if loss else [metric]
+        handles = []  # by hand: matplotlib leaves out labels that start with "_" (__main__:my_rule)
         for i, (group, name) in enumerate(zip(groups, names)):
             style = {"color": PALETTE[i % len(PALETTE)],
                      "linestyle": LINESTYLES[i // len(PALETTE) % len(LINESTYLES)]}
-            for ax, column in zip(axes, metrics):
-                _draw(ax, group, column, x, band, style, name)
+            lines = [_draw(ax, group, column, x, band, style, name) for ax, column in zip(axes, metrics)]
+            handles.append(lines[0])
         for ax, column in zip(axes, metrics):
             ax.set_ylabel(_axis_label(column))
             ax.grid(True, alpha=0.3, linewidth=0.6)
@@ -74,7 +75,6 @@ def plot_runs(runs, *, metric: str = "test_accuracy", x: str = "round", label: s
             axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
         axes[0].set_title(title if title is not None else _default_title(histories, metric, x))
         if legend:
-            handles = axes[0].get_legend_handles_labels()[0]
             if len(legend) > len(handles):
                 handles.append(Patch(color="0.5", alpha=0.35, linewidth=0))  # the band's entry
             fig.legend(handles, legend, title=label, loc="outside lower center", ncols=columns, frameon=False)
@@ -129,12 +129,12 @@ def save_accuracy_plot(history, path: Path) -> None:
 # ----------------------------------------------------------------------------- drawing
 
 
-def _draw(ax, group: list[History], column: str, x: str, band: str, style: dict, name: str) -> None:
+def _draw(ax, group: list[History], column: str, x: str, band: str, style: dict, name: str):
     xs, runs = _aligned(group, column, x)
     scale = 100.0 if column.endswith("accuracy") else 1.0
     means = [scale * fmean(v) for v in runs]
     marker = "o" if len(xs) <= 12 else None  # markers help on short runs and clutter long ones
-    ax.plot(xs, means, marker=marker, markersize=2.5, label=name, **style)
+    (line,) = ax.plot(xs, means, marker=marker, markersize=2.5, label=name, **style)
     if len(group) > 1:
         if band == "minmax":
             low, high = [scale * min(v) for v in runs], [scale * max(v) for v in runs]
@@ -142,6 +142,7 @@ def _draw(ax, group: list[History], column: str, x: str, band: str, style: dict,
             spread = [scale * stdev(v) for v in runs]
             low, high = [m - s for m, s in zip(means, spread)], [m + s for m, s in zip(means, spread)]
         ax.fill_between(xs, low, high, color=style["color"], alpha=0.2, linewidth=0)
+    return line
 
 
 def _aligned(group: list[History], column: str, x: str) -> tuple[list, list[list[float]]]:

@@ -1,35 +1,40 @@
-"""A one-line progress display for the round loop.
+"""What a run prints: its per-round lines, as one updating line on a terminal, and its
+messages (start, warnings, early stop), which go through ``logging.getLogger("fedsim")``.
 
-The server hands every line it reports to a ``log`` callable. ``RoundLog`` is such a callable:
-with the display on, the per-round lines (``round  3/10  test acc ...``) replace each other on
-one line, led by a bar and followed by an estimate of the time left; any other line (start,
-warnings, early stop) first ends that line and then prints as usual. With the display off,
-every line prints as it comes, which is what a log file or a CI job wants.
+With the display on, the per-round lines (``round  3/10  test acc ...``) replace each other on
+one line, led by a bar and followed by an estimate of the time left; any other line first ends
+that line and then prints as usual. With the display off, every line prints as it comes, which
+is what a log file or a CI job wants. A notebook user silences or redirects the messages with
+the logging module (``logging.getLogger("fedsim").setLevel(logging.WARNING)``).
 """
 from __future__ import annotations
 
+import logging
+import math
 import os
-import re
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 
-_ROUND_LINE = re.compile(r"round\s+(\d+)/(\d+)\s+(.*)")
 _BAR_WIDTH = 20
 
 
 class RoundLog:
-    """``RoundLog(progress)(line)``: print ``line``, showing round lines as one updating line.
+    """Prints a run's lines: ``round_end(row, rounds)`` for a round, ``(line)`` for any other.
 
-    ``progress``: True shows the display, False prints every line, None shows it when the
-    stream is a terminal. ``quiet``: print nothing but warnings. ``stream``: where to write;
+    ``progress``: True shows the updating display, False prints every line, None shows it when
+    the stream is a terminal. ``quiet``: print nothing but warnings. ``stream``: where to write;
     by default ``sys.stdout`` as it is at each call (Jupyter gives every cell its own).
+    ``write``: a function that takes each line instead (no display).
     """
 
-    def __init__(self, progress: bool | None = None, stream=None, clock=time.monotonic, quiet: bool = False):
-        self.progress = progress
+    def __init__(self, progress: bool | None = None, stream=None, clock=time.monotonic, quiet: bool = False,
+                 write=None):
+        self.progress = False if write is not None else progress
         self.quiet = quiet
         self._stream = stream
+        self._write_line = write
         self._clock = clock
         self._shown = 0  # characters of the progress line on screen; 0: no line open
         self._first = None  # (time, round) of the first round line, to measure the pace
@@ -47,17 +52,24 @@ class RoundLog:
     def __call__(self, line: str) -> None:
         if self.quiet:
             return
-        match = _ROUND_LINE.match(line) if self.enabled() else None
-        if match is None:
-            self.close()
+        self.close()
+        if self._write_line is not None:
+            self._write_line(line)
+        else:
             self._write(line + "\n")
+
+    def round_end(self, row: dict, rounds: int) -> None:
+        """The line of a finished round: its own line, or the updating display."""
+        if self.quiet:
             return
-        rnd, total = int(match[1]), int(match[2])
-        text = self._render(rnd, total, match[3])
+        if not self.enabled():
+            self(f"round {row['round']:>{len(str(rounds))}}/{rounds}  {_metrics(row)}")
+            return
+        text = self._render(row["round"], rounds, _metrics(row))
         # spaces overwrite what is left of a longer previous line; "\r" goes back to its start
         self._write("\r" + text.ljust(self._shown))
         self._shown = len(text)
-        if rnd >= total:
+        if row["round"] >= rounds:
             self.close()
 
     def warn(self, message: str) -> None:
@@ -103,6 +115,47 @@ class RoundLog:
             if len(rest) > room:
                 return rest[:max(room - 3, 0)] + "..."
         return rest
+
+
+def _metrics(row: dict) -> str:
+    acc = "   -  " if math.isnan(row["test_accuracy"]) else f"{row['test_accuracy']:.4f}"
+    loss = "   -  " if math.isnan(row["test_loss"]) else f"{row['test_loss']:.4f}"
+    extra = f"  dropped {row['dropped_clients']}" if row["dropped_clients"] else ""
+    return f"test acc {acc}  test loss {loss}  train loss {row['train_loss']:.4f}  {row['seconds']:.2f} s{extra}"
+
+
+class _ToRoundLog(logging.Handler):
+    """fedsim's messages, printed by a RoundLog: information as lines, warnings on stderr."""
+
+    def __init__(self, log: RoundLog):
+        super().__init__(logging.INFO)
+        self.log = log
+
+    def emit(self, record):
+        if record.levelno >= logging.WARNING:
+            self.log.warn(record.getMessage())
+        else:
+            self.log(record.getMessage())
+
+
+@contextmanager
+def console_logging(log: RoundLog):
+    """Print fedsim's messages through ``log`` while a run lasts, unless the program has set up
+    logging itself (a handler on fedsim's logger or on the root): then its set-up decides.
+    A level set on fedsim's logger (to silence it, say) is respected."""
+    logger = logging.getLogger("fedsim")
+    if logger.handlers or logging.getLogger().handlers:
+        yield
+        return
+    handler, level = _ToRoundLog(log), logger.level
+    logger.addHandler(handler)
+    if level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def write_or_silence(stream, text: str) -> bool:

@@ -1,4 +1,4 @@
-"""Name -> object tables, so a YAML file or a notebook can say ``model: mnist_cnn``."""
+"""Name -> object tables, so a YAML file or a notebook can say ``model: mnist_cnn``; and where they all are."""
 from __future__ import annotations
 
 from typing import Callable
@@ -34,3 +34,17 @@ class Registry:
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries
+
+
+def tables() -> dict[str, Registry]:
+    """Every name table, for validation and ``fedsim list``; imported here, when first asked
+    for, because the tables' modules import torch."""
+    from .aggregation import AGGREGATORS
+    from .algorithms import ALGORITHMS
+    from .attacks import ATTACKS
+    from .data import DATASETS, PARTITIONS
+    from .models import MODELS
+    from .server_opt import SERVER_OPTIMIZERS
+
+    return {"datasets": DATASETS, "partitions": PARTITIONS, "models": MODELS, "algorithms": ALGORITHMS,
+            "aggregators": AGGREGATORS, "server optimizers": SERVER_OPTIMIZERS, "attacks": ATTACKS}

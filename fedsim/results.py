@@ -4,6 +4,7 @@ A run directory holds::
 
     config.yaml     the resolved configuration (what actually ran)
     metrics.csv     one row per evaluated round, written as the run goes
+    clients.csv     one row per trained client per round
     summary.json    final and best accuracy, rounds, wall time, device, workers
     accuracy.png    per-round test accuracy
     checkpoint.pt   the latest round's state, for --resume
@@ -28,23 +29,25 @@ COLUMNS = ("round", "test_accuracy", "test_loss", "train_loss", "seconds", "elap
            "clients", "dropped_clients", "attackers", "train_seconds", "worker_seconds", "aggregate_seconds",
            "eval_seconds")
 _INT_COLUMNS = {"round", "clients", "dropped_clients", "attackers"}
-RUN_FILES = ("config.yaml", "metrics.csv", "summary.json", "accuracy.png", "checkpoint.pt")
+RUN_FILES = ("config.yaml", "metrics.csv", "clients.csv", "summary.json", "accuracy.png", "checkpoint.pt")
 
 
 class History:
     """Per-round metrics of a run, one entry per evaluated round.
 
     Columns are attributes holding lists (``h.round``, ``h.test_accuracy``, ...); ``h.rows``
-    holds the same as dicts, ``h.config`` the resolved config as a dict, ``h.summary`` the
-    summary, ``h.run_dir`` where the files are.
+    holds the same as dicts, ``h.client_records`` one dict per trained client per round (the
+    rows of clients.csv), ``h.config`` the resolved config as a dict, ``h.summary`` the summary,
+    ``h.run_dir`` where the files are.
     """
 
     def __init__(self, rows=None, config: dict | None = None, run_dir: Path | None = None,
-                 summary: dict | None = None):
+                 summary: dict | None = None, client_records: list[dict] | None = None):
         self.rows: list[dict] = list(rows or [])
         self.config = config or {}
         self.run_dir = run_dir
         self.summary = summary or {}
+        self._client_records = client_records
 
     def __getattr__(self, name):
         if name in COLUMNS:  # a column a run directory of an older version lacks reads as None
@@ -53,6 +56,22 @@ class History:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def client_records(self) -> list[dict]:
+        """One dict per trained client per round (read from clients.csv when first asked for)."""
+        if self._client_records is None:
+            path = self.run_dir / "clients.csv" if self.run_dir else None
+            self._client_records = read_clients(path) if path and path.is_file() else []
+        return self._client_records
+
+    def to_pandas(self, clients: bool = False):
+        """The rows (or, with ``clients=True``, the per-client rows) as a pandas DataFrame."""
+        try:
+            import pandas
+        except ImportError:
+            raise FedsimError("History.to_pandas needs pandas: pip install pandas") from None
+        return pandas.DataFrame(self.client_records if clients else self.rows)
 
     @property
     def name(self) -> str:
@@ -164,6 +183,11 @@ _HEADERS = {"runs": "runs", "final_accuracy": "final acc. (%)", "best_accuracy":
 
 
 def _cell(row: dict, column: str) -> str:
+    """A table cell, with markdown's own characters escaped (``__main__:my_rule`` stays as it is)."""
+    return re.sub(r"([\\`*_{}\[\]<>|])", r"\\\1", _text(row, column))
+
+
+def _text(row: dict, column: str) -> str:
     value = row[column]
     if column == "final_accuracy":
         spread = f" ± {100 * row['final_accuracy_std']:.1f}" if row["runs"] > 1 else ""
@@ -242,6 +266,16 @@ def read_metrics(path: Path) -> list[dict]:
         raise FedsimError(f"{path}: not a fedsim metrics file (not CSV text)") from None
     except OSError as e:
         raise FedsimError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def read_clients(path: Path) -> list[dict]:
+    """The rows of a clients.csv, numbers as numbers."""
+    try:
+        with open(path, newline="") as f:
+            return [{k: (float(v) if k in ("train_loss", "update_norm") else int(v)) for k, v in row.items()}
+                    for row in csv.DictReader(f)]
+    except (OSError, UnicodeDecodeError, csv.Error, TypeError, ValueError) as e:
+        raise FedsimError(f"{path}: not a fedsim clients file ({type(e).__name__})") from None
 
 
 def _parse(column: str, value: str):

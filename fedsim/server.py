@@ -1,12 +1,15 @@
-"""The round loop: sample clients, train them in the worker pool, aggregate, evaluate, record.
+"""The round loop: sample clients, train them in the worker pool, update the global model,
+evaluate, record.
 
-All randomness is a function of (seed, round, client): the client sample of a round, each
-client's shuffling and dropout, the attack noise. A run therefore gives the same numbers
-whatever the number of workers, and a resumed run continues exactly where it stopped.
+All randomness is a function of (seed, round, client) (see streams.py): the client sample of a
+round, each client's shuffling and dropout, the attack noise. A run therefore gives the same
+numbers whatever the number of workers, and a resumed run continues exactly where it stopped.
+The loop knows no particular algorithm, rule or attack: it calls their interfaces.
 """
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import os
 import sys
@@ -19,22 +22,25 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from . import aggregation
-from .attacks import attacker_mask, corrupt_updates
-from .client import derive_seed
-from .config import Config, apply_overrides, load_config, locate, save_config, work_items
-from .data import load_dataset, options_for, partition
+from . import components
+from .aggregation import row_norms
+from .algorithms import Round
+from .attacks import attacker_mask, make_attack
+from .callbacks import ClientsFile, MetricsFile, RunStart
+from .config import Config, apply_overrides, load_config, locate, save_config, unused_settings, work_items
 from .errors import (ConfigError, FedsimError, NonFiniteError, OutputError, WorkerError,
                      explain_resource_error)
-from .interrupts import shielded
+from .federation import initial_model, load_federation
 from .flat import FlatModel
-from .models import build_model
-from .progress import RoundLog
-from .results import History, RunDirectory, flatten_config
+from .interrupts import shielded
+from .progress import RoundLog, console_logging
+from .results import History, RunDirectory, flatten_config, read_clients
 from .server_opt import make_server_optimizer
-from .workers import Shared, WorkerPool, peak_rss_bytes
+from .streams import attack_generator, sample_clients
+from .workers import InlinePool, Shared, WorkerPool, peak_rss_bytes
 
-_SAMPLE_STREAM, _ATTACK_STREAM = 1, 2  # keys that keep the server's random streams apart
+logger = logging.getLogger("fedsim")
+
 _START_TIMEOUT = 300.0  # seconds for workers to start (spawn, imports, CUDA context, model)
 _FIRST_ROUND_TIMEOUT = 900.0  # the first round also pays for cuDNN set-up and first kernels
 # Keys a resumed run may change: how long it runs, where and how fast, how often it reports.
@@ -93,11 +99,6 @@ def data_placement(placement: str, data, device: torch.device) -> torch.device:
     return device if size <= free / 2 else torch.device("cpu")
 
 
-def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> torch.Tensor:
-    rng = np.random.default_rng([seed, _SAMPLE_STREAM, rnd])
-    return torch.from_numpy(np.sort(rng.choice(num_clients, size=k, replace=False)))
-
-
 @torch.inference_mode()
 def evaluate(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> tuple[float, float]:
     """Test accuracy and mean loss; one host sync at the end. The test set may live in host
@@ -115,44 +116,57 @@ def evaluate(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_si
 
 
 class Simulation:
-    """One run: the data on the device, the global model, the worker pool, the round loop."""
+    """One run: the data on the device, the global model, the worker pool, the round loop.
 
-    def __init__(self, cfg: Config, log=print):
-        self.cfg, self.log = cfg, log
+    ``log`` prints the per-round lines: a RoundLog, or any function of one line of text;
+    ``callbacks`` observe the run (see callbacks.py).
+    """
+
+    def __init__(self, cfg: Config, log=None, callbacks=()):
+        self.cfg = cfg
+        self.log = log if isinstance(log, RoundLog) else RoundLog(progress=False, write=log or print)
+        self.user_callbacks = list(callbacks)
         self.t_start = time.perf_counter()
         torch.multiprocessing.set_sharing_strategy(cfg.sharing_strategy)
         self.device = resolve_device(cfg.device)
         self.workers = resolve_workers(cfg, self.device)
-        self.pool = WorkerPool(cfg, self.workers, self.device)  # they import torch while the data loads
+        self.pool = self._new_pool()  # the workers import torch while the data loads
         try:
             self._prepare()
         except BaseException:
             self.pool.close()
             raise
 
+    def _new_pool(self) -> WorkerPool | InlinePool:
+        if self.workers == 0:
+            return InlinePool(self.cfg, self.device)
+        return WorkerPool(components.for_workers(self.cfg), self.workers, self.device)
+
     def _prepare(self) -> None:
         """The data on its device, the clients' index ranges, the global model, the buffers."""
-        cfg, log = self.cfg, self.log
-        data = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.limit, cfg.data.download)
-        parts = partition(data.train_y, cfg.data.partition, cfg.data.num_clients, cfg.seed,
-                          **options_for(cfg.data.partition, cfg.data))
+        cfg = self.cfg
+        federation = load_federation(cfg)
+        data, parts = federation.data, federation.parts
         sizes = [len(p) for p in parts]
         if 0 in sizes:
             raise ConfigError(f"data.partition: client {sizes.index(0)} gets no samples; "
                               f"use fewer clients or more data")
-        torch.manual_seed(cfg.seed)
-        self.model = FlatModel(build_model(cfg.model, data.input_shape, data.num_classes), self.device)
+        self.model = FlatModel(initial_model(cfg, data), self.device)
         if cfg.backend == "vmap" and len(self.model) != self.model.num_params:
-            raise ConfigError(f"backend: vmap cannot train {cfg.model}, whose batch-norm statistics are not "
-                              f"parameters; use backend: process")
+            raise ConfigError(f"backend: vmap cannot train {components.describe(cfg.model)}, whose batch-norm "
+                              f"statistics are not parameters; use backend: process")
         self.data_device = data_placement(cfg.data.placement, data, self.device)
         if self.data_device != self.device:
-            log(f"{cfg.data.dataset} is kept in host memory (data.placement); batches are copied to {self.device}")
+            logger.info(f"{data.name} is kept in host memory (data.placement); batches are copied to {self.device}")
         self.test_x, self.test_y = data.test_x.to(self.data_device), data.test_y.to(self.data_device)
+        self.aggregate = components.aggregator(cfg.aggregator, cfg.aggregator_options)
+        self.algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
+        self.algorithm.setup(cfg)
+        self.attack = make_attack(cfg.attack)
         self.shared = self._allocate(data, parts)
-        self.aggregate = aggregation.get(cfg.aggregator, **cfg.aggregator_options)
         self.server_opt = make_server_optimizer(cfg, self.model.num_params, self.device)
         self.rows: list[dict] = []
+        self.client_rows: list[dict] = []
         self.first_round = 1
         self.checkpoint_round = 0
         self.startup_seconds = None
@@ -160,40 +174,40 @@ class Simulation:
         self.elapsed_before = 0.0  # wall seconds a resumed run had spent before it stopped
 
     def _allocate(self, data, parts) -> Shared:
-        cfg, k, p, dev = self.cfg, self.cfg.clients_per_round, len(self.model), self.device
-        scaffold = cfg.algorithm == "scaffold"
-        n = self.model.num_params
+        cfg, k, n, dev = self.cfg, self.cfg.clients_per_round, self.model.num_params, self.device
+
+        def zeros(shapes: dict, rows: tuple = ()) -> dict:
+            return {name: torch.zeros(*rows, *shape, device=dev) for name, shape in shapes.items()}
+
         return Shared(
             train_x=data.train_x.to(self.data_device), train_y=data.train_y.to(self.data_device),
             client_indices=torch.cat(parts).to(self.data_device),
             client_offsets=torch.tensor([0] + np.cumsum([len(q) for q in parts]).tolist()),
             num_classes=data.num_classes,
-            global_flat=torch.zeros(p, device=dev), local_flat=torch.zeros(k, p, device=dev),
+            global_flat=torch.zeros(len(self.model), device=dev), local_flat=torch.zeros(k, len(self.model), device=dev),
             stats=torch.zeros(k, 2, device=dev),
             assignment=torch.zeros(k, dtype=torch.int64),
             progress=torch.zeros(max(self.workers, 1), dtype=torch.int64),
             attackers=attacker_mask(cfg.seed, cfg.data.num_clients, cfg.attack),
-            server_control=torch.zeros(n, device=dev) if scaffold else None,
-            client_controls=torch.zeros(cfg.data.num_clients, n, device=dev) if scaffold else None,
-            control_deltas=torch.zeros(k, n, device=dev) if scaffold else None,
+            server_state=zeros(self.algorithm.server_state(n)),
+            client_state=zeros(self.algorithm.client_state(n), (cfg.data.num_clients,)),
+            reports=zeros(self.algorithm.report_shapes(n), (k,)),
         ).share_cpu_tensors()
 
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self, rnd: int, elapsed: float) -> dict:
         s = self.shared
-        state = {
+        return {
             "round": rnd,
             "elapsed_seconds": elapsed,
             "global": self.model.flat.cpu(),
             "server_optimizer": {k: v.cpu() for k, v in self.server_opt.state_dict().items()},
+            "algorithm": {"server": {k: v.cpu() for k, v in s.server_state.items()},
+                          "clients": {k: v.cpu() for k, v in s.client_state.items()}},
             "torch_rng": torch.get_rng_state(),
             "config": run_identity(self.cfg),
         }
-        if s.client_controls is not None:
-            state["server_control"] = s.server_control.cpu()
-            state["client_controls"] = s.client_controls.cpu()
-        return state
 
     def restore(self, state: dict, rows: list[dict], source: Path) -> None:
         """Continue from ``state``, the checkpoint read from the file ``source``."""
@@ -201,75 +215,96 @@ class Simulation:
         self._check_checkpoint(state, source)
         self.model.flat.copy_(state["global"])
         self.server_opt.load_state_dict(state["server_optimizer"])
+        for name, value in state["algorithm"]["server"].items():
+            s.server_state[name].copy_(value)
+        for name, value in state["algorithm"]["clients"].items():
+            s.client_state[name].copy_(value)
         torch.set_rng_state(state["torch_rng"])
-        if s.client_controls is not None:
-            s.server_control.copy_(state["server_control"])
-            s.client_controls.copy_(state["client_controls"])
         self.first_round = state["round"] + 1
         self.checkpoint_round = state["round"]
         self.elapsed_before = state["elapsed_seconds"]
         self.rows = rows
+        records = source.parent / "clients.csv"
+        if records.is_file():
+            self.client_rows = [r for r in read_clients(records) if r["round"] <= state["round"]]
 
     def _check_checkpoint(self, state: dict, source: Path) -> None:
-        """Every tensor the run restores must be there with this run's shape: a checkpoint
-        copied from a run of another model (or torn by hand) is refused in one line."""
+        """Every tensor the run restores must be there with this run's shape, and nothing else:
+        a checkpoint copied from another run (or torn by hand) is refused in one line."""
         s = self.shared
-        expected = {"global": self.model.flat, "torch_rng": torch.get_rng_state()}
-        expected.update({f"server_optimizer.{k}": v for k, v in self.server_opt.state_dict().items()})
-        if s.client_controls is not None:
-            expected.update(server_control=s.server_control, client_controls=s.client_controls)
-        saved = state.get("server_optimizer")
-        unexpected = sorted(set(saved) - set(self.server_opt.state_dict())) if isinstance(saved, dict) else []
+        expected = {"global": self.model.flat, "torch_rng": torch.get_rng_state(),
+                    **{f"server_optimizer.{k}": v for k, v in self.server_opt.state_dict().items()},
+                    **{f"algorithm.server.{k}": v for k, v in s.server_state.items()},
+                    **{f"algorithm.clients.{k}": v for k, v in s.client_state.items()}}
+        saved = dict(flatten_config({key: state.get(key) for key in ("server_optimizer", "algorithm")}))
+        unexpected = sorted(k for k, v in saved.items() if isinstance(v, torch.Tensor) and k not in expected)
         if unexpected:
-            raise FedsimError(f"{source}: holds server_optimizer.{unexpected[0]}, which {self.cfg.server_optimizer} "
-                              f"does not keep; it is not this run's checkpoint")
+            raise FedsimError(f"{source}: holds {unexpected[0]}, which this run does not keep; it is not this "
+                              f"run's checkpoint")
         for key, like in expected.items():
-            section, _, name = key.partition(".")
-            value = state.get(section)
-            if name:
-                value = value.get(name) if isinstance(value, dict) else None
+            value = state
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
             if not isinstance(value, torch.Tensor) or value.shape != like.shape or value.dtype != like.dtype:
                 got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "nothing"
-                raise FedsimError(f"{source}: holds {got} for {key} where this run ({self.cfg.model}, "
-                                  f"{self.cfg.algorithm}, {self.cfg.server_optimizer}) needs {tuple(like.shape)}; "
-                                  f"it is not this run's checkpoint")
+                raise FedsimError(f"{source}: holds {got} for {key} where this run "
+                                  f"({components.describe(self.cfg.model)}, {components.describe(self.cfg.algorithm)}, "
+                                  f"{self.cfg.server_optimizer}) needs {tuple(like.shape)}; it is not this run's "
+                                  f"checkpoint")
 
     # ------------------------------------------------------------------ the loop
 
     def run(self, run_dir: RunDirectory) -> History:
         cfg, self.run_dir = self.cfg, run_dir
-        status = "interrupted"
-        pool = self.pool
+        self.callbacks = [MetricsFile(run_dir), ClientsFile(run_dir.path / "clients.csv"), *self.user_callbacks]
+        status, pool = "interrupted", self.pool
         try:
-            # the plot at the end needs matplotlib (most of a second to import): import it
-            # while the workers start, when this process only waits
-            threading.Thread(target=importlib.import_module, args=("fedsim.plot",), daemon=True).start()
-            self._start(pool)
-            self.log(f"{cfg.name}: {cfg.rounds} rounds of {cfg.clients_per_round}/{cfg.data.num_clients} clients, "
-                     f"{self.workers} workers on {self.device}; writing {self.run_dir.path}")
-            slowest = 0.0
-            for rnd in range(self.first_round, cfg.rounds + 1):
-                t0 = time.perf_counter()
-                timeout = cfg.worker_timeout or (_FIRST_ROUND_TIMEOUT if slowest == 0 else max(120.0, 10 * slowest))
-                pool = self._train_round(pool, rnd, timeout)
-                evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
-                row = self._finish_round(rnd, t0, evaluated, train_seconds=time.perf_counter() - t0,
-                                         worker_seconds=max(pool.busy_seconds))
-                slowest = max(slowest, time.perf_counter() - t0)
-                reached = self._reached_target(row)
-                with shielded():  # the row, the checkpoint and the line stay in step
-                    if evaluated:
-                        self.rows.append(row)
-                        self.run_dir.append(row)
-                    if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds or reached):
-                        self.run_dir.save_checkpoint(self.state_dict(rnd, row["elapsed_seconds"]))
-                        self.checkpoint_round = rnd
-                    self.log(_round_line(row, cfg.rounds))  # once printed, the round is on disk
-                    if reached or rnd == cfg.rounds:
-                        status = "finished"  # whatever arrives from here on, every round is done
-                if reached:
-                    self.log(f"reached stop_at_accuracy {cfg.stop_at_accuracy} in round {rnd}")
-                    break
+            with console_logging(self.log):
+                # the plot at the end needs matplotlib (most of a second to import): import it
+                # while the workers start, when this process only waits
+                threading.Thread(target=importlib.import_module, args=("fedsim.plot",), daemon=True).start()
+                for message in unused_settings(cfg):
+                    logger.warning(message)
+                self._start(pool)
+                logger.info(f"{cfg.name}: {cfg.rounds} rounds of {cfg.clients_per_round}/{cfg.data.num_clients} "
+                            f"clients, {self.workers} workers on {self.device}; writing {run_dir.path}")
+                self._notify("on_run_start", RunStart(cfg, run_dir.path, self.first_round, self.model.module))
+                slowest = 0.0
+                for rnd in range(self.first_round, cfg.rounds + 1):
+                    t0 = time.perf_counter()
+                    timeout = cfg.worker_timeout or (_FIRST_ROUND_TIMEOUT if not slowest else max(120.0, 10 * slowest))
+                    # 1. sample the round's clients; 2. train them in the worker pool
+                    clients = sample_clients(cfg.seed, rnd, cfg.data.num_clients, cfg.clients_per_round)
+                    pool = self._train(pool, rnd, clients, timeout)
+                    t_trained = time.perf_counter()
+                    # 3. their updates: attacks rewrite the attackers', non-finite ones are left out
+                    round_, client_rows = self._collect(rnd, clients)
+                    # 4. the server update: the algorithm (through the rule), then the server optimizer
+                    if len(round_.clients):
+                        self._update(rnd, round_)
+                    t_updated = time.perf_counter()
+                    # 5. evaluate
+                    evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
+                    accuracy, test_loss = (evaluate(self.model.module, self.test_x, self.test_y, cfg.eval_batch_size)
+                                           if evaluated else (math.nan, math.nan))
+                    row = self._row(rnd, t0, t_trained, t_updated, pool, round_, client_rows, accuracy, test_loss)
+                    slowest = max(slowest, row["seconds"])
+                    reached = self._reached_target(row)
+                    # 6. record it: callbacks (metrics.csv, clients.csv, ...), checkpoint, the round's line
+                    with shielded():  # they stay in step whatever signal arrives
+                        if evaluated:
+                            self.rows.append(row)
+                        self.client_rows.extend(client_rows)
+                        self._notify("on_round_end", row, client_rows)
+                        if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds or reached):
+                            self.run_dir.save_checkpoint(self.state_dict(rnd, row["elapsed_seconds"]))
+                            self.checkpoint_round = rnd
+                        self.log.round_end(row, cfg.rounds)  # once printed, the round is on disk
+                        if reached or rnd == cfg.rounds:
+                            status = "finished"  # whatever arrives from here on, every round is done
+                    if reached:
+                        logger.info(f"reached stop_at_accuracy {cfg.stop_at_accuracy} in round {rnd}")
+                        break
         except FedsimError:
             status = "failed"
             raise
@@ -277,21 +312,12 @@ class Simulation:
             status = "failed"
             raise explain_resource_error(e) or e
         finally:
-            ended_by = sys.exc_info()[1]  # the error that ends the run, if one does
-            with shielded():
-                self.worker_peak_memory_mb = [round(b / 2**20, 1) for b in pool.peak_memory]
-                pool.close()
-                try:
-                    self._write_summary(status)
-                except FedsimError as e:
-                    if status == "finished":
-                        raise
-                    if not isinstance(ended_by, OutputError):  # a failing disk is said once
-                        self.log.warn(f"could not write the summary and plot: {e}")  # never mask what ended the run
-                finally:
-                    self.run_dir.unlock()
-                    self.log.close()  # an error or interrupt message starts on a line of its own
-        return History(self.rows, cfg.to_dict(), self.run_dir.path, self.summary)
+            self._finish(pool, status, ended_by=sys.exc_info()[1])
+        return self.history()
+
+    def history(self) -> History:
+        return History(self.rows, self.cfg.to_dict(), self.run_dir.path, getattr(self, "summary", {}),
+                       client_records=self.client_rows)
 
     def _start(self, pool: WorkerPool) -> WorkerPool:
         pool.start(self.shared, timeout=max(self.cfg.worker_timeout or 0, _START_TIMEOUT))
@@ -299,10 +325,10 @@ class Simulation:
             self.startup_seconds = round(time.perf_counter() - self.t_start, 3)
         return pool
 
-    def _train_round(self, pool: WorkerPool, rnd: int, timeout: float) -> WorkerPool:
-        clients = sample_clients(self.cfg.seed, rnd, self.cfg.data.num_clients, self.cfg.clients_per_round)
+    def _train(self, pool: WorkerPool, rnd: int, clients: torch.Tensor, timeout: float) -> WorkerPool:
+        """Every client of the round trained from the global weights; a failed pool is restarted
+        and the round re-run if the config says so (the workers change no state: see Algorithm)."""
         self.shared.global_flat.copy_(self.model.flat)
-        self.clients = clients
         for attempt in range(3):
             try:
                 pool.run_round(rnd, clients, timeout)
@@ -310,55 +336,55 @@ class Simulation:
             except WorkerError as e:
                 if self.cfg.on_worker_failure != "restart" or attempt == 2:
                     raise
-                self.log.warn(f"round {rnd}: {e}; restarting the workers and re-running the round")
+                logger.warning(f"round {rnd}: {e}; restarting the workers and re-running the round")
                 pool.close()
-                pool = self._start(WorkerPool(self.cfg, self.workers, self.device))
+                pool = self._start(self._new_pool())
 
-    def _finish_round(self, rnd: int, t0: float, evaluated: bool, train_seconds: float,
-                      worker_seconds: float) -> dict:
-        cfg, s, clients = self.cfg, self.shared, self.clients
-        k, n = len(clients), self.model.num_params
+    def _collect(self, rnd: int, clients: torch.Tensor) -> tuple[Round, list[dict]]:
+        """The round's updates as the server's update sees them, and one record per client."""
+        cfg, s = self.cfg, self.shared
+        k = len(clients)
         updates = s.local_flat[:k].sub_(self.model.flat)  # client weights - global weights, in place
         attacking = s.attackers[clients]
-        corrupt_updates(cfg.attack, updates, attacking.nonzero().flatten().to(updates.device),
-                        torch.Generator().manual_seed(derive_seed(cfg.seed, _ATTACK_STREAM, rnd)))
+        rows = attacking.nonzero().flatten().to(updates.device)
+        if len(rows):
+            rewritten = self.attack.rewrite(updates[rows], attack_generator(cfg.seed, rnd))
+            if rewritten is not None:
+                updates[rows] = rewritten
         finite = torch.isfinite(updates).all(dim=1)
-        if s.control_deltas is not None:
-            finite &= torch.isfinite(s.control_deltas[:k]).all(dim=1)
+        for report in s.reports.values():
+            finite &= torch.isfinite(report[:k].reshape(k, -1)).all(dim=1)
         keep = finite.nonzero().flatten()
-        dropped = k - len(keep)
-        if dropped:
-            bad = clients[(~finite).cpu()].tolist()
+        bad = clients[(~finite).cpu()].tolist()
+        if bad:
             if cfg.on_nonfinite == "fail":
                 raise NonFiniteError(f"round {rnd}: client {bad[0]} sent non-finite (NaN/Inf) weights "
                                      f"(on_nonfinite: fail; use drop to leave such clients out)")
-            self.log.warn(f"round {rnd}: dropped {dropped} client(s) with non-finite weights: {bad}")
-        sizes, losses = s.stats[keep, 0], s.stats[keep, 1]
-        if len(keep):
-            delta = self.aggregate(updates[keep], sizes)
-            self._check_finite(delta, rnd, f"the aggregator {cfg.aggregator} returned a non-finite update")
-            self.server_opt.step(self.model.params, delta[:n])
-            self.model.flat[n:].add_(delta[n:])  # buffers (batch-norm statistics) are averaged as they are
-            self._check_finite(self.model.flat, rnd, f"the server optimizer {cfg.server_optimizer} made the "
-                                                     f"global weights non-finite")
-            if s.control_deltas is not None:
-                kept_clients = clients[keep.cpu()].to(s.client_controls.device)
-                s.server_control.add_(s.control_deltas[keep].sum(dim=0), alpha=1 / cfg.data.num_clients)
-                s.client_controls[kept_clients] += s.control_deltas[keep]
-                self._check_finite(s.server_control, rnd, "SCAFFOLD's server control variate became non-finite")
-        train_loss = float((sizes * losses).sum() / sizes.sum()) if len(keep) else math.nan  # syncs the device
-        t_aggregated = time.perf_counter()
-        accuracy, test_loss = math.nan, math.nan
-        if evaluated:
-            accuracy, test_loss = evaluate(self.model.module, self.test_x, self.test_y, cfg.eval_batch_size)
-        seconds = time.perf_counter() - t0
-        elapsed = self.elapsed_before + time.perf_counter() - self.t_start
-        return {"round": rnd, "test_accuracy": accuracy, "test_loss": test_loss, "train_loss": train_loss,
-                "seconds": round(seconds, 4), "elapsed_seconds": round(elapsed, 4), "clients": k,
-                "dropped_clients": dropped, "attackers": int(attacking.sum()),
-                "train_seconds": round(train_seconds, 4), "worker_seconds": round(worker_seconds, 4),
-                "aggregate_seconds": round(t_aggregated - t0 - train_seconds, 4),
-                "eval_seconds": round(time.perf_counter() - t_aggregated, 4)}
+            logger.warning(f"round {rnd}: dropped {len(bad)} client(s) with non-finite weights: {bad}")
+        norms = row_norms(updates)
+        stats = s.stats[:k].cpu()
+        client_rows = [{"round": rnd, "client": int(c), "samples": int(stats[i, 0]), "train_loss": float(stats[i, 1]),
+                        "update_norm": float(norms[i]), "dropped": int(not finite[i]), "attacker": int(attacking[i])}
+                       for i, c in enumerate(clients.tolist())]
+        state_device = s.global_flat.device
+        round_ = Round(updates=updates[keep], weights=s.stats[keep, 0], clients=clients[keep.cpu()].to(state_device),
+                       reports={name: report[keep] for name, report in s.reports.items()}, aggregate=self.aggregate,
+                       global_weights=self.model.flat, num_params=self.model.num_params,
+                       num_clients=cfg.data.num_clients)
+        return round_, client_rows
+
+    def _update(self, rnd: int, round_: Round) -> None:
+        """The new global model; a non-finite one is never kept (see _check_finite)."""
+        n = self.model.num_params
+        delta = self.algorithm.server_update(round_, self.shared.server_state, self.shared.client_state)
+        self._check_finite(delta, rnd, f"the update of {components.describe(self.cfg.algorithm)} with the rule "
+                                       f"{components.describe(self.cfg.aggregator)} is non-finite")
+        self.server_opt.step(self.model.params, delta[:n])
+        self.model.flat[n:].add_(delta[n:])  # buffers (batch-norm statistics) are averaged as they are
+        self._check_finite(self.model.flat, rnd, f"the server optimizer {self.cfg.server_optimizer} made the "
+                                                 f"global weights non-finite")
+        for name, state in self.shared.server_state.items():
+            self._check_finite(state, rnd, f"the algorithm's state {name!r} became non-finite")
 
     def _check_finite(self, tensor: torch.Tensor, rnd: int, what: str) -> None:
         """The global state must stay finite even when every client update is (a rule or a server
@@ -370,9 +396,54 @@ class Simulation:
                                  f"nothing of this round was saved and {kept}; lower server_lr or attack.scale, or "
                                  f"bound updates with aggregator: norm_clip")
 
+    def _row(self, rnd, t0, t_trained, t_updated, pool, round_: Round, client_rows, accuracy, test_loss) -> dict:
+        kept = len(round_.clients)
+        losses = self.shared.stats[:, 1][[i for i, c in enumerate(client_rows) if not c["dropped"]]]
+        # the mean over the clients' samples, as each client's loss is the mean over its own
+        train_loss = float((round_.weights * losses).sum() / round_.weights.sum()) if kept else math.nan
+        now = time.perf_counter()
+        return {"round": rnd, "test_accuracy": accuracy, "test_loss": test_loss, "train_loss": train_loss,
+                "seconds": round(now - t0, 4), "elapsed_seconds": round(self.elapsed_before + now - self.t_start, 4),
+                "clients": len(client_rows), "dropped_clients": len(client_rows) - kept,
+                "attackers": sum(c["attacker"] for c in client_rows),
+                "train_seconds": round(t_trained - t0, 4), "worker_seconds": round(max(pool.busy_seconds), 4),
+                "aggregate_seconds": round(t_updated - t_trained, 4), "eval_seconds": round(now - t_updated, 4)}
+
     def _reached_target(self, row: dict) -> bool:
         target = self.cfg.stop_at_accuracy
         return target is not None and not math.isnan(row["test_accuracy"]) and row["test_accuracy"] >= target
+
+    def _notify(self, event: str, *args) -> None:
+        """Call every callback that has ``event``; one that raises stops the run in one line."""
+        for callback in self.callbacks:
+            method = getattr(callback, event, None)
+            if method is None:
+                continue
+            try:
+                method(*args)
+            except FedsimError:
+                raise
+            except Exception as e:
+                where = f" in round {args[0]['round']}" if event == "on_round_end" else ""
+                raise FedsimError(f"callback {type(callback).__name__}.{event} failed{where}: "
+                                  f"{type(e).__name__}: {e}") from None
+
+    def _finish(self, pool: WorkerPool, status: str, ended_by: BaseException | None) -> None:
+        """Stop the workers, write the summary and plot, tell the callbacks; whatever happens."""
+        with shielded():
+            self.worker_peak_memory_mb = [round(b / 2**20, 1) for b in pool.peak_memory]
+            pool.close()
+            try:
+                self._write_summary(status)
+                self._notify("on_run_end", self.history())
+            except FedsimError as e:
+                if status == "finished":
+                    raise
+                if not isinstance(ended_by, OutputError):  # a failing disk is said once
+                    logger.warning(f"could not finish the run's files: {e}")  # never mask what ended the run
+            finally:
+                self.run_dir.unlock()
+                self.log.close()  # an error or interrupt message starts on a line of its own
 
     def _write_summary(self, status: str) -> None:
         accuracies = [r["test_accuracy"] for r in self.rows]
@@ -411,39 +482,43 @@ def _peak_memory_mb(device: torch.device) -> float:
     return round(peak_rss_bytes() / 2**20, 1)
 
 
-def _round_line(row: dict, rounds: int) -> str:
-    width = len(str(rounds))
-    acc = "   -  " if math.isnan(row["test_accuracy"]) else f"{row['test_accuracy']:.4f}"
-    loss = "   -  " if math.isnan(row["test_loss"]) else f"{row['test_loss']:.4f}"
-    extra = f"  dropped {row['dropped_clients']}" if row["dropped_clients"] else ""
-    return (f"round {row['round']:>{width}}/{rounds}  test acc {acc}  test loss {loss}  "
-            f"train loss {row['train_loss']:.4f}  {row['seconds']:.2f} s{extra}")
-
-
 # ----------------------------------------------------------------------------- entry points
 
 
 def run(config="experiments/mnist_seed.yaml", *, out=None, overwrite: bool = False, quiet: bool = False,
-        progress: bool | None = None, **overrides) -> History:
+        progress: bool | None = None, callbacks=(), **overrides) -> History:
     """Run an experiment and return its History.
 
     ``config`` is a YAML path, a dict or a Config; ``overrides`` set keys, dotted ones via
-    ``**{"local.lr": 0.05}`` or whole sections as dicts (``data={"limit": 2000}``). Files go
-    to ``out`` (default ``runs/<name>-<timestamp>``). ``progress``: show the rounds as one
-    updating line (None: only on a terminal); ``quiet``: print no per-round lines at all.
+    ``**{"local.lr": 0.05}`` or whole sections as dicts (``data={"limit": 2000}``); ``model``,
+    ``aggregator``, ``algorithm`` and ``dataset`` may be objects of your own (see
+    components.py). Files go to ``out`` (default ``runs/<name>-<timestamp>``). ``progress``:
+    show the rounds as one updating line (None: only on a terminal); ``quiet``: print no
+    per-round lines; ``callbacks``: observers of the run (see callbacks.py).
     """
-    return start_run(load_config(config, overrides), out=out, overwrite=overwrite, quiet=quiet, progress=progress)
+    cfg = load_config(config, _with_dataset_key(overrides))
+    return start_run(cfg, out=out, overwrite=overwrite, quiet=quiet, progress=progress, callbacks=callbacks)
 
 
-def resume(run_dir, *, quiet: bool = False, progress: bool | None = None, **overrides) -> History:
-    """Continue a run from its last checkpoint; ``rounds=N`` extends it."""
-    return resume_run(run_dir, overrides, quiet=quiet, progress=progress)
+def resume(run_dir, *, quiet: bool = False, progress: bool | None = None, callbacks=(), **overrides) -> History:
+    """Continue a run from its last checkpoint; ``rounds=N`` extends it. A component that was
+    given as an object (defined in a notebook, say) is given again the same way."""
+    return resume_run(run_dir, _with_dataset_key(overrides), quiet=quiet, progress=progress, callbacks=callbacks)
 
 
-def start_run(cfg: Config, out=None, overwrite: bool = False, quiet: bool = False, progress=None) -> History:
+def _with_dataset_key(overrides: dict) -> dict:
+    """``dataset=`` is short for ``data={"dataset": ...}``."""
+    if "dataset" in overrides:
+        overrides = {**overrides, "data.dataset": overrides["dataset"]}
+        del overrides["dataset"]
+    return overrides
+
+
+def start_run(cfg: Config, out=None, overwrite: bool = False, quiet: bool = False, progress=None,
+              callbacks=()) -> History:
     """Run ``cfg`` into ``out`` (default ``runs/<name>-<timestamp>``)."""
     path = RunDirectory.target(out, cfg.name, overwrite)  # refuse a taken --out before loading anything
-    sim = _setup(cfg, quiet, progress)
+    sim = _setup(cfg, quiet, progress, callbacks)
     try:
         run_dir = RunDirectory.create(path, overwrite)
         try:
@@ -457,13 +532,14 @@ def start_run(cfg: Config, out=None, overwrite: bool = False, quiet: bool = Fals
     return sim.run(run_dir)
 
 
-def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None) -> History:
+def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None, callbacks=()) -> History:
     """Continue ``run_dir`` from its checkpoint; ``overrides`` is a list of "key=value"
-    strings (the CLI's --set) or a dict, limited to keys that keep it one run."""
+    strings (the CLI's --set) or a dict, limited to keys that keep it one run (and to the
+    components of the run, given again as objects)."""
     path = Path(run_dir)
     if not (path / "config.yaml").is_file():
         raise FedsimError(f"--resume {path}: not a run directory (no config.yaml)")
-    bad = sorted(apply_overrides({}, overrides or {}) - RESUMABLE_KEYS)
+    bad = sorted(apply_overrides({}, overrides or {}) - RESUMABLE_KEYS - set(components.KEYS))
     if bad:
         raise ConfigError(f"--set {bad[0]}: cannot change when resuming (the rounds before and after would not "
                           f"be one run); allowed: {', '.join(sorted(RESUMABLE_KEYS))}")
@@ -479,14 +555,13 @@ def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None) -> H
                   f"(extend with --set rounds=N)")
             directory.unlock()
             return History(rows, cfg.to_dict(), path)
-        sim = _setup(cfg, quiet, progress)
+        sim = _setup(cfg, quiet, progress, callbacks)
     except BaseException:
         directory.unlock()
         raise
     try:
         # rows after the checkpoint happened after it, and are dropped (the rounds run again)
         sim.restore(state, [r for r in rows if r["round"] <= state["round"]], path / "checkpoint.pt")
-        directory.write_rows(sim.rows)
         save_config(sim.cfg, path / "config.yaml")
     except BaseException:
         directory.unlock()
@@ -515,9 +590,9 @@ def _check_same_run(path: Path, state: dict, cfg: Config) -> None:
                           f"a new run)")
 
 
-def _setup(cfg: Config, quiet: bool, progress: bool | None) -> Simulation:
+def _setup(cfg: Config, quiet: bool, progress: bool | None, callbacks=()) -> Simulation:
     try:
-        sim = Simulation(cfg, log=RoundLog(progress, quiet=quiet))
+        sim = Simulation(cfg, log=RoundLog(progress, quiet=quiet), callbacks=callbacks)
     except FedsimError as e:
         raise locate(cfg, e) from None
     except (RuntimeError, OSError) as e:

@@ -50,7 +50,7 @@ STARTING, IDLE = -2, -1  # Shared.progress values besides a client id
 class Shared:
     """Everything the workers read or write, allocated once by the server."""
 
-    train_x: torch.Tensor  # [N, ...] device: the training images
+    train_x: torch.Tensor  # [N, ...] device: the training inputs
     train_y: torch.Tensor  # [N] device
     client_indices: torch.Tensor  # device: every client's sample indices, concatenated
     client_offsets: torch.Tensor  # CPU [num_clients + 1]: client c owns indices[off[c]:off[c+1]]
@@ -61,14 +61,21 @@ class Shared:
     assignment: torch.Tensor  # CPU [k]: client id per slot
     progress: torch.Tensor  # CPU [W]: client each worker is training (or IDLE / STARTING)
     attackers: torch.Tensor  # CPU bool [num_clients]
-    server_control: torch.Tensor | None = None  # SCAFFOLD c, [P]
-    client_controls: torch.Tensor | None = None  # SCAFFOLD c_i, [num_clients, P]
-    control_deltas: torch.Tensor | None = None  # SCAFFOLD c_i+ - c_i per slot, [k, P]
+    server_state: dict[str, torch.Tensor]  # the algorithm's state (see algorithms/base.py)
+    client_state: dict[str, torch.Tensor]  # [num_clients, ...] each
+    reports: dict[str, torch.Tensor]  # [k, ...] each: what each slot's client reported
+
+    def tensors(self):
+        for value in vars(self).values():
+            if isinstance(value, torch.Tensor):
+                yield value
+            elif isinstance(value, dict):
+                yield from value.values()
 
     def share_cpu_tensors(self) -> "Shared":
-        for value in vars(self).values():
-            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-                value.share_memory_()
+        for tensor in self.tensors():
+            if tensor.device.type == "cpu":
+                tensor.share_memory_()
         return self
 
 
@@ -83,28 +90,15 @@ def _die_with_parent() -> None:
         pass  # not Linux: the server's atexit handler still terminates daemonic workers
 
 
-def _injected_fault(rank: int):
-    """Test-only fault injection: FEDSIM_FAULT=kind@round[:worker], kind in raise, exit,
-    kill, hang, nan (worker defaults to 0). With FEDSIM_FAULT_ONCE=PATH the fault fires only
-    while PATH does not exist, and creates it. Returns (kind, round) for this worker, or None."""
-    spec = os.environ.get("FEDSIM_FAULT")
-    once = os.environ.get("FEDSIM_FAULT_ONCE")
-    if not spec or (once and os.path.exists(once)):
-        return None
-    kind, _, where = spec.partition("@")
-    round_text, _, worker_text = where.partition(":")
-    if int(worker_text or 0) != rank:
-        return None
-    return kind, int(round_text)
-
-
 def _worker_main(rank: int, num_workers: int, config, device: str, conn: Connection) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the server decides
     try:
         torch.multiprocessing.set_sharing_strategy(config.sharing_strategy)
+        torch.set_num_threads(1)  # one thread per worker: no oversubscription, and the same float
+        # reductions in every worker (and in InlinePool), so results do not depend on `workers`
         shared: Shared = conn.recv()
-        trainer = _ClientRunner(config, shared, torch.device(device), _injected_fault(rank))
+        trainer = _ClientRunner(config, shared, torch.device(device))
         group_size = vmap_group_size(config) if config.backend == "vmap" else 1
         shared.progress[rank] = IDLE
         conn.send(("ready",))
@@ -136,28 +130,26 @@ def slot_groups(k: int, group_size: int) -> list[list[int]]:
     return [list(range(i, min(i + group_size, k))) for i in range(0, k, group_size)]
 
 
-_GROUP_STREAM = 3  # a key of its own for the dropout stream of a vmap group
-
-
 class _ClientRunner:
-    """Per-worker state: the model, the trainer, the algorithm's extra tensors."""
+    """Per-worker state: the model, the trainer, the algorithm and the attack."""
 
-    def __init__(self, config, shared: Shared, device: torch.device, fault):
-        from .client import LocalTrainer, VmapTrainer, derive_seed
+    def __init__(self, config, shared: Shared, device: torch.device):
+        from . import components
+        from .attacks import make_attack
+        from .client import LocalTrainer, VmapTrainer
         from .data.augment import augmentation_for
         from .flat import FlatModel
-        from .models import build_model
 
-        self.config, self.shared, self.device, self.fault = config, shared, device, fault
-        self.derive_seed = derive_seed
+        self.config, self.shared, self.device = components.from_server(config), shared, device
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        else:
-            torch.set_num_threads(1)  # one thread per worker: no oversubscription, and the
-            # same float reductions in every worker, so results do not depend on `workers`
         input_shape = tuple(shared.train_x.shape[1:])
-        module = build_model(config.model, input_shape, shared.num_classes)
-        options = dict(num_classes=shared.num_classes, augment=augmentation_for(config.data, input_shape))
+        module = components.build_model(config.model, input_shape, shared.num_classes)
+        self.algorithm = components.algorithm(config.algorithm, config.algorithm_options)
+        self.algorithm.setup(config)
+        self.attack = make_attack(config.attack)
+        options = dict(num_classes=shared.num_classes, algorithm=self.algorithm,
+                       augment=augmentation_for(config.data, input_shape))
         if config.backend == "vmap":
             self.trainer = VmapTrainer(module.to(device), shared.train_x, shared.train_y, config.local, **options)
         else:
@@ -169,59 +161,35 @@ class _ClientRunner:
         return s.client_indices[int(s.client_offsets[client]): int(s.client_offsets[client + 1])]
 
     def train_group(self, slots: list[int], rnd: int) -> None:
+        from .algorithms import Clients, LocalResult
+        from .streams import client_seed, group_seed
+
         cfg, s = self.config, self.shared
         clients = [int(s.assignment[slot]) for slot in slots]
-        self._maybe_fail(rnd, "before")
-        scaffold = cfg.algorithm == "scaffold"
-        prox_mu = cfg.local.mu if cfg.algorithm == "fedprox" else 0.0
-        flip = [cfg.attack.type == "label_flip" and bool(s.attackers[c]) for c in clients]
-        indices = [self._indices(c) for c in clients]
-        ids = torch.tensor(clients, device=s.client_controls.device) if scaffold else None
         rows = slice(slots[0], slots[-1] + 1)
+        ids = torch.tensor(clients, device=s.global_flat.device)
+        local_state = self.algorithm.start_client(Clients(
+            ids, rnd, s.server_state, {name: state[ids] for name, state in s.client_state.items()}))
+        indices = [self._indices(c) for c in clients]
+        attacked = s.attackers[clients]
+        relabel = self.attack.relabel if self.attack.relabels and bool(attacked.any()) else None
         if cfg.backend == "vmap":
-            weights, losses, _ = self.trainer.train(
-                indices, s.global_flat,
-                [self.derive_seed(cfg.seed, rnd, c) for c in clients],
-                self.derive_seed(cfg.seed, rnd, _GROUP_STREAM, slots[0]),
-                prox_mu=prox_mu,
-                correction=s.server_control - s.client_controls[ids] if scaffold else None,
-                flip_labels=torch.tensor(flip, device=self.device) if any(flip) else None)
+            weights, trained = self.trainer.train(
+                indices, s.global_flat, [client_seed(cfg.seed, rnd, c) for c in clients],
+                group_seed(cfg.seed, rnd, slots[0]), local_state=local_state, relabel=relabel,
+                attacked=attacked.to(self.device))
             s.local_flat[rows].copy_(weights)
-            s.stats[rows, 1].copy_(losses)
         else:
-            (client,), (slot,) = clients, slots
-            correction = s.server_control - s.client_controls[client] if scaffold else None
-            loss, _ = self.trainer.train(
-                indices[0], s.global_flat, self.derive_seed(cfg.seed, rnd, client),
-                prox_mu=prox_mu, correction=correction, flip_labels=flip[0])
-            s.local_flat[slot].copy_(self.model.flat)
-            s.stats[slot, 1].copy_(loss)
-        s.stats[rows, 0] = torch.tensor([len(ix) for ix in indices], dtype=s.stats.dtype)
-        if scaffold:
-            # the new control variate is the mean uncorrected gradient (see client.py); the
-            # server applies the change after the round, so a re-run round never applies it twice
-            s.control_deltas[rows].copy_(self.trainer.mean_gradient.view(len(clients), -1) - s.client_controls[ids])
-        self._maybe_fail(rnd, "after", slots[0])
-
-    def _maybe_fail(self, rnd: int, when: str, slot: int | None = None) -> None:
-        if self.fault is None or self.fault[1] != rnd:
-            return
-        kind = self.fault[0]
-        if (kind == "nan") != (when == "after"):
-            return  # "nan" poisons a finished client; the others strike before training
-        self.fault = None  # at most once per worker process
-        if os.environ.get("FEDSIM_FAULT_ONCE"):
-            open(os.environ["FEDSIM_FAULT_ONCE"], "w").close()
-        if kind == "raise":
-            raise RuntimeError("injected fault")
-        if kind == "exit":
-            os._exit(3)
-        if kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if kind == "hang":
-            time.sleep(3600)
-        if kind == "nan":
-            self.shared.local_flat[slot, 0] = float("nan")
+            trained = self.trainer.train(indices[0], s.global_flat, client_seed(cfg.seed, rnd, clients[0]),
+                                         local_state=local_state, relabel=relabel)
+            s.local_flat[rows].copy_(self.model.flat)
+        sizes = torch.tensor([len(ix) for ix in indices], dtype=s.stats.dtype)
+        s.stats[rows, 0] = sizes
+        s.stats[rows, 1].copy_(trained.loss)
+        reports = self.algorithm.client_report(
+            LocalResult(s.global_flat, s.local_flat[rows], trained.steps, sizes, trained.mean_gradient), local_state)
+        for name, value in reports.items():
+            s.reports[name][rows].copy_(value)
 
     def peak_memory(self) -> int:
         """Bytes: the allocator's peak on a GPU (the CUDA context comes on top), peak RSS on a CPU."""
@@ -261,7 +229,7 @@ def _exit_cause(code: int | None) -> str:
 
 
 class WorkerPool:
-    """``W`` spawned worker processes sharing the server's buffers; a context manager.
+    """``W`` spawned worker processes sharing the server's buffers.
 
     Creating the pool spawns the processes, which import torch (the bulk of a worker's
     start-up) while the server loads the data; ``start`` then hands them the buffers.
@@ -308,10 +276,6 @@ class WorkerPool:
         except BaseException:
             self._release()
             raise
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
 
     def run_round(self, rnd: int, clients: torch.Tensor, timeout: float) -> None:
         """Have the workers train ``clients`` (one per slot) from ``shared.global_flat``."""
@@ -420,14 +384,47 @@ class WorkerPool:
                 p.kill()
                 p.join()
 
-    def __enter__(self) -> "WorkerPool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 _LIVE_POOLS: set[WorkerPool] = set()
+
+
+class InlinePool:
+    """``workers: 0``: the server trains the clients itself, one after another, with no worker
+    process. For debugging (a breakpoint in a model's forward stops there) and for runs so small
+    that starting a process costs more than training. The same code trains the same clients from
+    the same streams, on one thread as a worker does, so the numbers are those of any ``workers``.
+    No timeout guards a round here, and there is no process to restart."""
+
+    num_workers = 0
+
+    def __init__(self, config, device: torch.device):
+        self.config, self.device = config, device
+        self.busy_seconds, self.peak_memory = [0.0], [0]
+
+    def start(self, shared: Shared, timeout: float) -> None:
+        self.shared, self.runner = shared, _ClientRunner(self.config, shared, self.device)
+
+    def run_round(self, rnd: int, clients: torch.Tensor, timeout: float) -> None:
+        s, k = self.shared, len(clients)
+        s.assignment[:k] = clients
+        group_size = vmap_group_size(self.config) if self.config.backend == "vmap" else 1
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        started = time.perf_counter()
+        try:
+            for slots in slot_groups(k, group_size):
+                try:
+                    self.runner.train_group(slots, rnd)
+                except Exception as e:
+                    raise WorkerError(f"training client {int(s.assignment[slots[0]])} in round {rnd} failed: "
+                                      f"{type(e).__name__}: {e}") from None
+            self.runner.synchronize()
+        finally:
+            torch.set_num_threads(threads)
+        self.busy_seconds, self.peak_memory = [time.perf_counter() - started], [self.runner.peak_memory()]
+
+    def close(self) -> None:
+        pass
 
 
 @contextlib.contextmanager
@@ -482,7 +479,7 @@ def _check_descriptors(shared: Shared, num_workers: int) -> None:
     except OSError:
         return  # not Linux: nothing to count with
     per_tensor = torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
-    tensors = sum(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in vars(shared).values())
+    tensors = sum(t.device.type == "cpu" for t in shared.tensors())
     needed = open_now + num_workers * (4 + tensors * per_tensor) + 16
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < needed:

@@ -111,11 +111,23 @@ def kill_leftovers():
             os.kill(pid, signal.SIGKILL)
 
 
+TESTS_DIR = str(Path(__file__).resolve().parent)
+
+
+def _pythonpath() -> str:
+    """PYTHONPATH with the tests directory first: a run (and its workers) can then import the
+    helpers kept here by import path, e.g. ``algorithm: faulty:Faulty``."""
+    existing = os.environ.get("PYTHONPATH")
+    return os.pathsep.join([TESTS_DIR, existing]) if existing else TESTS_DIR
+
+
 def start(args, tag, popen_options=None, **env):
-    """``python -m fedsim ARGS`` with FEDSIM_TEST_TAG=tag in its environment (and its workers')."""
+    """``python -m fedsim ARGS`` with FEDSIM_TEST_TAG=tag in its environment (and its workers'),
+    and the tests directory on PYTHONPATH."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "fedsim", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "FEDSIM_TEST_TAG": tag, "PYTHONUNBUFFERED": "1", **env}, **(popen_options or {}),
+        env={**os.environ, "FEDSIM_TEST_TAG": tag, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath(), **env},
+        **(popen_options or {}),
     )
     _started.append((proc, tag))
     return proc

@@ -7,12 +7,12 @@ import torch
 import fedsim
 from fedsim.attacks import ATTACKS, attacker_mask, corrupt_updates
 from fedsim.config import AttackConfig
-from fedsim.server import sample_clients
+from fedsim.streams import sample_clients
 
 
 @pytest.mark.parametrize("fraction,num_clients", [(0.2, 100), (0.1, 10), (0.3, 7), (0.5, 8), (0.01, 30)])
 def test_attacker_set_has_round_fraction_times_clients_members(fraction, num_clients):
-    mask = attacker_mask(seed=5, num_clients=num_clients, attack=AttackConfig("sign_flip", fraction))
+    mask = attacker_mask(5, num_clients, AttackConfig("sign_flip", fraction))
     assert mask.dtype == torch.bool and mask.shape == (num_clients,)
     assert int(mask.sum()) == round(fraction * num_clients)
 

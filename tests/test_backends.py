@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import fedsim
+from fedsim.algorithms import ALGORITHMS, Clients, LocalResult
+from fedsim.attacks import LabelFlip
 from fedsim.client import LocalTrainer, VmapTrainer
 from fedsim.flat import FlatModel
 from fedsim.models import build_model
@@ -15,7 +17,7 @@ U32 = 2.0**-24  # float32 unit roundoff
 
 
 def local(**changes):
-    values = dict(epochs=2, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-3, mu=0.0, precision="fp32")
+    values = dict(epochs=2, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-3, precision="fp32")
     return types.SimpleNamespace(**{**values, **changes})
 
 
@@ -28,53 +30,87 @@ def problem(seed=0):
     return x, y, clients
 
 
+def algorithm_state(algorithm, num_params, num_clients, generator):
+    """The algorithm's server and client state, random and small (as after a few rounds)."""
+    server = {name: torch.randn(*shape, generator=generator) * 1e-3
+              for name, shape in algorithm.server_state(num_params).items()}
+    clients = {name: torch.randn(num_clients, *shape, generator=generator) * 1e-3
+               for name, shape in algorithm.client_state(num_params).items()}
+    return server, clients
+
+
+def start_clients(algorithm, ids, server, clients, rnd=1):
+    """``local_state`` for the clients ``ids``, as a worker gets it (workers._ClientRunner.train_group)."""
+    ids = torch.tensor(ids)
+    return algorithm.start_client(Clients(ids, rnd, server, {name: state[ids] for name, state in clients.items()}))
+
+
 @pytest.mark.parametrize("options", [
     {},
-    {"prox_mu": 0.1},
-    {"correction": True},
+    {"algorithm": "fedprox", "algorithm_options": {"mu": 0.1}},
+    {"algorithm": "scaffold"},
+    {"algorithm": "fednova"},
+    {"algorithm": "feddyn", "algorithm_options": {"alpha": 0.1}},
     {"flip_labels": True},
-])
+], ids=["fedavg", "fedprox", "scaffold", "fednova", "feddyn", "flip_labels"])
 def test_vmap_group_equals_clients_trained_one_by_one(options):
     x, y, clients = problem()
     cfg = local()
+    algorithm = ALGORITHMS.get(options.get("algorithm", "fedavg"))(**options.get("algorithm_options", {}))
+    algorithm.setup(types.SimpleNamespace(local=cfg))
     torch.manual_seed(0)
     module = build_model("mnist_2nn", (1, 28, 28), 10)
     start = torch.cat([p.detach().flatten() for p in module.parameters()])
     seeds = [11, 22, 33]
-    correction = torch.randn(3, len(start)) * 1e-3 if options.get("correction") else None
+    server, client_state = algorithm_state(algorithm, len(start), 3, torch.Generator().manual_seed(1))
     flip = torch.tensor([True, False, True]) if options.get("flip_labels") else None
-    prox_mu = options.get("prox_mu", 0.0)
+    relabel = LabelFlip().relabel if flip is not None else None
+    sizes = torch.tensor([float(len(ix)) for ix in clients])
 
-    one = LocalTrainer(FlatModel(build_model("mnist_2nn", (1, 28, 28), 10), "cpu"), x, y, cfg, num_classes=10)
-    expected, expected_loss, expected_steps, expected_gradients = [], [], [], []
+    one = LocalTrainer(FlatModel(build_model("mnist_2nn", (1, 28, 28), 10), "cpu"), x, y, cfg, num_classes=10,
+                       algorithm=algorithm)
+    expected, expected_loss, expected_steps, expected_gradients, expected_reports = [], [], [], [], []
     for i, (ix, seed) in enumerate(zip(clients, seeds)):
-        loss, steps = one.train(ix, start, seed, prox_mu=prox_mu,
-                                correction=None if correction is None else correction[i],
-                                flip_labels=bool(flip[i]) if flip is not None else False)
+        state = start_clients(algorithm, [i], server, client_state)
+        trained = one.train(ix, start, seed, local_state=state,
+                            relabel=relabel if flip is not None and flip[i] else None)
         expected.append(one.model.flat.clone())
-        expected_loss.append(float(loss))
-        expected_steps.append(steps)
-        expected_gradients.append(one.mean_gradient)
+        expected_loss.append(float(trained.loss))
+        expected_steps.append(int(trained.steps))
+        expected_gradients.append(trained.mean_gradient)
+        expected_reports.append(algorithm.client_report(
+            LocalResult(start, one.model.flat[None].clone(), trained.steps, sizes[i:i + 1], trained.mean_gradient),
+            state))
 
-    group = VmapTrainer(build_model("mnist_2nn", (1, 28, 28), 10), x, y, cfg, num_classes=10)
-    weights, losses, steps = group.train(clients, start, seeds, group_seed=5, prox_mu=prox_mu,
-                                         correction=correction, flip_labels=flip)
-    assert steps == expected_steps == [10, 2, 4]
+    group = VmapTrainer(build_model("mnist_2nn", (1, 28, 28), 10), x, y, cfg, num_classes=10, algorithm=algorithm)
+    state = start_clients(algorithm, [0, 1, 2], server, client_state)
+    weights, trained = group.train(clients, start, seeds, group_seed=5, local_state=state, relabel=relabel,
+                                   attacked=flip)
+    reports = algorithm.client_report(LocalResult(start, weights, trained.steps, sizes, trained.mean_gradient), state)
+    assert trained.steps.tolist() == expected_steps == [10, 2, 4]
     # vmap's batched kernels sum in other orders than one client's, so each layer's outputs and
     # input gradients may differ by n u relative, n = 784 the longest sum (the first layer). From an
     # exact common start that moves the weights by <= n u max |w - start| and the mean gradients by
     # <= n u max |g| (injecting random relative errors into every layer over all 10 steps, momentum
     # included, gives 0.65 and 1.0 of these), and the loss by <= 2 max |logit error| <= 2 n u
     # max |logit| = 3.2 n u (logits <= 1.6), under 2 n u loss (loss ~2.06). Tolerances: 2 n u times each.
+    # The algorithms' terms (FedProx's mu (w - x), SCAFFOLD's c - c_i, FedDyn's alpha (w - x) - g_k) are
+    # the same elementwise arithmetic in both trainers, and contract rather than amplify (mu, alpha > 0).
     twice_nu = 2 * 784 * U32
     for i in range(3):
         moved = float((expected[i] - start).abs().max())
         torch.testing.assert_close(weights[i], expected[i], rtol=0, atol=twice_nu * moved)
-    torch.testing.assert_close(losses, torch.tensor(expected_loss), rtol=twice_nu, atol=0)
-    if correction is not None:  # SCAFFOLD's new control variates agree too
-        expected_gradient = torch.stack(expected_gradients)
-        torch.testing.assert_close(group.mean_gradient, expected_gradient, rtol=0,
-                                   atol=twice_nu * float(expected_gradient.abs().max()))
+    torch.testing.assert_close(trained.loss, torch.tensor(expected_loss), rtol=twice_nu, atol=0)
+    assert set(reports) == set(expected_reports[0]) == set(algorithm.report_shapes(len(start)))
+    if algorithm.keeps_mean_gradient:  # SCAFFOLD's new control variates agree too
+        expected_gradient = torch.cat(expected_gradients)
+        atol = twice_nu * float(expected_gradient.abs().max())
+        torch.testing.assert_close(trained.mean_gradient, expected_gradient, rtol=0, atol=atol)
+        # the change c_i+ - c_i subtracts the same c_i (|c_i| ~ 1e-3) from both: one more rounding, far below atol
+        expected_change = torch.cat([r["control_change"] for r in expected_reports])
+        torch.testing.assert_close(reports["control_change"], expected_change, rtol=0, atol=atol)
+    if "steps" in reports:  # FedNova's report: each client's own number of steps, exactly
+        assert reports["steps"].tolist() == [float(r["steps"]) for r in expected_reports] == [10.0, 2.0, 4.0]
 
 
 def test_vmap_refuses_models_with_batch_norm_statistics(tmp_path, monkeypatch):
@@ -114,8 +150,8 @@ def test_bf16_autocast_trains_close_to_fp32_and_keeps_fp32_weights():
     for precision in ("fp32", "bf16"):
         trainer = LocalTrainer(FlatModel(build_model("mnist_cnn", (1, 28, 28), 10), "cpu"), x, y,
                                local(precision=precision), num_classes=10)
-        loss, _ = trainer.train(clients[0], start, seed=4)
-        results[precision] = (float(loss), trainer.model.flat.clone())
+        trained = trainer.train(clients[0], start, seed=4)
+        results[precision] = (float(trained.loss), trainer.model.flat.clone())
     assert results["bf16"][1].dtype == torch.float32 and torch.isfinite(results["bf16"][1]).all()
     # bf16 keeps 8 bits (u = 2^-9): logits of size <= 3 come out ~0.015 off (measured), and the
     # cross-entropy moves by at most twice that (its gradient in the logits has l1 norm <= 2): 0.03

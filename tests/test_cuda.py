@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 import fedsim
-from test_reliability import BASE, run_cli, start, tagged_processes, wait_for_round, write_config
+from test_reliability import BASE, run_cli, start, tagged_processes, wait_for_round, write_config, write_faulty_config
 
 pytestmark = pytest.mark.cuda
 
@@ -33,9 +33,10 @@ def test_backends_and_placements_agree_on_the_gpu(tmp_path):
 
 
 def test_worker_failure_on_the_gpu_ends_in_one_line(tmp_path):
-    code, _, err, seconds, tag = run_cli(["run", str(write_config(tmp_path, device="cuda")),
-                                          "--out", str(tmp_path / "run")], FEDSIM_FAULT="kill@2:1")
+    config, client = write_faulty_config(tmp_path, "kill", 2, 1, device="cuda")
+    code, _, err, seconds, tag = run_cli(["run", str(config), "--out", str(tmp_path / "run")])
     assert code == 1 and seconds < 60 and "killed by SIGKILL" in err
+    assert f"worker 1 failed while training client {client} in round 2" in err
     assert tagged_processes(tag) == []
 
 

@@ -43,11 +43,14 @@ def test_run_learns_writes_files_and_leaves_nothing_behind(small_config, tmp_pat
 
 
 def test_metrics_do_not_depend_on_the_number_of_workers(small_config, tmp_path):
-    # 4 clients per round: one worker trains all four in turn, two workers two each
+    # 4 clients per round: one worker trains all four in turn, two workers two each, and with
+    # workers: 0 the server trains them itself
     one = fedsim.run(small_config, out=tmp_path / "w1", quiet=True, workers=1)
     two = fedsim.run(small_config, out=tmp_path / "w2", quiet=True, workers=2)
+    none = fedsim.run(small_config, out=tmp_path / "w0", quiet=True, workers=0)
     for column in ("test_accuracy", "test_loss", "train_loss"):
-        assert getattr(one, column) == getattr(two, column), column  # bit-identical on CPU
+        assert getattr(one, column) == getattr(two, column) == getattr(none, column), column  # bit-identical on CPU
+    assert none.summary["workers"] == 0 and child_pids() == []
 
 
 def test_more_clients_per_round_than_workers_and_eval_every(small_config, tmp_path):
@@ -73,4 +76,48 @@ def test_cuda_run_matches_contract(small_config, tmp_path):
     assert one.summary["device"].startswith("cuda")
     # the same seeds on the same device; cuDNN may pick other kernels per process, so compare closely
     assert max(abs(a - b) for a, b in zip(one.test_accuracy, two.test_accuracy)) < 0.02
+    assert child_pids() == []
+
+
+def test_a_simulation_takes_any_function_for_its_lines(small_config, tmp_path):
+    from fedsim.results import RunDirectory
+    from fedsim.server import Simulation
+
+    lines = []
+    sim = Simulation(fedsim.load_config(dict(small_config, rounds=2)), log=lines.append)
+    history = sim.run(RunDirectory.create(tmp_path / "run"))
+    assert [line.split()[1] for line in lines if line.startswith("round")] == ["1/2", "2/2"]
+    assert history.round == [1, 2] and child_pids() == []
+
+
+class TrainsBadly(torch.nn.Module):
+    """Fine for the probe (eval mode), broken in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(784, 10)
+
+    def forward(self, x):
+        if self.training:
+            raise RuntimeError("no such layer")
+        return self.fc(x.flatten(1))
+
+
+def not_built():
+    raise ValueError("weights file missing")
+
+
+def test_a_failing_model_is_one_line_with_or_without_workers(small_config, tmp_path):
+    from fedsim.errors import ConfigError, WorkerError
+
+    with pytest.raises(WorkerError) as info:
+        fedsim.run(dict(small_config, workers=0), out=tmp_path / "inline", quiet=True, model=TrainsBadly)
+    assert str(info.value).endswith("in round 1 failed: RuntimeError: no such layer")
+    with pytest.raises(WorkerError) as info:
+        fedsim.run(dict(small_config, workers=1), out=tmp_path / "worker", quiet=True, model=TrainsBadly)
+    assert "worker 0 failed while training client" in str(info.value) and "no such layer" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        fedsim.run(dict(small_config, workers=0), out=tmp_path / "built", quiet=True, model=not_built)
+    assert str(info.value) == ("--set model: test_engine:not_built failed when it was built "
+                               "(ValueError: weights file missing)")
     assert child_pids() == []

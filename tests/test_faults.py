@@ -34,7 +34,7 @@ BASE = {
     "seed": 2,
     "device": "cpu",
     "rounds": 2,
-    "workers": 1,
+    "workers": 0,
     "clients_per_round": 2,
     "data": {"dataset": "synthetic", "num_clients": 4},
     "local": {"lr": 0.05, "batch_size": 64},

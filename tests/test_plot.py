@@ -175,3 +175,15 @@ def test_plot_command_on_a_non_run_directory_is_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr == "fedsim: error: empty: not a run directory (no metrics.csv)\n"
     assert not (tmp_path / "fig.png").exists()
+
+
+def test_legend_names_each_line_also_for_names_that_start_with_an_underscore(tmp_path):
+    # matplotlib leaves "_"-labels out of its own legend handles; a rule from a notebook is one
+    histories = runs(tmp_path, [
+        {"name": "mine", "accuracies": (0.3, 0.6), "settings": {"aggregator": "__main__:my_rule"}},
+        {"name": "avg", "accuracies": (0.2, 0.5), "settings": {"aggregator": "fedavg"}},
+    ])
+    fig = plot_runs(histories, label="aggregator")
+    assert legend_texts(fig) == ["__main__:my_rule", "fedavg"]
+    handles = fig.legends[0].legend_handles
+    assert [h.get_color() for h in handles] == list(PALETTE[:2])  # each text beside its own line

@@ -1,4 +1,4 @@
-"""The one-line round display: on, off, automatic, and the server's round lines it reads."""
+"""The one-line round display: on, off, automatic; the rows it is given and the other lines."""
 from __future__ import annotations
 
 import io
@@ -6,7 +6,6 @@ import io
 import pytest
 
 from fedsim.progress import RoundLog, format_duration
-from fedsim.server import _round_line
 
 
 class Terminal(io.StringIO):
@@ -22,19 +21,29 @@ class Clock:
         return self.now
 
 
-def round_line(rnd: int, rounds: int, accuracy: float = 0.5) -> str:
-    """A line exactly as the server logs it after a round."""
-    row = {"round": rnd, "test_accuracy": accuracy, "test_loss": 1.0, "train_loss": 1.2, "seconds": 2.0,
-           "elapsed_seconds": 2.0 * rnd, "clients": 4, "dropped_clients": 0, "attackers": 0}
-    return _round_line(row, rounds)
+def row(rnd: int, accuracy: float = 0.5, **changes) -> dict:
+    """A round's metrics row, as the server hands it over."""
+    return {"round": rnd, "test_accuracy": accuracy, "test_loss": 1.0, "train_loss": 1.2, "seconds": 2.0,
+            "elapsed_seconds": 2.0 * rnd, "clients": 4, "dropped_clients": 0, "attackers": 0, **changes}
 
 
 def test_off_prints_every_line_as_it_comes():
     out = io.StringIO()
     log = RoundLog(False, stream=out)
-    for line in ["start", round_line(1, 2), round_line(2, 2)]:
-        log(line)
-    assert out.getvalue() == "\n".join(["start", round_line(1, 2), round_line(2, 2)]) + "\n"
+    log("start")
+    log.round_end(row(1), 2)
+    log.round_end(row(2, accuracy=float("nan"), dropped_clients=1), 2)
+    assert out.getvalue() == ("start\n"
+                              "round 1/2  test acc 0.5000  test loss 1.0000  train loss 1.2000  2.00 s\n"
+                              "round 2/2  test acc    -    test loss 1.0000  train loss 1.2000  2.00 s  dropped 1\n")
+
+
+def test_a_function_may_take_the_lines():
+    lines = []
+    log = RoundLog(write=lines.append)
+    log("start")
+    log.round_end(row(3), 10)
+    assert lines == ["start", "round  3/10  test acc 0.5000  test loss 1.0000  train loss 1.2000  2.00 s"]
 
 
 def test_on_rounds_share_one_line_with_a_bar_and_time_left():
@@ -42,7 +51,7 @@ def test_on_rounds_share_one_line_with_a_bar_and_time_left():
     log = RoundLog(True, stream=out, clock=clock)
     log("demo: 4 rounds of 2/4 clients")
     for rnd in (1, 2, 3, 4):
-        log(round_line(rnd, 4, accuracy=0.1 * rnd))
+        log.round_end(row(rnd, accuracy=0.1 * rnd), 4)
         clock.now += 10.0
     text = out.getvalue()
     start, rest = text.split("\n", 1)
@@ -60,16 +69,16 @@ def test_on_rounds_share_one_line_with_a_bar_and_time_left():
 def test_a_shorter_update_blanks_the_rest_of_the_longer_one():
     out = io.StringIO()
     log = RoundLog(True, stream=out)
-    log("round 1/3  " + "x" * 40)
-    log("round 2/3  y")
+    log.round_end(row(1, dropped_clients=12345678), 3)
+    log.round_end(row(2), 3)
     first, second = out.getvalue().split("\r")[1:]
-    assert len(second) == len(first) and second.rstrip().endswith("left") and "round 2/3  y" in second
+    assert len(second) == len(first) and second.rstrip().endswith("left") and "dropped" not in second
 
 
 def test_other_lines_end_the_progress_line_first():
     out = io.StringIO()
     log = RoundLog(True, stream=out)
-    log(round_line(1, 9))
+    log.round_end(row(1), 9)
     log("reached stop_at_accuracy 0.5 in round 1")
     log("round 1: worker 0 died; restarting the workers")  # not a round line: no "/total"
     lines = out.getvalue().split("\n")
@@ -85,7 +94,7 @@ def test_automatic_is_on_for_a_terminal_only():
 
 def test_writes_to_sys_stdout_as_it_is_at_each_call(capsys):
     log = RoundLog(True)
-    log(round_line(1, 1))
+    log.round_end(row(1), 1)
     assert capsys.readouterr().out.startswith("\r[####################] round 1/1")
 
 
@@ -93,9 +102,9 @@ def test_cut_to_the_terminal_width_keeping_the_time_left(monkeypatch):
     monkeypatch.setattr("shutil.get_terminal_size", lambda: type("Size", (), {"columns": 61})())
     out, clock = Terminal(), Clock()
     log = RoundLog(stream=out, clock=clock)
-    log(round_line(1, 3))
+    log.round_end(row(1), 3)
     clock.now += 5.0
-    log(round_line(2, 3))
+    log.round_end(row(2), 3)
     first, second = out.getvalue().split("\r")[1:]
     assert len(first.rstrip()) == 60 and first.rstrip().endswith("...")
     assert len(second) == 60 and second.startswith("[#############.......] round 2/3  test acc")
@@ -107,10 +116,14 @@ def test_format_duration(seconds, text):
     assert format_duration(seconds) == text
 
 
-def test_a_run_with_progress_shows_one_line(tmp_path, capsys):
+def test_a_run_with_progress_shows_one_line(tmp_path, capsys, monkeypatch):
+    import logging
+
     import fedsim
 
-    cfg = {"name": "p", "seed": 0, "device": "cpu", "rounds": 3, "workers": 1, "clients_per_round": 2,
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # pytest's own would take fedsim's messages
+
+    cfg = {"name": "p", "seed": 0, "device": "cpu", "rounds": 3, "workers": 0, "clients_per_round": 2,
            "data": {"dataset": "synthetic", "limit": 600, "num_clients": 4}}
     fedsim.run(cfg, out=tmp_path / "run", progress=True)
     out = capsys.readouterr().out

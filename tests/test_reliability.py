@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 import fedsim
+from fedsim.streams import sample_clients
 
 from conftest import assert_one_line_error, run_cli, shm_entries, start, tagged_processes, wait_for_round
 
@@ -39,19 +40,34 @@ def write_config(tmp_path, **changes) -> Path:
     return path
 
 
+def client_of(worker: int, rnd: int, cfg: dict = BASE) -> int:
+    """The first client ``worker`` trains in round ``rnd``: slot s of a round goes to worker s mod W."""
+    clients = sample_clients(cfg["seed"], rnd, cfg["data"]["num_clients"], cfg["clients_per_round"])
+    return int(clients[worker::cfg["workers"]][0])
+
+
+def write_faulty_config(tmp_path, kind: str, rnd: int, worker: int, once: Path | None = None,
+                        **changes) -> tuple[Path, int]:
+    """A config whose algorithm (tests/faulty.py: FedAvg plus one fault) strikes when ``worker``
+    trains its first client of round ``rnd``; returns the config's path and that client."""
+    client = client_of(worker, rnd, {**BASE, **changes})
+    options = {"kind": kind, "round": rnd, "client": client, **({"once": str(once)} if once else {})}
+    return write_config(tmp_path, algorithm="faulty:Faulty", algorithm_options=options, **changes), client
+
+
 # ----------------------------------------------------------------------------- worker failure
 
 
-@pytest.mark.parametrize("fault, fragments", [
-    ("raise@2:1", ["worker 1 failed while training client", "in round 2", "RuntimeError: injected fault"]),
-    ("exit@2:0", ["worker 0 failed while training client", "in round 2", "exited with status 3"]),
+@pytest.mark.parametrize("kind, worker, cause", [
+    ("raise", 1, "RuntimeError: injected fault"),
+    ("exit", 0, "exited with status 3"),
 ])
-def test_a_failing_worker_ends_the_run_with_one_line(tmp_path, fault, fragments):
+def test_a_failing_worker_ends_the_run_with_one_line(tmp_path, kind, worker, cause):
     shm_before = shm_entries()
-    code, out, err, seconds, tag = run_cli(["run", str(write_config(tmp_path)), "--out", str(tmp_path / "run")],
-                                           FEDSIM_FAULT=fault)
+    config, client = write_faulty_config(tmp_path, kind, 2, worker)
+    code, out, err, seconds, tag = run_cli(["run", str(config), "--out", str(tmp_path / "run")])
     assert code == 1 and seconds < 30
-    assert_one_line_error(err, *fragments)
+    assert_one_line_error(err, f"worker {worker} failed while training client {client} in round 2: {cause}")
     assert tagged_processes(tag) == []
     assert shm_entries() <= shm_before
     assert re.search(r"^round\s+1/3", out, re.M)  # the rounds before the failure were kept
@@ -75,20 +91,20 @@ def test_a_worker_killed_from_outside_ends_the_run(tmp_path):
 
 
 def test_a_hung_worker_hits_the_timeout(tmp_path):
-    code, _, err, seconds, tag = run_cli(
-        ["run", str(write_config(tmp_path, worker_timeout=3)), "--out", str(tmp_path / "run")],
-        FEDSIM_FAULT="hang@2:1")
+    config, client = write_faulty_config(tmp_path, "hang", 2, 1, worker_timeout=3)
+    code, _, err, seconds, tag = run_cli(["run", str(config), "--out", str(tmp_path / "run")])
     assert code == 1 and seconds < 30
-    assert_one_line_error(err, "worker 1 did not finish client", "of round 2 within 3 s (worker_timeout)")
+    assert_one_line_error(err, f"worker 1 did not finish client {client} of round 2 within 3 s (worker_timeout)")
     assert tagged_processes(tag) == []
 
 
 def test_restart_reruns_the_round_and_changes_nothing(tmp_path):
-    clean = fedsim.run(BASE, out=tmp_path / "clean", quiet=True)
-    config = write_config(tmp_path, on_worker_failure="restart")
-    code, out, err, _, tag = run_cli(["run", str(config), "--out", str(tmp_path / "restarted")],
-                                     FEDSIM_FAULT="kill@2:1", FEDSIM_FAULT_ONCE=str(tmp_path / "fired"))
+    clean = fedsim.run(BASE, out=tmp_path / "clean", quiet=True)  # plain fedavg
+    fired = tmp_path / "fired"
+    config, _ = write_faulty_config(tmp_path, "kill", 2, 1, once=fired, on_worker_failure="restart")
+    code, out, err, _, tag = run_cli(["run", str(config), "--out", str(tmp_path / "restarted")])
     assert code == 0, err
+    assert fired.exists()  # the fault did strike, once
     assert "restarting the workers and re-running the round" in err
     assert fedsim.load_run(tmp_path / "restarted").test_accuracy == clean.test_accuracy
     assert tagged_processes(tag) == []
@@ -168,10 +184,10 @@ def test_resume_refuses_changes_that_would_split_the_run(tmp_path):
 
 
 def test_a_nan_update_is_dropped_and_counted(tmp_path):
-    code, out, err, _, _ = run_cli(["run", str(write_config(tmp_path)), "--out", str(tmp_path / "run")],
-                                   FEDSIM_FAULT="nan@2:0")
+    config, client = write_faulty_config(tmp_path, "nan", 2, 0)
+    code, out, err, _, _ = run_cli(["run", str(config), "--out", str(tmp_path / "run")])
     assert code == 0, err
-    assert "dropped 1 client(s) with non-finite weights" in err
+    assert f"dropped 1 client(s) with non-finite weights: [{client}]" in err
     history = fedsim.load_run(tmp_path / "run")
     assert history.dropped_clients == [0, 1, 0]
     assert all(acc == acc for acc in history.test_accuracy)  # the global model stayed finite
@@ -179,11 +195,10 @@ def test_a_nan_update_is_dropped_and_counted(tmp_path):
 
 
 def test_a_nan_update_can_stop_the_run(tmp_path):
-    code, _, err, _, tag = run_cli(
-        ["run", str(write_config(tmp_path, on_nonfinite="fail")), "--out", str(tmp_path / "run")],
-        FEDSIM_FAULT="nan@2:0")
+    config, client = write_faulty_config(tmp_path, "nan", 2, 0, on_nonfinite="fail")
+    code, _, err, _, tag = run_cli(["run", str(config), "--out", str(tmp_path / "run")])
     assert code == 1
-    assert_one_line_error(err, "round 2: client", "non-finite (NaN/Inf) weights", "on_nonfinite: fail")
+    assert_one_line_error(err, f"round 2: client {client} sent non-finite (NaN/Inf) weights", "on_nonfinite: fail")
     assert tagged_processes(tag) == []
 
 

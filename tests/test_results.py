@@ -156,3 +156,10 @@ def test_results_table_of_single_runs_has_no_runs_column(tmp_path):
     runs = histories_of(tmp_path, [{"name": "a"}, {"name": "b", "seed": 1}])
     assert fedsim.results_table(runs).markdown().splitlines()[0] == \
         "| name | final acc. (%) | best acc. (%) | rounds | wall (s) |"
+
+
+def test_results_table_escapes_markdown_in_values(tmp_path):
+    run = fedsim.load_run(write_run(tmp_path / "run", name="mine", accuracies=(0.5,),
+                                    settings={"aggregator": "__main__:my|rule"}))
+    table = fedsim.results_table([run], keys=("aggregator",)).markdown()
+    assert "\\_\\_main\\_\\_:my\\|rule" in table.splitlines()[2]

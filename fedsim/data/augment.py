@@ -11,7 +11,7 @@ def augmentation_for(data_config, input_shape: tuple[int, ...]):
     """The batch transform for this dataset, or None when augmentation is off."""
     enabled = data_config.augment
     if enabled is None:
-        enabled = data_config.dataset in AUGMENT_BY_DEFAULT
+        enabled = isinstance(data_config.dataset, str) and data_config.dataset in AUGMENT_BY_DEFAULT
     return random_crop_flip if enabled else None
 
 

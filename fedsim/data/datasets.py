@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..registry import Registry
 
 DATASETS = Registry("dataset")
@@ -24,25 +24,125 @@ DATASETS = Registry("dataset")
 
 @dataclass
 class Dataset:
-    train_x: torch.Tensor  # float32 [N, C, H, W], normalized
-    train_y: torch.Tensor  # int64 [N]
+    train_x: torch.Tensor  # float32 [N, ...] (images [N, C, H, W]), normalized
+    train_y: torch.Tensor  # int64 [N], in 0 .. num_classes - 1
     test_x: torch.Tensor
     test_y: torch.Tensor
     num_classes: int
+    name: str = "tensors"  # how config.yaml names a dataset given as an object
 
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.train_x.shape[1:])
 
 
-def load_dataset(name: str, root: str | Path, limit: int | None = None, download: bool = True) -> Dataset:
-    """Load a registered dataset; ``limit`` keeps only the first N training samples.
-    Missing files are downloaded into ``root`` unless ``download`` is False."""
-    data = DATASETS.get(name)(Path(root), download)
+def from_tensors(train_x, train_y, test_x, test_y, num_classes: int | None = None,
+                 name: str = "tensors") -> Dataset:
+    """A dataset of your own, from tensors or numpy arrays: inputs ``[N, ...]`` (made float32,
+    used as they are: normalize them first) and integer labels ``[N]``. ``num_classes``
+    defaults to the largest label plus one. Refused in one line if the shapes, the labels or
+    the values do not fit."""
+    where = f"data.dataset ({name})"
+    parts = {}
+    for key, value in (("train_x", train_x), ("train_y", train_y), ("test_x", test_x), ("test_y", test_y)):
+        try:
+            parts[key] = torch.as_tensor(np.asarray(value) if not isinstance(value, torch.Tensor) else value)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise DataError(f"{where}: {key} is not an array ({e})") from None
+    for split in ("train", "test"):
+        x, y = parts[f"{split}_x"], parts[f"{split}_y"]
+        if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(y) == 0:
+            raise DataError(f"{where}: {split}_x has shape {tuple(x.shape)} and {split}_y {tuple(y.shape)}; "
+                            f"expected [N, ...] inputs and [N] labels, N > 0")
+        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+            raise DataError(f"{where}: {split}_y must hold integer class labels, got {y.dtype}")
+        if not (x.is_floating_point() or x.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32,
+                                                      torch.int64)):
+            raise DataError(f"{where}: {split}_x must hold numbers, got {x.dtype}")
+    if parts["train_x"].shape[1:] != parts["test_x"].shape[1:]:
+        raise DataError(f"{where}: train inputs {tuple(parts['train_x'].shape[1:])} and test inputs "
+                        f"{tuple(parts['test_x'].shape[1:])} differ in shape")
+    train_y, test_y = parts["train_y"].to(torch.int64), parts["test_y"].to(torch.int64)
+    classes = int(max(train_y.max(), test_y.max())) + 1 if num_classes is None else num_classes
+    if min(train_y.min(), test_y.min()) < 0 or max(train_y.max(), test_y.max()) >= classes or classes < 2:
+        raise DataError(f"{where}: labels must lie in 0 .. num_classes - 1 with at least 2 classes; they span "
+                        f"{int(min(train_y.min(), test_y.min()))} .. {int(max(train_y.max(), test_y.max()))} "
+                        f"for {classes} classes")
+    train_x, test_x = parts["train_x"].to(torch.float32), parts["test_x"].to(torch.float32)
+    if not (torch.isfinite(train_x).all() and torch.isfinite(test_x).all()):
+        raise DataError(f"{where}: the inputs hold NaN or Inf")
+    return Dataset(train_x.contiguous(), train_y, test_x.contiguous(), test_y, classes, name)
+
+
+_TENSOR_KEYS = ("train_x", "train_y", "test_x", "test_y")
+
+
+def _from_file(path: Path) -> Dataset:
+    """A .pt (torch.save of a dict) or .npz file holding train_x, train_y, test_x, test_y and
+    optionally num_classes. Read without unpickling code (weights_only, allow_pickle=False)."""
+    if not path.is_file():
+        raise DataError(f"data.dataset: {path}: no such file")
+    try:
+        if path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as archive:
+                arrays = {key: archive[key] for key in archive.files}
+        else:
+            arrays = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # a damaged file: zipfile, pickle and numpy each raise their own
+        raise DataError(f"{path}: cannot read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                        ) from None
+    if not isinstance(arrays, dict) or not set(_TENSOR_KEYS) <= set(arrays):
+        found = ", ".join(sorted(map(str, arrays))) if isinstance(arrays, dict) else type(arrays).__name__
+        raise DataError(f"{path}: expected the arrays {', '.join(_TENSOR_KEYS)}; found {found}")
+    classes = arrays.get("num_classes")
+    classes = int(classes) if classes is not None else None
+    return from_tensors(*(arrays[key] for key in _TENSOR_KEYS), num_classes=classes, name=str(path))
+
+
+def check_dataset_spec(spec) -> None:
+    """What can be checked of ``data.dataset`` before loading: a known name, a .pt / .npz file
+    that exists, an importable path, or a Dataset."""
+    from ..components import is_import_path, load_attr, registered
+
+    if isinstance(spec, Dataset):
+        return
+    if not isinstance(spec, str):
+        raise ConfigError(f"data.dataset: {type(spec).__name__} is not a dataset; from Python give "
+                          f"fedsim.data.from_tensors(train_x, train_y, test_x, test_y)")
+    if spec.endswith((".pt", ".npz")):
+        if not Path(spec).is_file():
+            raise ConfigError(f"data.dataset: {spec}: no such file")
+    elif is_import_path(spec):
+        if not callable(load_attr("data.dataset", spec)):
+            raise ConfigError(f"data.dataset: {spec} is not a function returning a Dataset")
+    else:
+        registered("data.dataset", DATASETS, spec)
+
+
+def load_dataset(spec, root: str | Path, limit: int | None = None, download: bool = True) -> Dataset:
+    """The dataset ``spec`` names: a registered name (read from ``root``, downloaded there
+    unless ``download`` is False), a .pt / .npz file, an import path of a function that returns
+    a Dataset, or a Dataset. ``limit`` keeps only the first N training samples."""
+    from ..components import is_import_path, load_attr
+
+    if isinstance(spec, Dataset):
+        data = spec
+    elif spec.endswith((".pt", ".npz")):
+        data = _from_file(Path(spec))
+    elif is_import_path(spec):
+        data = load_attr("data.dataset", spec)()
+        if not isinstance(data, Dataset):
+            raise DataError(f"data.dataset: {spec} returned a {type(data).__name__}, not a Dataset "
+                            f"(build one with fedsim.data.from_tensors)")
+    else:
+        data = DATASETS.get(spec)(Path(root), download)
+        data.name = spec
     if limit is not None:
         if limit > len(data.train_y):
-            raise DataError(f"data.limit: {limit} is more than the {len(data.train_y)} training samples of {name}")
-        data.train_x, data.train_y = data.train_x[:limit], data.train_y[:limit]
+            raise DataError(f"data.limit: {limit} is more than the {len(data.train_y)} training samples of "
+                            f"{data.name if isinstance(spec, Dataset) else spec}")
+        data = Dataset(data.train_x[:limit], data.train_y[:limit], data.test_x, data.test_y, data.num_classes,
+                       data.name)
     return data
 
 

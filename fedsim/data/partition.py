@@ -17,11 +17,11 @@ import torch
 
 from ..errors import ConfigError
 from ..registry import Registry
+from ..streams import test_split_rng
 
 PARTITIONS = Registry("partition")
 
 MAX_DIRICHLET_DRAWS = 1000  # re-draws allowed to meet data.min_samples before giving up
-_TEST_STREAM = 1  # keeps the local test split's random stream apart from the training split's
 
 
 def partition(labels, method: str, num_clients: int, seed: int, **options) -> list[torch.Tensor]:
@@ -61,7 +61,7 @@ def local_test_split(train_labels, parts, test_labels, seed: int) -> list[torch.
     held = np.stack([np.bincount(train_labels[np.asarray(p)], minlength=width) for p in parts], axis=1)[classes]
     share = held / np.maximum(held.sum(axis=1, keepdims=True), 1)
     counts = _split_counts(share, test_sizes * (held.sum(axis=1) > 0))
-    rng = np.random.default_rng([seed, _TEST_STREAM])
+    rng = test_split_rng(seed)  # a stream apart from the training split's
     return [torch.as_tensor(p, dtype=torch.int64) for p in _deal_by_class(test_labels, counts, rng)]
 
 

@@ -15,8 +15,7 @@ from matplotlib.ticker import MaxNLocator
 
 from ..errors import write_error
 from ..results import atomic_write_text, write_atomically
-from .datasets import load_dataset
-from .partition import local_test_split, options_for, partition
+from .partition import local_test_split, options_for
 
 _ANNOTATE_UP_TO = 200  # cells; beyond this, numbers in the cells become unreadable
 
@@ -107,12 +106,14 @@ def write_report(config, out_dir) -> dict:
     """Load the data and split it as a run of ``config`` would; write ``partition.json`` and
     ``partition.png`` into ``out_dir``. Returns the statistics (see :func:`partition_stats`),
     with the local test split's counts added when ``data.test_partition`` is on."""
+    from ..federation import load_federation
+
     d = config.data
     options = options_for(d.partition, d)
-    data = load_dataset(d.dataset, d.root, d.limit, d.download)
-    parts = partition(data.train_y, d.partition, d.num_clients, config.seed, **options)
+    federation = load_federation(config)
+    data, parts = federation.data, federation.parts
     stats = partition_stats(parts, data.train_y, data.num_classes)
-    report = {"name": config.name, "dataset": d.dataset, "partition": d.partition, "options": options,
+    report = {"name": config.name, "dataset": data.name, "partition": d.partition, "options": options,
               "seed": config.seed, "summary": summary_text(stats), **stats}
     if d.test_partition:
         test_parts = local_test_split(data.train_y, parts, data.test_y, config.seed)
@@ -125,7 +126,7 @@ def write_report(config, out_dir) -> dict:
         raise write_error(out, e) from None
     atomic_write_text(out / "partition.json", _json_text(report))
     described = ", ".join(f"{key}={value}" for key, value in sorted(options.items()))
-    title = f"{config.name}: {d.dataset}, {d.partition}" + (f" ({described})" if described else "")
+    title = f"{config.name}: {data.name}, {d.partition}" + (f" ({described})" if described else "")
     figure = partition_figure(stats, title)
     write_atomically(out / "partition.png", lambda tmp: figure.savefig(tmp, dpi=120, format="png"))
     return report

@@ -1,0 +1,18 @@
+"""Client algorithms, one per file; every module of this package registers its own.
+
+``ALGORITHMS`` maps names to Algorithm classes. A new algorithm is a new file here (or a
+class of your own, given from Python or named by import path): nothing else changes.
+"""
+import importlib
+import pkgutil
+
+from ..registry import Registry
+from .base import Algorithm, Clients, LocalResult, Round
+
+ALGORITHMS = Registry("algorithm")
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["ALGORITHMS", "Algorithm", "Clients", "LocalResult", "Round"]

@@ -1,0 +1,117 @@
+"""The algorithm interface: everything a federated algorithm adds to plain local SGD, in one class.
+
+An algorithm declares the state it keeps and what its clients report; the engine allocates
+those tensors once, shares them with the worker processes and puts them in every checkpoint.
+Its methods receive the state as arguments (they keep none of their own), so one algorithm
+object serves the server and every worker alike:
+
+    on a worker, for each client (or vmap group of c clients):
+        local = start_client(clients)                            once, before the first step
+        adjust_gradient(grad, weights, start, local)             every step, before momentum
+        reports = client_report(result, local)                  once, after the last step
+    on the server, after the round:
+        delta = server_update(round, server_state, client_state)
+
+Client-side tensors have a leading client dimension (1 for the process backend, the group's
+size for vmap). Workers only read the state; the server changes it, after the round, in
+``server_update``: a round that is re-run after a worker failure therefore changes nothing twice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class Clients:
+    """The clients a worker is about to train: one, or a vmap group of c."""
+
+    ids: torch.Tensor  # [c] client ids
+    round: int
+    server: dict[str, torch.Tensor]  # the server state (read only)
+    state: dict[str, torch.Tensor]  # these clients' rows of the client state, [c, ...] (copies)
+
+
+@dataclass
+class LocalResult:
+    """What local training produced, for ``client_report``."""
+
+    start: torch.Tensor  # [L] the global weights the clients started from
+    weights: torch.Tensor  # [c, L] their weights after training, as the server will read them
+    steps: torch.Tensor  # [c] SGD steps each took
+    samples: torch.Tensor  # [c] training samples each holds
+    mean_gradient: torch.Tensor | None  # [c, n] mean raw minibatch gradient, if keeps_mean_gradient
+
+
+@dataclass
+class Round:
+    """One round as the server sees it, for ``server_update``. Rows are the clients whose update
+    was finite (dropped ones are left out), after any attack rewrote them."""
+
+    updates: torch.Tensor  # [k, L] client weights minus global weights
+    weights: torch.Tensor  # [k] the clients' sample counts
+    clients: torch.Tensor  # [k] client ids, on the device of the state
+    reports: dict[str, torch.Tensor]  # name -> [k, ...], as declared by report_shapes
+    aggregate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # the run's aggregation rule
+    global_weights: torch.Tensor  # [L] the weights the round started from (read only)
+    num_params: int  # n: weights[:n] are trainable, the rest are buffers (batch-norm statistics)
+    num_clients: int  # N, the whole federation
+
+
+class Algorithm:
+    """Plain FedAvg: local SGD from the global weights, the aggregation rule's update applied.
+
+    Subclass it and override what your algorithm changes. Options are the constructor's
+    keyword arguments, set from ``algorithm_options`` in an experiment file.
+    """
+
+    keeps_mean_gradient = False  # set True to get LocalResult.mean_gradient (costs a [n] sum per step)
+
+    def setup(self, config) -> None:
+        """Called once in the server and once in every worker with the run's Config, before any
+        other method: the place to read settings such as ``config.local.momentum``."""
+        self.config = config
+
+    # ----------------------------------------------------------------- state
+
+    def server_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
+        """Tensors the server keeps, by name and shape; zeros at the start."""
+        return {}
+
+    def client_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
+        """Tensors kept for every client, by name and the shape of one client's row; zeros at
+        the start, allocated as ``[num_clients, *shape]``."""
+        return {}
+
+    def report_shapes(self, num_params: int) -> dict[str, tuple[int, ...]]:
+        """What a client reports besides its weights, by name and shape."""
+        return {}
+
+    # ----------------------------------------------------------------- a client (in a worker)
+
+    def start_client(self, clients: Clients) -> Any:
+        """Before the first step. What is returned comes back as ``local`` in the two methods
+        below (a correction to add at every step, say)."""
+        return None
+
+    def adjust_gradient(self, grad: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, local) -> None:
+        """Add the algorithm's term to ``grad`` ([c, n], in place) at weights ``weights`` ([c, n])
+        of clients that started from ``start`` ([n]); weight decay is already in ``grad``."""
+
+    def client_report(self, result: LocalResult, local) -> dict[str, torch.Tensor]:
+        """After the last step: the reports, each ``[c, *shape]``."""
+        return {}
+
+    # ----------------------------------------------------------------- the server
+
+    def server_update(self, round: Round, server: dict[str, torch.Tensor],
+                      clients: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The update Δ ([L]) of the global weights, which the server optimizer then applies (the
+        global weights become x + Δ without one). Change the state here, in place."""
+        return round.aggregate(round.updates, round.weights)
+
+    @property
+    def has_gradient_term(self) -> bool:
+        return type(self).adjust_gradient is not Algorithm.adjust_gradient

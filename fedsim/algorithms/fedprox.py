@@ -1,0 +1,16 @@
+"""FedProx (Li et al. 2020): local SGD on the loss plus mu/2 ||w - w_global||^2."""
+from ..options import Options
+from . import ALGORITHMS
+from .base import Algorithm
+
+
+@ALGORITHMS.register("fedprox", "local SGD plus the proximal term mu/2 ||w - w_global||^2 (Li et al. 2020)")
+class FedProx(Algorithm):
+    """Every step adds mu (w - w_global), the gradient of the proximal term, before momentum;
+    ``mu = 0`` is exactly FedAvg."""
+
+    def __init__(self, mu: float = 0.01):
+        self.mu = Options("algorithm_options").non_negative("mu", mu)
+
+    def adjust_gradient(self, grad, weights, start, local):
+        grad.add_(weights - start, alpha=self.mu)

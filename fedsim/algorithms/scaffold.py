@@ -1,0 +1,44 @@
+"""SCAFFOLD (Karimireddy et al. 2020): local steps corrected by control variates c - c_i."""
+from types import SimpleNamespace
+
+from . import ALGORITHMS
+from .base import Algorithm
+
+
+@ALGORITHMS.register("scaffold", "local SGD corrected by control variates c - c_i; the new c_i is the mean "
+                                 "uncorrected gradient (option II under plain SGD; Karimireddy et al. 2020)")
+class Scaffold(Algorithm):
+    """Every step adds c - c_i, the server's control variate minus the client's. A client's new
+    c_i is the mean of its uncorrected minibatch gradients over the round: with plain SGD that
+    equals option II, (x - y_i) / (K lr) + c_i - c, and unlike that formula it stays right with
+    local momentum, where the weights travel about 1 / (1 - momentum) times further than the
+    gradients alone would take them (option II then overshoots and training diverges).
+    The server adds (1/N) sum of the changes to c, and each change to its client's c_i.
+    """
+
+    keeps_mean_gradient = True
+
+    def server_state(self, num_params):
+        return {"control": (num_params,)}
+
+    def client_state(self, num_params):
+        return {"control": (num_params,)}
+
+    def report_shapes(self, num_params):
+        return {"control_change": (num_params,)}
+
+    def start_client(self, clients):
+        own = clients.state["control"]
+        return SimpleNamespace(control=own, correction=clients.server["control"] - own)
+
+    def adjust_gradient(self, grad, weights, start, local):
+        grad.add_(local.correction)
+
+    def client_report(self, result, local):
+        return {"control_change": result.mean_gradient - local.control}
+
+    def server_update(self, round, server, clients):
+        changes = round.reports["control_change"]
+        server["control"].add_(changes.sum(dim=0), alpha=1 / round.num_clients)
+        clients["control"][round.clients] += changes
+        return round.aggregate(round.updates, round.weights)

@@ -1,0 +1,125 @@
+"""Observers of a run, called in the server process: the run's own files are written by two of
+them, and a TensorBoard writer is a third.
+
+A callback is any object with some of these methods (the others are not called):
+
+    on_run_start(run: RunStart)              before the first round (also of a resumed run)
+    on_round_end(row: dict, clients: list)   after every round: its metrics row (test_accuracy
+                                             is NaN on rounds that are not evaluated) and one
+                                             dict per trained client
+    on_run_end(history: History)             after the last round, or when the run stops
+
+Pass them as ``fedsim.run(..., callbacks=[...])``. A callback that raises stops the run with
+one line naming it and the round.
+"""
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import write_error
+
+CLIENT_COLUMNS = ("round", "client", "samples", "train_loss", "update_norm", "dropped", "attacker")
+
+
+@dataclass
+class RunStart:
+    config: object  # the run's Config
+    run_dir: Path
+    first_round: int  # 1, or the round after the checkpoint of a resumed run
+    model: torch.nn.Module  # the global model; its weights change every round
+
+
+class Callback:
+    """A base class to subclass (optional: any object with these methods will do)."""
+
+    def on_run_start(self, run: RunStart) -> None:
+        pass
+
+    def on_round_end(self, row: dict, clients: list[dict]) -> None:
+        pass
+
+    def on_run_end(self, history) -> None:
+        pass
+
+
+class MetricsFile(Callback):
+    """metrics.csv: one row per evaluated round."""
+
+    def __init__(self, run_dir):
+        self.run_dir = run_dir
+
+    def on_run_start(self, run):  # a resumed run drops the rows after its checkpoint
+        self.run_dir.write_rows([r for r in self.run_dir.rows() if r["round"] < run.first_round])
+
+    def on_round_end(self, row, clients):
+        if not math.isnan(row["test_accuracy"]):
+            self.run_dir.append(row)
+
+
+class ClientsFile(Callback):
+    """clients.csv: one row per trained client per round, as ``on_round_end`` receives them."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_run_start(self, run):
+        kept = []
+        if run.first_round > 1 and self.path.is_file():
+            with open(self.path, newline="") as f:
+                kept = [row for row in csv.DictReader(f) if int(row["round"]) < run.first_round]
+        self._write("w", [CLIENT_COLUMNS, *([row[c] for c in CLIENT_COLUMNS] for row in kept)])
+
+    def on_round_end(self, row, clients):
+        self._write("a", [[_cell(client[c]) for c in CLIENT_COLUMNS] for client in clients])
+
+    def _write(self, mode: str, rows) -> None:
+        try:
+            with open(self.path, mode, newline="") as f:
+                csv.writer(f).writerows(rows)
+        except OSError as e:
+            raise write_error(self.path, e) from None
+
+
+def _cell(value) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+class TensorBoard(Callback):
+    """Scalars for TensorBoard: every metric of a round, and the spread of the clients' training
+    losses and update norms, under ``log_dir`` (default: the run directory's ``tensorboard``).
+    Needs the tensorboard package (``pip install "fedsim-sync[tensorboard]"``)."""
+
+    def __init__(self, log_dir=None):
+        self.log_dir = log_dir
+        self.writer = None
+
+    def on_run_start(self, run):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            from .errors import FedsimError
+
+            raise FedsimError('the TensorBoard writer needs the tensorboard package: '
+                              'pip install "fedsim-sync[tensorboard]"') from None
+        self.writer = SummaryWriter(str(self.log_dir or Path(run.run_dir) / "tensorboard"),
+                                    purge_step=run.first_round)
+
+    def on_round_end(self, row, clients):
+        step = row["round"]
+        for key, value in row.items():
+            if key != "round" and isinstance(value, (int, float)) and not math.isnan(value):
+                self.writer.add_scalar(key, value, step)
+        for key in ("train_loss", "update_norm"):
+            values = [c[key] for c in clients if not c["dropped"] and math.isfinite(c[key])]
+            if values:
+                self.writer.add_histogram(f"clients/{key}", torch.tensor(values), step)
+        self.writer.flush()
+
+    def on_run_end(self, history):
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,273 @@
+"""The parts of a run a user can bring: a model, an aggregation rule, an algorithm, a dataset.
+
+Each config key (``model``, ``aggregator``, ``algorithm``, ``data.dataset``) takes a name
+fedsim registers, an import path ``pkg.module:attr`` (imported in every process that needs
+it), or, from Python, the object itself:
+
+    model        a function or nn.Module class: no arguments, or (input_shape, num_classes)
+    aggregator   a function (updates [k, P], weights [k], **aggregator_options) -> [P]
+    algorithm    an Algorithm instance, or a subclass built with algorithm_options
+    data.dataset a Dataset (fedsim.data.from_tensors), or a .pt / .npz file of its tensors
+
+Objects reach the spawned workers by value, serialized with cloudpickle, so a function or
+class defined in a notebook cell or a script's ``__main__`` works there too. Whatever cannot
+be used is refused in one line, before any worker is handed anything: not importable, the
+wrong kind of object, the wrong signature, the wrong output on a probe call.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+KEYS = ("model", "aggregator", "algorithm", "data.dataset")
+
+
+def get(cfg, key: str):
+    section, _, name = key.rpartition(".")
+    return getattr(getattr(cfg, section) if section else cfg, name)
+
+
+def _set(cfg, key: str, value) -> None:
+    section, _, name = key.rpartition(".")
+    setattr(getattr(cfg, section) if section else cfg, name, value)
+
+
+def is_import_path(text: str) -> bool:
+    return ":" in text
+
+
+def describe(value) -> str:
+    """How config.yaml names a component: its name, import path or where it was defined."""
+    if isinstance(value, str):
+        return value
+    from .data import Dataset
+
+    if isinstance(value, Dataset):
+        return value.name
+    target = value if inspect.isroutine(value) or inspect.isclass(value) else type(value)
+    where = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__name__)}"
+    return where if target is value else f"{where}()"
+
+
+def load_attr(key: str, path: str):
+    """The object an import path ``pkg.module:attr`` names; one line if it cannot be had."""
+    module_name, _, attr = path.partition(":")
+    if attr.endswith("()"):  # how config.yaml names an object given from Python (see describe)
+        raise ConfigError(f"{key}: {path} was an object given from Python; give it again, e.g. "
+                          f"fedsim.resume(run_dir, {key.rpartition('.')[2]}=...)")
+    try:
+        target = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or whatever the module raised while importing
+        raise ConfigError(f"{key}: cannot import {module_name!r} ({type(e).__name__}: {e})") from None
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(f"{key}: module {module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    return target
+
+
+def _resolve(key: str, spec, table):
+    """A registered entry, an imported attribute, or the object given."""
+    if not isinstance(spec, str):
+        return spec
+    if is_import_path(spec):
+        return load_attr(key, spec)
+    return registered(key, table, spec)
+
+
+def registered(key: str, table, name: str):
+    """``table``'s entry ``name``; an unknown name is refused naming the config key."""
+    if name not in table:
+        raise ConfigError(f"{key}: unknown {table.kind} {name!r}; choose one of: {', '.join(table.names())}, "
+                          f"or give an import path (pkg.module:name)")
+    return table.get(name)
+
+
+def _takes(fn, counts: tuple[int, ...], key: str, wanted: str) -> int:
+    """How many positional arguments ``fn`` wants, if it is one of ``counts``."""
+    try:
+        signature = inspect.signature(fn.__init__ if inspect.isclass(fn) else fn)
+    except (TypeError, ValueError):
+        return counts[-1]  # a builtin: trust it
+    params = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if inspect.isclass(fn):
+        params = params[1:]  # self
+    required = [p for p in params if p.default is p.empty]
+    varargs = any(p.kind is p.VAR_POSITIONAL for p in signature.parameters.values())
+    for count in counts:
+        if len(required) <= count and (len(params) >= count or varargs):
+            return count
+    raise ConfigError(f"{key}: {describe(fn)} takes ({', '.join(p.name for p in params)}); {wanted}")
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def model_builder(spec):
+    """A function (input_shape, num_classes) -> nn.Module for a model spec."""
+    from .models import MODELS
+
+    target = _resolve("model", spec, MODELS)
+    if not callable(target):
+        raise ConfigError(f"model: {describe(spec)} is a {type(target).__name__}, not a function or nn.Module class")
+    if isinstance(spec, str) and not is_import_path(spec):
+        return target  # registered builders take (input_shape, num_classes)
+    count = _takes(target, (0, 2), "model", "a model builder takes no arguments or (input_shape, num_classes)")
+    return (lambda shape, classes: target()) if count == 0 else target
+
+
+def build_model(spec, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
+    try:
+        module = model_builder(spec)(input_shape, num_classes)
+    except ConfigError:
+        raise
+    except Exception as e:  # the user's code: say whose, in one line
+        raise ConfigError(f"model: {describe(spec)} failed when it was built ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"model: {describe(spec)} returned a {type(module).__name__}, not a torch.nn.Module")
+    if not any(True for _ in module.parameters()):
+        raise ConfigError(f"model: {describe(spec)} has no parameters to train")
+    return module
+
+
+def probe_model(spec, module: torch.nn.Module, sample: torch.Tensor, num_classes: int) -> None:
+    """Call the model once on two samples: it must return [2, num_classes] class scores."""
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            out = module(sample[:2])
+    except Exception as e:
+        raise ConfigError(f"model: {describe(spec)} fails on a batch of inputs of shape {tuple(sample.shape[1:])} "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    finally:
+        module.train(was_training)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (len(sample[:2]), num_classes) \
+            or not out.is_floating_point():
+        got = f"shape {tuple(out.shape)} ({out.dtype})" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(f"model: {describe(spec)} returns {got} for {len(sample[:2])} inputs; expected class "
+                          f"scores of shape ({len(sample[:2])}, {num_classes})")
+
+
+# ----------------------------------------------------------------------------- aggregation rules
+
+
+def aggregator(spec, options: dict):
+    """The rule ``(updates, weights) -> [P]`` with its options bound."""
+    from . import aggregation
+
+    if isinstance(spec, str) and not is_import_path(spec):
+        registered("aggregator", aggregation.AGGREGATORS, spec)
+        return aggregation.get(spec, **options)
+    rule = _resolve("aggregator", spec, aggregation.AGGREGATORS)
+    if not callable(rule):
+        raise ConfigError(f"aggregator: {describe(spec)} is a {type(rule).__name__}, not a function")
+    _takes(rule, (2,), "aggregator", "a rule takes (updates, weights, **options)")
+    return functools.partial(rule, **options) if options else rule
+
+
+def probe_aggregator(spec, rule, k: int) -> None:
+    """Call the rule once on a small stack of ``k`` rows: a rule that cannot work with that many
+    clients (Krum with f >= k/2, say) says so now, and a rule of one's own must return [P]."""
+    updates = torch.randn(k, 3, generator=torch.Generator().manual_seed(0))
+    try:
+        out = rule(updates, torch.ones(k))
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"aggregator: {describe(spec)} fails on a stack of {k} updates of 3 values "
+                          f"({type(e).__name__}: {e})") from None
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (3,):
+        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(f"aggregator: {describe(spec)} returns {got} for {k} updates of 3 values; expected "
+                          f"shape (3,)")
+
+
+# ----------------------------------------------------------------------------- algorithms
+
+
+def algorithm(spec, options: dict):
+    """An Algorithm instance: a registered or imported class built with ``options``, or the
+    instance given."""
+    from .algorithms import ALGORITHMS, Algorithm
+
+    target = _resolve("algorithm", spec, ALGORITHMS)
+    if inspect.isclass(target) and issubclass(target, Algorithm):
+        accepted = [n for n in inspect.signature(target).parameters]
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            takes = f"it takes: {', '.join(accepted)}" if accepted else "it takes no options"
+            raise ConfigError(f"algorithm_options: {describe(spec)} takes no option {unknown[0]!r}; {takes}")
+        return target(**options)
+    if isinstance(target, Algorithm):
+        if options:
+            raise ConfigError(f"algorithm_options: {describe(spec)} is an algorithm object, built already; "
+                              f"give its options to its constructor")
+        return target
+    raise ConfigError(f"algorithm: {describe(spec)} is not a fedsim Algorithm (subclass fedsim.Algorithm)")
+
+
+# ----------------------------------------------------------------------------- checks and shipping
+
+
+def check(cfg) -> None:
+    """Everything that can be checked before the data is loaded: each component resolves, has
+    the right kind and signature, and the rule works on clients_per_round rows."""
+    from .data import check_dataset_spec
+
+    model_builder(cfg.model)
+    rule = aggregator(cfg.aggregator, cfg.aggregator_options)
+    if cfg.clients_per_round <= _PROBE_ROWS:  # Krum's distances are k x k; beyond this the first round checks
+        probe_aggregator(cfg.aggregator, rule, cfg.clients_per_round)
+    algorithm(cfg.algorithm, cfg.algorithm_options)
+    check_dataset_spec(cfg.data.dataset)
+
+
+_PROBE_ROWS = 2000
+
+
+@dataclass
+class Shipped:
+    """A component serialized by value for the workers (cloudpickle)."""
+
+    payload: bytes
+    description: str
+
+
+def for_workers(cfg):
+    """A copy of ``cfg`` that the spawned workers can unpickle: the model and algorithm they
+    need travel by value; the aggregator and dataset, which they do not use, by name only."""
+    import cloudpickle
+
+    shipped = copy.copy(cfg)
+    shipped.data = copy.copy(cfg.data)
+    for key in KEYS:
+        value = get(cfg, key)
+        if isinstance(value, str) and value.startswith("__main__:") and key in ("model", "algorithm"):
+            value = load_attr(key, value)  # a worker's __main__ is not the server's: send the object
+        if isinstance(value, str):
+            continue
+        if key in ("model", "algorithm"):
+            _set(shipped, key, Shipped(cloudpickle.dumps(value), describe(value)))
+        else:
+            _set(shipped, key, describe(value))
+    return shipped
+
+
+def from_server(cfg):
+    """The worker's side of ``for_workers``: objects back from their bytes."""
+    import cloudpickle
+
+    for key in ("model", "algorithm"):
+        value = get(cfg, key)
+        if isinstance(value, Shipped):
+            _set(cfg, key, cloudpickle.loads(value.payload))
+    return cfg

@@ -1,0 +1,35 @@
+"""What every run starts from: the data split among the clients, and the initial global model.
+
+Runs, ``fedsim partition`` and the benchmarks all start here, so they see the same clients and
+the same initial weights for the same config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import components
+from .data import Dataset, load_dataset, options_for, partition
+
+
+@dataclass
+class Federation:
+    data: Dataset
+    parts: list[torch.Tensor]  # one index tensor per client into data.train_x
+
+
+def load_federation(cfg) -> Federation:
+    d = cfg.data
+    data = load_dataset(d.dataset, d.root, d.limit, d.download)
+    return Federation(data, partition(data.train_y, d.partition, d.num_clients, cfg.seed,
+                                      **options_for(d.partition, d)))
+
+
+def initial_model(cfg, data: Dataset) -> torch.nn.Module:
+    """The model, built from ``seed`` (so the same initial weights in every run of the config)
+    and probed once on two training samples."""
+    torch.manual_seed(cfg.seed)
+    module = components.build_model(cfg.model, data.input_shape, data.num_classes)
+    components.probe_model(cfg.model, module, data.train_x[:2], data.num_classes)
+    return module

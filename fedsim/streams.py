@@ -1,0 +1,51 @@
+"""Every random choice of a run, and the keys that keep its streams apart.
+
+A stream is seeded from the run's seed and keys that say what it is for (a round, a client, a
+vmap group), never from a process's history: the same keys give the same numbers in any worker,
+rank or resumed process, which is why results do not depend on the number of workers and a
+resumed run continues exactly. The partition and the initial model draw from ``seed`` itself.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# keys of the streams that are not a client's own (seed, round, client) stream
+SAMPLING = 1  # which clients a round samples
+ATTACK_NOISE = 2  # the noise the gaussian attack sends
+VMAP_GROUP = 3  # dropout and augmentation of a vmap group
+ATTACKERS = 7  # which clients are Byzantine
+TEST_SPLIT = 1  # the per-client test split (a stream of its own: its seed list differs in length)
+
+
+def derive_seed(*keys: int) -> int:
+    """A 63-bit seed from integer keys, e.g. (seed, round, client)."""
+    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def client_seed(seed: int, rnd: int, client: int) -> int:
+    """A client's shuffling, dropout and augmentation in one round."""
+    return derive_seed(seed, rnd, client)
+
+
+def group_seed(seed: int, rnd: int, first_slot: int) -> int:
+    """Dropout and augmentation of the vmap group that starts at ``first_slot``."""
+    return derive_seed(seed, rnd, VMAP_GROUP, first_slot)
+
+
+def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> torch.Tensor:
+    """The ``k`` clients of round ``rnd``, sorted, drawn without replacement."""
+    rng = np.random.default_rng([seed, SAMPLING, rnd])
+    return torch.from_numpy(np.sort(rng.choice(num_clients, size=k, replace=False)))
+
+
+def attack_generator(seed: int, rnd: int) -> torch.Generator:
+    return torch.Generator().manual_seed(derive_seed(seed, ATTACK_NOISE, rnd))
+
+
+def attackers_rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng([seed, ATTACKERS])
+
+
+def test_split_rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng([seed, TEST_SPLIT])
