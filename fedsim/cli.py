@@ -128,11 +128,13 @@ def cmd_sweep(args) -> int:
     from .errors import FedsimError
     from .sweep import sweep
 
-    if not args.grid:
-        raise FedsimError("give at least one --grid KEY=V1,V2,..., e.g. --grid aggregator=fedavg,median")
+    if not args.grid and args.seeds is None:
+        raise FedsimError("give at least one --grid KEY=V1,V2,... or --seeds S1,S2,..., e.g. "
+                          "--grid aggregator=fedavg,median or --seeds 0,1,2")
     install_handlers()
     try:
-        sweep(args.config, args.grid, args.set, out=args.out, overwrite=args.overwrite, quiet=args.quiet)
+        sweep(args.config, args.grid, args.set, out=args.out, overwrite=args.overwrite, quiet=args.quiet,
+              seeds=args.seeds, target=args.target)
     except (KeyboardInterrupt, Terminated) as e:
         print("fedsim: sweep interrupted; the finished runs and their sweep.csv are in the directory named above",
               file=sys.stderr)
@@ -204,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     swp.add_argument("config", metavar="FILE", help="YAML experiment file")
     swp.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
                      help="values to sweep, e.g. --grid aggregator=fedavg,median --grid seed=0,1 (repeatable)")
+    swp.add_argument("--seeds", metavar="S1,S2,...",
+                     help="run every configuration under each of these seeds, as repeats: the table and "
+                          "sweep.csv give mean ± s.d. over them (runs.csv one row per run)")
+    swp.add_argument("--target", type=float, metavar="ACC",
+                     help="report the rounds to this test accuracy, a fraction such as 0.99 (default: "
+                          "stop_at_accuracy, where set); the runs go on: --set stop_at_accuracy=ACC stops them")
     swp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key in every run, e.g. --set rounds=5 (repeatable)")
     swp.add_argument("--out", metavar="DIR", help="where the runs go, one folder each "

@@ -92,6 +92,35 @@ class CifarCNN(nn.Module):
         return self.fc3(x)
 
 
+class SimpleCNN(nn.Module):
+    """NIID-Bench's ``simple-cnn`` (Li, Diao, Chen, He, "Federated Learning on Non-IID Data Silos:
+    An Experimental Study", ICDE 2022; Xtra-Computing/NIID-Bench, model.py): ``SimpleCNNMNIST``
+    on 1x28x28 inputs and ``SimpleCNN`` on 3x32x32, layer for layer: conv 6 (5x5), ReLU, 2x2
+    max-pool, conv 16 (5x5), ReLU, 2x2 max-pool, fc 16*4*4 (16*5*5 on 32x32) -> 120 -> 84 ->
+    classes with ReLU between, no dropout or normalization, PyTorch's default initialization.
+    44,426 parameters on 1x28x28 with 10 classes, 62,006 on 3x32x32."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, side: int = 28):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 6, 5)
+        self.pool = nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        after_convs = ((side - 4) // 2 - 4) // 2  # 4 for 28x28 inputs, 5 for 32x32
+        if after_convs < 1:
+            raise ValueError(f"images of {side}x{side} pixels are too small for its two 5x5 convolutions "
+                             f"and 2x2 poolings (16x16 at least)")
+        self.fc1 = nn.Linear(16 * after_convs ** 2, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, num_classes)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.conv2(x)))
+        x = F.relu(self.fc1(x.flatten(1)))
+        x = F.relu(self.fc2(x))
+        return self.fc3(x)
+
+
 def _group_norm(channels: int) -> nn.GroupNorm:
     return nn.GroupNorm(2, channels)
 
@@ -160,6 +189,12 @@ def mnist_2nn(input_shape, num_classes):
 @MODELS.register("cifar_cnn", "the 2-conv + 3-fc CNN of FedAvg papers for 3x32x32 inputs (62,006 parameters)")
 def cifar_cnn(input_shape, num_classes):
     return CifarCNN(input_shape[0], num_classes, side=input_shape[-1])
+
+
+@MODELS.register("simple_cnn", "NIID-Bench's simple-cnn (Li et al. 2022): conv 6, conv 16, fc 120-84, "
+                                "44,426 parameters on 1x28x28")
+def simple_cnn(input_shape, num_classes):
+    return SimpleCNN(input_shape[0], num_classes, side=input_shape[-1])
 
 
 @MODELS.register("resnet18", "ResNet-18 for 32x32 inputs with GroupNorm (11,173,962 parameters)")

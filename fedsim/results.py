@@ -168,7 +168,7 @@ class ResultsTable(list):
     def markdown(self) -> str:
         repeated = any(row["runs"] > 1 for row in self)
         columns = [c for c in self.columns if c != "runs" or repeated]
-        headers = [_HEADERS.get(c, c) for c in columns]
+        headers = [_header(c, self) for c in columns]
         lines = ["| " + " | ".join(headers) + " |",
                  "|" + "|".join("---:" if c in _HEADERS else "---" for c in columns) + "|"]
         for row in self:
@@ -179,7 +179,20 @@ class ResultsTable(list):
 
 
 _HEADERS = {"runs": "runs", "final_accuracy": "final acc. (%)", "best_accuracy": "best acc. (%)",
-            "rounds": "rounds", "wall_seconds": "wall (s)"}
+            "target": "target (%)", "rounds_to_target": "rounds to target", "rounds": "rounds",
+            "wall_seconds": "wall (s)"}
+
+
+def _header(column: str, rows) -> str:
+    if column == "rounds_to_target":
+        targets = {row["target"] for row in rows if row["target"] is not None}
+        if len(targets) == 1:  # one target for every row: it goes in the header, no column of its own
+            return f"rounds to {_percent(targets.pop())} %"
+    return _HEADERS.get(column, column)
+
+
+def _percent(fraction: float) -> str:
+    return f"{100 * fraction:.4g}"
 
 
 def _cell(row: dict, column: str) -> str:
@@ -194,29 +207,96 @@ def _text(row: dict, column: str) -> str:
         return f"{100 * value:.1f}{spread}"
     if column == "best_accuracy":
         return f"{100 * value:.1f}"
+    if column == "target":
+        return "–" if value is None else _percent(value)
+    if column == "rounds_to_target":
+        return "–" if row["target"] is None else format_rounds_to_target(row)
     if column == "wall_seconds":
         return f"{value:.1f}"
     return str(value)
 
 
-def results_table(histories, keys=("name",)) -> ResultsTable:
+def rounds_to_target(history: History, target: float) -> int | None:
+    """The first evaluated round whose test accuracy is at least ``target`` (a fraction), read
+    from the rows; None when no evaluated round got there. With ``eval_every`` > 1 only the
+    evaluated rounds count."""
+    return next((row["round"] for row in history.rows if row["test_accuracy"] >= target), None)
+
+
+def mean_and_sd(values) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1); the deviation of one value is 0, of none nan."""
+    values = list(values)
+    if not values:
+        return math.nan, math.nan
+    return fmean(values), (stdev(values) if len(values) > 1 else 0.0)
+
+
+def target_stats(histories, target: float | None) -> dict:
+    """Rounds to ``target`` over repeats: ``rounds_to_target`` (the mean over the runs that
+    reached it, nan when none did), ``rounds_to_target_std`` (their sample standard deviation),
+    ``reached`` (how many did) and ``runs``."""
+    histories = list(histories)
+    if target is None:
+        return {"target": None, "rounds_to_target": None, "rounds_to_target_std": None, "reached": None,
+                "runs": len(histories)}
+    reached = [r for r in (rounds_to_target(h, target) for h in histories) if r is not None]
+    mean, sd = mean_and_sd(reached)
+    return {"target": target, "rounds_to_target": mean, "rounds_to_target_std": sd, "reached": len(reached),
+            "runs": len(histories)}
+
+
+def format_rounds_to_target(stats: dict) -> str:
+    """``"22.3 ± 1.5 (3/3)"`` over repeats (the spread once two runs reached the target, the count
+    always), ``"22"`` or ``"not reached"`` for a single run."""
+    if stats["runs"] == 1:
+        return "not reached" if not stats["reached"] else f"{stats['rounds_to_target']:.0f}"
+    count = f"({stats['reached']}/{stats['runs']})"
+    if not stats["reached"]:
+        return f"– {count}"
+    spread = f" ± {stats['rounds_to_target_std']:.1f}" if stats["reached"] > 1 else ""
+    return f"{stats['rounds_to_target']:.1f}{spread} {count}"
+
+
+def results_table(histories, keys=("name",), target: float | None = None) -> ResultsTable:
     """One row per experiment (repeats over seeds pooled): the ``keys``' config values, the
     number of runs, final accuracy (mean and sample standard deviation over the runs), best
     accuracy, rounds and wall seconds (means). Accuracies are fractions; the markdown shows %.
+
+    Rounds to a test accuracy: ``target`` (a fraction), or where it is None each experiment's
+    ``stop_at_accuracy``. A run reaches it in the first evaluated round whose test accuracy is at
+    least the target; the row gets the mean and sample standard deviation of that round over the
+    runs that reached it (``rounds_to_target``, ``rounds_to_target_std``), how many did
+    (``reached``) and the ``target``; the markdown shows them as ``22.3 ± 1.5 (3/3)``. The
+    columns are there when some row has a target.
     """
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                               or not 0 < target <= 1):
+        raise FedsimError(f"target: must be a test accuracy, a fraction in (0, 1], got {target!r}")
     rows = []
     for group in group_repeats(histories, distinguish=keys):
         finals = [h.final_accuracy for h in group]
+        goal = target if target is not None else group[0].config.get("stop_at_accuracy")
+        stats = target_stats(group, goal)
         rows.append({
             **{key: group[0].config_value(key) for key in keys},
             "runs": len(group),
             "final_accuracy": fmean(finals),
             "final_accuracy_std": stdev(finals) if len(finals) > 1 else 0.0,
             "best_accuracy": fmean([h.best_accuracy for h in group]),
+            "target": stats["target"],
+            "rounds_to_target": stats["rounds_to_target"],
+            "rounds_to_target_std": stats["rounds_to_target_std"],
+            "reached": stats["reached"],
             "rounds": group[0].rows[-1]["round"] if group[0].rows else 0,
             "wall_seconds": fmean([h.summary.get("wall_seconds") or _last(h, "elapsed_seconds") for h in group]),
         })
-    return ResultsTable(rows, [*keys, *_HEADERS])
+    columns = [*keys, *_HEADERS]
+    targets = {row["target"] for row in rows}
+    if targets == {None}:  # nobody asked for rounds to a target
+        columns = [c for c in columns if c not in ("target", "rounds_to_target")]
+    elif len(targets) == 1:  # one target: named in the header
+        columns.remove("target")
+    return ResultsTable(rows, columns)
 
 
 def _last(history: History, column: str) -> float:

@@ -6,25 +6,41 @@ experiments into ``<out>/<name>-aggregator=fedavg-seed=0/`` and so on, and write
 ``--set`` values; dotted keys reach into sections and option mappings
 (``data.alpha=0.1,1.0``, ``aggregator_options.beta=0.1,0.2``). Every configuration is built
 and validated before the first run starts, so a bad value fails at once.
+
+Seeds are an axis of their own: ``sweep(..., seeds=[0, 1, 2])`` (``fedsim sweep --seeds 0,1,2``)
+runs every grid point under every seed into ``<name>-<point>-seed=S/``, like ``--grid seed=...``,
+but as repeats of one configuration: the runs of a point share its name (so ``fedsim plot`` and
+``results_table`` pool them), and the table and ``sweep.csv`` have one row per configuration,
+with the mean and sample standard deviation over the seeds (``runs.csv`` keeps one row per run).
+Where a target accuracy is set (``target``, or else the configuration's ``stop_at_accuracy``),
+they also report the rounds to it over the seeds that reached it, and how many did.
 """
 from __future__ import annotations
 
 import csv
 import itertools
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config, load_config
 from .errors import ConfigError, FedsimError, write_error
-from .results import History, RunDirectory, safe_dir_name, write_atomically
+from .results import (History, RunDirectory, format_rounds_to_target, mean_and_sd, rounds_to_target, safe_dir_name,
+                      target_stats, write_atomically)
+
 
 @dataclass
 class SweepRun:
-    label: str  # the run's name and directory name
-    point: list[tuple[str, str]]  # (key, value text) of this grid point
+    label: str  # the run's directory name (and, without seeds, its name)
+    point: list[tuple[str, str]]  # (key, value text) of this grid point, not counting the seed of --seeds
     config: Config
     history: History | None = None
+    seed: int | None = None  # the repeat's seed under --seeds, else None
+    configuration: str = ""  # the grid point's label, which the seeds of a point share as their name
+
+    def __post_init__(self):
+        self.configuration = self.configuration or self.label
 
 
 def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
@@ -43,24 +59,61 @@ def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
     return grid
 
 
+def parse_seeds(seeds) -> list[int]:
+    """``"0,1,2"`` (or a list of integers) -> ``[0, 1, 2]``."""
+    if isinstance(seeds, str):
+        try:
+            values = [int(text.strip()) for text in seeds.split(",")]
+        except ValueError:
+            raise ConfigError(f"--seeds {seeds}: expected integers separated by commas, e.g. --seeds 0,1,2") from None
+    else:
+        values = list(seeds)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ConfigError(f"--seeds {values}: expected integers, e.g. [0, 1, 2]")
+    if not values:
+        raise ConfigError("--seeds: give at least one seed, e.g. --seeds 0,1,2")
+    if len(set(values)) < len(values):
+        raise ConfigError(f"--seeds {','.join(map(str, values))}: a seed is listed twice; list each once")
+    return values
+
+
+def check_target(target) -> float | None:
+    """``--target``: a test accuracy, a fraction in (0, 1], or None."""
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                               or not 0 < target <= 1):
+        raise ConfigError(f"--target {target}: must be a test accuracy, a fraction in (0, 1], e.g. --target 0.99")
+    return target
+
+
 def run_label(name: str, point: list[tuple[str, str]]) -> str:
     return safe_dir_name("-".join([name] + [f"{key}={value}" for key, value in point]))
 
 
-def plan(config, grid: list[str], overrides: list[str] = ()) -> list[SweepRun]:
-    """One validated Config per grid point: the file, then ``overrides``, then the point."""
+def plan(config, grid: list[str], overrides: list[str] = (), seeds=None) -> list[SweepRun]:
+    """One validated Config per grid point (and per seed of ``seeds``): the file, then
+    ``overrides``, then the point, then the seed. Without ``seeds`` a run is named after its
+    point; with them the runs of a point share the point's name, and their directories end in
+    ``-seed=S``."""
     axes = parse_grid(grid)
+    seeds = None if seeds is None else parse_seeds(seeds)
+    if seeds is not None and any(key == "seed" for key, _ in axes):
+        raise ConfigError("--seeds and --grid seed=... both give seeds; use --seeds to repeat every "
+                          "configuration under each seed, or --grid seed=... to sweep the seed as a setting")
     name = load_config(config, list(overrides)).name
     runs, seen = [], {}
     for values in itertools.product(*(texts for _, texts in axes)):
         point = [(key, value) for (key, _), value in zip(axes, values)]
-        cfg = load_config(config, [*overrides, *(f"{key}={value}" for key, value in point)])
-        same = seen.setdefault(repr(cfg.to_dict()), point)  # 0.1 and 0.10 are one value
-        if same is not point:
-            raise ConfigError(f"--grid: {_spelled(same)} and {_spelled(point)} are the same experiment; "
-                              f"list each value once")
-        cfg.name = run_label(name, point)
-        runs.append(SweepRun(cfg.name, point, cfg))
+        configuration = run_label(name, point)
+        for seed in seeds if seeds is not None else [None]:
+            repeat = [] if seed is None else [f"seed={seed}"]
+            cfg = load_config(config, [*overrides, *(f"{key}={value}" for key, value in point), *repeat])
+            same = seen.setdefault(repr(cfg.to_dict()), point)  # 0.1 and 0.10 are one value
+            if same is not point:
+                raise ConfigError(f"--grid: {_spelled(same)} and {_spelled(point)} are the same experiment; "
+                                  f"list each value once")
+            cfg.name = configuration
+            label = configuration if seed is None else run_label(name, [*point, ("seed", str(seed))])
+            runs.append(SweepRun(label, point, cfg, seed=seed, configuration=configuration))
     labels = [run.label for run in runs]
     if len(set(labels)) < len(labels):
         raise ConfigError("--grid: two grid points give the same run name; make the values distinct")
@@ -78,14 +131,18 @@ def seconds_per_round(history: History) -> float:
 
 
 def sweep(config, grid: list[str], overrides: list[str] = (), out=None, overwrite: bool = False,
-          quiet: bool = False, log=None) -> list[SweepRun]:
-    """Run every grid point of ``config`` into ``out`` (default ``runs/<name>-sweep-<timestamp>``);
-    return the runs with their histories and write ``out/sweep.csv``."""
+          quiet: bool = False, log=None, seeds=None, target: float | None = None) -> list[SweepRun]:
+    """Run every grid point of ``config`` (under every seed of ``seeds``) into ``out`` (default
+    ``runs/<name>-sweep-<timestamp>``); return the runs with their histories and write
+    ``out/sweep.csv`` (with ``seeds``, one row per configuration, and ``out/runs.csv``, one per
+    run). ``target``: report the rounds to this test accuracy (a fraction; the runs go on),
+    instead of each configuration's ``stop_at_accuracy``."""
     from .progress import RoundLog
     from .server import start_run
 
     log = log or RoundLog(progress=False)
-    runs = plan(config, grid, overrides)
+    target = check_target(target)
+    runs = plan(config, grid, overrides, seeds)
     base = load_config(config, list(overrides)).name
     root = RunDirectory.target(out, f"{base}-sweep", overwrite)
     try:
@@ -103,22 +160,83 @@ def sweep(config, grid: list[str], overrides: list[str] = (), out=None, overwrit
     finally:  # an interrupted or failed sweep still tables the runs that finished
         finished = [run for run in runs if run.history is not None]
         if finished:
-            write_table(finished, root / "sweep.csv")
-    log(format_table(runs))
-    log(f"runs and sweep.csv in {root}")
+            write_table(finished, root / "sweep.csv", target)
+            if seeds is not None:
+                write_csv(root / "runs.csv", [_row(run, target, finished) for run in finished])
+    log(_printable(format_table(runs, target)))
+    log(f"runs, sweep.csv{' and runs.csv' if seeds is not None else ''} in {root}")
     return runs
 
 
-def _row(run: SweepRun) -> dict:
+def configurations(runs: list[SweepRun]) -> list[list[SweepRun]]:
+    """The runs grouped by configuration (the seeds of a grid point), in the order of the sweep."""
+    groups: dict[str, list[SweepRun]] = {}
+    for run in runs:
+        groups.setdefault(run.configuration, []).append(run)
+    return list(groups.values())
+
+
+def _repeated(runs: list[SweepRun]) -> bool:
+    return any(run.seed is not None for run in runs)
+
+
+def _target(run: SweepRun, target: float | None) -> float | None:
+    return target if target is not None else run.config.stop_at_accuracy
+
+
+def _with_target(runs: list[SweepRun], target: float | None) -> bool:
+    return any(_target(run, target) is not None for run in runs)
+
+
+def _row(run: SweepRun, target: float | None, runs: list[SweepRun]) -> dict:
+    """One run's row of sweep.csv (runs.csv under --seeds)."""
     h = run.history
-    return {"run": run.label, **dict(run.point), "final_test_accuracy": h.final_accuracy,
-            "best_test_accuracy": h.best_accuracy, "seconds_per_round": round(seconds_per_round(h), 4),
-            "rounds": h.rows[-1]["round"] if h.rows else 0}
+    row = {"run": run.label, **dict(run.point), **({"seed": run.seed} if run.seed is not None else {}),
+           "final_test_accuracy": h.final_accuracy, "best_test_accuracy": h.best_accuracy,
+           "seconds_per_round": round(seconds_per_round(h), 4), "rounds": h.rows[-1]["round"] if h.rows else 0}
+    if _with_target(runs, target):
+        goal = _target(run, target)
+        reached = None if goal is None else rounds_to_target(h, goal)
+        row |= {"target": _blank(goal), "rounds_to_target": _blank(reached)}
+    return row
 
 
-def write_table(runs: list[SweepRun], path: Path) -> None:
-    rows = [_row(run) for run in runs]
+def _group_row(group: list[SweepRun], target: float | None, runs: list[SweepRun]) -> dict:
+    """One configuration's row of sweep.csv under --seeds: means and sample standard deviations
+    over its seeds (a deviation is left empty below two values)."""
+    histories = [run.history for run in group]
+    final, final_sd = mean_and_sd(h.final_accuracy for h in histories)
+    best, best_sd = mean_and_sd(h.best_accuracy for h in histories)
+    n = len(group)
+    row = {"configuration": group[0].configuration, **dict(group[0].point),
+           "seeds": " ".join(str(run.seed) for run in group), "runs": n,
+           "final_test_accuracy": final, "final_test_accuracy_std": _blank(final_sd if n > 1 else None),
+           "best_test_accuracy": best, "best_test_accuracy_std": _blank(best_sd if n > 1 else None),
+           "seconds_per_round": round(mean_and_sd(seconds_per_round(h) for h in histories)[0], 4)}
+    if _with_target(runs, target):
+        stats = target_stats(histories, _target(group[0], target))
+        reached = stats["reached"] or 0
+        row |= {"target": _blank(stats["target"]),
+                "rounds_to_target": _blank(stats["rounds_to_target"] if reached else None),
+                "rounds_to_target_std": _blank(stats["rounds_to_target_std"] if reached > 1 else None),
+                "reached_target": _blank(stats["reached"])}
+    return row
 
+
+def _blank(value):
+    return "" if value is None else value
+
+
+def write_table(runs: list[SweepRun], path: Path, target: float | None = None) -> None:
+    """sweep.csv: one row per run, or under --seeds one row per configuration."""
+    if _repeated(runs):
+        rows = [_group_row(group, target, runs) for group in configurations(runs)]
+    else:
+        rows = [_row(run, target, runs) for run in runs]
+    write_csv(path, rows)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
     def write(tmp):
         with open(tmp, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -128,12 +246,49 @@ def write_table(runs: list[SweepRun], path: Path) -> None:
     write_atomically(path, write)
 
 
-def format_table(runs: list[SweepRun]) -> str:
-    """A fixed-width table: run, final and best test accuracy, seconds per round."""
-    width = max(len("run"), *(len(run.label) for run in runs))
-    lines = [f"{'run':<{width}}  {'final acc':>9}  {'best acc':>9}  {'s/round':>8}"]
-    for run in runs:
-        h = run.history
-        lines.append(f"{run.label:<{width}}  {h.final_accuracy:>9.4f}  {h.best_accuracy:>9.4f}  "
-                     f"{seconds_per_round(h):>8.2f}")
+def format_table(runs: list[SweepRun], target: float | None = None) -> str:
+    """A fixed-width table: run, final and best test accuracy, rounds to the target (where one is
+    set), seconds per round. Under --seeds, one row per configuration: its number of seeds,
+    then mean ± sample standard deviation over them, and the rounds to the target as
+    ``mean ± sd (reached/seeds)`` over the seeds that reached it."""
+    repeated = _repeated(runs)
+    groups = configurations(runs) if repeated else [[run] for run in runs]
+    columns = [("configuration" if repeated else "run", [g[0].configuration if repeated else g[0].label
+                                                         for g in groups])]
+    if repeated:
+        columns.append(("seeds", [str(len(g)) for g in groups]))
+    for title, value in (("final acc", lambda h: h.final_accuracy), ("best acc", lambda h: h.best_accuracy)):
+        columns.append((title, [_accuracy([value(run.history) for run in g]) for g in groups]))
+    if _with_target(runs, target):
+        goals = [_target(g[0], target) for g in groups]
+        stats = [target_stats([run.history for run in g], goal) for g, goal in zip(groups, goals)]
+        cells = ["–" if s["target"] is None else format_rounds_to_target(s) for s in stats]
+        if len(set(goals)) == 1:
+            columns.append((f"rounds to {goals[0]:g}", cells))
+        else:
+            columns += [("target", ["–" if goal is None else f"{goal:g}" for goal in goals]),
+                        ("rounds to target", cells)]
+    columns.append(("s/round", [f"{mean_and_sd(seconds_per_round(run.history) for run in g)[0]:.2f}"
+                                for g in groups]))
+    widths = [max(len(title), *(len(cell) for cell in cells)) for title, cells in columns]
+    lines = []
+    for row in [[title for title, _ in columns], *zip(*(cells for _, cells in columns))]:
+        lines.append("  ".join(f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}"
+                               for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
     return "\n".join(lines)
+
+
+def _printable(text: str) -> str:
+    """The table as the terminal can show it: ``+/-`` for ``±`` where the output's encoding
+    (ASCII, say) has no such character, rather than failing once every run is done."""
+    try:
+        text.encode(getattr(sys.stdout, "encoding", None) or "utf-8")
+        return text
+    except (UnicodeEncodeError, LookupError):
+        return text.replace("±", "+/-").replace("–", "-")
+
+
+def _accuracy(values: list[float]) -> str:
+    """One run's accuracy, or the mean ± sample standard deviation of several."""
+    mean, sd = mean_and_sd(values)
+    return f"{mean:.4f}" if len(values) == 1 else f"{mean:.4f} ± {sd:.4f}"

@@ -1,4 +1,5 @@
 import torch
+import torch.nn.functional as F
 
 from fedsim.flat import FlatModel
 from fedsim.models import MODELS, build_model
@@ -15,7 +16,7 @@ def test_parameter_counts_match_the_papers():
 
 def test_every_model_maps_a_batch_to_class_scores():
     for name in MODELS.names():
-        if name in ("mnist_cnn", "fedavg_cnn"):
+        if name in ("mnist_cnn", "fedavg_cnn", "simple_cnn"):
             out = build_model(name, (1, 28, 28), 10)(torch.randn(3, 1, 28, 28))
             assert out.shape == (3, 10)
 
@@ -30,3 +31,26 @@ def test_flat_model_views_share_memory_with_the_module():
     assert all((p == 0).all() for p in module.parameters())
     module(torch.randn(2, 1, 28, 28)).sum().backward()
     assert flat.grad.abs().sum() > 0  # gradients land in the flat buffer
+
+
+def test_simple_cnn_is_niid_benchs_simple_cnn_layer_for_layer():
+    """NIID-Bench's SimpleCNNMNIST (model.py): conv 6 5x5, max-pool 2, conv 16 5x5, max-pool 2,
+    fc 16*4*4 -> 120 -> 84 -> 10, ReLU between; its SimpleCNN on 3x32x32 has fc1 16*5*5 -> 120."""
+    model = build_model("simple_cnn", (1, 28, 28), 10)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    assert shapes == {"conv1.weight": (6, 1, 5, 5), "conv1.bias": (6,), "conv2.weight": (16, 6, 5, 5),
+                      "conv2.bias": (16,), "fc1.weight": (120, 256), "fc1.bias": (120,), "fc2.weight": (84, 120),
+                      "fc2.bias": (84,), "fc3.weight": (10, 84), "fc3.bias": (10,)}
+    assert count(model) == 156 + 2_416 + 30_840 + 10_164 + 850 == 44_426
+    assert model(torch.randn(5, 1, 28, 28)).shape == (5, 10)
+    assert not any(isinstance(m, (torch.nn.Dropout, torch.nn.Dropout2d)) for m in model.modules())
+
+    x = torch.randn(2, 1, 28, 28)  # the forward pass, spelled out
+    h = F.max_pool2d(F.relu(model.conv1(x)), 2)
+    h = F.max_pool2d(F.relu(model.conv2(h)), 2).flatten(1)
+    expected = model.fc3(F.relu(model.fc2(F.relu(model.fc1(h)))))
+    assert torch.allclose(model(x), expected)
+
+    cifar = build_model("simple_cnn", (3, 32, 32), 10)
+    assert cifar.fc1.in_features == 400 and count(cifar) == 62_006
+    assert cifar(torch.randn(2, 3, 32, 32)).shape == (2, 10)

@@ -187,3 +187,22 @@ def test_legend_names_each_line_also_for_names_that_start_with_an_underscore(tmp
     assert legend_texts(fig) == ["__main__:my_rule", "fedavg"]
     handles = fig.legends[0].legend_handles
     assert [h.get_color() for h in handles] == list(PALETTE[:2])  # each text beside its own line
+
+
+def test_runs_of_sweep_seeds_become_one_line_and_one_band_per_configuration(tmp_path):
+    """The configs fedsim sweep --seeds gives its runs: the seeds of a grid point share its name,
+    so the default legend (run names) pools them; the real command is in test_sweep.py."""
+    from fedsim.results import COLUMNS, History
+    from fedsim.sweep import plan
+
+    (tmp_path / "base.yaml").write_text("name: cmp\nrounds: 2\ndata: {dataset: synthetic}\n")
+    planned = plan(tmp_path / "base.yaml", ["aggregator=mean,median"], seeds="0,1,2")
+    histories = [History([dict.fromkeys(COLUMNS, 0.0) | {"round": r, "test_accuracy": 0.1 * (r + run.seed)}
+                          for r in (1, 2)], run.config.to_dict()) for run in planned]
+    fig = plot_runs(histories, band="std")
+    (ax,) = fig.axes
+    assert len(ax.lines) == 2 and len(bands(ax)) == 2
+    assert legend_texts(fig) == ["cmp-aggregator=mean", "cmp-aggregator=median", "± 1 s.d. over 3 seeds"]
+    assert list(ax.lines[0].get_ydata()) == pytest.approx([20.0, 30.0])  # mean of 10, 20, 30 and 20, 30, 40
+    low, high = band_limits(bands(ax)[0])
+    assert low == pytest.approx([10.0, 20.0]) and high == pytest.approx([30.0, 40.0])

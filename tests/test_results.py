@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 
 import pytest
 import yaml
@@ -10,7 +11,7 @@ import yaml
 import fedsim
 from fedsim.config import Config
 from fedsim.errors import FedsimError
-from fedsim.results import COLUMNS, History, group_repeats, results_table
+from fedsim.results import COLUMNS, History, group_repeats, results_table, rounds_to_target
 
 
 def write_run(path, name="run", seed=0, accuracies=(0.5, 0.7, 0.8), summary=True, settings=None):
@@ -163,3 +164,59 @@ def test_results_table_escapes_markdown_in_values(tmp_path):
                                     settings={"aggregator": "__main__:my|rule"}))
     table = fedsim.results_table([run], keys=("aggregator",)).markdown()
     assert "\\_\\_main\\_\\_:my\\|rule" in table.splitlines()[2]
+
+
+def test_rounds_to_target_is_the_first_evaluated_round_at_or_above_it():
+    rows = [{"round": r, "test_accuracy": a} for r, a in [(2, 0.5), (4, float("nan")), (6, 0.9), (8, 0.95)]]
+    history = History(rows)
+    assert rounds_to_target(history, 0.9) == 6  # evaluated every 2 rounds: the round number, not the row
+    assert rounds_to_target(history, 0.5) == 2 and rounds_to_target(history, 0.96) is None
+
+
+def test_results_table_gives_rounds_to_target_over_the_seeds_that_reached_it(tmp_path):
+    runs = histories_of(tmp_path, [
+        {"name": "fedavg", "seed": 0, "accuracies": (0.5, 0.8, 0.9, 0.95)},
+        {"name": "fedavg", "seed": 1, "accuracies": (0.6, 0.9, 0.92, 0.93)},
+        {"name": "fedavg", "seed": 2, "accuracies": (0.5, 0.6, 0.7, 0.8)},
+        {"name": "fedavg", "seed": 3, "accuracies": (0.9, 0.9, 0.9, 0.9)},
+        {"name": "median", "seed": 0, "accuracies": (0.4, 0.7), "settings": {"aggregator": "median"}},
+        {"name": "median", "seed": 1, "accuracies": (0.4, 0.6), "settings": {"aggregator": "median"}},
+    ])
+    table = results_table(runs, keys=("aggregator",), target=0.9)
+    fedavg, median = table
+    reached = [3, 2, 1]  # seed 2 never gets to 0.9
+    mean = sum(reached) / 3
+    sd = (sum((r - mean) ** 2 for r in reached) / 2) ** 0.5
+    assert (fedavg["target"], fedavg["reached"], fedavg["runs"]) == (0.9, 3, 4)
+    assert fedavg["rounds_to_target"] == pytest.approx(mean) and fedavg["rounds_to_target_std"] == pytest.approx(sd)
+    assert median["reached"] == 0 and math.isnan(median["rounds_to_target"])
+
+    lines = table.markdown().splitlines()
+    assert lines[0] == ("| aggregator | runs | final acc. (%) | best acc. (%) | rounds to 90 % | rounds | wall (s) |")
+    assert lines[2].split(" | ")[4] == f"{mean:.1f} ± {sd:.1f} (3/4)" == "2.0 ± 1.0 (3/4)"
+    assert lines[3].split(" | ")[4] == "– (0/2)"
+
+    one = histories_of(tmp_path / "one", [{"name": "a", "accuracies": (0.5, 0.95)},
+                                          {"name": "b", "accuracies": (0.5,)}])
+    assert [line.split(" | ")[3] for line in results_table(one, target=0.9).markdown().splitlines()[2:]] == [
+        "2", "not reached"]
+
+
+def test_results_table_takes_the_target_from_stop_at_accuracy(tmp_path):
+    runs = histories_of(tmp_path, [
+        {"name": "a", "seed": 0, "accuracies": (0.5, 0.99), "settings": {"stop_at_accuracy": 0.99}},
+        {"name": "a", "seed": 1, "accuracies": (0.5, 0.7, 0.99), "settings": {"stop_at_accuracy": 0.99}},
+        {"name": "b", "accuracies": (0.5, 0.8), "settings": {"stop_at_accuracy": 0.8}},
+        {"name": "c", "accuracies": (0.5, 0.8)},
+    ])
+    table = results_table(runs)
+    assert [(row["name"], row["target"], row["rounds_to_target"]) for row in table] == [
+        ("a", 0.99, 2.5), ("b", 0.8, 2.0), ("c", None, None)]
+    lines = table.markdown().splitlines()
+    assert lines[0] == ("| name | runs | final acc. (%) | best acc. (%) | target (%) | rounds to target | rounds "
+                        "| wall (s) |")
+    assert [line.split(" | ")[4:6] for line in lines[2:]] == [["99", "2.5 ± 0.7 (2/2)"], ["80", "2"], ["–", "–"]]
+    assert "rounds to" not in results_table(runs[3:]).markdown()  # no target anywhere: no column
+
+    with pytest.raises(FedsimError, match="target: must be a test accuracy"):
+        results_table(runs, target=99)

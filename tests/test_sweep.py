@@ -1,14 +1,20 @@
-"""fedsim sweep: the grid, the run names, the table, and one real run through the command line."""
+"""fedsim sweep: the grid, seeds as repeats, the run names, the tables, real runs through the command
+line, and the experiment files whose comments give sweep commands."""
 from __future__ import annotations
 
 import csv
 import os
+import re
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
+from matplotlib.collections import PolyCollection
 
+import fedsim
 import fedsim.server
 from fedsim.errors import ConfigError
 from fedsim.results import COLUMNS, History
@@ -114,3 +120,217 @@ def test_the_command_needs_a_grid(config_file):
     result = subprocess.run([sys.executable, "-m", "fedsim", "sweep", str(config_file)],
                             capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=os.getcwd()))
     assert result.returncode == 2 and "--grid" in result.stderr
+
+
+# ----------------------------------------------------------------------------- seeds as repeats
+
+
+def sample_sd(values):
+    """The sample standard deviation, written out (not statistics.stdev, which the code uses)."""
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+
+
+def test_seeds_repeat_every_point_under_one_name(config_file):
+    runs = plan(config_file, ["aggregator=mean,median"], ["rounds=1"], seeds="0, 1,2")
+    assert [run.label for run in runs] == [f"small-aggregator={rule}-seed={seed}"
+                                           for rule in ("mean", "median") for seed in (0, 1, 2)]
+    assert [(run.config.aggregator, run.config.seed, run.seed) for run in runs[:4]] == [
+        ("mean", 0, 0), ("mean", 1, 1), ("mean", 2, 2), ("median", 0, 0)]
+    # the seeds of a point share its name, so plots and results tables pool them
+    assert {run.config.name for run in runs[:3]} == {run.configuration for run in runs[:3]} == {"small-aggregator=mean"}
+    assert all(run.point == [("aggregator", run.config.aggregator)] for run in runs)
+
+    alone = plan(config_file, [], seeds=[4, 5])
+    assert [(run.label, run.config.name, run.config.seed) for run in alone] == [
+        ("small-seed=4", "small", 4), ("small-seed=5", "small", 5)]
+
+
+@pytest.mark.parametrize("grid, seeds, words", [
+    (["seed=0,1"], "2,3", "--seeds and --grid seed"),
+    ([], "0,x", "expected integers"),
+    ([], "1,2,1", "listed twice"),
+    ([], "0,-1", "seed"),  # the config's own check: seeds are >= 0
+])
+def test_bad_seeds_are_refused_before_anything_runs(config_file, fake_runs, tmp_path, grid, seeds, words):
+    with pytest.raises(ConfigError, match=words):
+        sweep(config_file, grid, seeds=seeds, out=tmp_path / "out")
+    assert fake_runs == [] and not (tmp_path / "out").exists()
+
+
+def test_a_bad_target_is_refused(config_file, fake_runs, tmp_path):
+    for target in (0, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="--target"):
+            sweep(config_file, [], seeds=[0], target=target, out=tmp_path / "out")
+    assert fake_runs == []
+
+
+# Test accuracy per round of each (aggregator, seed): the fake engine below returns these.
+CURVES = {
+    ("mean", 0): [0.2, 0.5, 0.8], ("mean", 1): [0.3, 0.7, 0.75], ("mean", 2): [0.1, 0.3, 0.6],
+    ("median", 0): [0.1, 0.2, 0.3], ("median", 1): [0.2, 0.4, 0.2], ("median", 2): [0.1, 0.1, 0.25],
+}
+
+
+@pytest.fixture
+def curve_runs(monkeypatch):
+    def start_run(cfg, out=None, overwrite=False, quiet=False):
+        rows = [dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": acc, "seconds": 1.0 + cfg.seed}
+                for r, acc in enumerate(CURVES[cfg.aggregator, cfg.seed], start=1)]
+        return History(rows, cfg.to_dict(), out)
+
+    monkeypatch.setattr(fedsim.server, "start_run", start_run)
+
+
+@pytest.mark.parametrize("how", [{"target": 0.7}, {"overrides": ["stop_at_accuracy=0.7"]}])
+def test_seeds_table_gives_mean_sd_and_rounds_to_target_per_configuration(config_file, curve_runs, tmp_path, how):
+    lines = []
+    sweep(config_file, ["aggregator=mean,median"], how.get("overrides", []), seeds="0,1,2", target=how.get("target"),
+          out=tmp_path / "out", log=lines.append)
+
+    with open(tmp_path / "out" / "sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["configuration"] for row in rows] == ["small-aggregator=mean", "small-aggregator=median"]
+    for row, rule in zip(rows, ("mean", "median")):
+        finals = [CURVES[rule, s][-1] for s in range(3)]
+        bests = [max(CURVES[rule, s]) for s in range(3)]
+        assert row["aggregator"] == rule and row["seeds"] == "0 1 2" and row["runs"] == "3"
+        assert float(row["final_test_accuracy"]) == pytest.approx(sum(finals) / 3)
+        assert float(row["final_test_accuracy_std"]) == pytest.approx(sample_sd(finals))
+        assert float(row["best_test_accuracy"]) == pytest.approx(sum(bests) / 3)
+        assert float(row["best_test_accuracy_std"]) == pytest.approx(sample_sd(bests))
+        assert float(row["target"]) == 0.7
+        assert float(row["seconds_per_round"]) == pytest.approx(2.0)  # seeds 0, 1, 2: 1, 2 and 3 s a round
+    # mean: seed 0 first reaches 0.7 in round 3, seed 1 in round 2, seed 2 never
+    assert (rows[0]["rounds_to_target"], rows[0]["reached_target"]) == ("2.5", "2")
+    assert float(rows[0]["rounds_to_target_std"]) == pytest.approx(sample_sd([3, 2]))
+    assert (rows[1]["rounds_to_target"], rows[1]["rounds_to_target_std"], rows[1]["reached_target"]) == ("", "", "0")
+
+    with open(tmp_path / "out" / "runs.csv") as f:  # and one row per run beside it
+        per_run = list(csv.DictReader(f))
+    assert [(r["run"], r["seed"], r["rounds_to_target"]) for r in per_run[:3]] == [
+        ("small-aggregator=mean-seed=0", "0", "3"), ("small-aggregator=mean-seed=1", "1", "2"),
+        ("small-aggregator=mean-seed=2", "2", "")]
+
+    table = lines[-2].splitlines()
+    assert table[0].split() == ["configuration", "seeds", "final", "acc", "best", "acc", "rounds", "to", "0.7",
+                                "s/round"]
+    finals = [CURVES["mean", s][-1] for s in range(3)]
+    assert table[1].split() == [
+        "small-aggregator=mean", "3", f"{sum(finals) / 3:.4f}", "±", f"{sample_sd(finals):.4f}",
+        f"{(0.8 + 0.75 + 0.6) / 3:.4f}", "±", f"{sample_sd([0.8, 0.75, 0.6]):.4f}",
+        "2.5", "±", f"{sample_sd([3, 2]):.1f}", "(2/3)", "2.00"]
+    assert table[2].split()[-3:] == ["–", "(0/3)", "2.00"]
+    assert lines[-1].endswith(f"runs, sweep.csv and runs.csv in {tmp_path / 'out'}")
+
+
+def test_without_seeds_a_target_adds_rounds_to_the_per_run_table(config_file, curve_runs, tmp_path):
+    lines = []
+    sweep(config_file, ["aggregator=mean", "seed=0,2"], target=0.7, out=tmp_path / "out", log=lines.append)
+    table = lines[-2].splitlines()
+    assert table[0].split() == ["run", "final", "acc", "best", "acc", "rounds", "to", "0.7", "s/round"]
+    assert table[1].split() == ["small-aggregator=mean-seed=0", "0.8000", "0.8000", "3", "1.00"]
+    assert table[2].split() == ["small-aggregator=mean-seed=2", "0.6000", "0.6000", "not", "reached", "3.00"]
+    with open(tmp_path / "out" / "sweep.csv") as f:
+        assert [(r["run"], r["target"], r["rounds_to_target"]) for r in csv.DictReader(f)] == [
+            ("small-aggregator=mean-seed=0", "0.7", "3"), ("small-aggregator=mean-seed=2", "0.7", "")]
+    assert not (tmp_path / "out" / "runs.csv").exists()
+
+
+def test_the_command_repeats_over_seeds_and_plots_them_as_one_band(config_file, tmp_path):
+    """A real sweep --seeds, in-process training (workers: 0) on generated data: the directories,
+    the grouped table and sweep.csv (checked against the runs' own metrics.csv), and fedsim plot
+    and results_table on its output, which pool the seeds of a configuration."""
+    out = tmp_path / "sweep"
+    result = subprocess.run(
+        [sys.executable, "-m", "fedsim", "sweep", str(config_file), "--seeds", "0,1", "--target", "0.15",
+         "--set", "rounds=2", "--set", "workers=0", "--set", "data.limit=800", "--set", "model=simple_cnn",
+         "--out", str(out), "--quiet"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["runs.csv", "small-seed=0", "small-seed=1", "sweep.csv"]
+
+    histories = [fedsim.load_run(out / f"small-seed={seed}") for seed in (0, 1)]
+    assert [h.config["seed"] for h in histories] == [0, 1] and {h.name for h in histories} == {"small"}
+    finals = [h.test_accuracy[-1] for h in histories]
+    reached = [next((r["round"] for r in h.rows if r["test_accuracy"] >= 0.15), None) for h in histories]
+    reached = [r for r in reached if r is not None]
+
+    with open(out / "sweep.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["configuration"] == "small" and row["seeds"] == "0 1" and row["runs"] == "2"
+    assert float(row["final_test_accuracy"]) == pytest.approx(sum(finals) / 2)
+    assert float(row["final_test_accuracy_std"]) == pytest.approx(sample_sd(finals))
+    assert int(row["reached_target"]) == len(reached)
+    if reached:
+        assert float(row["rounds_to_target"]) == pytest.approx(sum(reached) / len(reached))
+
+    header, line = result.stdout.splitlines()[-3:-1]
+    assert header.split()[:2] == ["configuration", "seeds"] and "rounds to 0.15" in header
+    assert line.split()[:5] == ["small", "2", f"{sum(finals) / 2:.4f}", "±", f"{sample_sd(finals):.4f}"]
+    assert line.split()[-2] == f"({len(reached)}/2)"
+
+    fig = fedsim.plot_runs(str(out / "small-seed=*"))
+    (ax,) = fig.axes
+    bands = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    assert len(ax.lines) == 1 and len(bands) == 1  # one mean line, one min-max band over the two seeds
+    assert list(ax.lines[0].get_ydata()) == pytest.approx(
+        [100 * (a + b) / 2 for a, b in zip(*(h.test_accuracy for h in histories))])
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["small", "min–max over 2 seeds"]
+
+    (pooled,) = fedsim.results_table(histories)
+    assert pooled["runs"] == 2 and pooled["final_accuracy"] == pytest.approx(sum(finals) / 2)
+
+
+# ----------------------------------------------------------------------------- experiment files
+
+NIID_BENCH = sorted(Path("experiments/niid_bench").glob("*.yaml"))
+
+
+def documented_commands(path: Path) -> list[list[str]]:
+    """The `fedsim ...` commands written in an experiment file's leading comment."""
+    text = "\n".join(line[1:] for line in path.read_text().splitlines() if line.startswith("#"))
+    return [shlex.split(command.replace("\\\n", " ")) for command in re.findall(r"^\s+(fedsim (?:.*\\\n)*.*)$", text,
+                                                                                re.MULTILINE)]
+
+
+def test_niid_bench_files_keep_the_paper_setting_and_their_sweep_plans():
+    assert [p.name for p in NIID_BENCH] == ["fmnist_dirichlet.yaml", "fmnist_one_class.yaml",
+                                            "mnist_dirichlet.yaml", "mnist_one_class.yaml"]
+    from fedsim.algorithms.fedprox import FedProx
+    from fedsim.cli import build_parser
+
+    assert FedProx().mu == 0.01  # the files rely on it: NIID-Bench's mu
+    for path in NIID_BENCH:
+        text = path.read_text()
+        assert text.startswith("# NIID-Bench") and "Li, Diao, Chen, He" in text and "ICDE 2022" in text
+        cfg = fedsim.load_config(path)
+        assert (cfg.rounds, cfg.clients_per_round, cfg.data.num_clients, cfg.model, cfg.algorithm) == (
+            50, 10, 10, "simple_cnn", "fedavg")
+        assert (cfg.local.epochs, cfg.local.batch_size, cfg.local.lr, cfg.local.momentum, cfg.local.weight_decay) == (
+            10, 64, 0.01, 0.9, 1e-5)
+        assert cfg.data.dataset == ("mnist" if path.name.startswith("mnist") else "fashion_mnist")
+        if "dirichlet" in path.name:
+            assert (cfg.data.partition, cfg.data.alpha, cfg.data.min_samples) == ("dirichlet", 0.5, 10)
+        else:
+            assert (cfg.data.partition, cfg.data.classes_per_client) == ("label_k", 1)
+
+        commands = documented_commands(path)
+        assert [c[:2] for c in commands] == [["fedsim", "sweep"], ["fedsim", "run"]]
+        args = build_parser().parse_args(commands[0][1:])
+        runs = plan(args.config, args.grid, args.set, args.seeds)
+        assert [(r.config.algorithm, r.seed) for r in runs] == [
+            (a, s) for a in ("fedavg", "fedprox", "scaffold", "fednova") for s in (0, 1, 2)]
+        fedprox = build_parser().parse_args(commands[1][1:])
+        assert fedsim.load_config(fedprox.config, fedprox.set).algorithm_options == {"mu": 0.01}
+
+
+def test_seed_article_file_is_the_articles_run_as_fedavg():
+    path = Path("experiments/seed_article.yaml")
+    text = path.read_text()
+    assert text.startswith("# ") and "93 %" in text and "Hogwild" in text and "mode: hogwild" in text
+    cfg = fedsim.load_config(path)
+    assert (cfg.rounds, cfg.workers, cfg.clients_per_round, cfg.model, cfg.algorithm) == (
+        3, 4, 4, "mnist_cnn", "fedavg")
+    assert (cfg.data.dataset, cfg.data.partition, cfg.data.num_clients) == ("mnist", "contiguous", 4)
+    assert (cfg.local.epochs, cfg.local.batch_size, cfg.local.lr, cfg.local.momentum) == (1, 64, 0.01, 0.5)
