@@ -14,35 +14,52 @@ from .interrupts import Terminated, install_handlers
 
 
 def cmd_run(args) -> int:
+    """Run or resume; under torchrun, as one of several ranks (see distributed.py)."""
+    from .distributed import Ranks, launched
+
+    ranks = Ranks.join() if launched() else Ranks()
+    try:
+        return _run(args, ranks)
+    finally:
+        ranks.close()
+
+
+def _run(args, ranks) -> int:
     from .callbacks import TensorBoard
     from .config import load_config
     from .errors import DataError, FedsimError
     from .progress import write_or_silence
     from .results import RunDirectory
-    from .server import resume_run, start_run
+    from .server import agree_on_config, resume_run, start_run
 
     callbacks = [TensorBoard()] if args.tensorboard else []
+    path, cfg = args.resume, None
     if args.resume:
         if args.config:
             raise FedsimError("give either an experiment FILE or --resume RUN_DIR, not both")
         if args.out or args.overwrite:
             raise FedsimError(f"--{'out' if args.out else 'overwrite'} does not apply to --resume: a run "
                               f"continues in its own directory")
-        path = args.resume
         runner = lambda: resume_run(args.resume, args.set, quiet=args.quiet, progress=args.progress,  # noqa: E731
-                                    callbacks=callbacks)
+                                    callbacks=callbacks, ranks=ranks)
     else:
-        if not args.config:
-            raise FedsimError("missing the experiment FILE (or --resume RUN_DIR)")
-        cfg = load_config(args.config, args.set)
-        path = RunDirectory.target(args.out, cfg.name, args.overwrite)
+        def load():
+            if not args.config:
+                raise FedsimError("missing the experiment FILE (or --resume RUN_DIR)")
+            loaded = load_config(args.config, args.set)
+            RunDirectory.target(args.out, loaded.name, args.overwrite)  # refuse a taken --out at once
+            return loaded
+
+        cfg = agree_on_config(ranks, load)
+        path = RunDirectory.target(args.out, cfg.name, args.overwrite) if ranks.is_root else None
         runner = lambda: start_run(cfg, out=path, overwrite=args.overwrite, quiet=args.quiet,  # noqa: E731
-                                   progress=args.progress, callbacks=callbacks)
+                                   progress=args.progress, callbacks=callbacks, ranks=ranks)
     install_handlers()
     try:
         history = runner()
     except (KeyboardInterrupt, Terminated) as e:
-        print(f"fedsim: {_interrupted_message(path)}", file=sys.stderr)
+        if ranks.is_root:
+            print(f"fedsim: {_interrupted_message(path)}", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 143
     except DataError as e:
         if e.missing and not args.resume:  # offer what works at once, without the files
@@ -50,7 +67,7 @@ def cmd_run(args) -> int:
             raise DataError(f"{e}; or try it now on generated data: fedsim run {args.config} "
                             f"--set data.dataset=synthetic{limit}") from None
         raise
-    summary = history.summary
+    summary = history.summary if history is not None and ranks.is_root else {}
     if summary.get("final_test_accuracy") is not None:
         write_or_silence(sys.stdout, f"final test accuracy {summary['final_test_accuracy']:.4f} after round "
                                      f"{summary['rounds']} ({summary['wall_seconds']:.1f} s); results in "
@@ -232,7 +249,8 @@ def main(argv=None) -> None:
     except FedsimError as e:
         if args.debug:
             raise
-        print(f"fedsim: error: {e}", file=sys.stderr)
+        if str(e):  # a rank stopped by another has nothing to add: that one says why
+            print(f"fedsim: error: {e}", file=sys.stderr)
         code = e.exit_code
     except KeyboardInterrupt:
         code = 130

@@ -12,6 +12,7 @@ import importlib
 import logging
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -28,6 +29,7 @@ from .algorithms import Round
 from .attacks import attacker_mask, make_attack
 from .callbacks import ClientsFile, MetricsFile, RunStart
 from .config import Config, apply_overrides, load_config, locate, save_config, unused_settings, work_items
+from .distributed import RankStopped, Ranks, rank_device
 from .errors import (ConfigError, FedsimError, NonFiniteError, OutputError, WorkerError,
                      explain_resource_error)
 from .federation import initial_model, load_federation
@@ -37,7 +39,7 @@ from .progress import RoundLog, console_logging
 from .results import History, RunDirectory, flatten_config, read_clients
 from .server_opt import make_server_optimizer
 from .streams import attack_generator, sample_clients
-from .workers import InlinePool, Shared, WorkerPool, peak_rss_bytes
+from .workers import InlinePool, Shared, WorkerPool, peak_rss_bytes, slot_groups
 
 logger = logging.getLogger("fedsim")
 
@@ -122,13 +124,15 @@ class Simulation:
     ``callbacks`` observe the run (see callbacks.py).
     """
 
-    def __init__(self, cfg: Config, log=None, callbacks=()):
+    def __init__(self, cfg: Config, log=None, callbacks=(), ranks: Ranks | None = None):
         self.cfg = cfg
+        self.ranks = ranks or Ranks()
         self.log = log if isinstance(log, RoundLog) else RoundLog(progress=False, write=log or print)
         self.user_callbacks = list(callbacks)
         self.t_start = time.perf_counter()
         torch.multiprocessing.set_sharing_strategy(cfg.sharing_strategy)
-        self.device = resolve_device(cfg.device)
+        self.device = resolve_device(rank_device(cfg.device) if self.ranks.world > 1 else cfg.device)
+        self.ranks.use_device(self.device)
         self.workers = resolve_workers(cfg, self.device)
         self.pool = self._new_pool()  # the workers import torch while the data loads
         try:
@@ -254,28 +258,41 @@ class Simulation:
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, run_dir: RunDirectory) -> History:
-        cfg, self.run_dir = self.cfg, run_dir
-        self.callbacks = [MetricsFile(run_dir), ClientsFile(run_dir.path / "clients.csv"), *self.user_callbacks]
+    def run(self, run_dir: RunDirectory | None) -> History:
+        """The round loop. On ranks other than 0 (see distributed.py) ``run_dir`` is None: they
+        train their share of every round and take the new global model from rank 0."""
+        cfg, self.run_dir, root = self.cfg, run_dir, self.ranks.is_root
+        self.callbacks = [MetricsFile(run_dir), ClientsFile(run_dir.path / "clients.csv"),
+                          *self.user_callbacks] if root else []
         status, pool = "interrupted", self.pool
         try:
             with console_logging(self.log):
-                # the plot at the end needs matplotlib (most of a second to import): import it
-                # while the workers start, when this process only waits
-                threading.Thread(target=importlib.import_module, args=("fedsim.plot",), daemon=True).start()
-                for message in unused_settings(cfg):
-                    logger.warning(message)
+                if root:
+                    # the plot at the end needs matplotlib (most of a second to import): import
+                    # it while the workers start, when this process only waits
+                    threading.Thread(target=importlib.import_module, args=("fedsim.plot",), daemon=True).start()
+                    for message in unused_settings(cfg):
+                        logger.warning(message)
                 self._start(pool)
-                logger.info(f"{cfg.name}: {cfg.rounds} rounds of {cfg.clients_per_round}/{cfg.data.num_clients} "
-                            f"clients, {self.workers} workers on {self.device}; writing {run_dir.path}")
-                self._notify("on_run_start", RunStart(cfg, run_dir.path, self.first_round, self.model.module))
+                self._share_start()
+                if root:
+                    ranks = f"{self.ranks.world} ranks x " if self.ranks.world > 1 else ""
+                    logger.info(f"{cfg.name}: {cfg.rounds} rounds of {cfg.clients_per_round}/{cfg.data.num_clients} "
+                                f"clients, {ranks}{self.workers} workers on {self.device}; writing {run_dir.path}")
+                    self._notify("on_run_start", RunStart(cfg, run_dir.path, self.first_round, self.model.module))
                 slowest = 0.0
                 for rnd in range(self.first_round, cfg.rounds + 1):
                     t0 = time.perf_counter()
                     timeout = cfg.worker_timeout or (_FIRST_ROUND_TIMEOUT if not slowest else max(120.0, 10 * slowest))
-                    # 1. sample the round's clients; 2. train them in the worker pool
+                    # 1. sample the round's clients (every rank draws the same)
                     clients = sample_clients(cfg.seed, rnd, cfg.data.num_clients, cfg.clients_per_round)
+                    # 2. train them in the worker pool (each rank its share; rank 0 gathers the rows)
                     pool = self._train(pool, rnd, clients, timeout)
+                    if not root:
+                        if self._follow(rnd, clients):
+                            continue
+                        status = "finished"
+                        break
                     t_trained = time.perf_counter()
                     # 3. their updates: attacks rewrite the attackers', non-finite ones are left out
                     round_, client_rows = self._collect(rnd, clients)
@@ -302,6 +319,8 @@ class Simulation:
                         self.log.round_end(row, cfg.rounds)  # once printed, the round is on disk
                         if reached or rnd == cfg.rounds:
                             status = "finished"  # whatever arrives from here on, every round is done
+                    # 7. the other ranks get the new global model (or learn that the run is over)
+                    self._lead(rnd, clients, done=status == "finished")
                     if reached:
                         logger.info(f"reached stop_at_accuracy {cfg.stop_at_accuracy} in round {rnd}")
                         break
@@ -316,8 +335,8 @@ class Simulation:
         return self.history()
 
     def history(self) -> History:
-        return History(self.rows, self.cfg.to_dict(), self.run_dir.path, getattr(self, "summary", {}),
-                       client_records=self.client_rows)
+        return History(self.rows, self.cfg.to_dict(), self.run_dir.path if self.run_dir else None,
+                       getattr(self, "summary", {}), client_records=self.client_rows)
 
     def _start(self, pool: WorkerPool) -> WorkerPool:
         pool.start(self.shared, timeout=max(self.cfg.worker_timeout or 0, _START_TIMEOUT))
@@ -326,12 +345,26 @@ class Simulation:
         return pool
 
     def _train(self, pool: WorkerPool, rnd: int, clients: torch.Tensor, timeout: float) -> WorkerPool:
-        """Every client of the round trained from the global weights; a failed pool is restarted
-        and the round re-run if the config says so (the workers change no state: see Algorithm)."""
+        """Every client of this rank's share of the round trained from the global weights (a
+        failed pool is restarted and its share re-run if the config says so: the workers change
+        no state, see Algorithm); then rank 0 has every rank's rows."""
+        groups = slot_groups(self.cfg, len(clients))
+        error = None
+        try:
+            pool = self._train_share(pool, rnd, clients, self.ranks.groups(groups), timeout)
+        except FedsimError as e:
+            if self.ranks.world == 1:
+                raise
+            error = str(e)
+        self.ranks.agree(error, f"round {rnd}'s training")
+        self.ranks.gather_rows(self.shared, groups, f"gathering round {rnd}")
+        return pool
+
+    def _train_share(self, pool: WorkerPool, rnd: int, clients, groups, timeout: float) -> WorkerPool:
         self.shared.global_flat.copy_(self.model.flat)
         for attempt in range(3):
             try:
-                pool.run_round(rnd, clients, timeout)
+                pool.run_round(rnd, clients, groups, timeout)
                 return pool
             except WorkerError as e:
                 if self.cfg.on_worker_failure != "restart" or attempt == 2:
@@ -339,6 +372,42 @@ class Simulation:
                 logger.warning(f"round {rnd}: {e}; restarting the workers and re-running the round")
                 pool.close()
                 pool = self._start(self._new_pool())
+
+    # ------------------------------------------------------------------ several ranks
+
+    def _share_start(self) -> None:
+        """Every rank starts from rank 0's state (a resumed run's, on rank 0 only)."""
+        s = self.shared
+        self.first_round = self.ranks.decide(self.first_round, "starting")
+        self.ranks.share([self.model.flat, *s.server_state.values(), *s.client_state.values()], "starting")
+
+    def _lead(self, rnd: int, clients: torch.Tensor, done: bool) -> None:
+        """Rank 0, after its round: tell the others whether to go on, and give them the state."""
+        if self.ranks.world > 1:
+            self.ranks.decide("done" if done else "next", f"ending round {rnd}")
+            if not done:
+                self._exchange_state(rnd, clients)
+
+    def _follow(self, rnd: int, clients: torch.Tensor) -> bool:
+        """Another rank, after its round: whether to go on, and rank 0's new state if so."""
+        decision = self.ranks.decide(None, f"ending round {rnd}")
+        if decision == "failed":
+            raise RankStopped("")
+        if decision == "done":
+            return False
+        self._exchange_state(rnd, clients)
+        return True
+
+    def _exchange_state(self, rnd: int, clients: torch.Tensor) -> None:
+        """Rank 0's global weights, server state and the round's client-state rows on every rank
+        (server_update changes the client state of the round's clients only)."""
+        s = self.shared
+        ids = clients.to(s.global_flat.device)
+        rows = [state[ids] for state in s.client_state.values()]
+        self.ranks.share([self.model.flat, *s.server_state.values(), *rows], f"sharing round {rnd}'s update")
+        if not self.ranks.is_root:
+            for state, row in zip(s.client_state.values(), rows):
+                state[ids] = row
 
     def _collect(self, rnd: int, clients: torch.Tensor) -> tuple[Round, list[dict]]:
         """The round's updates as the server's update sees them, and one record per client."""
@@ -433,6 +502,11 @@ class Simulation:
         with shielded():
             self.worker_peak_memory_mb = [round(b / 2**20, 1) for b in pool.peak_memory]
             pool.close()
+            if self.ranks.world > 1:
+                self._end_ranks(status, ended_by)
+            if not self.ranks.is_root:
+                self.log.close()
+                return
             try:
                 self._write_summary(status)
                 self._notify("on_run_end", self.history())
@@ -444,6 +518,19 @@ class Simulation:
             finally:
                 self.run_dir.unlock()
                 self.log.close()  # an error or interrupt message starts on a line of its own
+
+    def _end_ranks(self, status: str, ended_by: BaseException | None) -> None:
+        """Rank 0 tells the others when it stops early; every rank reports its memory to rank 0.
+        A rank that is gone makes these fail: then there is nothing to tell or collect."""
+        memory = {"rank": self.ranks.rank, "host": socket.gethostname(), "device": str(self.device),
+                  "server_peak_memory_mb": _peak_memory_mb(self.device),
+                  "worker_peak_memory_mb": self.worker_peak_memory_mb}
+        try:
+            if self.ranks.is_root and status != "finished" and not isinstance(ended_by, RankStopped):
+                self.ranks.decide("failed", "stopping")
+            self.rank_memory = self.ranks.collect(memory, "collecting the ranks' memory")
+        except FedsimError:
+            self.rank_memory = None
 
     def _write_summary(self, status: str) -> None:
         accuracies = [r["test_accuracy"] for r in self.rows]
@@ -464,6 +551,7 @@ class Simulation:
             "workers": self.workers,
             "worker_peak_memory_mb": self.worker_peak_memory_mb,
             "server_peak_memory_mb": _peak_memory_mb(self.device),
+            **({"ranks": self.rank_memory} if self.ranks.world > 1 else {}),
             "torch": torch.__version__,
         }
         self.run_dir.write_summary(self.summary)
@@ -515,10 +603,14 @@ def _with_dataset_key(overrides: dict) -> dict:
 
 
 def start_run(cfg: Config, out=None, overwrite: bool = False, quiet: bool = False, progress=None,
-              callbacks=()) -> History:
-    """Run ``cfg`` into ``out`` (default ``runs/<name>-<timestamp>``)."""
-    path = RunDirectory.target(out, cfg.name, overwrite)  # refuse a taken --out before loading anything
-    sim = _setup(cfg, quiet, progress, callbacks)
+              callbacks=(), ranks: Ranks | None = None) -> History:
+    """Run ``cfg`` into ``out`` (default ``runs/<name>-<timestamp>``); on ranks other than 0
+    (see distributed.py) only train."""
+    ranks = ranks or Ranks()
+    path = RunDirectory.target(out, cfg.name, overwrite) if ranks.is_root else None  # before loading anything
+    sim = _setup(cfg, quiet, progress, callbacks, ranks)
+    if not ranks.is_root:
+        return sim.run(None)
     try:
         run_dir = RunDirectory.create(path, overwrite)
         try:
@@ -532,42 +624,80 @@ def start_run(cfg: Config, out=None, overwrite: bool = False, quiet: bool = Fals
     return sim.run(run_dir)
 
 
-def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None, callbacks=()) -> History:
+def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None, callbacks=(),
+               ranks: Ranks | None = None) -> History | None:
     """Continue ``run_dir`` from its checkpoint; ``overrides`` is a list of "key=value"
     strings (the CLI's --set) or a dict, limited to keys that keep it one run (and to the
-    components of the run, given again as objects)."""
+    components of the run, given again as objects). Rank 0 reads the run directory; the other
+    ranks receive what they need from it."""
+    ranks = ranks or Ranks()
     path = Path(run_dir)
-    if not (path / "config.yaml").is_file():
-        raise FedsimError(f"--resume {path}: not a run directory (no config.yaml)")
-    bad = sorted(apply_overrides({}, overrides or {}) - RESUMABLE_KEYS - set(components.KEYS))
-    if bad:
-        raise ConfigError(f"--set {bad[0]}: cannot change when resuming (the rounds before and after would not "
-                          f"be one run); allowed: {', '.join(sorted(RESUMABLE_KEYS))}")
     directory = RunDirectory(path)
-    directory.lock()  # a second resume of the same directory is refused, not interleaved
-    try:
-        state = directory.load_checkpoint()
-        cfg = load_config(path / "config.yaml", overrides)
-        _check_same_run(path, state, cfg)
-        rows = directory.rows()
+    loaded = {}
+
+    def load() -> Config | None:
+        if not (path / "config.yaml").is_file():
+            raise FedsimError(f"--resume {path}: not a run directory (no config.yaml)")
+        bad = sorted(apply_overrides({}, overrides or {}) - RESUMABLE_KEYS - set(components.KEYS))
+        if bad:
+            raise ConfigError(f"--set {bad[0]}: cannot change when resuming (the rounds before and after would not "
+                              f"be one run); allowed: {', '.join(sorted(RESUMABLE_KEYS))}")
+        directory.lock()  # a second resume of the same directory is refused, not interleaved
+        try:
+            state = directory.load_checkpoint()
+            cfg = load_config(path / "config.yaml", overrides)
+            _check_same_run(path, state, cfg)
+            loaded.update(state=state, rows=directory.rows(), cfg=cfg)
+        except BaseException:
+            directory.unlock()
+            raise
         if state["round"] >= cfg.rounds:
             print(f"{path}: already at round {state['round']} of {cfg.rounds}; nothing to do "
                   f"(extend with --set rounds=N)")
             directory.unlock()
-            return History(rows, cfg.to_dict(), path)
-        sim = _setup(cfg, quiet, progress, callbacks)
+            return None
+        return cfg
+
+    cfg = agree_on_config(ranks, load)
+    if cfg is None:
+        return History(loaded["rows"], loaded["cfg"].to_dict(), path) if ranks.is_root else None
+    try:
+        sim = _setup(cfg, quiet, progress, callbacks, ranks)
     except BaseException:
-        directory.unlock()
+        if ranks.is_root:
+            directory.unlock()
         raise
+    if not ranks.is_root:
+        return sim.run(None)
     try:
         # rows after the checkpoint happened after it, and are dropped (the rounds run again)
-        sim.restore(state, [r for r in rows if r["round"] <= state["round"]], path / "checkpoint.pt")
+        state = loaded["state"]
+        sim.restore(state, [r for r in loaded["rows"] if r["round"] <= state["round"]], path / "checkpoint.pt")
         save_config(sim.cfg, path / "config.yaml")
     except BaseException:
         directory.unlock()
         sim.pool.close()
         raise
     return sim.run(directory)
+
+
+def agree_on_config(ranks: Ranks, load) -> Config | None:
+    """The config of a run: rank 0's ``load()`` (None: nothing to run); the other ranks receive
+    it. If loading fails on rank 0, the others stop quietly and rank 0 says why."""
+    if ranks.world == 1:
+        return load()
+    if ranks.is_root:
+        try:
+            cfg = load()
+        except BaseException:
+            ranks.decide(("stop", None), "sharing the config")
+            raise
+        ranks.decide(("run", cfg.to_dict()) if cfg is not None else ("done", None), "sharing the config")
+        return cfg
+    kind, values = ranks.decide(None, "sharing the config")
+    if kind == "stop":
+        raise RankStopped("")
+    return load_config(values) if kind == "run" else None
 
 
 def run_identity(cfg: Config) -> str:
@@ -590,9 +720,11 @@ def _check_same_run(path: Path, state: dict, cfg: Config) -> None:
                           f"a new run)")
 
 
-def _setup(cfg: Config, quiet: bool, progress: bool | None, callbacks=()) -> Simulation:
+def _setup(cfg: Config, quiet: bool, progress: bool | None, callbacks=(), ranks: Ranks | None = None) -> Simulation:
+    ranks = ranks or Ranks()
     try:
-        sim = Simulation(cfg, log=RoundLog(progress, quiet=quiet), callbacks=callbacks)
+        sim = Simulation(cfg, log=RoundLog(progress, quiet=quiet or not ranks.is_root), callbacks=callbacks,
+                         ranks=ranks)
     except FedsimError as e:
         raise locate(cfg, e) from None
     except (RuntimeError, OSError) as e:

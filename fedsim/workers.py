@@ -4,11 +4,12 @@ One round, as the server and each worker ``w`` of ``W`` see it::
 
     server                                     worker w
     write global weights and assignment
-    open the round barrier:  ("train", r, k) -> wakes up
-                                               for slot in w, w+W, w+2W, ... < k:
-                                                   train client assignment[slot] from the
-                                                   global weights; write its weights and
-                                                   stats into row `slot` of the shared buffers
+    open the round barrier:  ("train", r, groups) -> wakes up
+                                               for slots in its groups (w, w+W, ... of the
+                                               server's share of the round):
+                                                   train the clients assignment[slots] from
+                                                   the global weights; write their weights and
+                                                   stats into rows `slots` of the shared buffers
     wait until all W arrive  <- ("done",)      synchronize the device, arrive
     aggregate rows 0..k-1
 
@@ -99,16 +100,15 @@ def _worker_main(rank: int, num_workers: int, config, device: str, conn: Connect
         # reductions in every worker (and in InlinePool), so results do not depend on `workers`
         shared: Shared = conn.recv()
         trainer = _ClientRunner(config, shared, torch.device(device))
-        group_size = vmap_group_size(config) if config.backend == "vmap" else 1
         shared.progress[rank] = IDLE
         conn.send(("ready",))
         while True:
             command = conn.recv()  # blocks until the server opens the next round
             if command[0] == "stop":
                 return
-            _, rnd, k = command
+            _, rnd, groups = command
             started = time.perf_counter()
-            for slots in slot_groups(k, group_size)[rank::num_workers]:
+            for slots in groups:
                 shared.progress[rank] = int(shared.assignment[slots[0]])
                 trainer.train_group(slots, rnd)
             shared.progress[rank] = IDLE
@@ -123,11 +123,13 @@ def _worker_main(rank: int, num_workers: int, config, device: str, conn: Connect
             sys.exit(1)
 
 
-def slot_groups(k: int, group_size: int) -> list[list[int]]:
+def slot_groups(config, k: int) -> list[list[int]]:
     """The round's slots cut into groups trained together (one slot each for the process
-    backend). Worker w trains groups w, w+W, ...: the grouping depends on the round and the
-    config, never on the number of workers, so neither do the results."""
-    return [list(range(i, min(i + group_size, k))) for i in range(0, k, group_size)]
+    backend, ``vmap_group_size`` for vmap). Groups are dealt to ranks and then to workers in
+    turn: the grouping depends on the round and the config, never on the number of workers or
+    ranks, so neither do the results."""
+    size = vmap_group_size(config) if config.backend == "vmap" else 1
+    return [list(range(i, min(i + size, k))) for i in range(0, k, size)]
 
 
 class _ClientRunner:
@@ -277,8 +279,9 @@ class WorkerPool:
             self._release()
             raise
 
-    def run_round(self, rnd: int, clients: torch.Tensor, timeout: float) -> None:
-        """Have the workers train ``clients`` (one per slot) from ``shared.global_flat``."""
+    def run_round(self, rnd: int, clients: torch.Tensor, groups: list[list[int]], timeout: float) -> None:
+        """Have the workers train the slot ``groups`` of the round's ``clients`` (one per slot)
+        from ``shared.global_flat``: worker w the groups w, w+W, ..."""
         s = self.shared
         s.assignment[: len(clients)] = clients
         self.round, self._in_round = rnd, True
@@ -286,7 +289,7 @@ class WorkerPool:
             torch.cuda.synchronize(s.global_flat.device)  # the global weights are written
         for rank, conn in enumerate(self.conns):
             try:
-                conn.send(("train", rnd, len(clients)))
+                conn.send(("train", rnd, groups[rank::self.num_workers]))
             except (BrokenPipeError, OSError):
                 self.processes[rank].join(1)
                 raise WorkerError(self._failure(rank, _exit_cause(self.processes[rank].exitcode))) from None
@@ -404,15 +407,14 @@ class InlinePool:
     def start(self, shared: Shared, timeout: float) -> None:
         self.shared, self.runner = shared, _ClientRunner(self.config, shared, self.device)
 
-    def run_round(self, rnd: int, clients: torch.Tensor, timeout: float) -> None:
+    def run_round(self, rnd: int, clients: torch.Tensor, groups: list[list[int]], timeout: float) -> None:
         s, k = self.shared, len(clients)
         s.assignment[:k] = clients
-        group_size = vmap_group_size(self.config) if self.config.backend == "vmap" else 1
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         started = time.perf_counter()
         try:
-            for slots in slot_groups(k, group_size):
+            for slots in groups:
                 try:
                     self.runner.train_group(slots, rnd)
                 except Exception as e:
