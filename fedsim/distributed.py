@@ -136,8 +136,9 @@ class Ranks:
     def _unpack(shared, slots, rows) -> None:
         p = shared.local_flat.shape[1]
         shared.local_flat[slots] = rows[:, :p]
-        shared.stats[slots] = rows[:, p:p + 2]
-        offset = p + 2
+        width = shared.stats.shape[1]
+        shared.stats[slots] = rows[:, p:p + width]
+        offset = p + width
         for report in shared.reports.values():
             size = report[0].numel()
             report[slots] = rows[:, offset:offset + size].reshape(len(slots), *report.shape[1:]).to(report.dtype)
@@ -201,22 +202,26 @@ class Ranks:
         self.identities = [None] * self.world
         dist.all_gather_object(self.identities, (socket.gethostname(), os.getpid()))
 
-    def _gone(self, what: str, error: Exception) -> str:
+    def lost(self) -> list[int]:
+        """The other ranks on this machine that are no longer alive (ranks on other machines
+        cannot be looked at from here)."""
         here = socket.gethostname()
-        dead, elsewhere = [], []
-        for rank, (host, pid) in enumerate(self.identities):
-            if rank == self.rank:
-                continue
-            if host != here:
-                elsewhere.append(rank)
-            elif not _alive(pid):
-                dead.append(rank)
+        return [rank for rank, (host, pid) in enumerate(getattr(self, "identities", ()))
+                if rank != self.rank and host == here and not _alive(pid)]
+
+    def _gone(self, what: str, error: Exception) -> str:
         cause = str(error).split("]")[-1].strip().split(". ")[0] or type(error).__name__
-        if dead:
-            who = f"rank {dead[0]}" if len(dead) == 1 else f"ranks {', '.join(map(str, dead))}"
-            return f"{who} died ({what} failed: {cause}); no process of this job is left behind"
+        lost = self.lost()
+        if lost:
+            return f"{ranks_named(lost)} died ({what} failed: {cause})"
+        here = socket.gethostname()
+        elsewhere = [rank for rank, (host, _) in enumerate(self.identities) if host != here]
         where = f"; ranks on other machines: {', '.join(map(str, elsewhere))}" if elsewhere else ""
         return f"a rank stopped answering ({what} failed: {cause}){where}; torchrun's report names it"
+
+
+def ranks_named(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def _alive(pid: int) -> bool:

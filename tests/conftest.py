@@ -121,11 +121,12 @@ def _pythonpath() -> str:
     return os.pathsep.join([TESTS_DIR, existing]) if existing else TESTS_DIR
 
 
-def start(args, tag, popen_options=None, **env):
-    """``python -m fedsim ARGS`` with FEDSIM_TEST_TAG=tag in its environment (and its workers'),
-    and the tests directory on PYTHONPATH."""
+def start(args, tag, popen_options=None, launcher=(), **env):
+    """``python [LAUNCHER] -m fedsim ARGS`` with FEDSIM_TEST_TAG=tag in its environment (and its
+    workers'), and the tests directory on PYTHONPATH. ``launcher``: e.g. ``("-m",
+    "torch.distributed.run", "--nproc-per-node=2")`` for torchrun."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fedsim", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, *launcher, "-m", "fedsim", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "FEDSIM_TEST_TAG": tag, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath(), **env},
         **(popen_options or {}),
     )

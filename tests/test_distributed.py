@@ -1,0 +1,137 @@
+"""Several ranks under torchrun (gloo on CPU, on this machine): the numbers of one process,
+whatever the number of ranks or "machines"; a rank that dies ends the job, naming it."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+import fedsim
+from conftest import start, tagged_processes, wait_for_round
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo ranks are tested on Linux")
+
+CONFIG = {
+    "name": "ranks", "seed": 5, "device": "cpu", "rounds": 3, "workers": 1, "clients_per_round": 6,
+    "model": "mnist_2nn",
+    "data": {"dataset": "synthetic", "num_clients": 12, "limit": 1200, "partition": "dirichlet", "alpha": 0.5},
+    "local": {"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.9},
+}
+# gloo binds to the address the host name resolves to, which a container may not route: use loopback
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, port: int, nnodes: int = 1, node_rank: int = 0) -> tuple[str, ...]:
+    return ("-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}",
+            f"--node-rank={node_rank}", f"--rdzv-endpoint=127.0.0.1:{port}", "--monitor-interval=0.2")
+
+
+def write_config(tmp_path: Path, **changes) -> Path:
+    path = tmp_path / "ranks.yaml"
+    path.write_text(yaml.safe_dump({**CONFIG, **changes}))
+    return path
+
+
+def ranked_run(tmp_path: Path, config: Path, nproc: int = 2, timeout: float = 120) -> Path:
+    out, tag = tmp_path / f"ranked-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    proc = start(["run", str(config), "--out", str(out)], tag, launcher=torchrun(nproc, free_port()), **LOOPBACK)
+    stdout, stderr = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, stderr
+    round_lines = [line for line in stdout.splitlines() if re.match(r"round\s+\d+/", line)]
+    assert len(round_lines) == CONFIG["rounds"]  # rank 0's lines only: the others print nothing
+    assert tagged_processes(tag) == []
+    return out
+
+
+def same_results(a: Path, b: Path) -> None:
+    """Bit for bit: every accuracy, loss and per-client record (times aside)."""
+    def rows(path, name):
+        with open(path / name) as f:
+            return [{k: v for k, v in row.items() if "seconds" not in k} for row in csv.DictReader(f)]
+
+    assert rows(a, "metrics.csv") == rows(b, "metrics.csv")
+    assert rows(a, "clients.csv") == rows(b, "clients.csv")
+
+
+def test_two_ranks_give_the_metrics_of_one_process(tmp_path):
+    config = write_config(tmp_path)
+    single = fedsim.run(config, out=tmp_path / "single", quiet=True).run_dir
+    ranked = ranked_run(tmp_path, config)
+    same_results(single, ranked)
+    summary = json.loads((ranked / "summary.json").read_text())
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    assert all(r["server_peak_memory_mb"] > 0 and len(r["worker_peak_memory_mb"]) == 1 for r in summary["ranks"])
+
+
+@pytest.mark.parametrize("changes", [{"aggregator": "krum", "aggregator_options": {"f": 1}},
+                                     {"algorithm": "scaffold"}], ids=["krum", "scaffold"])
+def test_a_robust_rule_and_scaffold_across_ranks_equal_one_process(tmp_path, changes):
+    config = write_config(tmp_path, workers=0, **changes)  # in-process training on each rank: same numbers
+    single = fedsim.run(config, out=tmp_path / "single", quiet=True).run_dir
+    same_results(single, ranked_run(tmp_path, config))
+
+
+def test_two_machines_on_loopback_give_the_same_metrics(tmp_path):
+    config, port, tag = write_config(tmp_path, workers=0), free_port(), uuid.uuid4().hex
+    out = tmp_path / "two-nodes"
+    nodes = [start(["run", str(config), "--out", str(out)], tag, launcher=torchrun(1, port, 2, rank), **LOOPBACK)
+             for rank in (0, 1)]
+    results = [node.communicate(timeout=120) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], results
+    assert results[1][0] == ""  # the second machine's rank prints nothing
+    single = fedsim.run(config, out=tmp_path / "single", quiet=True).run_dir
+    same_results(single, out)
+    assert tagged_processes(tag) == []
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_rank_ends_the_job_naming_it(tmp_path, victim):
+    tag = uuid.uuid4().hex
+    config = write_config(tmp_path, rounds=500)
+    proc = start(["run", str(config), "--out", str(tmp_path / "run"), "--no-progress"], tag,
+                 launcher=torchrun(2, free_port()), **LOOPBACK)
+    wait_for_round(proc, 2)
+    ranks = {int(_environment(pid)["LOCAL_RANK"]): pid for pid in tagged_processes(tag)
+             if "LOCAL_RANK" in _environment(pid) and b"multiprocessing" not in _cmdline(pid)}
+    assert sorted(ranks) == [0, 1]
+    t0 = time.monotonic()
+    os.kill(ranks[victim], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60
+    ours = [line for line in err.splitlines() if line.startswith("fedsim:")]
+    assert len(ours) == 1 and f"rank {victim} died" in ours[0], err
+    deadline = time.monotonic() + 10
+    while tagged_processes(tag) and time.monotonic() < deadline:  # the agent reaps what it started
+        time.sleep(0.1)
+    assert tagged_processes(tag) == []
+
+
+def _environment(pid: int) -> dict:
+    try:
+        entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
