@@ -1,12 +1,12 @@
-"""Observers of a run, called in the server process: the run's own files are written by two of
-them, and a TensorBoard writer is a third.
+"""Observers of a run, called in the server process: the run's own files are written by some of
+them (metrics.csv, clients.csv, client_accuracy.csv), and a TensorBoard writer is another.
 
 A callback is any object with some of these methods (the others are not called):
 
     on_run_start(run: RunStart)              before the first round (also of a resumed run)
     on_round_end(row: dict, clients: list)   after every round: its metrics row (test_accuracy
                                              is NaN on rounds that are not evaluated) and one
-                                             dict per trained client
+                                             dict per sampled client
     on_run_end(history: History)             after the last round, or when the run stops
 
 Pass them as ``fedsim.run(..., callbacks=[...])``. A callback that raises stops the run with
@@ -22,8 +22,12 @@ from pathlib import Path
 import torch
 
 from .errors import write_error
+from .results import read_client_accuracy, write_atomically
 
-CLIENT_COLUMNS = ("round", "client", "samples", "train_loss", "update_norm", "dropped", "attacker")
+# dropped: 0, or why the client's work did not count (nonfinite, dropout, straggler); steps: the
+# local steps it took (fewer than its full work for a partial straggler; 0 where its work was lost)
+CLIENT_COLUMNS = ("round", "client", "samples", "train_loss", "update_norm", "dropped", "attacker", "steps")
+CLIENT_ACCURACY_COLUMNS = ("round", "client", "samples", "accuracy")
 
 
 @dataclass
@@ -62,7 +66,7 @@ class MetricsFile(Callback):
 
 
 class ClientsFile(Callback):
-    """clients.csv: one row per trained client per round, as ``on_round_end`` receives them."""
+    """clients.csv: one row per sampled client per round, as ``on_round_end`` receives them."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -72,10 +76,12 @@ class ClientsFile(Callback):
         if run.first_round > 1 and self.path.is_file():
             with open(self.path, newline="") as f:
                 kept = [row for row in csv.DictReader(f) if int(row["round"]) < run.first_round]
-        self._write("w", [CLIENT_COLUMNS, *([row[c] for c in CLIENT_COLUMNS] for row in kept)])
+        # rows of an older version lack the newer columns: those cells stay empty
+        self._write("w", [CLIENT_COLUMNS, *([row.get(c, "") for c in CLIENT_COLUMNS] for row in kept)])
 
     def on_round_end(self, row, clients):
-        self._write("a", [[_cell(client[c]) for c in CLIENT_COLUMNS] for client in clients])
+        # a record without a column (hogwild's have no steps) leaves its cell empty
+        self._write("a", [[_cell(client.get(c, "")) for c in CLIENT_COLUMNS] for client in clients])
 
     def _write(self, mode: str, rows) -> None:
         try:
@@ -83,6 +89,48 @@ class ClientsFile(Callback):
                 csv.writer(f).writerows(rows)
         except OSError as e:
             raise write_error(self.path, e) from None
+
+
+class ClientAccuracyFile(Callback):
+    """client_accuracy.csv (eval_per_client): the global model's accuracy on each client's test
+    split, one row per client per evaluated round, from ``evaluation.last`` (a ClientEvaluation).
+    The header and the rows a resumed run keeps are written whole or not at all; a round's rows
+    are appended whole or cut back."""
+
+    def __init__(self, path: Path, evaluation):
+        self.path = path
+        self.evaluation = evaluation
+
+    def on_run_start(self, run):
+        kept = []
+        if run.first_round > 1 and self.path.is_file():
+            kept = [r for r in read_client_accuracy(self.path) if r["round"] < run.first_round]
+
+        def write(tmp):
+            with open(tmp, "w", newline="") as f:
+                csv.writer(f).writerows([CLIENT_ACCURACY_COLUMNS, *_cells(kept, CLIENT_ACCURACY_COLUMNS)])
+
+        write_atomically(self.path, write)
+
+    def on_round_end(self, row, clients):
+        records = self.evaluation.last
+        if not records or records[0]["round"] != row["round"]:  # a round that was not evaluated
+            return
+        try:
+            with open(self.path, "a", newline="") as f:
+                size = f.tell()
+                try:
+                    csv.writer(f).writerows(_cells(records, CLIENT_ACCURACY_COLUMNS))
+                    f.flush()
+                except BaseException:
+                    f.truncate(size)
+                    raise
+        except OSError as e:
+            raise write_error(self.path, e) from None
+
+
+def _cells(records: list[dict], columns) -> list[list[str]]:
+    return [[_cell(record[c]) for c in columns] for record in records]
 
 
 def _cell(value) -> str:

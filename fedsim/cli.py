@@ -27,6 +27,7 @@ def cmd_run(args) -> int:
 def _run(args, ranks) -> int:
     from .callbacks import TensorBoard
     from .config import load_config
+    from .distributed import ranks_named
     from .errors import DataError, FedsimError
     from .progress import write_or_silence
     from .results import RunDirectory
@@ -58,8 +59,17 @@ def _run(args, ranks) -> int:
     try:
         history = runner()
     except (KeyboardInterrupt, Terminated) as e:
+        # under torchrun a SIGTERM most often comes from the agent stopping the job because
+        # another rank died: say which, when that can be seen from this machine
+        lost = ranks.lost() if ranks.world > 1 else []
         if ranks.is_root:
-            print(f"fedsim: {_interrupted_message(path)}", file=sys.stderr)
+            message = _interrupted_message(path)
+            if lost:
+                message = message.replace("interrupted", f"stopped because {ranks_named(lost)} died", 1)
+            print(f"fedsim: {message}", file=sys.stderr)
+        elif 0 in lost:  # rank 0 cannot say it any more
+            print("fedsim: rank 0 died; the job stopped (rank 0's run directory holds what it wrote)",
+                  file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 143
     except DataError as e:
         if e.missing and not args.resume:  # offer what works at once, without the files
@@ -135,7 +145,7 @@ def cmd_plot(args) -> int:
     from .plot import plot_runs, save_figure
 
     fig = plot_runs(args.runs, metric=args.metric, x=args.x, label=args.label, loss=args.loss,
-                    band=args.band, width=args.width, title=args.title)
+                    band=args.band, width=args.width, title=args.title, spread=args.spread)
     for path in save_figure(fig, args.output, pdf=args.pdf):
         print(f"wrote {path}")
     return 0
@@ -206,11 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the figure: FILE.png or FILE.pdf")
     plot.add_argument("--metric", default="test_accuracy",
                       help="column of metrics.csv to plot (default test_accuracy)")
-    plot.add_argument("--x", choices=("round", "seconds"), default="round",
-                      help="x axis: round, or seconds of wall time since the start")
+    plot.add_argument("--x", choices=("round", "seconds", "epsilon"), default="round",
+                      help="x axis: round, seconds of wall time since the start, or epsilon (privacy spent)")
     plot.add_argument("--label", metavar="KEY",
                       help="name lines by this config key (e.g. aggregator, data.alpha) instead of the run name")
     plot.add_argument("--loss", action="store_true", help="add a panel of test loss")
+    plot.add_argument("--spread", action="store_true",
+                      help="the global model's accuracy on the clients' own test splits (eval_per_client): "
+                           "mean over clients, ± 1 s.d. band, 10th percentile dashed")
     plot.add_argument("--band", choices=("minmax", "std"), default="minmax",
                       help="shade across seeds: minmax (min to max) or std (mean ± 1 s.d.)")
     plot.add_argument("--width", type=_width, default="double",

@@ -9,6 +9,7 @@ another, ``VmapTrainer`` a group of clients in lockstep. Neither knows any parti
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ from .flat import FlatModel
 class Trained:
     """What one call of ``train`` did, for c clients (1 for ``LocalTrainer``)."""
 
-    loss: torch.Tensor  # [c] mean training loss (on the device: no host sync per step)
+    loss: torch.Tensor  # [c] mean training loss over the samples trained on (on the device: no host sync per step)
     steps: torch.Tensor  # [c] SGD steps taken
     mean_gradient: torch.Tensor | None  # [c, n] mean raw gradient, when the algorithm keeps it
 
@@ -54,49 +55,58 @@ class LocalTrainer:
         self.loss_sum = torch.zeros((), device=model.flat.device)
         self.autocast = _autocast(local, model.flat.device)
 
-    def train(self, indices: torch.Tensor, start: torch.Tensor, seed: int, *, local_state=None,
-              relabel=None) -> Trained:
+    def train(self, indices: torch.Tensor, start: torch.Tensor | None, seed: int, *, local_state=None,
+              relabel=None, max_steps: int | None = None) -> Trained:
         """Train from ``start`` on the samples ``indices``; the result is left in ``model.flat``.
+        ``max_steps``: stop after that many SGD steps (a partial straggler's work, see system.py);
+        None: all ``local.epochs`` epochs.
+        ``start`` None trains the weights the model holds as they are (Hogwild: the shared weights,
+        which other workers change meanwhile; a copy onto them would undo their steps).
         ``local_state`` is what the algorithm's ``start_client`` returned for this client;
         ``relabel(labels, num_classes)`` replaces the labels it trains on (a label attack)."""
         model, local, algorithm = self.model, self.local, self.algorithm
         torch.manual_seed(seed)  # shuffling, dropout and augmentation of this client, this round
-        model.flat.copy_(start)
+        if start is not None:
+            model.flat.copy_(start)
         model.module.train()
         params, grad = model.params, model.grad
-        start_params = start[: model.num_params]
+        start_params = None if start is None else start[: model.num_params]
         if self.momentum is not None:
             self.momentum.zero_()
         self.loss_sum.zero_()
         adjusts = algorithm.has_gradient_term
         gradient_sum = torch.zeros_like(params) if algorithm.keeps_mean_gradient else None
-        steps = 0
-        for _ in range(local.epochs):
-            order = indices[torch.randperm(len(indices), device=indices.device)]
-            for batch in order.split(local.batch_size):
-                x, y = _batch(self.train_x, self.train_y, batch, model.flat.device)
-                if self.augment is not None:
-                    x = self.augment(x)
-                if relabel is not None:
-                    y = relabel(y, self.num_classes)
-                with self.autocast:
-                    loss = F.cross_entropy(model.module(x), y)
-                grad.zero_()
-                loss.backward()
-                if local.weight_decay:
-                    grad.add_(params, alpha=local.weight_decay)
-                if gradient_sum is not None:
-                    gradient_sum.add_(grad)
-                if adjusts:
-                    algorithm.adjust_gradient(grad[None], params[None], start_params, local_state)
-                step = grad
-                if self.momentum is not None:
-                    step = self.momentum.mul_(local.momentum).add_(grad)
-                params.add_(step, alpha=-local.lr)
-                self.loss_sum.add_(loss.detach(), alpha=len(batch))
-                steps += 1
+        steps = seen = 0
+
+        def batches():  # an epoch is shuffled when it starts: a client stopped early draws no more
+            for _ in range(local.epochs):
+                yield from indices[torch.randperm(len(indices), device=indices.device)].split(local.batch_size)
+
+        for batch in itertools.islice(batches(), max_steps):
+            x, y = _batch(self.train_x, self.train_y, batch, model.flat.device)
+            if self.augment is not None:
+                x = self.augment(x)
+            if relabel is not None:
+                y = relabel(y, self.num_classes)
+            with self.autocast:
+                loss = F.cross_entropy(model.module(x), y)
+            grad.zero_()
+            loss.backward()
+            if local.weight_decay:
+                grad.add_(params, alpha=local.weight_decay)
+            if gradient_sum is not None:
+                gradient_sum.add_(grad)
+            if adjusts:
+                algorithm.adjust_gradient(grad[None], params[None], start_params, local_state)
+            step = grad
+            if self.momentum is not None:
+                step = self.momentum.mul_(local.momentum).add_(grad)
+            params.add_(step, alpha=-local.lr)
+            self.loss_sum.add_(loss.detach(), alpha=len(batch))
+            steps += 1
+            seen += len(batch)
         mean_gradient = None if gradient_sum is None else (gradient_sum / steps)[None]
-        return Trained((self.loss_sum / (len(indices) * local.epochs))[None],
+        return Trained((self.loss_sum / seen)[None],
                        torch.tensor([steps], device=model.flat.device), mean_gradient)
 
 
@@ -107,8 +117,9 @@ class VmapTrainer:
     Each step does for every client what ``LocalTrainer`` does for one. Clients whose epoch is
     shorter (fewer samples) are masked out of the steps they do not have, and a short last
     batch is padded with zero-weight samples, so every client still takes exactly its own
-    ceil(n / B) steps per epoch over its own shuffled samples. Only models without buffers
-    (no batch-norm statistics) can be trained this way.
+    ceil(n / B) steps per epoch over its own shuffled samples. A client with a step limit (a
+    partial straggler) has the samples of the batches past its limit masked out the same way.
+    Only models without buffers (no batch-norm statistics) can be trained this way.
     """
 
     def __init__(self, module: torch.nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, local, *,
@@ -142,24 +153,31 @@ class VmapTrainer:
             offset += n
         return views
 
-    def _epoch_plan(self, clients_indices, generators):
-        """Sample indices [steps, c, B] and weights (1 real, 0 padding) for one epoch."""
+    def _epoch_plan(self, clients_indices, generators, used: list[int]):
+        """Sample indices [steps, c, B] and weights (1 real, 0 padding) for one epoch in which
+        client i trains on the first ``used[i]`` samples of its shuffled order."""
         b = self.local.batch_size
-        steps = max(-(-len(ix) // b) for ix in clients_indices)
+        steps = max(-(-n // b) for n in used)
         index = torch.zeros(len(clients_indices), steps * b, dtype=torch.int64, device=self.data_device)
         weight = torch.zeros(len(clients_indices), steps * b, device=self.device)
-        for i, (ix, g) in enumerate(zip(clients_indices, generators)):
-            index[i, : len(ix)] = ix[torch.randperm(len(ix), device=self.data_device, generator=g)]
-            weight[i, : len(ix)] = 1.0
+        for i, (ix, g, n) in enumerate(zip(clients_indices, generators, used)):
+            index[i, :n] = ix[torch.randperm(len(ix), device=self.data_device, generator=g)][:n]
+            weight[i, :n] = 1.0
         shape = (len(clients_indices), steps, b)
         return index.view(shape).transpose(0, 1), weight.view(shape).transpose(0, 1)
 
     def train(self, clients_indices: list[torch.Tensor], start: torch.Tensor, client_seeds: list[int],
-              group_seed: int, *, local_state=None, relabel=None,
-              attacked: torch.Tensor | None = None) -> tuple[torch.Tensor, Trained]:
+              group_seed: int, *, local_state=None, relabel=None, attacked: torch.Tensor | None = None,
+              max_steps: list[int | None] | None = None) -> tuple[torch.Tensor, Trained]:
         """Train the group from ``start``; return its ``[c, P]`` weights and what it did.
-        ``relabel`` replaces the labels of the clients marked in ``attacked`` ([c] bool)."""
+        ``relabel`` replaces the labels of the clients marked in ``attacked`` ([c] bool);
+        ``max_steps[i]``: client i stops after that many steps (None: all its epochs)."""
         local, algorithm, c = self.local, self.algorithm, len(clients_indices)
+        b, sizes = local.batch_size, [len(ix) for ix in clients_indices]
+        # every client's steps and samples, known before training: no host sync per step
+        full = [local.epochs * -(-n // b) for n in sizes]
+        left = [f if m is None else min(m, f) for f, m in zip(full, max_steps or [None] * c)]
+        steps, seen = list(left), [0] * c
         torch.manual_seed(group_seed)  # dropout and augmentation of this group, this round
         generators = [torch.Generator(self.data_device).manual_seed(s) for s in client_seeds]
         weights = start.expand(c, -1).clone()
@@ -170,7 +188,12 @@ class VmapTrainer:
         adjusts = algorithm.has_gradient_term
         gradient_sum = torch.zeros_like(weights) if algorithm.keeps_mean_gradient else None
         for _ in range(local.epochs):
-            index, sample_weight = self._epoch_plan(clients_indices, generators)
+            used = [min(n, s * b) for n, s in zip(sizes, left)]  # what each client trains on this epoch
+            if not any(used):
+                break  # every client of the group has reached its step limit
+            left = [s - -(-u // b) for s, u in zip(left, used)]
+            seen = [t + u for t, u in zip(seen, used)]
+            index, sample_weight = self._epoch_plan(clients_indices, generators, used)
             for batch, w in zip(index, sample_weight):
                 x, y = _batch(self.train_x, self.train_y, batch, self.device)  # [c, B, ...], [c, B]
                 if self.augment is not None:
@@ -192,8 +215,6 @@ class VmapTrainer:
                     step = momentum
                 weights.sub_(step * active, alpha=local.lr)
                 loss_sum.add_(losses * w.sum(dim=1))
-        sizes = torch.tensor([len(ix) for ix in clients_indices], device=self.device)
-        steps = torch.tensor([-(-len(ix) // local.batch_size) * local.epochs for ix in clients_indices],
-                             device=self.device)
+        steps = torch.tensor(steps, device=self.device)
         mean_gradient = None if gradient_sum is None else gradient_sum / steps[:, None].to(weights.dtype)
-        return weights, Trained(loss_sum / (sizes * local.epochs), steps, mean_gradient)
+        return weights, Trained(loss_sum / torch.tensor(seen, device=self.device), steps, mean_gradient)

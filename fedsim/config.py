@@ -65,17 +65,36 @@ class AttackConfig:
 
 
 @dataclass
+class SystemConfig:
+    """Simulated system heterogeneity (see system.py, which checks every value); the defaults
+    simulate none. ``availability`` is a probability or a one-key mapping, ``speed`` null or a
+    one-key mapping: typed loosely here so that system.py's message, listing every form, is the
+    one a bad value gets."""
+
+    availability: Optional[Any] = 1.0  # online probability: p, {uniform: [low, high]} or {beta: [a, b]}
+    dropout: float = 0.0  # a sampled client fails before reporting
+    speed: Optional[Any] = None  # relative compute speed: null (all 1), {lognormal: sigma}, {uniform: [lo, hi]}
+    deadline: Optional[float] = None  # simulated seconds a round waits; null: no stragglers
+    step_seconds: float = 1.0  # simulated seconds of one local step at speed 1
+    stragglers: str = "drop"  # drop | partial: keep the steps finished by the deadline
+
+
+@dataclass
 class Config:
     name: str = "experiment"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     rounds: int = 10
     workers: Optional[int] = None  # None: min(clients_per_round, CPU cores), capped on a GPU; 0: none
+    mode: str = "sync"  # sync | hogwild: the workers train one shared model lock-free (see hogwild.py)
     backend: str = "process"  # process | vmap
     vmap_group_size: int = 0  # vmap: clients trained together in one group; 0 = the whole round
     clients_per_round: int = 10
+    client_sampling: str = "uniform"  # uniform | by_size | power_of_choice (see system.py)
+    sampling_candidates: Optional[int] = None  # power_of_choice: d candidates, clients_per_round <= d
     eval_every: int = 1
     eval_batch_size: int = 2000
+    eval_per_client: bool = False  # also score the global model on every client's test split (data.test_partition)
     stop_at_accuracy: Optional[float] = None
     model: Any = "mnist_cnn"  # model, algorithm, aggregator: a name, an import path or an object
     algorithm: Any = "fedavg"
@@ -93,16 +112,18 @@ class Config:
     on_worker_failure: str = "stop"  # stop | restart
     on_nonfinite: str = "drop"  # drop | fail
     sharing_strategy: str = "file_descriptor"  # file_descriptor | file_system (CPU runs)
+    privacy: Optional[dict] = None  # DP-FedAvg: {clip, noise_multiplier, delta} (see privacy.py); null: off
     data: DataConfig = field(default_factory=DataConfig)
     local: LocalConfig = field(default_factory=LocalConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
 
     def to_dict(self) -> dict:
         """Plain values only: a component given as an object is named by ``describe``."""
         from .components import describe
 
         def plain(value):
-            if isinstance(value, (Config, DataConfig, LocalConfig, AttackConfig)):
+            if isinstance(value, (Config, DataConfig, LocalConfig, AttackConfig, SystemConfig)):
                 return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
             if isinstance(value, dict):
                 return {k: plain(v) for k, v in value.items()}
@@ -422,7 +443,9 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 def validate(cfg: Config, origin: str = "config", from_overrides: set[str] = frozenset()) -> None:
     """Range and name checks; raises ConfigError naming the first bad key."""
     from . import components  # these import torch; load them only when validating
+    from .privacy import Privacy
     from .registry import tables
+    from .system import System
 
     tables = tables()
 
@@ -496,6 +519,7 @@ def validate(cfg: Config, origin: str = "config", from_overrides: set[str] = fro
         fail("server_tau", f"must be > 0 and at most 1e18 (its square must fit in float32), got {cfg.server_tau}")
     if not 0 <= cfg.attack.fraction < 1:
         fail("attack.fraction", f"must be in [0, 1), got {cfg.attack.fraction}")
+    one_of("mode", cfg.mode, ("sync", "hogwild"))
     one_of("backend", cfg.backend, ("process", "vmap"))
     one_of("local.precision", loc.precision, ("fp32", "bf16"))
     one_of("data.placement", d.placement, ("auto", "device", "host"))
@@ -507,8 +531,16 @@ def validate(cfg: Config, origin: str = "config", from_overrides: set[str] = fro
     choice("attack.type", cfg.attack.type, tables["attacks"])
     if cfg.attack.type != "none" and cfg.attack.fraction == 0:
         fail("attack.fraction", f"attack.type is {cfg.attack.type} but fraction is 0; set a fraction in (0, 1)")
+    if cfg.eval_per_client and not d.test_partition:
+        fail("eval_per_client", "needs data.test_partition: true, which gives every client its own test split")
     try:
         components.check(cfg)
+        if cfg.mode == "hogwild":  # first: it refuses whole sections that the checks below detail
+            from .hogwild import check_config
+
+            check_config(cfg)
+        System.check_config(cfg)
+        Privacy.check(cfg)  # after the components it is combined with are known to be valid
     except ConfigError as e:  # the message starts with the key it is about
         key, _, message = str(e).partition(": ")
         fail(key, message)
@@ -519,12 +551,15 @@ _PARTITION_KEYS = ("alpha", "min_samples", "shards_per_client", "classes_per_cli
 
 def unused_settings(cfg: Config) -> list[str]:
     """Partition options set to other than their default although the chosen partition does not
-    read them: a run would silently ignore them, so the run warns."""
+    read them, and system settings that do nothing (see System.warnings): a run would silently
+    ignore them, so the run warns."""
     from .data import options_for
+    from .system import System
 
     used, default = options_for(cfg.data.partition, cfg.data), DataConfig()
     return [f"data.{key} is {getattr(cfg.data, key)!r} but data.partition {cfg.data.partition} does not use it"
-            for key in _PARTITION_KEYS if key not in used and getattr(cfg.data, key) != getattr(default, key)]
+            for key in _PARTITION_KEYS if key not in used and getattr(cfg.data, key) != getattr(default, key)] + \
+        System.from_config(cfg).warnings()
 
 
 def vmap_group_size(cfg: Config) -> int:

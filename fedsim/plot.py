@@ -12,6 +12,7 @@ from statistics import fmean, stdev
 
 import matplotlib
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
@@ -25,12 +26,16 @@ PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#0
 LINESTYLES = ("-", "--", ":", "-.")  # after the eight colours, lines differ by dash too
 WIDTHS = {"single": 3.5, "double": 7.0}  # inches: one and two columns of a two-column paper
 BANDS = {"minmax": "min–max", "std": "± 1 s.d."}
-X_AXES = {"round": "round", "seconds": "wall time (s)"}
+X_AXES = {"round": "round", "seconds": "wall time (s)", "epsilon": "ε (privacy spent, at privacy.delta)"}
 METRICS = tuple(c for c in COLUMNS if c != "round")
+SPREAD = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")  # what spread=True draws
+_HAS = {"epsilon": "a run with a privacy section has it", **dict.fromkeys(
+    SPREAD, "a run with eval_per_client: true and data.test_partition: true has it")}
 
 
 def plot_runs(runs, *, metric: str = "test_accuracy", x: str = "round", label: str | None = None,
-              loss: bool = False, band: str = "minmax", width="double", title: str | None = None) -> Figure:
+              loss: bool = False, band: str = "minmax", width="double", title: str | None = None,
+              spread: bool = False) -> Figure:
     """A figure of ``metric`` per round for each run, overlaid.
 
     ``runs``: History objects, run directories or glob patterns (mixed freely). ``label``: a
@@ -38,14 +43,24 @@ def plot_runs(runs, *, metric: str = "test_accuracy", x: str = "round", label: s
     the legend; by default the run name. Runs with the same label whose configs differ only
     in seed (and other run-specific keys such as workers and device) are drawn as their mean
     with a band: ``"minmax"`` shades min to max, ``"std"`` mean ± one sample standard
-    deviation. ``x``: ``"round"`` or ``"seconds"`` (wall time since the start of the run).
-    ``loss``: add a panel of test loss below. ``width``: ``"single"`` (3.5 in), ``"double"``
-    (7 in) or inches.
+    deviation. ``x``: ``"round"``, ``"seconds"`` (wall time since the start of the run) or
+    ``"epsilon"`` (the privacy spent, for runs with a privacy section). ``loss``: add a panel of
+    test loss below. ``width``: ``"single"`` (3.5 in), ``"double"`` (7 in) or inches.
+
+    ``spread``: draw how the global model fares on each client's own test split (runs with
+    eval_per_client): the mean over the clients as the line, ± one standard deviation over the
+    clients as a band, and their 10th percentile (the worst tenth) dashed; runs that differ only
+    in seed are averaged.
     """
     histories = as_histories(runs)
     _check_choice("metric", metric, METRICS)
     _check_choice("x", x, X_AXES)
     _check_choice("band", band, BANDS)
+    if spread:
+        if metric not in ("test_accuracy", SPREAD[0]):
+            raise FedsimError(f"spread: draws the clients' accuracy; it does not combine with metric {metric}")
+        metric = SPREAD[0]
+    _check_has(histories, [*(SPREAD if spread else [metric]), *(["epsilon"] if x == "epsilon" else [])])
     inches = WIDTHS.get(width, width)
     if not isinstance(inches, (int, float)) or not 0.5 <= inches <= 50:
         raise FedsimError(f"width: {width!r} is not 'single', 'double' or a width from 0.5 to 50 inches")
@@ -53,7 +68,7 @@ def plot_runs(runs, *, metric: str = "test_accuracy", x: str = "round", label: s
     groups = group_repeats(histories, distinguish)
 
     names = _labels(groups, label)
-    legend = _legend_texts(groups, names, band)
+    legend = _legend_texts(groups, names, band, spread)
     columns = _legend_columns(legend, inches)
     with matplotlib.rc_context(_style(inches)):
         panel = 2.0 + 0.18 * inches  # wide figures get flatter, as in a paper's full-width figures
@@ -65,18 +80,20 @@ def plot_runs(runs, *, metric: str = "test_accuracy", x: str = "round", label: s
         for i, (group, name) in enumerate(zip(groups, names)):
             style = {"color": PALETTE[i % len(PALETTE)],
                      "linestyle": LINESTYLES[i // len(PALETTE) % len(LINESTYLES)]}
-            lines = [_draw(ax, group, column, x, band, style, name) for ax, column in zip(axes, metrics)]
+            lines = [_draw_spread(ax, group, x, style, name) if spread and column == SPREAD[0] else
+                     _draw(ax, group, column, x, band, style, name) for ax, column in zip(axes, metrics)]
             handles.append(lines[0])
         for ax, column in zip(axes, metrics):
-            ax.set_ylabel(_axis_label(column))
+            ax.set_ylabel("client accuracy (%)" if spread and column == SPREAD[0] else _axis_label(column))
             ax.grid(True, alpha=0.3, linewidth=0.6)
         axes[-1].set_xlabel(X_AXES[x])
         if x == "round":
             axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
         axes[0].set_title(title if title is not None else _default_title(histories, metric, x))
         if legend:
-            if len(legend) > len(handles):
-                handles.append(Patch(color="0.5", alpha=0.35, linewidth=0))  # the band's entry
+            keys = [Patch(color="0.5", alpha=0.35, linewidth=0),  # the band's entry, and spread's dashes
+                    Line2D([], [], color="0.4", linestyle="--", linewidth=1)]
+            handles += keys[:len(legend) - len(handles)]
             fig.legend(handles, legend, title=label, loc="outside lower center", ncols=columns, frameon=False)
     return fig
 
@@ -145,15 +162,46 @@ def _draw(ax, group: list[History], column: str, x: str, band: str, style: dict,
     return line
 
 
+def _draw_spread(ax, group: list[History], x: str, style: dict, name: str):
+    """The clients' accuracy: their mean, a band of ± one standard deviation over the clients
+    (within 0 and 100 %), their 10th percentile dashed; each the mean over the group's seeds."""
+    xs, means = _aligned(group, SPREAD[0], x)
+    means = [100 * fmean(v) for v in means]
+    sds = [100 * fmean(v) for v in _aligned(group, SPREAD[1], x)[1]]
+    p10 = [100 * fmean(v) for v in _aligned(group, SPREAD[2], x)[1]]
+    marker = "o" if len(xs) <= 12 else None
+    (line,) = ax.plot(xs, means, marker=marker, markersize=2.5, label=name, **style)
+    ax.fill_between(xs, [max(m - s, 0.0) for m, s in zip(means, sds)], [min(m + s, 100.0) for m, s in zip(means, sds)],
+                    color=style["color"], alpha=0.2, linewidth=0)
+    ax.plot(xs, p10, color=style["color"], linestyle="--", linewidth=1)
+    return line
+
+
 def _aligned(group: list[History], column: str, x: str) -> tuple[list, list[list[float]]]:
     """The rounds every run of the group evaluated, the x value of each (rounds, or the
-    mean of the runs' elapsed seconds) and the runs' values of ``column`` there."""
+    mean of the runs' elapsed seconds or epsilons) and the runs' values of ``column`` there."""
     by_round = [{row["round"]: row for row in h.rows} for h in group]
     rounds = sorted(set.intersection(*(set(r) for r in by_round)))
     values = [[runs[r][column] for runs in by_round] for r in rounds]
     if x == "round":
         return rounds, values
-    return [fmean([runs[r]["elapsed_seconds"] for runs in by_round]) for r in rounds], values
+    key = "elapsed_seconds" if x == "seconds" else x
+    return [fmean([runs[r][key] for runs in by_round]) for r in rounds], values
+
+
+def _check_has(histories: list[History], columns) -> None:
+    """Every run must have finite values of the columns it is to draw: a column of an optional
+    feature is None where the run had it off, and epsilon is infinite without noise."""
+    for history in histories:
+        for column in columns:
+            values = [row.get(column) for row in history.rows]
+            if any(v is None for v in values):
+                why = f"; {_HAS[column]}" if column in _HAS else ""
+                raise FedsimError(f"{history.run_dir or history.name}: has no {column} values to plot{why}")
+            if column == "epsilon" and not all(math.isfinite(v) for v in values):
+                raise FedsimError(f"{history.run_dir or history.name}: its epsilon is infinite "
+                                  f"(privacy.noise_multiplier 0: no noise, no guarantee); it has no place on an "
+                                  f"epsilon axis")
 
 
 def _labels(groups: list[list[History]], key: str | None) -> list[str]:
@@ -175,9 +223,11 @@ def _format(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _legend_texts(groups: list[list[History]], names: list[str], band: str) -> list[str]:
+def _legend_texts(groups: list[list[History]], names: list[str], band: str, spread: bool = False) -> list[str]:
     """The legend's entries, below the axes where they hide no curve: one per line and one
-    for the bands; none for a single run."""
+    for the bands; none for a single run. ``spread`` always names its band and dashes."""
+    if spread:
+        return [*names, "± 1 s.d. over clients", "10th percentile of clients"]
     repeated = [len(g) for g in groups if len(g) > 1]
     if len(groups) == 1 and not repeated:
         return []
@@ -210,7 +260,7 @@ def _default_title(histories: list[History], metric: str, x: str) -> str:
     if len(names) == 1:
         return names.pop()
     what = _axis_label(metric).split(" (")[0].capitalize()
-    return f"{what} per round" if x == "round" else f"{what} over wall time"
+    return {"round": f"{what} per round", "seconds": f"{what} over wall time", "epsilon": f"{what} against ε"}[x]
 
 
 def _axis_label(column: str) -> str:

@@ -121,6 +121,8 @@ def _metrics(row: dict) -> str:
     acc = "   -  " if math.isnan(row["test_accuracy"]) else f"{row['test_accuracy']:.4f}"
     loss = "   -  " if math.isnan(row["test_loss"]) else f"{row['test_loss']:.4f}"
     extra = f"  dropped {row['dropped_clients']}" if row["dropped_clients"] else ""
+    if row.get("epsilon") is not None:  # privacy spent so far (DP-FedAvg)
+        extra += f"  eps {row['epsilon']:.3g}"
     return f"test acc {acc}  test loss {loss}  train loss {row['train_loss']:.4f}  {row['seconds']:.2f} s{extra}"
 
 

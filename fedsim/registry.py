@@ -45,6 +45,8 @@ def tables() -> dict[str, Registry]:
     from .data import DATASETS, PARTITIONS
     from .models import MODELS
     from .server_opt import SERVER_OPTIMIZERS
+    from .system import CLIENT_SAMPLINGS
 
     return {"datasets": DATASETS, "partitions": PARTITIONS, "models": MODELS, "algorithms": ALGORITHMS,
-            "aggregators": AGGREGATORS, "server optimizers": SERVER_OPTIMIZERS, "attacks": ATTACKS}
+            "aggregators": AGGREGATORS, "server optimizers": SERVER_OPTIMIZERS, "attacks": ATTACKS,
+            "client samplings": CLIENT_SAMPLINGS}

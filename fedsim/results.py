@@ -4,7 +4,8 @@ A run directory holds::
 
     config.yaml     the resolved configuration (what actually ran)
     metrics.csv     one row per evaluated round, written as the run goes
-    clients.csv     one row per trained client per round
+    clients.csv     one row per sampled client per round
+    client_accuracy.csv  each client's test accuracy per evaluated round (eval_per_client)
     summary.json    final and best accuracy, rounds, wall time, device, workers
     accuracy.png    per-round test accuracy
     checkpoint.pt   the latest round's state, for --resume
@@ -27,17 +28,24 @@ from .errors import FedsimError, write_error
 
 COLUMNS = ("round", "test_accuracy", "test_loss", "train_loss", "seconds", "elapsed_seconds",
            "clients", "dropped_clients", "attackers", "train_seconds", "worker_seconds", "aggregate_seconds",
-           "eval_seconds")
-_INT_COLUMNS = {"round", "clients", "dropped_clients", "attackers"}
-RUN_FILES = ("config.yaml", "metrics.csv", "clients.csv", "summary.json", "accuracy.png", "checkpoint.pt")
+           "eval_seconds", "epsilon", "client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10",
+           "simulated_seconds", "unavailable", "stragglers")
+# columns of what a run may leave off (privacy, eval_per_client), and columns that rows of an older
+# version lack (a resumed run rewrites those rows): empty in metrics.csv, None in a History
+OPTIONAL_COLUMNS = {"epsilon", "client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10",
+                    "simulated_seconds", "unavailable", "stragglers"}
+_INT_COLUMNS = {"round", "clients", "dropped_clients", "attackers", "unavailable", "stragglers"}
+RUN_FILES = ("config.yaml", "metrics.csv", "clients.csv", "client_accuracy.csv", "summary.json", "accuracy.png",
+             "checkpoint.pt")
 
 
 class History:
     """Per-round metrics of a run, one entry per evaluated round.
 
     Columns are attributes holding lists (``h.round``, ``h.test_accuracy``, ...); ``h.rows``
-    holds the same as dicts, ``h.client_records`` one dict per trained client per round (the
-    rows of clients.csv), ``h.config`` the resolved config as a dict, ``h.summary`` the summary,
+    holds the same as dicts, ``h.client_records`` one dict per sampled client per round (the
+    rows of clients.csv), ``h.client_accuracy`` one dict per client per evaluated round (the rows
+    of client_accuracy.csv, with eval_per_client), ``h.config`` the resolved config as a dict, ``h.summary`` the summary,
     ``h.run_dir`` where the files are.
     """
 
@@ -48,6 +56,7 @@ class History:
         self.run_dir = run_dir
         self.summary = summary or {}
         self._client_records = client_records
+        self._client_accuracy = None
 
     def __getattr__(self, name):
         if name in COLUMNS:  # a column a run directory of an older version lacks reads as None
@@ -59,11 +68,21 @@ class History:
 
     @property
     def client_records(self) -> list[dict]:
-        """One dict per trained client per round (read from clients.csv when first asked for)."""
+        """One dict per sampled client per round (read from clients.csv when first asked for)."""
         if self._client_records is None:
             path = self.run_dir / "clients.csv" if self.run_dir else None
             self._client_records = read_clients(path) if path and path.is_file() else []
         return self._client_records
+
+    @property
+    def client_accuracy(self) -> list[dict]:
+        """The global model's accuracy on each client's test split, one dict (round, client,
+        samples, accuracy) per client per evaluated round; [] for a run without eval_per_client.
+        Read from client_accuracy.csv when first asked for."""
+        if self._client_accuracy is None:
+            path = self.run_dir / "client_accuracy.csv" if self.run_dir else None
+            self._client_accuracy = read_client_accuracy(path) if path and path.is_file() else []
+        return self._client_accuracy
 
     def to_pandas(self, clients: bool = False):
         """The rows (or, with ``clients=True``, the per-client rows) as a pandas DataFrame."""
@@ -349,18 +368,40 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def read_clients(path: Path) -> list[dict]:
-    """The rows of a clients.csv, numbers as numbers."""
+    """The rows of a clients.csv, numbers as numbers; ``dropped`` is 0 or the reason (a word; 1 in
+    files of an older version), and a cell that rows of an older version lack is None."""
     try:
         with open(path, newline="") as f:
-            return [{k: (float(v) if k in ("train_loss", "update_norm") else int(v)) for k, v in row.items()}
-                    for row in csv.DictReader(f)]
+            return [{k: _client_cell(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
     except (OSError, UnicodeDecodeError, csv.Error, TypeError, ValueError) as e:
         raise FedsimError(f"{path}: not a fedsim clients file ({type(e).__name__})") from None
 
 
+def _client_cell(column: str, value: str):
+    if value == "":
+        return None
+    if column in ("train_loss", "update_norm"):
+        return float(value)
+    if column == "dropped" and not value.isdigit():
+        return value
+    return int(value)
+
+
+def read_client_accuracy(path: Path) -> list[dict]:
+    """The rows of a client_accuracy.csv, numbers as numbers (accuracy nan: no test samples)."""
+    try:
+        with open(path, newline="") as f:
+            return [{k: (float(v) if k == "accuracy" else int(v)) for k, v in row.items()} for row in csv.DictReader(f)]
+    except (OSError, UnicodeDecodeError, csv.Error, TypeError, ValueError) as e:
+        raise FedsimError(f"{path}: not a fedsim client accuracy file ({type(e).__name__})") from None
+
+
 def _parse(column: str, value: str):
     """A cell of metrics.csv: fedsim's own columns are numbers (an integer or a float, which
-    may be nan); a column fedsim does not know is kept as it is, number or text."""
+    may be nan), or None where an optional column is empty; a column fedsim does not know is
+    kept as it is, number or text."""
+    if column in OPTIONAL_COLUMNS and value == "":
+        return None
     if column in _INT_COLUMNS:
         return int(value)
     if column in COLUMNS:
@@ -571,4 +612,6 @@ def atomic_write_text(path: Path, text: str, advice: str = "choose another place
 
 def _format(value) -> str:
     # repr keeps every bit of a float, so two runs' files are equal exactly when their numbers are
+    if value is None:  # an optional column of a run without its feature
+        return ""
     return repr(value) if isinstance(value, float) else str(value)

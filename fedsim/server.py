@@ -2,7 +2,8 @@
 evaluate, record.
 
 All randomness is a function of (seed, round, client) (see streams.py): the client sample of a
-round, each client's shuffling and dropout, the attack noise. A run therefore gives the same
+round and who is online, fails or straggles in it (see system.py), each client's shuffling and
+dropout, the attack noise. A run therefore gives the same
 numbers whatever the number of workers, and a resumed run continues exactly where it stopped.
 The loop knows no particular algorithm, rule or attack: it calls their interfaces.
 """
@@ -27,7 +28,9 @@ from . import components
 from .aggregation import row_norms
 from .algorithms import Round
 from .attacks import attacker_mask, make_attack
-from .callbacks import ClientsFile, MetricsFile, RunStart
+from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart
+from .client_eval import COLUMNS as CLIENT_ACCURACY_COLUMNS
+from .client_eval import ClientEvaluation
 from .config import Config, apply_overrides, load_config, locate, save_config, unused_settings, work_items
 from .distributed import RankStopped, Ranks, rank_device
 from .errors import (ConfigError, FedsimError, NonFiniteError, OutputError, WorkerError,
@@ -35,11 +38,13 @@ from .errors import (ConfigError, FedsimError, NonFiniteError, OutputError, Work
 from .federation import initial_model, load_federation
 from .flat import FlatModel
 from .interrupts import shielded
+from .privacy import Privacy
 from .progress import RoundLog, console_logging
 from .results import History, RunDirectory, flatten_config, read_clients
 from .server_opt import make_server_optimizer
-from .streams import attack_generator, sample_clients
-from .workers import InlinePool, Shared, WorkerPool, peak_rss_bytes, slot_groups
+from .streams import attack_generator
+from .system import RoundPlan, System
+from .workers import ClientRunner, InlinePool, Shared, WorkerPool, peak_rss_bytes, slot_groups
 
 logger = logging.getLogger("fedsim")
 
@@ -124,6 +129,9 @@ class Simulation:
     ``callbacks`` observe the run (see callbacks.py).
     """
 
+    runner = ClientRunner  # what a worker trains its clients with
+    client_copies = True  # each client trains a copy of the global weights, kept in a row of local_flat
+
     def __init__(self, cfg: Config, log=None, callbacks=(), ranks: Ranks | None = None):
         self.cfg = cfg
         self.ranks = ranks or Ranks()
@@ -143,8 +151,8 @@ class Simulation:
 
     def _new_pool(self) -> WorkerPool | InlinePool:
         if self.workers == 0:
-            return InlinePool(self.cfg, self.device)
-        return WorkerPool(components.for_workers(self.cfg), self.workers, self.device)
+            return InlinePool(self.cfg, self.device, self.runner)
+        return WorkerPool(components.for_workers(self.cfg), self.workers, self.device, self.runner)
 
     def _prepare(self) -> None:
         """The data on its device, the clients' index ranges, the global model, the buffers."""
@@ -152,6 +160,8 @@ class Simulation:
         federation = load_federation(cfg)
         data, parts = federation.data, federation.parts
         sizes = [len(p) for p in parts]
+        self.sizes = np.array(sizes)  # the clients' sample counts, for System.round
+        self.system = System.from_config(cfg)
         if 0 in sizes:
             raise ConfigError(f"data.partition: client {sizes.index(0)} gets no samples; "
                               f"use fewer clients or more data")
@@ -163,7 +173,11 @@ class Simulation:
         if self.data_device != self.device:
             logger.info(f"{data.name} is kept in host memory (data.placement); batches are copied to {self.device}")
         self.test_x, self.test_y = data.test_x.to(self.data_device), data.test_y.to(self.data_device)
+        self.client_eval = ClientEvaluation.for_run(cfg, data, parts, self.data_device) if cfg.eval_per_client else None
         self.aggregate = components.aggregator(cfg.aggregator, cfg.aggregator_options)
+        self.privacy = Privacy.from_config(cfg)  # DP-FedAvg in place of the rule (privacy.py), or None
+        if self.privacy:
+            self.privacy.check_model(components.describe(cfg.model), self.model.num_params, len(self.model))
         self.algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
         self.algorithm.setup(cfg)
         self.attack = make_attack(cfg.attack)
@@ -188,9 +202,11 @@ class Simulation:
             client_indices=torch.cat(parts).to(self.data_device),
             client_offsets=torch.tensor([0] + np.cumsum([len(q) for q in parts]).tolist()),
             num_classes=data.num_classes,
-            global_flat=torch.zeros(len(self.model), device=dev), local_flat=torch.zeros(k, len(self.model), device=dev),
-            stats=torch.zeros(k, 2, device=dev),
+            global_flat=torch.zeros(len(self.model), device=dev),
+            local_flat=torch.zeros(k if self.client_copies else 0, len(self.model), device=dev),
+            stats=torch.zeros(k, 3, device=dev),
             assignment=torch.zeros(k, dtype=torch.int64),
+            step_limits=torch.full((k,), -1, dtype=torch.int64),
             progress=torch.zeros(max(self.workers, 1), dtype=torch.int64),
             attackers=attacker_mask(cfg.seed, cfg.data.num_clients, cfg.attack),
             server_state=zeros(self.algorithm.server_state(n)),
@@ -263,6 +279,8 @@ class Simulation:
         train their share of every round and take the new global model from rank 0."""
         cfg, self.run_dir, root = self.cfg, run_dir, self.ranks.is_root
         self.callbacks = [MetricsFile(run_dir), ClientsFile(run_dir.path / "clients.csv"),
+                          *([ClientAccuracyFile(run_dir.path / "client_accuracy.csv", self.client_eval)]
+                            if self.client_eval else []),
                           *self.user_callbacks] if root else []
         status, pool = "interrupted", self.pool
         try:
@@ -271,8 +289,9 @@ class Simulation:
                     # the plot at the end needs matplotlib (most of a second to import): import
                     # it while the workers start, when this process only waits
                     threading.Thread(target=importlib.import_module, args=("fedsim.plot",), daemon=True).start()
-                    for message in unused_settings(cfg):
-                        logger.warning(message)
+                    for message in [*unused_settings(cfg), self.client_eval and self.client_eval.warning()]:
+                        if message:
+                            logger.warning(message)
                 self._start(pool)
                 self._share_start()
                 if root:
@@ -284,8 +303,10 @@ class Simulation:
                 for rnd in range(self.first_round, cfg.rounds + 1):
                     t0 = time.perf_counter()
                     timeout = cfg.worker_timeout or (_FIRST_ROUND_TIMEOUT if not slowest else max(120.0, 10 * slowest))
-                    # 1. sample the round's clients (every rank draws the same)
-                    clients = sample_clients(cfg.seed, rnd, cfg.data.num_clients, cfg.clients_per_round)
+                    # 1. sample the round's clients among the online ones (every rank draws the same):
+                    #    those whose work reaches the server are trained, partial stragglers for fewer steps
+                    plan = self._sample(rnd)
+                    clients = torch.from_numpy(plan.clients)
                     # 2. train them in the worker pool (each rank its share; rank 0 gathers the rows)
                     pool = self._train(pool, rnd, clients, timeout)
                     if not root:
@@ -296,15 +317,21 @@ class Simulation:
                     t_trained = time.perf_counter()
                     # 3. their updates: attacks rewrite the attackers', non-finite ones are left out
                     round_, client_rows = self._collect(rnd, clients)
+                    client_rows += self._lost(rnd, plan)
                     # 4. the server update: the algorithm (through the rule), then the server optimizer
                     if len(round_.clients):
                         self._update(rnd, round_)
                     t_updated = time.perf_counter()
-                    # 5. evaluate
+                    # 5. evaluate (with eval_per_client, also on every client's test split)
                     evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
                     accuracy, test_loss = (evaluate(self.model.module, self.test_x, self.test_y, cfg.eval_batch_size)
                                            if evaluated else (math.nan, math.nan))
-                    row = self._row(rnd, t0, t_trained, t_updated, pool, round_, client_rows, accuracy, test_loss)
+                    per_client = (self.client_eval.score(self.model.module, self.test_x, self.test_y,
+                                                         cfg.eval_batch_size, rnd)
+                                  if evaluated and self.client_eval else dict.fromkeys(CLIENT_ACCURACY_COLUMNS))
+                    row = {**self._row(rnd, t0, t_trained, t_updated, pool, round_, client_rows, accuracy, test_loss,
+                                       plan),
+                           **per_client}
                     slowest = max(slowest, row["seconds"])
                     reached = self._reached_target(row)
                     # 6. record it: callbacks (metrics.csv, clients.csv, ...), checkpoint, the round's line
@@ -338,6 +365,39 @@ class Simulation:
         return History(self.rows, self.cfg.to_dict(), self.run_dir.path if self.run_dir else None,
                        getattr(self, "summary", {}), client_records=self.client_rows)
 
+    def _sample(self, rnd: int) -> RoundPlan:
+        """The round's plan (see system.py), its step limits written where the workers read them."""
+        cfg = self.cfg
+        losses = None
+        if self.system.needs_losses:  # rank 0's losses, so that every rank keeps the same clients
+            losses = self.ranks.decide(self._candidate_losses(rnd) if self.ranks.is_root else None,
+                                       f"sampling round {rnd}'s clients")
+        plan = self.system.round(cfg.seed, rnd, cfg.data.num_clients, cfg.clients_per_round, self.sizes, losses)
+        limits = [-1 if limit is None else limit for limit in plan.step_limits]
+        self.shared.step_limits[:len(limits)] = torch.tensor(limits, dtype=torch.int64)
+        return plan
+
+    def _candidate_losses(self, rnd: int) -> dict[int, float] | None:
+        """power_of_choice: the current global model's mean loss on each candidate's whole training
+        set, computed here in the server process in eval mode (no dropout, no augmentation), so the
+        same whatever the workers; None when there are no more candidates than clients to keep."""
+        cfg, s = self.cfg, self.shared
+        candidates = self.system.candidates(cfg.seed, rnd, cfg.data.num_clients, cfg.clients_per_round, self.sizes)
+        if len(candidates) <= cfg.clients_per_round:
+            return None
+        losses = {}
+        for c in candidates.tolist():
+            ix = s.client_indices[int(s.client_offsets[c]): int(s.client_offsets[c + 1])]
+            losses[c] = evaluate(self.model.module, s.train_x[ix], s.train_y[ix], cfg.eval_batch_size)[1]
+        return losses
+
+    def _lost(self, rnd: int, plan: RoundPlan) -> list[dict]:
+        """One record per sampled client whose work never reached the server (a dropout, or a
+        straggler that is dropped or finished no step in time): no loss, no update, no steps."""
+        return [{"round": rnd, "client": c, "samples": int(self.sizes[c]), "train_loss": math.nan,
+                 "update_norm": math.nan, "dropped": plan.outcome(c), "attacker": int(self.shared.attackers[c]),
+                 "steps": 0} for c in plan.dropped.tolist()]
+
     def _start(self, pool: WorkerPool) -> WorkerPool:
         pool.start(self.shared, timeout=max(self.cfg.worker_timeout or 0, _START_TIMEOUT))
         if self.startup_seconds is None:  # data on the device, workers spawned and ready
@@ -361,8 +421,9 @@ class Simulation:
         return pool
 
     def _train_share(self, pool: WorkerPool, rnd: int, clients, groups, timeout: float) -> WorkerPool:
-        self.shared.global_flat.copy_(self.model.flat)
         for attempt in range(3):
+            # every attempt starts from the global weights (Hogwild's workers train them in place)
+            self.shared.global_flat.copy_(self.model.flat)
             try:
                 pool.run_round(rnd, clients, groups, timeout)
                 return pool
@@ -433,11 +494,13 @@ class Simulation:
         norms = row_norms(updates)
         stats = s.stats[:k].cpu()
         client_rows = [{"round": rnd, "client": int(c), "samples": int(stats[i, 0]), "train_loss": float(stats[i, 1]),
-                        "update_norm": float(norms[i]), "dropped": int(not finite[i]), "attacker": int(attacking[i])}
+                        "update_norm": float(norms[i]), "dropped": 0 if finite[i] else "nonfinite",
+                        "attacker": int(attacking[i]), "steps": int(stats[i, 2])}
                        for i, c in enumerate(clients.tolist())]
         state_device = s.global_flat.device
         round_ = Round(updates=updates[keep], weights=s.stats[keep, 0], clients=clients[keep.cpu()].to(state_device),
-                       reports={name: report[keep] for name, report in s.reports.items()}, aggregate=self.aggregate,
+                       reports={name: report[keep] for name, report in s.reports.items()},
+                       aggregate=self.privacy.rule(cfg.seed, rnd) if self.privacy else self.aggregate,
                        global_weights=self.model.flat, num_params=self.model.num_params,
                        num_clients=cfg.data.num_clients)
         return round_, client_rows
@@ -465,7 +528,9 @@ class Simulation:
                                  f"nothing of this round was saved and {kept}; lower server_lr or attack.scale, or "
                                  f"bound updates with aggregator: norm_clip")
 
-    def _row(self, rnd, t0, t_trained, t_updated, pool, round_: Round, client_rows, accuracy, test_loss) -> dict:
+    def _row(self, rnd, t0, t_trained, t_updated, pool, round_: Round, client_rows, accuracy, test_loss,
+             plan: RoundPlan) -> dict:
+        """The round's metrics; ``client_rows`` starts with the trained clients, slot by slot."""
         kept = len(round_.clients)
         losses = self.shared.stats[:, 1][[i for i, c in enumerate(client_rows) if not c["dropped"]]]
         # the mean over the clients' samples, as each client's loss is the mean over its own
@@ -473,10 +538,13 @@ class Simulation:
         now = time.perf_counter()
         return {"round": rnd, "test_accuracy": accuracy, "test_loss": test_loss, "train_loss": train_loss,
                 "seconds": round(now - t0, 4), "elapsed_seconds": round(self.elapsed_before + now - self.t_start, 4),
-                "clients": len(client_rows), "dropped_clients": len(client_rows) - kept,
+                "clients": len(client_rows),
                 "attackers": sum(c["attacker"] for c in client_rows),
                 "train_seconds": round(t_trained - t0, 4), "worker_seconds": round(max(pool.busy_seconds), 4),
-                "aggregate_seconds": round(t_updated - t_trained, 4), "eval_seconds": round(now - t_updated, 4)}
+                "aggregate_seconds": round(t_updated - t_trained, 4), "eval_seconds": round(now - t_updated, 4),
+                "epsilon": self.privacy.epsilon(rnd) if self.privacy else None,
+                # dropped_clients: the lost work of the plan, and the non-finite updates left out
+                **plan.metrics(left_out=len(plan.clients) - kept)}
 
     def _reached_target(self, row: dict) -> bool:
         target = self.cfg.stop_at_accuracy
@@ -708,10 +776,18 @@ def run_identity(cfg: Config) -> str:
 
 
 def _check_same_run(path: Path, state: dict, cfg: Config) -> None:
-    recorded = state.get("config")
-    if not isinstance(recorded, str):
+    identity = state.get("config")
+    if not isinstance(identity, str):
         return  # a checkpoint from before runs recorded their identity
-    before, now = yaml.safe_load(recorded), yaml.safe_load(run_identity(cfg))
+    before, now = yaml.safe_load(identity), yaml.safe_load(run_identity(cfg))
+
+    # a key added since ran at its default. Mapping values are flattened (aggregator_options.beta,
+    # system.speed.lognormal), so a key counts as recorded when the checkpoint holds it, a part of
+    # its mapping, or the mapping it is part of.
+    def recorded(key: str) -> bool:
+        return any(r == key or r.startswith(key + ".") or key.startswith(r + ".") for r in before)
+
+    before = {**{k: v for k, v in yaml.safe_load(run_identity(Config())).items() if not recorded(k)}, **before}
     changed = sorted(k for k in set(before) | set(now) if before.get(k, "(unset)") != now.get(k, "(unset)"))
     if changed:
         key = changed[0]
@@ -722,9 +798,11 @@ def _check_same_run(path: Path, state: dict, cfg: Config) -> None:
 
 def _setup(cfg: Config, quiet: bool, progress: bool | None, callbacks=(), ranks: Ranks | None = None) -> Simulation:
     ranks = ranks or Ranks()
+    kind = Simulation
+    if cfg.mode == "hogwild":
+        from .hogwild import HogwildSimulation as kind
     try:
-        sim = Simulation(cfg, log=RoundLog(progress, quiet=quiet or not ranks.is_root), callbacks=callbacks,
-                         ranks=ranks)
+        sim = kind(cfg, log=RoundLog(progress, quiet=quiet or not ranks.is_root), callbacks=callbacks, ranks=ranks)
     except FedsimError as e:
         raise locate(cfg, e) from None
     except (RuntimeError, OSError) as e:

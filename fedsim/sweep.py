@@ -22,6 +22,7 @@ import itertools
 import math
 import sys
 from dataclasses import dataclass
+from statistics import fmean
 from pathlib import Path
 
 from .config import Config, load_config
@@ -194,6 +195,8 @@ def _row(run: SweepRun, target: float | None, runs: list[SweepRun]) -> dict:
     row = {"run": run.label, **dict(run.point), **({"seed": run.seed} if run.seed is not None else {}),
            "final_test_accuracy": h.final_accuracy, "best_test_accuracy": h.best_accuracy,
            "seconds_per_round": round(seconds_per_round(h), 4), "rounds": h.rows[-1]["round"] if h.rows else 0}
+    if _with_epsilon(runs):
+        row["epsilon"] = _blank(_epsilon(h))
     if _with_target(runs, target):
         goal = _target(run, target)
         reached = None if goal is None else rounds_to_target(h, goal)
@@ -213,6 +216,8 @@ def _group_row(group: list[SweepRun], target: float | None, runs: list[SweepRun]
            "final_test_accuracy": final, "final_test_accuracy_std": _blank(final_sd if n > 1 else None),
            "best_test_accuracy": best, "best_test_accuracy_std": _blank(best_sd if n > 1 else None),
            "seconds_per_round": round(mean_and_sd(seconds_per_round(h) for h in histories)[0], 4)}
+    if _with_epsilon(runs):
+        row["epsilon"] = _blank(_mean_epsilon(histories))
     if _with_target(runs, target):
         stats = target_stats(histories, _target(group[0], target))
         reached = stats["reached"] or 0
@@ -221,6 +226,21 @@ def _group_row(group: list[SweepRun], target: float | None, runs: list[SweepRun]
                 "rounds_to_target_std": _blank(stats["rounds_to_target_std"] if reached > 1 else None),
                 "reached_target": _blank(stats["reached"])}
     return row
+
+
+def _epsilon(history: History) -> float | None:
+    """The privacy a run spent (its last row's epsilon); None without a privacy section."""
+    return history.rows[-1].get("epsilon") if history.rows and history.config.get("privacy") else None
+
+
+def _mean_epsilon(histories: list[History]) -> float | None:
+    """Over seeds: the same unless some stopped early (stop_at_accuracy)."""
+    values = [_epsilon(h) for h in histories]
+    return None if None in values else fmean(values)
+
+
+def _with_epsilon(runs: list[SweepRun]) -> bool:
+    return any(_epsilon(run.history) is not None for run in runs)
 
 
 def _blank(value):
@@ -247,8 +267,8 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def format_table(runs: list[SweepRun], target: float | None = None) -> str:
-    """A fixed-width table: run, final and best test accuracy, rounds to the target (where one is
-    set), seconds per round. Under --seeds, one row per configuration: its number of seeds,
+    """A fixed-width table: run, final and best test accuracy, the epsilon spent (runs with a
+    privacy section), rounds to the target (where one is set), seconds per round. Under --seeds, one row per configuration: its number of seeds,
     then mean ± sample standard deviation over them, and the rounds to the target as
     ``mean ± sd (reached/seeds)`` over the seeds that reached it."""
     repeated = _repeated(runs)
@@ -259,6 +279,9 @@ def format_table(runs: list[SweepRun], target: float | None = None) -> str:
         columns.append(("seeds", [str(len(g)) for g in groups]))
     for title, value in (("final acc", lambda h: h.final_accuracy), ("best acc", lambda h: h.best_accuracy)):
         columns.append((title, [_accuracy([value(run.history) for run in g]) for g in groups]))
+    if _with_epsilon(runs):
+        epsilons = [_mean_epsilon([run.history for run in g]) for g in groups]
+        columns.append(("epsilon", ["–" if e is None else f"{e:.3g}" for e in epsilons]))
     if _with_target(runs, target):
         goals = [_target(g[0], target) for g in groups]
         stats = [target_stats([run.history for run in g], goal) for g, goal in zip(groups, goals)]

@@ -58,8 +58,9 @@ class Shared:
     num_classes: int
     global_flat: torch.Tensor  # [P] device: the weights clients start from
     local_flat: torch.Tensor  # [k, P] device: one row per client slot of the round
-    stats: torch.Tensor  # [k, 2] device: (sample count, mean train loss) per slot
+    stats: torch.Tensor  # [k, 3] device: (sample count, mean train loss, local steps taken) per slot
     assignment: torch.Tensor  # CPU [k]: client id per slot
+    step_limits: torch.Tensor  # CPU [k]: the most local steps each slot's client may take; -1: all
     progress: torch.Tensor  # CPU [W]: client each worker is training (or IDLE / STARTING)
     attackers: torch.Tensor  # CPU bool [num_clients]
     server_state: dict[str, torch.Tensor]  # the algorithm's state (see algorithms/base.py)
@@ -91,7 +92,7 @@ def _die_with_parent() -> None:
         pass  # not Linux: the server's atexit handler still terminates daemonic workers
 
 
-def _worker_main(rank: int, num_workers: int, config, device: str, conn: Connection) -> None:
+def _worker_main(rank: int, num_workers: int, config, device: str, conn: Connection, runner: type) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the server decides
     try:
@@ -99,7 +100,7 @@ def _worker_main(rank: int, num_workers: int, config, device: str, conn: Connect
         torch.set_num_threads(1)  # one thread per worker: no oversubscription, and the same float
         # reductions in every worker (and in InlinePool), so results do not depend on `workers`
         shared: Shared = conn.recv()
-        trainer = _ClientRunner(config, shared, torch.device(device))
+        trainer = runner(config, shared, torch.device(device))
         shared.progress[rank] = IDLE
         conn.send(("ready",))
         while True:
@@ -132,15 +133,16 @@ def slot_groups(config, k: int) -> list[list[int]]:
     return [list(range(i, min(i + size, k))) for i in range(0, k, size)]
 
 
-class _ClientRunner:
-    """Per-worker state: the model, the trainer, the algorithm and the attack."""
+class ClientRunner:
+    """Per-worker state: the model, the trainer, the algorithm and the attack; ``train_group``
+    trains the clients of some slots from the global weights into their rows of ``local_flat``.
+    (Hogwild's runner, a subclass in hogwild.py, trains the global weights themselves.)"""
 
     def __init__(self, config, shared: Shared, device: torch.device):
         from . import components
         from .attacks import make_attack
         from .client import LocalTrainer, VmapTrainer
         from .data.augment import augmentation_for
-        from .flat import FlatModel
 
         self.config, self.shared, self.device = components.from_server(config), shared, device
         if device.type == "cuda":
@@ -155,8 +157,14 @@ class _ClientRunner:
         if config.backend == "vmap":
             self.trainer = VmapTrainer(module.to(device), shared.train_x, shared.train_y, config.local, **options)
         else:
-            self.model = FlatModel(module, device)
+            self.model = self._flat_model(module, device)
             self.trainer = LocalTrainer(self.model, shared.train_x, shared.train_y, config.local, **options)
+
+    def _flat_model(self, module, device: torch.device):
+        """The model the clients train: a copy of the global weights, this worker's own."""
+        from .flat import FlatModel
+
+        return FlatModel(module, device)
 
     def _indices(self, client: int) -> torch.Tensor:
         s = self.shared
@@ -175,19 +183,21 @@ class _ClientRunner:
         indices = [self._indices(c) for c in clients]
         attacked = s.attackers[clients]
         relabel = self.attack.relabel if self.attack.relabels and bool(attacked.any()) else None
+        limits = [None if limit < 0 else limit for limit in s.step_limits[rows].tolist()]
         if cfg.backend == "vmap":
             weights, trained = self.trainer.train(
                 indices, s.global_flat, [client_seed(cfg.seed, rnd, c) for c in clients],
                 group_seed(cfg.seed, rnd, slots[0]), local_state=local_state, relabel=relabel,
-                attacked=attacked.to(self.device))
+                attacked=attacked.to(self.device), max_steps=limits)
             s.local_flat[rows].copy_(weights)
         else:
             trained = self.trainer.train(indices[0], s.global_flat, client_seed(cfg.seed, rnd, clients[0]),
-                                         local_state=local_state, relabel=relabel)
+                                         local_state=local_state, relabel=relabel, max_steps=limits[0])
             s.local_flat[rows].copy_(self.model.flat)
         sizes = torch.tensor([len(ix) for ix in indices], dtype=s.stats.dtype)
         s.stats[rows, 0] = sizes
         s.stats[rows, 1].copy_(trained.loss)
+        s.stats[rows, 2].copy_(trained.steps)
         reports = self.algorithm.client_report(
             LocalResult(s.global_flat, s.local_flat[rows], trained.steps, sizes, trained.mean_gradient), local_state)
         for name, value in reports.items():
@@ -231,13 +241,14 @@ def _exit_cause(code: int | None) -> str:
 
 
 class WorkerPool:
-    """``W`` spawned worker processes sharing the server's buffers.
+    """``W`` spawned worker processes sharing the server's buffers; each trains its clients with
+    a ``runner`` (a ClientRunner, or a subclass such as Hogwild's), built once in the worker.
 
     Creating the pool spawns the processes, which import torch (the bulk of a worker's
     start-up) while the server loads the data; ``start`` then hands them the buffers.
     """
 
-    def __init__(self, config, num_workers: int, device: torch.device):
+    def __init__(self, config, num_workers: int, device: torch.device, runner: type = ClientRunner):
         ctx = mp.get_context("spawn")
         self.shared: Shared | None = None  # set by start()
         self.num_workers = num_workers
@@ -253,7 +264,7 @@ class WorkerPool:
             for rank in range(num_workers):
                 parent_end, child_end = ctx.Pipe()
                 process = ctx.Process(target=_worker_main, name=f"fedsim-worker-{rank}", daemon=True,
-                                      args=(rank, num_workers, config, str(device), child_end))
+                                      args=(rank, num_workers, config, str(device), child_end, runner))
                 with _born_ignoring_sigint():
                     process.start()
                 child_end.close()
@@ -400,12 +411,12 @@ class InlinePool:
 
     num_workers = 0
 
-    def __init__(self, config, device: torch.device):
-        self.config, self.device = config, device
+    def __init__(self, config, device: torch.device, runner: type = ClientRunner):
+        self.config, self.device, self.runner_type = config, device, runner
         self.busy_seconds, self.peak_memory = [0.0], [0]
 
     def start(self, shared: Shared, timeout: float) -> None:
-        self.shared, self.runner = shared, _ClientRunner(self.config, shared, self.device)
+        self.shared, self.runner = shared, self.runner_type(self.config, shared, self.device)
 
     def run_round(self, rnd: int, clients: torch.Tensor, groups: list[list[int]], timeout: float) -> None:
         s, k = self.shared, len(clients)

@@ -37,7 +37,7 @@ def checkpoint(run_dir):
 
 
 def start_client(algorithm, num_params, *, server=None, state=None, client=0, rnd=1):
-    """``local_state`` for one client, as a worker gets it (workers._ClientRunner.train_group): the
+    """``local_state`` for one client, as a worker gets it (workers.ClientRunner.train_group): the
     algorithm's declared state, zeros unless given, and this client's rows of the client state."""
     server = server or {name: torch.zeros(shape) for name, shape in algorithm.server_state(num_params).items()}
     state = state or {name: torch.zeros(1, *shape) for name, shape in algorithm.client_state(num_params).items()}

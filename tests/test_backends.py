@@ -40,7 +40,7 @@ def algorithm_state(algorithm, num_params, num_clients, generator):
 
 
 def start_clients(algorithm, ids, server, clients, rnd=1):
-    """``local_state`` for the clients ``ids``, as a worker gets it (workers._ClientRunner.train_group)."""
+    """``local_state`` for the clients ``ids``, as a worker gets it (workers.ClientRunner.train_group)."""
     ids = torch.tensor(ids)
     return algorithm.start_client(Clients(ids, rnd, server, {name: state[ids] for name, state in clients.items()}))
 

@@ -20,6 +20,9 @@ GOOD = {
 }
 
 
+PRIVATE = {"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}
+
+
 def with_change(dotted: str, value):
     cfg = yaml.safe_load(yaml.safe_dump(GOOD))
     node, *path = [cfg, *dotted.split(".")]
@@ -177,6 +180,35 @@ CASES = [
     ("control character in name", yaml.safe_dump(GOOD), ["--set", "name=\"a\\nb\""],
      ["--set name: must be a non-empty name without control characters"]),
     ("empty name", yaml.safe_dump(GOOD), ["--set", "name=' '"], ["--set name: must be a non-empty name"]),
+    # differential privacy and per-client evaluation
+    ("negative clip", with_change("privacy", dict(PRIVATE, clip=-1.0)), [],
+     ["exp.yaml: privacy.clip: must be a number > 0", "got -1.0"]),
+    ("delta of 1", yaml.safe_dump(dict(GOOD, privacy=PRIVATE)), ["--set", "privacy.delta=1"],
+     ["--set privacy.delta: must be a number in (0, 1), got 1"]),
+    ("privacy without delta", with_change("privacy", {"clip": 1.0, "noise_multiplier": 1.0}), [],
+     ["exp.yaml: privacy.delta: is required when privacy is on"]),
+    ("privacy not a mapping", with_change("privacy", 1.0), [], ["exp.yaml: privacy: expected a mapping"]),
+    ("privacy with krum", yaml.safe_dump(dict(GOOD, privacy=PRIVATE, aggregator="krum", clients_per_round=4)), [],
+     ["exp.yaml: privacy: aggregator krum cannot be used with differential privacy", "use aggregator fedavg or mean"]),
+    ("privacy with scaffold", yaml.safe_dump(dict(GOOD, privacy=PRIVATE)), ["--set", "algorithm=scaffold"],
+     ["privacy: algorithm scaffold cannot be used with differential privacy", "server state"]),
+    ("per-client evaluation without test split", with_change("eval_per_client", True), [],
+     ["exp.yaml: eval_per_client: needs data.test_partition: true"]),
+    # client sampling and simulated system heterogeneity
+    ("availability above 1", with_change("system.availability", 1.5), [],
+     ["exp.yaml: system.availability: must be a probability in [0, 1], got 1.5"]),
+    ("negative deadline", yaml.safe_dump(GOOD), ["--set", "system.deadline=-1"],
+     ["--set system.deadline: must be > 0 simulated seconds, or null for none, got -1.0"]),
+    ("power of choice without candidates", with_change("client_sampling", "power_of_choice"), [],
+     ["exp.yaml: sampling_candidates: client_sampling power_of_choice needs d, the number of candidates"]),
+    ("too few candidates", with_change("client_sampling", "power_of_choice"), ["--set", "sampling_candidates=1"],
+     ["--set sampling_candidates: must be >= clients_per_round (2)", "got 1"]),
+    ("unknown client sampling", with_change("client_sampling", "random"), [],
+     ["exp.yaml: client_sampling: must be one of uniform, by_size, power_of_choice, got str 'random'"]),
+    ("unknown speed distribution", with_change("system.speed", {"gamma": 1}), [],
+     ["exp.yaml: system.speed: unknown distribution 'gamma'; choose one of: lognormal, uniform"]),
+    ("unknown system key", with_change("system.deadlines", 5), [],
+     ["exp.yaml: system.deadlines: unknown key", "did you mean 'system.deadline'"]),
 ]
 
 

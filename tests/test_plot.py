@@ -206,3 +206,66 @@ def test_runs_of_sweep_seeds_become_one_line_and_one_band_per_configuration(tmp_
     assert list(ax.lines[0].get_ydata()) == pytest.approx([20.0, 30.0])  # mean of 10, 20, 30 and 20, 30, 40
     low, high = band_limits(bands(ax)[0])
     assert low == pytest.approx([10.0, 20.0]) and high == pytest.approx([30.0, 40.0])
+
+
+def with_columns(path, **columns):
+    """Set columns of a written run's metrics.csv, one value per round (None: an empty cell)."""
+    import csv
+
+    with open(path / "metrics.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        fields, rows = reader.fieldnames, list(reader)
+    for i, row in enumerate(rows):
+        row.update({key: "" if values[i] is None else repr(values[i]) for key, values in columns.items()})
+    with open(path / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def test_spread_draws_the_clients_mean_a_deviation_band_and_the_tenth_percentile(tmp_path):
+    path = with_columns(write_run(tmp_path / "run", name="per_client", accuracies=(0.3, 0.6, 0.8)),
+                        client_accuracy_mean=(0.25, 0.5, 0.7), client_accuracy_std=(0.1, 0.2, 0.4),
+                        client_accuracy_p10=(0.1, 0.2, 0.3))
+    fig = plot_runs(fedsim.load_run(path), spread=True)
+    (ax,) = fig.axes
+    mean, p10 = ax.lines
+    assert list(mean.get_ydata()) == pytest.approx([25.0, 50.0, 70.0])
+    assert list(p10.get_ydata()) == pytest.approx([10.0, 20.0, 30.0]) and p10.get_linestyle() == "--"
+    (band,) = bands(ax)
+    edges = band.get_paths()[0].vertices[:, 1]  # mean ± s.d., kept within 0 and 100 %
+    assert min(edges) == pytest.approx(15.0) and max(edges) == pytest.approx(100.0)
+    assert legend_texts(fig) == ["per_client", "± 1 s.d. over clients", "10th percentile of clients"]
+    assert ax.get_ylabel() == "client accuracy (%)"
+
+
+def test_spread_and_epsilon_need_runs_that_have_them(tmp_path):
+    path = with_columns(write_run(tmp_path / "run", accuracies=(0.3, 0.6)), epsilon=(None, None),
+                        client_accuracy_mean=(None, None))
+    history = fedsim.load_run(path)
+    assert history.epsilon == [None, None] and history.client_accuracy_mean == [None, None]
+    with pytest.raises(FedsimError, match="has no client_accuracy_mean values to plot; a run with eval_per_client"):
+        plot_runs(history, spread=True)
+    with pytest.raises(FedsimError, match="has no epsilon values to plot; a run with a privacy section"):
+        plot_runs(history, x="epsilon")
+    with pytest.raises(FedsimError, match="spread: draws the clients' accuracy; it does not combine with metric"):
+        plot_runs(history, spread=True, metric="test_loss")
+    with_columns(path, epsilon=(float("inf"), float("inf")))
+    with pytest.raises(FedsimError, match="its epsilon is infinite"):
+        plot_runs(fedsim.load_run(path), x="epsilon")
+
+
+def test_accuracy_against_epsilon_and_the_spread_from_the_command(tmp_path):
+    for i, z in enumerate((0.5, 1.0)):
+        with_columns(write_run(tmp_path / f"run{i}", name=f"z{z}", accuracies=(0.3, 0.6)),
+                     epsilon=(4.0 / z, 6.0 / z), client_accuracy_mean=(0.2, 0.5), client_accuracy_std=(0.1, 0.1),
+                     client_accuracy_p10=(0.1, 0.3))
+    fig = plot_runs(fedsim.load_runs(tmp_path / "run*"), x="epsilon")
+    assert [list(line.get_xdata()) for line in fig.axes[0].lines] == [[8.0, 12.0], [4.0, 6.0]]
+    assert fig.axes[0].get_xlabel().startswith("ε") and fig.axes[0].get_title() == "Test accuracy against ε"
+    done = fedsim_command("plot", "run*", "--x", "epsilon", "--spread", "-o", "fig.png", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
+    done = fedsim_command("plot", "run0", "--spread", "--metric", "test_loss", "-o", "no.png", cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "spread:" in done.stderr

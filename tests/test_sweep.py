@@ -326,11 +326,39 @@ def test_niid_bench_files_keep_the_paper_setting_and_their_sweep_plans():
 
 
 def test_seed_article_file_is_the_articles_run_as_fedavg():
+    from fedsim.cli import build_parser
+
     path = Path("experiments/seed_article.yaml")
     text = path.read_text()
-    assert text.startswith("# ") and "93 %" in text and "Hogwild" in text and "mode: hogwild" in text
+    assert text.startswith("# ") and "93.3 %" in text and "Hogwild" in text and "97 / 98 / 98 %" in text
+    modes = []
+    for command in documented_commands(path):  # the commands the comment gives, each a valid run
+        args = build_parser().parse_args(command[1:])
+        modes.append(fedsim.load_config(args.config, args.set).mode)
+    assert modes == ["sync", "hogwild", "hogwild"]
     cfg = fedsim.load_config(path)
     assert (cfg.rounds, cfg.workers, cfg.clients_per_round, cfg.model, cfg.algorithm) == (
         3, 4, 4, "mnist_cnn", "fedavg")
     assert (cfg.data.dataset, cfg.data.partition, cfg.data.num_clients) == ("mnist", "contiguous", 4)
     assert (cfg.local.epochs, cfg.local.batch_size, cfg.local.lr, cfg.local.momentum) == (1, 64, 0.01, 0.5)
+
+
+def test_a_sweep_of_private_runs_tables_the_epsilon_they_spent(config_file, monkeypatch, tmp_path):
+    """The column is there once a run has a privacy section: its last row's epsilon (over seeds,
+    the mean, which is the same value unless a run stopped early)."""
+    def start_run(cfg, out=None, overwrite=False, quiet=False):
+        z = cfg.privacy["noise_multiplier"]
+        rows = [dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": 0.5, "seconds": 1.0, "epsilon": r / z}
+                for r in (1, 2)]
+        return History(rows, cfg.to_dict(), out)
+
+    monkeypatch.setattr(fedsim.server, "start_run", start_run)
+    lines = []
+    sweep(config_file, ["privacy.noise_multiplier=0.5,4"], ["privacy.clip=1.0", "privacy.noise_multiplier=1.0",
+                                                        "privacy.delta=1e-5"],
+          out=tmp_path / "out", log=lines.append)
+    table = lines[-2].splitlines()
+    assert table[0].split() == ["run", "final", "acc", "best", "acc", "epsilon", "s/round"]
+    assert [row.split()[-2] for row in table[1:]] == ["4", "0.5"]
+    with open(tmp_path / "out" / "sweep.csv") as f:
+        assert [float(r["epsilon"]) for r in csv.DictReader(f)] == [4.0, 0.5]

@@ -1,0 +1,87 @@
+"""Per-client evaluation: the global model scored on every client's own test split.
+
+With ``data.test_partition: true`` every client holds a test split with its own label mix
+(``data.local_test_split``): each class's test samples are divided among the clients in
+proportion to how many training samples of that class each one holds, with a stream of its own
+seeded by ``seed``. This is how personalized-FL papers evaluate on label-skewed splits of a
+common test set (FedRep, Collins et al. 2021; LG-FedAvg, Liang et al. 2020): a client is scored
+on data distributed like its own. The splits come from the test set, not from the clients'
+training samples, so turning per-client evaluation on changes no trained weight.
+
+With ``eval_per_client: true`` too, every evaluated round scores the global model on every
+client's split (one batched pass over their union, which the splits cover without overlap, on
+the server's device) and reports the spread of the clients' accuracies, each client counting
+once whatever its size (``spread``):
+
+    client_accuracy_mean  the mean of the clients' accuracies
+    client_accuracy_std   their standard deviation over the clients (divided by n, not n - 1: the
+                          clients are the whole federation, not a sample of it)
+    client_accuracy_p10   their 10th percentile, how the worst tenth of the clients fare
+
+A client whose split is empty (a class mix so small that rounding leaves it no test sample) has
+no accuracy: it is left out of the three numbers, and its rows in ``client_accuracy.csv`` say
+0 samples and accuracy nan.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .data import local_test_split
+
+COLUMNS = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")
+
+
+def spread(accuracies) -> dict:
+    """The three columns from the clients' accuracies (NaN: a client without test samples, left
+    out). The 10th percentile is linear between order statistics (numpy's default, Hyndman and
+    Fan's type 7): with the n accuracies sorted, a_0 <= ... <= a_{n-1}, and h = 0.1 (n - 1), it
+    is a_{floor h} + (h - floor h)(a_{floor h + 1} - a_{floor h}). All NaN when no client has one."""
+    values = np.asarray(accuracies, dtype=np.float64)
+    values = values[~np.isnan(values)]
+    if not len(values):
+        return dict.fromkeys(COLUMNS, math.nan)
+    return {"client_accuracy_mean": float(values.mean()), "client_accuracy_std": float(values.std()),
+            "client_accuracy_p10": float(np.percentile(values, 10))}
+
+
+class ClientEvaluation:
+    """Every client's test split as one index into the test set, and the owner of each entry.
+
+    ``score`` fills ``last``: the rows of ``client_accuracy.csv`` for the round it scored (see
+    callbacks.ClientAccuracyFile)."""
+
+    def __init__(self, test_parts: list[torch.Tensor], device: torch.device):
+        self.samples = torch.tensor([len(p) for p in test_parts], dtype=torch.int64)  # [N]
+        self.index = torch.cat(test_parts).to(device)  # where the test set lives
+        self.owner = torch.repeat_interleave(torch.arange(len(test_parts)), self.samples)
+        self.last: list[dict] = []
+
+    @classmethod
+    def for_run(cls, cfg, data, parts, device: torch.device) -> "ClientEvaluation":
+        return cls(local_test_split(data.train_y, parts, data.test_y, cfg.seed), device)
+
+    def warning(self) -> str | None:
+        empty = int((self.samples == 0).sum())
+        if not empty:
+            return None
+        return (f"eval_per_client: {empty} of {len(self.samples)} clients get no test sample from data.test_partition; "
+                f"they are left out of client_accuracy_mean, _std and _p10")
+
+    @torch.inference_mode()
+    def score(self, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int, rnd: int) -> dict:
+        """The three columns for the global model ``module`` on the test set (x, y); one host sync.
+        Batches gather their samples from x, which may live in host memory (data.placement)."""
+        module.eval()
+        device = next(module.parameters()).device
+        owner = self.owner.to(device)
+        correct = torch.zeros(len(self.samples), dtype=torch.int64, device=device)
+        for index, who in zip(self.index.split(batch_size), owner.split(batch_size)):
+            xb, yb = x[index].to(device, non_blocking=True), y[index].to(device, non_blocking=True)
+            correct.index_add_(0, who, (module(xb).argmax(dim=1) == yb).to(torch.int64))
+        accuracies = correct.cpu().double() / self.samples  # 0 / 0: NaN, a client without samples
+        self.last = [{"round": rnd, "client": c, "samples": int(n), "accuracy": float(a)}
+                     for c, (n, a) in enumerate(zip(self.samples.tolist(), accuracies.tolist()))]
+        return spread(accuracies.numpy())

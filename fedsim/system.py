@@ -1,0 +1,516 @@
+"""Simulated system heterogeneity: which clients are online, which are sampled, which fail and which
+are late, in FLGo's vocabulary (Wang et al., FLGo's ``flgo.simulator``):
+
+* availability    a client is online in a round with its probability; only online clients can be
+                  sampled (if fewer than ``clients_per_round`` are online, the round takes them all)
+* connectivity    a sampled client drops out before reporting with probability ``dropout``: its
+                  work is lost
+* responsiveness  a client's local work takes ``steps x step_seconds / speed`` simulated seconds;
+                  past the round's ``deadline`` it is a straggler
+* completeness    stragglers are dropped (``stragglers: drop``), or report the steps they finished
+                  in time (``stragglers: partial``): floor(deadline x speed / step_seconds) of them
+
+and who is sampled among the online clients (``client_sampling``):
+
+* ``uniform``          k clients without replacement, equally likely; with every client online this
+                       is exactly ``streams.sample_clients`` (today's sample)
+* ``by_size``          k clients without replacement, drawn one after another with probability
+                       proportional to their number of samples
+* ``power_of_choice``  Cho, Wang & Joshi (2020), "Client selection in federated learning:
+                       convergence analysis and power-of-choice selection strategies": d candidates
+                       (``sampling_candidates``, d >= k) drawn without replacement proportional to
+                       their number of samples, then the k of them with the highest local loss of
+                       the current global model
+
+Experiment file (every key optional; shown with its default unless marked as an example)::
+
+    client_sampling: uniform      # uniform | by_size | power_of_choice
+    sampling_candidates: null     # d, required by power_of_choice: clients_per_round <= d <= num_clients
+    system:
+      availability: 1.0           # p in [0, 1]: every client online with probability p each round;
+                                  #   or per-client probabilities, drawn once per client:
+                                  #   {uniform: [low, high]} (0 <= low <= high <= 1) or {beta: [a, b]} (a, b > 0)
+      dropout: 0.0                # in [0, 1): a sampled client fails before reporting
+      speed: null                 # null: every client 1; {lognormal: sigma} (median 1, 0 <= sigma <= 10)
+                                  #   or {uniform: [low, high]} (0 < low <= high), drawn once per client
+      deadline: null              # simulated seconds a round waits; null: no deadline, no stragglers
+      step_seconds: 1.0           # simulated seconds one local SGD step takes at speed 1
+      stragglers: drop            # drop | partial (accepted without a deadline, where it does nothing:
+                                  #   see System.warnings)
+
+Randomness. Every draw comes from a stream keyed by what it is for (see ``streams.py``), never by a
+process's history, so a plan is the same in every worker and rank and after a resume:
+
+* the sample:        ``(seed, streams.SAMPLING, round)``, the stream of ``streams.sample_clients``;
+* online:            ``(seed, SYSTEM, ONLINE, round)``: client c is online iff the c-th uniform
+                     number of that stream is below its availability probability;
+* dropout:           ``(seed, SYSTEM, DROPOUT, round)``: client c drops out iff the c-th uniform
+                     number is below ``dropout``;
+* per-client constants, drawn once: availability probabilities ``(seed, SYSTEM, AVAILABILITY)``
+  and speeds ``(seed, SYSTEM, SPEED)``, client c taking the c-th value.
+
+"The c-th number of a stream" depends only on the stream's keys and c (a stream's first c numbers do
+not depend on how many more are drawn), so client c's draws are a function of (seed, round, c) alone:
+not of the number of clients, the sample size, the workers, the other settings, or which rounds ran
+before. Numbers are compared with a probability (``u < p``), so raising a probability only adds
+clients: two experiments that differ in ``dropout`` lose the same clients and then some.
+
+Use on the server, once per round::
+
+    system = System.from_config(cfg)                     # once; System.check_config(cfg) validates
+    if system.needs_losses:                              # power_of_choice: two steps
+        candidates = system.candidates(seed, rnd, N, k, sizes)
+        losses = {c: loss of the global model on client c's data for c in candidates}
+    plan = system.round(seed, rnd, N, k, sizes, losses)  # before training
+    train plan.clients, client plan.clients[i] for at most plan.step_limits[i] steps (None: all)
+    row.update(plan.metrics(left_out=non-finite updates left out))   # after training
+
+The module is pure: it keeps no state between calls except a cache of the per-client constants.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+from .config import SystemConfig  # the section's dataclass lives with the config's other sections
+from .errors import ConfigError
+from .registry import Registry
+from .streams import SAMPLING
+
+# ----------------------------------------------------------------------------- stream keys
+
+# Every stream of this module starts (seed, SYSTEM, purpose, ...): SYSTEM ("SYST" in ASCII) keeps
+# them apart from the streams of streams.py, which never hold it as their second key.
+SYSTEM = 0x53595354
+ONLINE = 1  # (seed, SYSTEM, ONLINE, round): who is online this round
+DROPOUT = 2  # (seed, SYSTEM, DROPOUT, round): who fails before reporting this round
+AVAILABILITY = 3  # (seed, SYSTEM, AVAILABILITY): each client's availability probability, drawn once
+SPEED = 4  # (seed, SYSTEM, SPEED): each client's relative speed, drawn once
+
+SAMPLINGS = {
+    "uniform": "k online clients, equally likely, without replacement (the default)",
+    "by_size": "k online clients without replacement, each draw proportional to the number of samples",
+    "power_of_choice": "of d candidates drawn by size, the k whose loss on the global model is highest "
+                       "(Cho et al. 2020; d is sampling_candidates)",
+}
+CLIENT_SAMPLINGS = Registry("client sampling")  # for `fedsim list`
+for _name, _line in SAMPLINGS.items():
+    CLIENT_SAMPLINGS.register(_name, _line)(_name)
+STRAGGLERS = ("drop", "partial")
+AVAILABILITY_DISTRIBUTIONS = ("uniform", "beta")
+SPEED_DISTRIBUTIONS = ("lognormal", "uniform")
+KEYS = ("availability", "dropout", "speed", "deadline", "step_seconds", "stragglers")
+MAX_SIGMA = 10.0  # beyond this, lognormal speeds of a large federation over- and underflow float64
+# A step that ends within a billionth (relative) of the deadline counts as in time: 3 s / 0.1 s is
+# 30 steps, although 3 / 0.1 is 29.999999999999996 in floating point.
+_IN_TIME = 1e-9
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@dataclass(frozen=True)
+class _Spec:
+    sampling: str
+    candidates: Optional[int]
+    availability: tuple  # ("constant", p) | ("uniform", low, high) | ("beta", a, b)
+    dropout: float
+    speed: tuple  # ("constant", 1.0) | ("lognormal", sigma) | ("uniform", low, high)
+    deadline: Optional[float]
+    step_seconds: float
+    stragglers: str
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def _number(key: str, value, what: str) -> float:
+    if not _is_number(value) or not math.isfinite(float(value)):
+        raise ConfigError(f"{key}: {what}, got {_shown(value)}")
+    return float(value)
+
+
+def _section_items(section) -> dict:
+    if section is None:
+        return {}
+    if is_dataclass(section) and not isinstance(section, type):
+        return {f.name: getattr(section, f.name) for f in fields(section)}
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"system: expected a mapping of {', '.join(KEYS)}, got {_shown(section)}")
+    unknown = [key for key in section if key not in KEYS]
+    if unknown:
+        raise ConfigError(f"system.{unknown[0]}: unknown key; choose among: {', '.join(KEYS)}")
+    return dict(section)
+
+
+def _one_key(key: str, value, names: Sequence[str], forms: str):
+    """A distribution written as a one-key mapping, ``{name: parameters}``."""
+    if not isinstance(value, Mapping) or len(value) != 1:
+        raise ConfigError(f"{key}: must be {forms}, got {_shown(value)}")
+    (name, params), = value.items()
+    if name not in names:
+        raise ConfigError(f"{key}: unknown distribution {str(name)[:60]!r}; choose one of: {', '.join(names)} "
+                          f"({forms})")
+    return name, params
+
+
+def _pair(key: str, name: str, params, what: str) -> tuple[float, float]:
+    if not isinstance(params, (list, tuple)) or len(params) != 2 or not all(_is_number(p) for p in params) \
+            or not all(math.isfinite(float(p)) for p in params):
+        raise ConfigError(f"{key}: {name} takes [{what}], two finite numbers, got {_shown(params)}")
+    return float(params[0]), float(params[1])
+
+
+def _availability(value) -> tuple:
+    key = "system.availability"
+    forms = "a probability in [0, 1], {uniform: [low, high]} or {beta: [a, b]}"
+    if _is_number(value):
+        p = _number(key, value, f"must be {forms}")
+        if not 0 <= p <= 1:
+            raise ConfigError(f"{key}: must be a probability in [0, 1], got {p}")
+        return ("constant", p)
+    name, params = _one_key(key, value, AVAILABILITY_DISTRIBUTIONS, forms)
+    if name == "uniform":
+        low, high = _pair(key, name, params, "low, high")
+        if not 0 <= low <= high <= 1:
+            raise ConfigError(f"{key}: uniform [low, high] needs 0 <= low <= high <= 1 (probabilities), "
+                              f"got [{low}, {high}]")
+        return ("uniform", low, high)
+    a, b = _pair(key, name, params, "a, b")
+    if not (a > 0 and b > 0):
+        raise ConfigError(f"{key}: beta [a, b] needs a > 0 and b > 0, got [{a}, {b}]")
+    return ("beta", a, b)
+
+
+def _speed(value) -> tuple:
+    key = "system.speed"
+    forms = "null (every client 1), {lognormal: sigma} or {uniform: [low, high]}"
+    if value is None:
+        return ("constant", 1.0)
+    name, params = _one_key(key, value, SPEED_DISTRIBUTIONS, forms)
+    if name == "lognormal":
+        sigma = _number(key, params, "lognormal takes sigma, a finite number")
+        if not 0 <= sigma <= MAX_SIGMA:
+            raise ConfigError(f"{key}: lognormal sigma must be in [0, {MAX_SIGMA:g}], got {sigma}")
+        return ("lognormal", sigma)
+    low, high = _pair(key, name, params, "low, high")
+    if not 0 < low <= high:
+        raise ConfigError(f"{key}: uniform [low, high] needs 0 < low <= high (a speed of 0 never finishes), "
+                          f"got [{low}, {high}]")
+    return ("uniform", low, high)
+
+
+def _parse(section, client_sampling, sampling_candidates, clients_per_round=None, num_clients=None) -> _Spec:
+    if client_sampling not in SAMPLINGS:
+        raise ConfigError(f"client_sampling: must be one of {', '.join(SAMPLINGS)}, got {_shown(client_sampling)}")
+    d = sampling_candidates
+    if d is not None:
+        if not isinstance(d, (int, np.integer)) or isinstance(d, (bool, np.bool_)) or d < 1:
+            raise ConfigError(f"sampling_candidates: must be a positive integer (or null), got {_shown(d)}")
+        d = int(d)
+        if clients_per_round is not None and d < clients_per_round:
+            raise ConfigError(f"sampling_candidates: must be >= clients_per_round ({clients_per_round}): the "
+                              f"round keeps k of its d candidates, got {d}")
+        if num_clients is not None and d > num_clients:
+            raise ConfigError(f"sampling_candidates: must be <= data.num_clients ({num_clients}), got {d}")
+    elif client_sampling == "power_of_choice":
+        raise ConfigError("sampling_candidates: client_sampling power_of_choice needs d, the number of candidates "
+                          "(clients_per_round <= d <= data.num_clients)")
+    items = _section_items(section)
+    defaults = SystemConfig()
+    get = lambda key: items.get(key, getattr(defaults, key))  # noqa: E731
+    dropout = _number("system.dropout", get("dropout"), "must be a probability in [0, 1)")
+    if not 0 <= dropout < 1:
+        raise ConfigError(f"system.dropout: must be in [0, 1) (1 would lose every client's work), got {dropout}")
+    deadline = get("deadline")
+    if deadline is not None:
+        deadline = _number("system.deadline", deadline, "must be a number of simulated seconds > 0, or null")
+        if not deadline > 0:
+            raise ConfigError(f"system.deadline: must be > 0 simulated seconds, or null for none, got {deadline}")
+    step_seconds = _number("system.step_seconds", get("step_seconds"), "must be a number of simulated seconds > 0")
+    if not step_seconds > 0:
+        raise ConfigError(f"system.step_seconds: must be > 0 simulated seconds, got {step_seconds}")
+    stragglers = get("stragglers")
+    if stragglers not in STRAGGLERS:
+        raise ConfigError(f"system.stragglers: must be one of {', '.join(STRAGGLERS)}, got {_shown(stragglers)}")
+    return _Spec(sampling=client_sampling, candidates=d, availability=_availability(get("availability")),
+                 dropout=dropout, speed=_speed(get("speed")), deadline=deadline, step_seconds=step_seconds,
+                 stragglers=stragglers)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def local_steps(sizes, epochs: int, batch_size: int) -> np.ndarray:
+    """Each client's local SGD steps in one round when it does all its work: ``epochs x
+    ceil(n_i / batch_size)`` (the last batch of an epoch may be short), as int64."""
+    n = np.asarray(sizes, dtype=np.int64)
+    return int(epochs) * ((n + int(batch_size) - 1) // int(batch_size))
+
+
+def _stream(*keys: int) -> np.random.Generator:
+    return np.random.default_rng([int(k) for k in keys])
+
+
+def _ids(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True, eq=False)
+class RoundPlan:
+    """What the system does to one round. Id arrays are sorted int64 numpy arrays."""
+
+    round: int
+    unavailable: int  # clients of the whole federation offline this round
+    candidates: np.ndarray  # power_of_choice: the candidates the sample was chosen from; else the sample
+    sampled: np.ndarray  # the sample: k online clients, or every online one when fewer are online
+    clients: np.ndarray  # the sampled clients whose work reaches the server: train these
+    step_limits: tuple  # aligned with clients: None = all its local steps, an int = a partial straggler's
+    dropouts: np.ndarray  # sampled clients that failed before reporting (their work is lost)
+    stragglers: np.ndarray  # sampled clients, other than dropouts, whose full work ends past the deadline
+    dropped: np.ndarray  # sampled clients whose work is lost: dropouts, stragglers under drop, and
+    #                      partial stragglers that finished no step
+    steps: np.ndarray  # aligned with sampled: the local steps of the client's full work
+    seconds: np.ndarray  # aligned with sampled: the simulated seconds of its full work
+    simulated_seconds: float  # the round's simulated duration (see System.round)
+
+    def step_limit(self, client: int) -> Optional[int]:
+        """The steps ``client`` may take (None: all); KeyError if it does not report."""
+        where = np.searchsorted(self.clients, client)
+        if where == len(self.clients) or self.clients[where] != client:
+            raise KeyError(f"client {client} does not report in round {self.round}")
+        return self.step_limits[where]
+
+    def outcome(self, client: int) -> str:
+        """``full``, ``partial``, ``dropout`` or ``straggler`` (dropped: too late, or no step in time)
+        for a sampled client; KeyError for one that was not sampled."""
+        if client not in set(self.sampled.tolist()):
+            raise KeyError(f"client {client} was not sampled in round {self.round}")
+        if client in set(self.dropouts.tolist()):
+            return "dropout"
+        if client in set(self.dropped.tolist()):
+            return "straggler"
+        return "full" if self.step_limit(client) is None else "partial"
+
+    def metrics(self, left_out: int = 0) -> dict:
+        """The round's columns for metrics.csv. ``left_out``: reporting clients the engine left out
+        afterwards (non-finite updates), added to ``dropped_clients``."""
+        return {"unavailable": self.unavailable, "dropped_clients": len(self.dropped) + int(left_out),
+                "stragglers": len(self.stragglers), "simulated_seconds": self.simulated_seconds}
+
+
+# ----------------------------------------------------------------------------- the system
+
+
+class System:
+    """The federation's system behaviour, built from the config (see the module's docstring).
+
+    ``section``: the ``system:`` section (a mapping, a SystemConfig or None); bad values raise a
+    one-line ConfigError that starts with the key (``system.availability: ...``)."""
+
+    def __init__(self, section=None, *, client_sampling: str = "uniform", sampling_candidates: Optional[int] = None,
+                 epochs: int = 1, batch_size: int = 64):
+        self.spec = _parse(section, client_sampling, sampling_candidates)
+        if int(epochs) < 1 or int(batch_size) < 1:
+            raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
+        self.epochs, self.batch_size = int(epochs), int(batch_size)
+        self._cache: tuple = (None, None, None)
+
+    @classmethod
+    def from_config(cls, cfg) -> "System":
+        """From a Config: ``cfg.system``, ``cfg.client_sampling``, ``cfg.sampling_candidates`` (each
+        optional) and ``cfg.local.epochs``, ``cfg.local.batch_size``."""
+        return cls(getattr(cfg, "system", None), client_sampling=getattr(cfg, "client_sampling", "uniform"),
+                   sampling_candidates=getattr(cfg, "sampling_candidates", None), epochs=cfg.local.epochs,
+                   batch_size=cfg.local.batch_size)
+
+    @staticmethod
+    def check(section=None, *, client_sampling: str = "uniform", sampling_candidates: Optional[int] = None,
+              clients_per_round: Optional[int] = None, num_clients: Optional[int] = None) -> None:
+        """Refuse bad values: a ConfigError of one line, ``key: what is allowed, got what``. With
+        ``clients_per_round`` and ``num_clients`` it also checks the bounds of sampling_candidates."""
+        _parse(section, client_sampling, sampling_candidates, clients_per_round, num_clients)
+
+    @staticmethod
+    def check_config(cfg) -> None:
+        """``check`` on a Config (for ``config.validate``)."""
+        System.check(getattr(cfg, "system", None), client_sampling=getattr(cfg, "client_sampling", "uniform"),
+                     sampling_candidates=getattr(cfg, "sampling_candidates", None),
+                     clients_per_round=cfg.clients_per_round, num_clients=cfg.data.num_clients)
+
+    def warnings(self) -> list[str]:
+        """Settings that are valid but do nothing here, for the run to log (as unused_settings)."""
+        s, messages = self.spec, []
+        if s.stragglers == "partial" and s.deadline is None:
+            messages.append("system.stragglers is 'partial' but system.deadline is null: no client can straggle")
+        if s.candidates is not None and s.sampling != "power_of_choice":
+            messages.append(f"sampling_candidates is {s.candidates} but client_sampling {s.sampling} does not use it")
+        return messages
+
+    @property
+    def needs_losses(self) -> bool:
+        """Whether ``round`` needs the candidates' losses (power_of_choice)."""
+        return self.spec.sampling == "power_of_choice"
+
+    # ----------------------------------------------------------------- per-client constants
+
+    def local_steps(self, sizes) -> np.ndarray:
+        """``local_steps(sizes, epochs, batch_size)`` with this run's epochs and batch size."""
+        return local_steps(sizes, self.epochs, self.batch_size)
+
+    def _constants(self, seed: int, num_clients: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._cache[0] != (seed, num_clients):
+            self._cache = ((seed, num_clients), self._availabilities(seed, num_clients),
+                           self._speeds(seed, num_clients))
+        return self._cache[1], self._cache[2]
+
+    def _availabilities(self, seed: int, n: int) -> np.ndarray:
+        kind, *params = self.spec.availability
+        if kind == "constant":
+            return np.full(n, params[0])
+        rng = _stream(seed, SYSTEM, AVAILABILITY)
+        if kind == "uniform":
+            return rng.uniform(params[0], params[1], size=n)
+        return rng.beta(params[0], params[1], size=n)
+
+    def _speeds(self, seed: int, n: int) -> np.ndarray:
+        kind, *params = self.spec.speed
+        if kind == "constant":
+            return np.ones(n)
+        rng = _stream(seed, SYSTEM, SPEED)
+        if kind == "lognormal":
+            return np.exp(params[0] * rng.standard_normal(n))  # median exp(0) = 1
+        return rng.uniform(params[0], params[1], size=n)
+
+    def availabilities(self, seed: int, num_clients: int) -> np.ndarray:
+        """Each client's probability of being online in a round (drawn once per client)."""
+        return self._constants(seed, num_clients)[0].copy()
+
+    def speeds(self, seed: int, num_clients: int) -> np.ndarray:
+        """Each client's relative compute speed (drawn once per client)."""
+        return self._constants(seed, num_clients)[1].copy()
+
+    # ----------------------------------------------------------------- per round
+
+    def online(self, seed: int, rnd: int, num_clients: int) -> np.ndarray:
+        """Boolean mask of the clients online in round ``rnd``."""
+        kind, *params = self.spec.availability
+        if kind == "constant" and params[0] == 1:
+            return np.ones(num_clients, dtype=bool)  # no draw: every client, as without a system
+        p = self._constants(seed, num_clients)[0]
+        return _stream(seed, SYSTEM, ONLINE, rnd).random(num_clients) < p
+
+    def candidates(self, seed: int, rnd: int, num_clients: int, k: int, sizes) -> np.ndarray:
+        """The clients the round chooses among (sorted): for power_of_choice the d candidates
+        (every online client when at most d are online), whose losses ``round`` then needs; for
+        the other samplings the sample itself."""
+        self._arguments(num_clients, k, sizes)
+        return self._draw(seed, rnd, np.flatnonzero(self.online(seed, rnd, num_clients)), k,
+                          np.asarray(sizes, dtype=np.float64))
+
+    def _draw(self, seed: int, rnd: int, online: np.ndarray, k: int, sizes: np.ndarray) -> np.ndarray:
+        s = self.spec
+        want = s.candidates if s.sampling == "power_of_choice" else k
+        if len(online) <= want:
+            return online  # fewer online than wanted: all of them, without a draw
+        rng = _stream(seed, SAMPLING, rnd)  # the stream of streams.sample_clients
+        if s.sampling == "uniform":  # all online: online[i] = i, so exactly sample_clients
+            return np.sort(online[rng.choice(len(online), size=want, replace=False)])
+        weights = sizes[online]
+        if not weights.min() > 0:
+            raise ValueError(f"{s.sampling}: every client needs a positive size, got {weights.min():g}")
+        return np.sort(rng.choice(online, size=want, replace=False, p=weights / weights.sum()))
+
+    def round(self, seed: int, rnd: int, num_clients: int, k: int, sizes, losses=None) -> RoundPlan:
+        """The plan of round ``rnd``: who is sampled, who reports, with how many steps.
+
+        ``sizes``: every client's number of training samples ([num_clients]). ``losses``
+        (power_of_choice only): the current global model's loss on each candidate, a mapping
+        ``{client: loss}`` or a sequence aligned with ``candidates(...)``; a NaN loss counts as
+        the highest, ties go to the lower client id. It may be None when there are no more
+        candidates than k (nothing to choose).
+
+        ``simulated_seconds``: the slowest reporting client's simulated time, at most the
+        deadline; the deadline itself when the round has a straggler (the server waited for it);
+        0.0 when nobody reports and nobody straggles. Dropouts do not count."""
+        s = self.spec
+        self._arguments(num_clients, k, sizes)
+        sizes_f = np.asarray(sizes, dtype=np.float64)
+        mask = self.online(seed, rnd, num_clients)
+        online = np.flatnonzero(mask)
+        candidates = self._draw(seed, rnd, online, k, sizes_f)
+        sampled = self._choose(candidates, k, losses) if s.sampling == "power_of_choice" else candidates
+        # connectivity: who fails before reporting
+        if s.dropout > 0 and len(sampled):
+            u = _stream(seed, SYSTEM, DROPOUT, rnd).random(int(sampled[-1]) + 1)  # c-th number: client c
+            out = u[sampled] < s.dropout
+        else:
+            out = np.zeros(len(sampled), dtype=bool)
+        # responsiveness and completeness: who is late, and what it finished in time
+        steps = self.local_steps(np.asarray(sizes, dtype=np.int64)[sampled])
+        speed = self._constants(seed, num_clients)[1][sampled]
+        seconds = steps * s.step_seconds / speed
+        if s.deadline is not None:
+            capacity = np.minimum(s.deadline * speed / s.step_seconds * (1 + _IN_TIME), 2.0**62)
+            budget = np.floor(capacity).astype(np.int64)  # steps finished by the deadline
+            late = ~out & (steps > budget)
+        else:
+            budget = None
+            late = np.zeros(len(sampled), dtype=bool)
+        if s.stragglers == "partial" and budget is not None:
+            lost = out | (late & (budget == 0))
+        else:
+            lost = out | late
+        reports = ~lost
+        limits = tuple(int(budget[i]) if late[i] else None for i in np.flatnonzero(reports))
+        if late.any():
+            simulated = float(s.deadline)
+        elif reports.any():
+            simulated = float(seconds[reports].max())
+            if s.deadline is not None:
+                simulated = min(simulated, float(s.deadline))
+        else:
+            simulated = 0.0
+        return RoundPlan(round=int(rnd), unavailable=int(num_clients - len(online)), candidates=_ids(candidates),
+                         sampled=_ids(sampled), clients=_ids(sampled[reports]), step_limits=limits,
+                         dropouts=_ids(sampled[out]), stragglers=_ids(sampled[late]), dropped=_ids(sampled[lost]),
+                         steps=steps, seconds=seconds, simulated_seconds=simulated)
+
+    def _choose(self, candidates: np.ndarray, k: int, losses) -> np.ndarray:
+        """Power of choice: the k candidates of highest loss, sorted."""
+        if len(candidates) <= k:
+            return candidates
+        if losses is None:
+            raise ValueError(f"power_of_choice: round() needs the losses of the {len(candidates)} candidates "
+                             f"(System.candidates) to keep {k}")
+        if isinstance(losses, Mapping):
+            missing = [int(c) for c in candidates if int(c) not in losses]
+            if missing:
+                raise ValueError(f"power_of_choice: no loss for candidate client {missing[0]}")
+            values = np.array([float(losses[int(c)]) for c in candidates])
+        else:
+            values = np.array([float(v) for v in losses], dtype=np.float64)
+            if len(values) != len(candidates):
+                raise ValueError(f"power_of_choice: {len(values)} losses for {len(candidates)} candidates")
+        values = np.where(np.isnan(values), np.inf, values)
+        order = np.lexsort((candidates, -values))  # highest loss first, then the lower id
+        return np.sort(candidates[order[:k]])
+
+    @staticmethod
+    def _arguments(num_clients: int, k: int, sizes) -> None:
+        if not 1 <= k <= num_clients:
+            raise ValueError(f"k must be in [1, num_clients={num_clients}], got {k}")
+        if len(sizes) != num_clients:
+            raise ValueError(f"sizes holds {len(sizes)} clients, num_clients is {num_clients}")

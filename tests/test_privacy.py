@@ -1,0 +1,414 @@
+"""DP-FedAvg (fedsim.privacy): clipping, the noise's scale and streams, accounting against Opacus,
+and the one-line refusals of what the guarantee does not cover."""
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from fedsim import aggregation, privacy
+from fedsim.aggregation import AGGREGATORS, row_norms
+from fedsim.algorithms import Algorithm
+from fedsim.config import Config
+from fedsim.errors import ConfigError
+from fedsim.privacy import Privacy
+
+K, N = 4, 20  # clients per round, clients in all
+C = 1.5  # the clip
+
+
+def make(clip=C, noise_multiplier=1.1, delta=1e-5, k=K, n=N) -> Privacy:
+    return Privacy(clip, noise_multiplier, delta, k, n)
+
+
+def stack(norms, p=300, seed=0) -> torch.Tensor:
+    """Float32 rows of the given L2 norms, in random directions."""
+    rows = torch.randn(len(norms), p, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    rows *= torch.tensor(norms, dtype=torch.float64)[:, None] / rows.norm(dim=1, keepdim=True)
+    return rows.float()
+
+
+def config(**privacy_section) -> Config:
+    cfg = Config()
+    cfg.clients_per_round, cfg.data.num_clients = K, N
+    cfg.privacy = privacy_section or {"clip": C, "noise_multiplier": 1.0, "delta": 1e-5}
+    return cfg
+
+
+def refused(cfg) -> str:
+    with pytest.raises(ConfigError) as err:
+        Privacy.check(cfg)
+    message = str(err.value)
+    assert "\n" not in message, message
+    return message
+
+
+# ----------------------------------------------------------------------------- clipping
+
+
+def test_clipped_norms_are_within_the_bound_and_small_updates_unchanged():
+    norms = [0.0, 0.1, 0.5 * C, 0.999 * C, 1.001 * C, 2 * C, 1e3, 1e20]
+    updates = stack(norms)
+    clipped = make().clipped(updates)
+    got = row_norms(clipped)
+    assert bool((got <= C).all()), got
+    small = torch.tensor(norms) < C
+    assert torch.equal(clipped[small], updates[small].double())  # bit for bit
+    # the large ones keep their direction and reach the bound (up to the 2^-30 margin)
+    assert torch.allclose(got[~small], torch.full_like(got[~small], C), rtol=1e-8, atol=0)
+    cosine = (clipped[~small] * updates[~small].double()).sum(1) / (got[~small] * row_norms(updates[~small]))
+    assert torch.allclose(cosine, torch.ones_like(cosine), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1.0, 3.4e38])
+def test_huge_finite_updates_stay_finite(clip):
+    limit = torch.finfo(torch.float32).max
+    updates = torch.full((K, 1000), 1e38)
+    updates[1] = -limit  # norm ~1e40: a float32 sum of squares overflows long before
+    updates[2, ::2] = limit
+    p = make(clip=clip, noise_multiplier=2.0)
+    clipped = p.clipped(updates)
+    assert bool(torch.isfinite(clipped).all()) and bool((row_norms(clipped) <= clip).all())
+    out = p.aggregate(updates, seed=0, rnd=1)
+    assert out.dtype == torch.float32 and bool(torch.isfinite(out).all())
+
+
+def test_the_aggregate_is_the_sum_of_clipped_updates_over_clients_per_round():
+    updates = stack([0.2, 3.0, 50.0], p=257)  # 3 of K = 4 reported: one dropped
+    p = make(noise_multiplier=0.0)
+    weights = torch.tensor([1, 1000, 7])  # sample counts do not matter under privacy
+    out = p.rule(seed=0, rnd=1)(updates, weights)
+    expected = p.clipped(updates).sum(0) / K  # divided by K = 4, not by the 3 that reported
+    assert out.dtype == torch.float32
+    assert torch.allclose(out.double(), expected, rtol=2**-23, atol=0)
+    assert torch.equal(out, p.aggregate(updates, seed=0, rnd=1))
+
+
+def test_one_client_moves_the_aggregate_by_at_most_clip_over_k():
+    updates = stack([0.3, 2.0, 1e6, 1e30], p=500)
+    p = make(noise_multiplier=3.0)
+    full = p.aggregate(updates, seed=4, rnd=9).double()
+    for i in range(K):
+        without = torch.cat([updates[:i], updates[i + 1:]])
+        moved = (full - p.aggregate(without, seed=4, rnd=9).double()).norm()
+        # the noise is the same draw with or without the client; float32 rounding of the
+        # noised result (|value| < ~5 z C / K) adds at most sqrt(P) 2^-24 of that
+        assert moved <= C / K + math.sqrt(500) * 2**-23 * 5 * 3.0 * C / K, (i, float(moved))
+
+
+# ----------------------------------------------------------------------------- noise
+
+
+def test_the_noise_has_standard_deviation_z_times_clip():
+    """With zero updates, aggregate * K is P independent N(0, (z C)^2) values. For n samples the
+    sample variance s^2 satisfies (n - 1) s^2 / sigma^2 ~ chi^2(n - 1), so s / sigma has standard
+    deviation ~ 1 / sqrt(2 (n - 1)) (delta method), and the sample mean sigma / sqrt(n). Six of
+    these (a chance of ~2e-9 to fail for a correct noise; the draw is fixed by the seed anyway)
+    gives the bounds below: about 0.95% for the std at n = 200,000."""
+    n, z = 200_000, 1.3
+    p = make(noise_multiplier=z)
+    for rnd in (1, 2):
+        noise = p.aggregate(torch.zeros(K, n), seed=11, rnd=rnd).double() * K
+        sigma = z * C
+        assert abs(noise.mean()) <= 6 * sigma / math.sqrt(n)
+        assert abs(noise.std() / sigma - 1) <= 6 / math.sqrt(2 * (n - 1)), float(noise.std() / sigma)
+
+
+def test_the_noise_depends_on_seed_and_round_only():
+    p = make()
+    zeros = torch.zeros(K, 1000)
+    first = p.aggregate(zeros, seed=3, rnd=5)
+    assert torch.equal(first, p.aggregate(zeros, seed=3, rnd=5))  # the same (seed, round): the same noise
+    assert torch.equal(first, make().aggregate(zeros[:1], seed=3, rnd=5))  # whoever reported
+    assert not torch.equal(first, p.aggregate(zeros, seed=3, rnd=6))
+    assert not torch.equal(first, p.aggregate(zeros, seed=4, rnd=5))
+    # a stream of its own: not the attack noise, nor a client's (seed, round, client) stream
+    from fedsim import streams
+
+    own = privacy.noise_generator(3, 5).initial_seed()
+    assert own not in {streams.attack_generator(3, 5).initial_seed(), streams.client_seed(3, 5, 0),
+                       streams.group_seed(3, 5, 0), *(streams.client_seed(3, r, 5) for r in range(10))}
+
+
+def test_zero_noise_multiplier_adds_nothing():
+    updates = stack([0.5, 0.7, 0.9, 1.0])
+    out = make(noise_multiplier=0.0).aggregate(updates, seed=0, rnd=1)
+    assert torch.allclose(out.double(), updates.double().sum(0) / K, rtol=2**-22, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- accounting
+
+
+def test_epsilon_is_opacus_rdp_accountant_and_grows_with_rounds():
+    from opacus.accountants import RDPAccountant
+
+    z, delta = 1.1, 1e-5
+    p = make(noise_multiplier=z, delta=delta)
+    epsilons = [p.epsilon(t) for t in (1, 2, 5, 10, 50)]
+    assert all(a < b for a, b in zip(epsilons, epsilons[1:])), epsilons
+    for steps, got in zip((1, 2, 5, 10, 50), epsilons):
+        accountant = RDPAccountant()
+        for _ in range(steps):
+            accountant.step(noise_multiplier=z, sample_rate=K / N)
+        assert got == accountant.get_epsilon(delta)
+
+
+def test_epsilon_is_a_function_of_the_round_count():
+    """What a resumed run relies on: a fresh object asked for round t answers what one asked for
+    every round up to t does, and asking backwards (a run resumed from an earlier checkpoint)
+    too; nothing needs checkpointing."""
+    steady = make()
+    answers = {t: steady.epsilon(t) for t in range(1, 11)}
+    assert make().epsilon(10) == answers[10]
+    assert steady.epsilon(4) == answers[4] == make().epsilon(4)
+    assert make().epsilon(0) == 0.0
+    assert make(noise_multiplier=0.0).epsilon(3) == math.inf
+
+
+def test_a_missing_opacus_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "opacus.accountants", None)  # import raises ImportError
+    with pytest.raises(ConfigError, match=r'pip install "fedsim-sync\[privacy\]"') as err:
+        make().epsilon(3)
+    assert "\n" not in str(err.value)
+    real = privacy.importlib.util.find_spec
+    monkeypatch.setattr(privacy.importlib.util, "find_spec", lambda name: None if name == "opacus" else real(name))
+    assert 'pip install "fedsim-sync[privacy]"' in refused(config())
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def test_a_run_without_the_section_has_no_privacy():
+    assert Privacy.from_config(Config()) is None
+    cfg = config()
+    cfg.privacy = None
+    assert Privacy.from_config(cfg) is None
+
+
+def test_the_section_as_mapping_or_object():
+    section = {"clip": 2, "noise_multiplier": 0.8, "delta": 1e-6}
+    for given in (section, types.SimpleNamespace(**section)):
+        cfg = config()
+        cfg.privacy = given
+        p = Privacy.from_config(cfg)
+        assert (p.clip, p.noise_multiplier, p.delta, p.sample_rate) == (2.0, 0.8, 1e-6, K / N)
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("clip", 0, "normal range"), ("clip", -1.0, "normal range"), ("clip", math.inf, "normal range"),
+    ("clip", math.nan, "normal range"), ("clip", 1e39, "normal range"), ("clip", 1e-45, "normal range"),
+    ("clip", True, "normal range"), ("clip", "1", "normal range"),
+    ("noise_multiplier", -0.1, "[0,"), ("noise_multiplier", math.nan, "[0,"), ("noise_multiplier", 1e300, "[0,"),
+    ("delta", 0, "(0, 1)"), ("delta", 1, "(0, 1)"), ("delta", 1.5, "(0, 1)"), ("delta", None, "required"),
+])
+def test_bad_values_are_one_line_naming_the_key(key, value, words):
+    section = {"clip": C, "noise_multiplier": 1.0, "delta": 1e-5, key: value}
+    message = refused(config(**section))
+    assert message.startswith(f"privacy.{key}: ") and words in message, message
+
+
+def test_missing_and_unknown_keys_are_refused():
+    assert refused(config(clip=1.0, delta=1e-5)).startswith("privacy.noise_multiplier: is required")
+    message = refused(config(clip=1.0, noise_multiplier=1.0, delta=1e-5, sigma=2))
+    assert message.startswith("privacy.sigma: unknown key") and "clip, noise_multiplier, delta" in message
+
+
+@pytest.mark.parametrize("rule", sorted(set(AGGREGATORS.names()) - {"fedavg", "mean"}))
+def test_rules_other_than_means_are_refused(rule):
+    cfg = config()
+    cfg.aggregator = rule
+    message = refused(cfg)
+    assert message.startswith("privacy: aggregator ") and rule in message and "fedavg or mean" in message, message
+
+
+def test_a_rule_of_ones_own_is_refused_even_a_mean():
+    for spec in ("fedsim.aggregation:_mean", aggregation.mean()):
+        cfg = config()
+        cfg.aggregator = spec
+        assert refused(cfg).startswith("privacy: aggregator ")
+
+
+def test_the_means_and_any_server_optimizer_are_allowed():
+    for rule in ("fedavg", "mean"):
+        for optimizer in ("none", "fedavgm", "fedadam"):
+            cfg = config()
+            cfg.aggregator, cfg.server_optimizer = rule, optimizer
+            assert isinstance(Privacy.from_config(cfg), Privacy)
+
+
+class LocalOnly(Algorithm):
+    """Changes local training only: allowed."""
+
+    def adjust_gradient(self, grad, weights, start, local):
+        grad.mul_(0.5)
+
+
+class OwnServerUpdate(Algorithm):
+    def server_update(self, round, server, clients):
+        return round.updates.mean(0)
+
+
+@pytest.mark.parametrize("algorithm,words", [
+    ("scaffold", "server state"), ("fednova", "client reports 'steps'"), ("feddyn", "client state 'gradient'"),
+    (OwnServerUpdate(), "its own server_update"),
+])
+def test_algorithms_with_state_reports_or_their_own_server_update_are_refused(algorithm, words):
+    cfg = config()
+    cfg.algorithm = algorithm
+    message = refused(cfg)
+    assert message.startswith("privacy: algorithm ") and words in message and "fedavg, fedprox" in message, message
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", LocalOnly()])
+def test_algorithms_that_only_change_local_training_are_allowed(algorithm):
+    cfg = config()
+    cfg.algorithm = algorithm
+    assert isinstance(Privacy.from_config(cfg), Privacy)
+
+
+def test_models_with_buffers_are_refused():
+    Privacy.check_model("mnist_cnn", 100, 100)
+    with pytest.raises(ConfigError, match=r"^privacy: model my_bn_net has 8 buffer values") as err:
+        Privacy.check_model("my_bn_net", 100, 108)
+    assert "\n" not in str(err.value)
+
+
+
+# ----------------------------------------------------------------------------- in a run
+
+RUN = {"name": "dp", "seed": 2, "device": "cpu", "rounds": 1, "workers": 0, "clients_per_round": 1,
+       "model": "mnist_2nn", "data": {"dataset": "synthetic", "num_clients": 5, "limit": 1000},
+       "local": {"epochs": 1, "batch_size": 32, "lr": 0.05}}
+
+
+def final_weights(run_dir) -> torch.Tensor:
+    return torch.load(run_dir / "checkpoint.pt", weights_only=True)["global"]
+
+
+def initial_weights(cfg) -> torch.Tensor:
+    from fedsim.config import load_config
+    from fedsim.federation import initial_model, load_federation
+    from fedsim.flat import FlatModel
+
+    cfg = load_config(cfg)
+    return FlatModel(initial_model(cfg, load_federation(cfg).data), "cpu").flat.detach().clone()
+
+
+def test_a_round_under_privacy_adds_the_clipped_noised_update(tmp_path):
+    """One client per round: with the unweighted mean, the new global weights are x0 + u for the
+    client's update u; under privacy they are x0 + (clip(u) + N(0, (z C)^2 I)) / 1, the noise drawn
+    from the round's stream. u is read back as (x0 + u) - x0, which float32 rounds by at most
+    half a unit in the last place of |x0 + u| (2^-24 relative); clipping scales by <= 1 and
+    the final additions round once more each: 4 x 2^-24 x max|x| bounds every difference."""
+    import fedsim
+
+    fedsim.run({**RUN, "aggregator": "mean"}, out=tmp_path / "plain", quiet=True)
+    section = {"clip": 0.05, "noise_multiplier": 0.7, "delta": 1e-5}
+    fedsim.run({**RUN, "privacy": section}, out=tmp_path / "private", quiet=True)
+    x0 = initial_weights(RUN)
+    update = final_weights(tmp_path / "plain") - x0
+    assert row_norms(update[None])[0] > 0.05  # the clip binds
+    dp = Privacy(0.05, 0.7, 1e-5, clients_per_round=1, num_clients=5)
+    expected = x0 + dp.aggregate(update[None], seed=2, rnd=1)
+    got = final_weights(tmp_path / "private")
+    bound = 4 * 2**-24 * float(torch.maximum(x0.abs(), got.abs()).max())
+    assert float((got - expected).abs().max()) <= bound
+    # the noise is there, with its scale: (got - x0 - clip(u)) ~ N(0, (0.7 x 0.05)^2), P = 199,210 values
+    noise = (got - x0).double() - dp.clipped(update[None])[0]
+    assert abs(noise.std() / (0.7 * 0.05) - 1) <= 6 / math.sqrt(2 * (len(noise) - 1)) + 1e-4
+
+
+def test_without_noise_or_clipping_privacy_is_the_unweighted_mean_divided_by_k(tmp_path):
+    """z = 0 and a clip no update reaches: (sum of updates) / K, the rule mean; not fedavg, whose
+    weights are the clients' unequal sample counts."""
+    import fedsim
+
+    cfg = {**RUN, "clients_per_round": 3, "data": {**RUN["data"], "partition": "quantity", "sigma": 1.0}}
+    runs = {rule: final_weights(fedsim.run({**cfg, "aggregator": rule}, out=tmp_path / rule, quiet=True).run_dir)
+            for rule in ("mean", "fedavg")}
+    section = {"clip": 1e30, "noise_multiplier": 0.0, "delta": 1e-5}
+    history = fedsim.run({**cfg, "privacy": section}, out=tmp_path / "private", quiet=True)
+    got = final_weights(tmp_path / "private")
+    x0 = initial_weights(cfg)
+    # the mean's and privacy's sums round differently: a few float32 units of the largest |update|
+    bound = 8 * 2**-24 * float((runs["mean"] - x0).abs().max() + torch.maximum(x0.abs(), got.abs()).max())
+    assert float((got - runs["mean"]).abs().max()) <= bound
+    assert float((got - runs["fedavg"]).abs().max()) > 100 * bound
+    assert history.epsilon == [math.inf]  # no noise, no guarantee
+
+
+def test_a_private_run_is_the_same_for_one_and_two_workers_and_reports_opacus_epsilon(tmp_path):
+    """The noise is drawn on the server from (seed, round): the workers cannot change it. Epsilon
+    after round t is what Opacus's RDP accountant gives for t steps at q = K / N, z, delta."""
+    from opacus.accountants import RDPAccountant
+
+    import fedsim
+
+    cfg = {**RUN, "rounds": 3, "clients_per_round": 4, "eval_per_client": True,
+           "data": {**RUN["data"], "num_clients": 10, "partition": "dirichlet", "test_partition": True},
+           "privacy": {"clip": 0.5, "noise_multiplier": 1.1, "delta": 1e-5}}
+    one = fedsim.run(cfg, out=tmp_path / "w1", quiet=True, workers=1)
+    two = fedsim.run(cfg, out=tmp_path / "w2", quiet=True, workers=2)
+    assert torch.equal(final_weights(tmp_path / "w1"), final_weights(tmp_path / "w2"))
+    for column in ("test_accuracy", "test_loss", "train_loss", "epsilon", "client_accuracy_mean",
+                   "client_accuracy_std", "client_accuracy_p10"):
+        assert getattr(one, column) == getattr(two, column), column
+    for rnd, epsilon in zip(one.round, one.epsilon):
+        accountant = RDPAccountant()
+        for _ in range(rnd):
+            accountant.step(noise_multiplier=1.1, sample_rate=4 / 10)
+        assert epsilon == accountant.get_epsilon(1e-5)
+    assert one.epsilon[0] < one.epsilon[1] < one.epsilon[2]
+    assert fedsim.load_run(tmp_path / "w1").epsilon == one.epsilon  # every bit through metrics.csv
+
+
+def test_a_model_with_buffers_is_refused_in_one_line(tmp_path):
+    import fedsim
+
+    def batch_norm_net():
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10), torch.nn.BatchNorm1d(10))
+
+    section = {"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}
+    with pytest.raises(ConfigError, match=r"^config: privacy: model .*batch_norm_net has 20 buffer values") as err:
+        fedsim.run({**RUN, "privacy": section}, model=batch_norm_net, out=tmp_path / "bn", quiet=True)
+    assert "\n" not in str(err.value)
+
+
+def test_client_sampling_that_is_not_uniform_is_refused():
+    cfg = config()
+    cfg.client_sampling = "power_of_choice"
+    assert refused(cfg).startswith("privacy: client_sampling power_of_choice cannot") and "loss" in refused(cfg)
+    cfg = config()
+    cfg.system = types.SimpleNamespace(availability=0.5)
+    assert "system.availability 0.5" in refused(cfg)
+
+
+def test_the_experiment_file_plans_its_sweep_and_its_plot():
+    import fnmatch
+    from pathlib import Path
+
+    import fedsim
+    from fedsim.cli import build_parser
+    from fedsim.sweep import plan
+
+    from test_sweep import documented_commands
+
+    path = Path("experiments/dp_fedavg.yaml")
+    text = path.read_text()
+    assert text.startswith("# What does client-level differential privacy cost")
+    assert "McMahan, Ramage, Talwar, Zhang" in text and "ICLR 2018" in text
+    cfg = fedsim.load_config(path)
+    assert cfg.privacy == {"clip": 0.2, "noise_multiplier": 1.0, "delta": 1e-5}
+    assert (cfg.aggregator, cfg.algorithm, cfg.clients_per_round, cfg.data.num_clients) == ("fedavg", "fedavg", 100, 1000)
+    sweep_command, plot_command = documented_commands(path)
+    args = build_parser().parse_args(sweep_command[1:])
+    runs = plan(args.config, args.grid, args.set, args.seeds)  # every point validated
+    assert [run.config.privacy["noise_multiplier"] for run in runs] == [0, 0.5, 1.0, 2.0]
+    plot = build_parser().parse_args(plot_command[1:])
+    assert plot.x == "epsilon" and plot.label == "privacy.noise_multiplier"
+    # the pattern takes the runs with noise: an infinite epsilon has no place on the axis
+    directories = [f"runs/dp_fedavg-sweep-20250101-000000/{run.label}" for run in runs]
+    assert fnmatch.filter(directories, plot.runs[0]) == directories[1:]
