@@ -58,13 +58,7 @@ import torch
 from .aggregation import _BLOCK, row_norms
 from .errors import ConfigError
 from .options import FLOAT32, is_integer, is_number
-from .streams import derive_seed
-
-# The privacy noise's stream is (seed, round, PRIVACY_NOISE), a key of its own: above every client
-# id (data.num_clients <= 1e8) and every round a run reaches, so never a client's (seed, round,
-# client) stream, the attack's (seed, 2, round) or the sampling's (seed, 1, round); and not 0, which
-# numpy's SeedSequence would drop as a trailing key. Here rather than in streams.py, which others edit.
-PRIVACY_NOISE = 2**32 - 1
+from .streams import privacy_noise_generator
 
 RULES = ("fedavg", "mean")  # the rules that privacy's clipped, noised mean replaces
 KEYS = ("clip", "noise_multiplier", "delta")
@@ -77,12 +71,6 @@ INSTALL = 'pip install "fedsim-sync[privacy]"'
 _MARGIN = 1 - 2.0**-30
 
 Rule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def noise_generator(seed: int, rnd: int) -> torch.Generator:
-    """The generator of round ``rnd``'s privacy noise: a CPU generator, so that the noise is the
-    same on any device, in any process, and after a resume."""
-    return torch.Generator().manual_seed(derive_seed(seed, rnd, PRIVACY_NOISE))
 
 
 class Privacy:
@@ -185,7 +173,7 @@ class Privacy:
 
         The sum is taken in float64, where k rows of norm <= C cannot overflow (C <= 3.4e38), in
         column blocks so that no float64 copy of the stack is made. The noise is drawn on the CPU
-        from ``noise_generator(seed, rnd)``. The result is clamped to the dtype's finite range
+        from ``streams.privacy_noise_generator(seed, rnd)``. The result is clamped to the dtype's finite range
         before the cast, so that an absurd z C cannot make the update infinite; clamping only
         post-processes the noised value, which keeps the guarantee.
         """
@@ -193,7 +181,7 @@ class Privacy:
         if k > self.clients_per_round:
             raise ValueError(f"{k} updates for a round of clients_per_round = {self.clients_per_round}")
         total = _weighted_sum(updates, self.scales(updates))
-        noise = torch.randn(p, generator=noise_generator(seed, rnd), dtype=torch.float64)
+        noise = torch.randn(p, generator=privacy_noise_generator(seed, rnd), dtype=torch.float64)
         total += noise.to(total.device).mul_(self.noise_multiplier * self.clip)
         limit = torch.finfo(updates.dtype).max
         return total.div_(self.clients_per_round).clamp_(-limit, limit).to(updates.dtype)

@@ -16,6 +16,17 @@ ATTACK_NOISE = 2  # the noise the gaussian attack sends
 VMAP_GROUP = 3  # dropout and augmentation of a vmap group
 ATTACKERS = 7  # which clients are Byzantine
 TEST_SPLIT = 1  # the per-client test split (a stream of its own: its seed list differs in length)
+# simulated system heterogeneity (system.py): every such stream starts (seed, SYSTEM, purpose, ...);
+# SYSTEM ("SYST" in ASCII) is never the second key of the streams above
+SYSTEM = 0x53595354
+ONLINE = 1  # (seed, SYSTEM, ONLINE, round): who is online this round
+DROPOUT = 2  # (seed, SYSTEM, DROPOUT, round): who fails before reporting this round
+AVAILABILITY = 3  # (seed, SYSTEM, AVAILABILITY): each client's availability probability, drawn once
+SPEED = 4  # (seed, SYSTEM, SPEED): each client's relative speed, drawn once
+# DP-FedAvg's noise (privacy.py): (seed, round, PRIVACY_NOISE), a third key above every client id
+# (data.num_clients <= 1e8), so never a client's (seed, round, client) stream; and not 0, which
+# numpy's SeedSequence would drop as a trailing key
+PRIVACY_NOISE = 2**32 - 1
 
 
 def derive_seed(*keys: int) -> int:
@@ -41,6 +52,12 @@ def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> torch.Tenso
 
 def attack_generator(seed: int, rnd: int) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(seed, ATTACK_NOISE, rnd))
+
+
+def privacy_noise_generator(seed: int, rnd: int) -> torch.Generator:
+    """Round ``rnd``'s privacy noise: a CPU generator, so that the noise is the same on any device,
+    in any process, and after a resume."""
+    return torch.Generator().manual_seed(derive_seed(seed, rnd, PRIVACY_NOISE))
 
 
 def attackers_rng(seed: int) -> np.random.Generator:

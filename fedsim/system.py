@@ -78,17 +78,7 @@ import numpy as np
 from .config import SystemConfig  # the section's dataclass lives with the config's other sections
 from .errors import ConfigError
 from .registry import Registry
-from .streams import SAMPLING
-
-# ----------------------------------------------------------------------------- stream keys
-
-# Every stream of this module starts (seed, SYSTEM, purpose, ...): SYSTEM ("SYST" in ASCII) keeps
-# them apart from the streams of streams.py, which never hold it as their second key.
-SYSTEM = 0x53595354
-ONLINE = 1  # (seed, SYSTEM, ONLINE, round): who is online this round
-DROPOUT = 2  # (seed, SYSTEM, DROPOUT, round): who fails before reporting this round
-AVAILABILITY = 3  # (seed, SYSTEM, AVAILABILITY): each client's availability probability, drawn once
-SPEED = 4  # (seed, SYSTEM, SPEED): each client's relative speed, drawn once
+from .streams import AVAILABILITY, DROPOUT, ONLINE, SAMPLING, SPEED, SYSTEM
 
 SAMPLINGS = {
     "uniform": "k online clients, equally likely, without replacement (the default)",

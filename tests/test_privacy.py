@@ -128,7 +128,7 @@ def test_the_noise_depends_on_seed_and_round_only():
     # a stream of its own: not the attack noise, nor a client's (seed, round, client) stream
     from fedsim import streams
 
-    own = privacy.noise_generator(3, 5).initial_seed()
+    own = streams.privacy_noise_generator(3, 5).initial_seed()
     assert own not in {streams.attack_generator(3, 5).initial_seed(), streams.client_seed(3, 5, 0),
                        streams.group_seed(3, 5, 0), *(streams.client_seed(3, r, 5) for r in range(10))}
 
