@@ -76,7 +76,20 @@ def _mean(rows: torch.Tensor) -> torch.Tensor:
     return _combine(_normalized(rows.new_ones(rows.shape[0]), rows), rows)
 
 
-_BLOCK = 1 << 20  # elements of the float64 block in ``_norms``: 8 MiB
+_BLOCK = 1 << 20  # elements of the float64 block in ``float64_blocks``: 8 MiB
+
+
+def float64_blocks(rows: torch.Tensor):
+    """``(start, block)`` over the columns of ``rows``: each block of columns copied in turn into
+    one float64 buffer of ~``_BLOCK`` elements, so that a float64 view of a large stack never
+    exists whole (the buffer is reused: use a block before taking the next)."""
+    k, p = rows.shape
+    columns = max(1, min(p, _BLOCK // max(1, k)))
+    buffer = rows.new_empty((k, columns), dtype=torch.float64)
+    for start in range(0, p, columns):
+        block = buffer[:, :min(columns, p - start)]
+        block.copy_(rows[:, start:start + columns])
+        yield start, block
 
 
 def _norms(rows: torch.Tensor, point: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,19 +98,14 @@ def _norms(rows: torch.Tensor, point: torch.Tensor | None = None) -> torch.Tenso
     In float32 a sum of squares overflows once an entry passes 1.8e19, and an infinite norm
     then gives 0 / 0 or inf / inf = NaN downstream. Float64 holds the difference of two float32
     values to ~1e-16 and a sum of P squares of them up to (6.8e38)^2 P ~ 5e77 P. The work is in
-    column blocks, copied one at a time into a single float64 buffer of ~``_BLOCK`` elements, so
-    that the float64 copy stays small; the norm of a row is the norm of its blocks' norms.
+    column blocks (``float64_blocks``), so that the float64 copy stays small; the norm of a row
+    is the norm of its blocks' norms.
     """
-    k, p = rows.shape
-    columns = max(1, min(p, _BLOCK // max(1, k)))
-    buffer = rows.new_empty((k, columns), dtype=torch.float64)
     point = None if point is None else point.to(torch.float64)
     parts = []
-    for start in range(0, p, columns):
-        block = buffer[:, :min(columns, p - start)]
-        block.copy_(rows[:, start:start + columns])
+    for start, block in float64_blocks(rows):
         if point is not None:
-            block -= point[start:start + columns]
+            block -= point[start:start + block.shape[1]]
         parts.append(torch.linalg.vector_norm(block, dim=1))
     return torch.linalg.vector_norm(torch.stack(parts), dim=0)
 

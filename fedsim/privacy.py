@@ -55,7 +55,7 @@ from typing import Callable
 
 import torch
 
-from .aggregation import _BLOCK, row_norms
+from .aggregation import float64_blocks, row_norms
 from .errors import ConfigError
 from .options import FLOAT32, is_integer, is_number
 from .streams import privacy_noise_generator
@@ -223,16 +223,10 @@ def _fail(key: str, message: str):
 
 
 def _weighted_sum(rows: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
-    """``coefficients @ rows`` in float64 (``[P]``), one column block of ~``_BLOCK`` elements at a
-    time copied into a single float64 buffer, as ``row_norms`` does."""
-    k, p = rows.shape
-    columns = max(1, min(p, _BLOCK // max(1, k)))
-    buffer = rows.new_empty((k, columns), dtype=torch.float64)
-    out = torch.empty(p, dtype=torch.float64, device=rows.device)
+    """``coefficients @ rows`` in float64 (``[P]``), a column block at a time (``float64_blocks``)."""
+    out = torch.empty(rows.shape[1], dtype=torch.float64, device=rows.device)
     coefficients = coefficients.to(device=rows.device, dtype=torch.float64)
-    for start in range(0, p, columns):
-        block = buffer[:, :min(columns, p - start)]
-        block.copy_(rows[:, start:start + columns])
+    for start, block in float64_blocks(rows):
         torch.mv(block.T, coefficients, out=out[start:start + block.shape[1]])
     return out
 

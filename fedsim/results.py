@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from statistics import fmean, stdev
 
-from .errors import FedsimError, write_error
+from .errors import ConfigError, FedsimError, write_error
 
 COLUMNS = ("round", "test_accuracy", "test_loss", "train_loss", "seconds", "elapsed_seconds",
            "clients", "dropped_clients", "attackers", "train_seconds", "worker_seconds", "aggregate_seconds",
@@ -276,6 +276,14 @@ def format_rounds_to_target(stats: dict) -> str:
     return f"{stats['rounds_to_target']:.1f}{spread} {count}"
 
 
+def check_target(target, spelled: str = "target") -> float | None:
+    """A target test accuracy: a fraction in (0, 1], or None; else a ConfigError naming ``spelled``."""
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                               or not 0 < target <= 1):
+        raise ConfigError(f"{spelled}: must be a test accuracy, a fraction in (0, 1], got {target!r}")
+    return target
+
+
 def results_table(histories, keys=("name",), target: float | None = None) -> ResultsTable:
     """One row per experiment (repeats over seeds pooled): the ``keys``' config values, the
     number of runs, final accuracy (mean and sample standard deviation over the runs), best
@@ -288,9 +296,7 @@ def results_table(histories, keys=("name",), target: float | None = None) -> Res
     (``reached``) and the ``target``; the markdown shows them as ``22.3 ± 1.5 (3/3)``. The
     columns are there when some row has a target.
     """
-    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
-                               or not 0 < target <= 1):
-        raise FedsimError(f"target: must be a test accuracy, a fraction in (0, 1], got {target!r}")
+    check_target(target)
     rows = []
     for group in group_repeats(histories, distinguish=keys):
         finals = [h.final_accuracy for h in group]

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from .config import Config, load_config
 from .errors import ConfigError, FedsimError, write_error
-from .results import (History, RunDirectory, format_rounds_to_target, mean_and_sd, rounds_to_target, safe_dir_name,
-                      target_stats, write_atomically)
+from .results import (History, RunDirectory, check_target, format_rounds_to_target, mean_and_sd, rounds_to_target,
+                      safe_dir_name, target_stats, write_atomically)
 
 
 @dataclass
@@ -76,14 +76,6 @@ def parse_seeds(seeds) -> list[int]:
     if len(set(values)) < len(values):
         raise ConfigError(f"--seeds {','.join(map(str, values))}: a seed is listed twice; list each once")
     return values
-
-
-def check_target(target) -> float | None:
-    """``--target``: a test accuracy, a fraction in (0, 1], or None."""
-    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
-                               or not 0 < target <= 1):
-        raise ConfigError(f"--target {target}: must be a test accuracy, a fraction in (0, 1], e.g. --target 0.99")
-    return target
 
 
 def run_label(name: str, point: list[tuple[str, str]]) -> str:
@@ -142,7 +134,7 @@ def sweep(config, grid: list[str], overrides: list[str] = (), out=None, overwrit
     from .server import start_run
 
     log = log or RoundLog(progress=False)
-    target = check_target(target)
+    target = check_target(target, "--target")
     runs = plan(config, grid, overrides, seeds)
     base = load_config(config, list(overrides)).name
     root = RunDirectory.target(out, f"{base}-sweep", overwrite)
