@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from .errors import ConfigError
-from .options import Options, is_number
+from .checks import Checks, is_number
 from .registry import Registry
 
 Rule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,8 +46,11 @@ def get(name: str, **options) -> Rule:
 # ----------------------------------------------------------------------------- option checks
 
 
-_OPTIONS = Options("aggregator_options")
-_fail = _OPTIONS.fail
+_OPTIONS = Checks("aggregator_options", options=True)
+
+
+def _fail(message: str):
+    raise ConfigError(f"aggregator_options: {message}")
 
 
 def _normalized(weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

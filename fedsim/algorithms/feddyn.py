@@ -1,5 +1,5 @@
 """FedDyn (Acar et al. 2021, "Federated learning based on dynamic regularization")."""
-from ..options import Options
+from ..checks import Checks
 from . import ALGORITHMS
 from .base import Algorithm
 
@@ -16,7 +16,7 @@ class FedDyn(Algorithm):
     """
 
     def __init__(self, alpha: float = 0.01):
-        self.alpha = Options("algorithm_options").positive("alpha", alpha)
+        self.alpha = Checks("algorithm_options", options=True).positive("alpha", alpha)
 
     def server_state(self, num_params):
         return {"h": (num_params,)}

@@ -1,5 +1,5 @@
 """FedProx (Li et al. 2020): local SGD on the loss plus mu/2 ||w - w_global||^2."""
-from ..options import Options
+from ..checks import Checks
 from . import ALGORITHMS
 from .base import Algorithm
 
@@ -10,7 +10,7 @@ class FedProx(Algorithm):
     ``mu = 0`` is exactly FedAvg."""
 
     def __init__(self, mu: float = 0.01):
-        self.mu = Options("algorithm_options").non_negative("mu", mu)
+        self.mu = Checks("algorithm_options", options=True).non_negative("mu", mu)
 
     def adjust_gradient(self, grad, weights, start, local):
         grad.add_(weights - start, alpha=self.mu)

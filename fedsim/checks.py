@@ -1,0 +1,118 @@
+"""The one way fedsim checks a value: every config section, option mapping and feature uses it.
+
+``Checks(section)`` checks the keys of one section; each check returns the value it accepts or
+raises a one-line ConfigError that starts with the key, ``section.key: must be ...``, so that
+loading can prefix it with the file or ``--set`` that gave the value (see config.locate).
+An option mapping (``aggregator_options``, ``algorithm_options``) is one key holding many
+options: ``Checks("aggregator_options", options=True)`` names the option in the message,
+``aggregator_options: beta must be ...``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import NoReturn
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+
+FLOAT32 = torch.finfo(torch.float32)
+
+
+def is_number(value) -> bool:
+    """A finite int or float (numpy's too), not a bool. An int is finite however large
+    (math.isfinite would raise OverflowError above 1.8e308)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return False
+    return isinstance(value, (int, np.integer)) or math.isfinite(value)
+
+
+def is_integer(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def shown(value, limit: int = 60) -> str:
+    """A value for an error message: its type and repr, cut short (it may be huge)."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= limit else text[:limit - 3] + '...'}"
+
+
+def cut(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+class Checks:
+    """The checks of one section's values (``section`` "" for the top level)."""
+
+    def __init__(self, section: str = "", options: bool = False):
+        self.section, self.options = section, options
+
+    def fail(self, key: str, message: str) -> NoReturn:
+        if self.options:
+            raise ConfigError(f"{self.section}: {key} {message}")
+        raise ConfigError(f"{self.section}.{key}: {message}" if self.section else f"{key}: {message}")
+
+    def at_least(self, key: str, value, low):
+        if value < low:
+            self.fail(key, f"must be >= {low}, got {value}")
+        return value
+
+    def within(self, key: str, value, low, high, bounds: str = "[]", why: str = ""):
+        """``low <= value <= high``, with ``bounds`` saying which ends are open: "[)", "(]", ..."""
+        above = value > low if bounds[0] == "(" else value >= low
+        below = value < high if bounds[1] == ")" else value <= high
+        if not (above and below):
+            self.fail(key, f"must be in {bounds[0]}{low}, {high}{bounds[1]}{why}, got {value}")
+        return value
+
+    def one_of(self, key: str, value, allowed):
+        if value not in allowed:
+            self.fail(key, f"must be one of {', '.join(allowed)}, got {cut(repr(value))}")
+        return value
+
+    def choice(self, key: str, value, table):
+        """A name registered in ``table`` (a Registry)."""
+        if value not in table:
+            self.fail(key, f"unknown {table.kind} {cut(repr(value))}; choose one of: {', '.join(table.names())}")
+        return value
+
+    def number(self, key: str, value, what: str) -> float:
+        """A finite number; ``what`` says what is expected when it is not one."""
+        if not is_number(value):
+            self.fail(key, f"{what}, got {shown(value)}")
+        return float(value)
+
+    def positive(self, key: str, value) -> float:
+        """A number > 0 that float32 holds at full precision: in its normal range, so that it
+        neither overflows to inf nor becomes a subnormal or 0 (``max_norm = 1e-45`` would
+        otherwise clip every update to zero)."""
+        if not is_number(value) or not FLOAT32.tiny <= value <= FLOAT32.max:
+            self.fail(key, f"must be a number > 0 in float32's normal range "
+                           f"[{FLOAT32.tiny:.3g}, {FLOAT32.max:.3g}], got {value!r}")
+        return float(value)
+
+    def non_negative(self, key: str, value) -> float:
+        """0, or a positive number as above."""
+        return 0.0 if is_number(value) and value == 0 else self.positive(key, value)
+
+    def count(self, key: str, value, low: int, optional: bool = False) -> int | None:
+        if value is None and optional:
+            return None
+        if not is_integer(value) or value < low:
+            self.fail(key, f"must be an integer >= {low}{' (or null)' if optional else ''}, got {value!r}")
+        return int(value)
+
+    def mapping(self, value, keys) -> dict:
+        """A section given as a mapping (or a dataclass instance) of the ``keys`` alone."""
+        if value is None:
+            return {}
+        if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
+            return {key: getattr(value, key) for key in value.__dataclass_fields__}
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{self.section}: expected a mapping of {', '.join(keys)}, got {shown(value)}")
+        unknown = [str(key) for key in value if key not in keys]
+        if unknown:
+            self.fail(unknown[0], f"unknown key; choose among: {', '.join(keys)}")
+        return dict(value)
