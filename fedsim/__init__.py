@@ -10,7 +10,7 @@ Imports are lazy so that worker processes, which import this package, start quic
 __version__ = "0.1.0"
 
 _API = {
-    "run": "server", "resume": "server", "load_config": "config", "Config": "config",
+    "run": "runs", "resume": "runs", "load_config": "validation", "Config": "config",
     "History": "results", "load_run": "results", "load_runs": "results",
     "results_table": "results", "plot_runs": "plot", "Algorithm": "algorithms", "Callback": "callbacks",
 }

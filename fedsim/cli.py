@@ -26,12 +26,13 @@ def cmd_run(args) -> int:
 
 def _run(args, ranks) -> int:
     from .callbacks import TensorBoard
-    from .config import load_config
+    from .validation import load_config
     from .distributed import ranks_named
     from .errors import DataError, FedsimError
     from .progress import write_or_silence
     from .results import RunDirectory
-    from .server import agree_on_config, resume_run, start_run
+    from .execution import kill_all_pools
+    from .runs import agree_on_config, resume_run, start_run
 
     callbacks = [TensorBoard()] if args.tensorboard else []
     path, cfg = args.resume, None
@@ -55,7 +56,7 @@ def _run(args, ranks) -> int:
         path = RunDirectory.target(args.out, cfg.name, args.overwrite) if ranks.is_root else None
         runner = lambda: start_run(cfg, out=path, overwrite=args.overwrite, quiet=args.quiet,  # noqa: E731
                                    progress=args.progress, callbacks=callbacks, ranks=ranks)
-    install_handlers()
+    install_handlers(kill_all_pools)
     try:
         history = runner()
     except (KeyboardInterrupt, Terminated) as e:
@@ -111,7 +112,7 @@ def _interrupted_message(path) -> str:
 
 
 def cmd_list(args) -> int:
-    from .registry import tables
+    from .components import tables
 
     for kind, table in tables().items():
         print(f"{kind}:")
@@ -124,7 +125,8 @@ def cmd_list(args) -> int:
 def cmd_partition(args) -> int:
     from pathlib import Path
 
-    from .config import load_config, locate
+    from .config import locate
+    from .validation import load_config
     from .data.report import write_report
     from .errors import FedsimError
     from .results import check_output_path, safe_dir_name
@@ -153,12 +155,13 @@ def cmd_plot(args) -> int:
 
 def cmd_sweep(args) -> int:
     from .errors import FedsimError
+    from .execution import kill_all_pools
     from .sweep import sweep
 
     if not args.grid and args.seeds is None:
         raise FedsimError("give at least one --grid KEY=V1,V2,... or --seeds S1,S2,..., e.g. "
                           "--grid aggregator=fedavg,median or --seeds 0,1,2")
-    install_handlers()
+    install_handlers(kill_all_pools)
     try:
         sweep(args.config, args.grid, args.set, out=args.out, overwrite=args.overwrite, quiet=args.quiet,
               seeds=args.seeds, target=args.target)

@@ -31,7 +31,7 @@ import torch
 
 from .data import local_test_split
 
-COLUMNS = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")
+METRIC_COLUMNS = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")
 
 
 def spread(accuracies) -> dict:
@@ -42,7 +42,7 @@ def spread(accuracies) -> dict:
     values = np.asarray(accuracies, dtype=np.float64)
     values = values[~np.isnan(values)]
     if not len(values):
-        return dict.fromkeys(COLUMNS, math.nan)
+        return dict.fromkeys(METRIC_COLUMNS, math.nan)
     return {"client_accuracy_mean": float(values.mean()), "client_accuracy_std": float(values.std()),
             "client_accuracy_p10": float(np.percentile(values, 10))}
 

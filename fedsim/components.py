@@ -18,13 +18,21 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import inspect
 from dataclasses import dataclass
 
 import torch
 
+from . import aggregation
+from .aggregation import AGGREGATORS
+from .algorithms import ALGORITHMS, Algorithm
+from .attacks import ATTACKS
+from .data import DATASETS, PARTITIONS, Dataset, check_dataset_spec
 from .errors import ConfigError
+from .models import MODELS
+from .registry import is_import_path, load_attr, registered
+from .server_opt import SERVER_OPTIMIZERS
+from .system import CLIENT_SAMPLINGS
 
 KEYS = ("model", "aggregator", "algorithm", "data.dataset")
 
@@ -39,38 +47,16 @@ def _set(cfg, key: str, value) -> None:
     setattr(getattr(cfg, section) if section else cfg, name, value)
 
 
-def is_import_path(text: str) -> bool:
-    return ":" in text
-
-
 def describe(value) -> str:
     """How config.yaml names a component: its name, import path or where it was defined."""
     if isinstance(value, str):
         return value
-    from .data import Dataset
 
     if isinstance(value, Dataset):
         return value.name
     target = value if inspect.isroutine(value) or inspect.isclass(value) else type(value)
     where = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__name__)}"
     return where if target is value else f"{where}()"
-
-
-def load_attr(key: str, path: str):
-    """The object an import path ``pkg.module:attr`` names; one line if it cannot be had."""
-    module_name, _, attr = path.partition(":")
-    if attr.endswith("()"):  # how config.yaml names an object given from Python (see describe)
-        raise ConfigError(f"{key}: {path} was an object given from Python; give it again, e.g. "
-                          f"fedsim.resume(run_dir, {key.rpartition('.')[2]}=...)")
-    try:
-        target = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or whatever the module raised while importing
-        raise ConfigError(f"{key}: cannot import {module_name!r} ({type(e).__name__}: {e})") from None
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ConfigError(f"{key}: module {module_name!r} has no attribute {attr!r}")
-        target = getattr(target, part)
-    return target
 
 
 def _resolve(key: str, spec, table):
@@ -80,14 +66,6 @@ def _resolve(key: str, spec, table):
     if is_import_path(spec):
         return load_attr(key, spec)
     return registered(key, table, spec)
-
-
-def registered(key: str, table, name: str):
-    """``table``'s entry ``name``; an unknown name is refused naming the config key."""
-    if name not in table:
-        raise ConfigError(f"{key}: unknown {table.kind} {name!r}; choose one of: {', '.join(table.names())}, "
-                          f"or give an import path (pkg.module:name)")
-    return table.get(name)
 
 
 def _takes(fn, counts: tuple[int, ...], key: str, wanted: str) -> int:
@@ -112,7 +90,6 @@ def _takes(fn, counts: tuple[int, ...], key: str, wanted: str) -> int:
 
 def model_builder(spec):
     """A function (input_shape, num_classes) -> nn.Module for a model spec."""
-    from .models import MODELS
 
     target = _resolve("model", spec, MODELS)
     if not callable(target):
@@ -162,7 +139,6 @@ def probe_model(spec, module: torch.nn.Module, sample: torch.Tensor, num_classes
 
 def aggregator(spec, options: dict):
     """The rule ``(updates, weights) -> [P]`` with its options bound."""
-    from . import aggregation
 
     if isinstance(spec, str) and not is_import_path(spec):
         registered("aggregator", aggregation.AGGREGATORS, spec)
@@ -197,7 +173,6 @@ def probe_aggregator(spec, rule, k: int) -> None:
 def algorithm(spec, options: dict):
     """An Algorithm instance: a registered or imported class built with ``options``, or the
     instance given."""
-    from .algorithms import ALGORITHMS, Algorithm
 
     target = _resolve("algorithm", spec, ALGORITHMS)
     if inspect.isclass(target) and issubclass(target, Algorithm):
@@ -221,7 +196,6 @@ def algorithm(spec, options: dict):
 def check(cfg) -> None:
     """Everything that can be checked before the data is loaded: each component resolves, has
     the right kind and signature, and the rule works on clients_per_round rows."""
-    from .data import check_dataset_spec
 
     model_builder(cfg.model)
     rule = aggregator(cfg.aggregator, cfg.aggregator_options)
@@ -271,3 +245,10 @@ def from_server(cfg):
         if isinstance(value, Shipped):
             _set(cfg, key, cloudpickle.loads(value.payload))
     return cfg
+
+
+def tables() -> dict:
+    """Every name table, for validation and ``fedsim list``."""
+    return {"datasets": DATASETS, "partitions": PARTITIONS, "models": MODELS, "algorithms": ALGORITHMS,
+            "aggregators": AGGREGATORS, "server optimizers": SERVER_OPTIMIZERS, "attacks": ATTACKS,
+            "client samplings": CLIENT_SAMPLINGS}

@@ -106,22 +106,22 @@ class Ranks:
                 raise FedsimError(f"rank {rank}: {message}" if rank else message)
             raise RankStopped("")
 
-    def gather_rows(self, shared, groups: list[list[int]], what: str) -> None:
-        """Rank 0's shared buffers receive every rank's trained rows: weights, stats, reports."""
+    def gather_rows(self, buffers, groups: list[list[int]], what: str) -> None:
+        """Rank 0's round buffers receive every rank's trained rows: weights, stats, reports."""
         if self.world == 1:
             return
         import torch.distributed as dist
 
         def pack(slots):
-            parts = [shared.local_flat[slots], shared.stats[slots]]
-            parts += [r[slots].reshape(len(slots), -1).to(shared.local_flat.dtype) for r in shared.reports.values()]
+            parts = [buffers.client_weights[slots], buffers.stats[slots]]
+            parts += [r[slots].reshape(len(slots), -1).to(buffers.client_weights.dtype) for r in buffers.reports.values()]
             return torch.cat(parts, dim=1)
 
         mine = [s for group in self.groups(groups) for s in group]
         per_rank = [[s for g in groups[r::self.world] for s in g] for r in range(self.world)]
         longest = max(len(p) for p in per_rank)
         width = pack(mine[:1] or [0]).shape[1]
-        send = torch.zeros(longest, width, device=shared.local_flat.device)
+        send = torch.zeros(longest, width, device=buffers.client_weights.device)
         if mine:
             send[: len(mine)] = pack(mine)
         send = self._out(send)
@@ -130,16 +130,16 @@ class Ranks:
         if self.is_root:
             for rank, slots in enumerate(per_rank):
                 if rank and slots:
-                    self._unpack(shared, slots, received[rank][: len(slots)].to(shared.local_flat.device))
+                    self._unpack(buffers, slots, received[rank][: len(slots)].to(buffers.client_weights.device))
 
     @staticmethod
-    def _unpack(shared, slots, rows) -> None:
-        p = shared.local_flat.shape[1]
-        shared.local_flat[slots] = rows[:, :p]
-        width = shared.stats.shape[1]
-        shared.stats[slots] = rows[:, p:p + width]
+    def _unpack(buffers, slots, rows) -> None:
+        p = buffers.client_weights.shape[1]
+        buffers.client_weights[slots] = rows[:, :p]
+        width = buffers.stats.shape[1]
+        buffers.stats[slots] = rows[:, p:p + width]
         offset = p + width
-        for report in shared.reports.values():
+        for report in buffers.reports.values():
             size = report[0].numel()
             report[slots] = rows[:, offset:offset + size].reshape(len(slots), *report.shape[1:]).to(report.dtype)
             offset += size

@@ -16,13 +16,12 @@ class Terminated(BaseException):
     """SIGTERM, raised in the main thread so that the run unwinds and cleans up."""
 
 
-def install_handlers() -> None:
+def install_handlers(kill_workers) -> None:
     """The command line's handlers: the first SIGINT or SIGTERM raises KeyboardInterrupt or
-    Terminated in the main thread; a second kills the workers and exits at once."""
-    from .workers import kill_all_pools
+    Terminated in the main thread; a second calls ``kill_workers()`` and exits at once."""
 
     def at_once(signum, frame):
-        kill_all_pools()
+        kill_workers()
         os._exit(128 + signum)
 
     def first(signum, frame):

@@ -1,6 +1,8 @@
-"""Name -> object tables, so a YAML file or a notebook can say ``model: mnist_cnn``; and where they all are."""
+"""Name -> object tables, so a YAML file or a notebook can say ``model: mnist_cnn``; and import
+paths, ``pkg.module:attr``, for what is not registered."""
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 from .errors import ConfigError
@@ -36,17 +38,30 @@ class Registry:
         return name in self._entries
 
 
-def tables() -> dict[str, Registry]:
-    """Every name table, for validation and ``fedsim list``; imported here, when first asked
-    for, because the tables' modules import torch."""
-    from .aggregation import AGGREGATORS
-    from .algorithms import ALGORITHMS
-    from .attacks import ATTACKS
-    from .data import DATASETS, PARTITIONS
-    from .models import MODELS
-    from .server_opt import SERVER_OPTIMIZERS
-    from .system import CLIENT_SAMPLINGS
+def is_import_path(text: str) -> bool:
+    return ":" in text
 
-    return {"datasets": DATASETS, "partitions": PARTITIONS, "models": MODELS, "algorithms": ALGORITHMS,
-            "aggregators": AGGREGATORS, "server optimizers": SERVER_OPTIMIZERS, "attacks": ATTACKS,
-            "client samplings": CLIENT_SAMPLINGS}
+
+def load_attr(key: str, path: str):
+    """The object an import path ``pkg.module:attr`` names; one line if it cannot be had."""
+    module_name, _, attr = path.partition(":")
+    if attr.endswith("()"):  # how config.yaml names an object given from Python (see describe)
+        raise ConfigError(f"{key}: {path} was an object given from Python; give it again, e.g. "
+                          f"fedsim.resume(run_dir, {key.rpartition('.')[2]}=...)")
+    try:
+        target = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or whatever the module raised while importing
+        raise ConfigError(f"{key}: cannot import {module_name!r} ({type(e).__name__}: {e})") from None
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(f"{key}: module {module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    return target
+
+
+def registered(key: str, table, name: str):
+    """``table``'s entry ``name``; an unknown name is refused naming the config key."""
+    if name not in table:
+        raise ConfigError(f"{key}: unknown {table.kind} {name!r}; choose one of: {', '.join(table.names())}, "
+                          f"or give an import path (pkg.module:name)")
+    return table.get(name)

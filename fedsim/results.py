@@ -344,7 +344,6 @@ def _read_optional(path: Path, parse) -> dict:
 def _yaml_mapping(text: str):
     import yaml
 
-    from .config import parse_yaml
 
     try:
         return parse_yaml(text)

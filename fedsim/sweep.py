@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from statistics import fmean
 from pathlib import Path
 
-from .config import Config, load_config
+from .config import Config
 from .errors import ConfigError, FedsimError, write_error
 from .results import (History, RunDirectory, check_target, format_rounds_to_target, mean_and_sd, rounds_to_target,
                       safe_dir_name, target_stats, write_atomically)
@@ -131,7 +131,7 @@ def sweep(config, grid: list[str], overrides: list[str] = (), out=None, overwrit
     run). ``target``: report the rounds to this test accuracy (a fraction; the runs go on),
     instead of each configuration's ``stop_at_accuracy``."""
     from .progress import RoundLog
-    from .server import start_run
+    from .runs import start_run
 
     log = log or RoundLog(progress=False)
     target = check_target(target, "--target")

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, DataError
-from ..registry import Registry
+from ..registry import Registry, is_import_path, load_attr, registered
 
 DATASETS = Registry("dataset")
 
@@ -102,7 +102,6 @@ def _from_file(path: Path) -> Dataset:
 def check_dataset_spec(spec) -> None:
     """What can be checked of ``data.dataset`` before loading: a known name, a .pt / .npz file
     that exists, an importable path, or a Dataset."""
-    from ..components import is_import_path, load_attr, registered
 
     if isinstance(spec, Dataset):
         return
@@ -123,7 +122,6 @@ def load_dataset(spec, root: str | Path, limit: int | None = None, download: boo
     """The dataset ``spec`` names: a registered name (read from ``root``, downloaded there
     unless ``download`` is False), a .pt / .npz file, an import path of a function that returns
     a Dataset, or a Dataset. ``limit`` keeps only the first N training samples."""
-    from ..components import is_import_path, load_attr
 
     if isinstance(spec, Dataset):
         data = spec

@@ -1,0 +1,149 @@
+"""The round: plan -> train -> collect -> update -> evaluate.
+
+All randomness is a function of (seed, round, client) (see streams.py): the client sample of a
+round and who is online, fails or straggles in it (see system.py), each client's shuffling and
+dropout, the attack noise. A run therefore gives the same numbers whatever executes the
+clients, and a resumed run continues exactly where it stopped. The loop knows no particular
+algorithm, rule or attack (it calls their interfaces), and no particular way of running
+clients (an ``Executor``) or of updating the global model (an update strategy, update.py).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..client_eval import METRIC_COLUMNS
+from ..system import RoundPlan
+from .buffers import RoundBuffers
+from .records import ClientRecord
+from .state import GlobalState
+
+
+class Executor(Protocol):
+    """Trains a round's clients into the round's buffers: rows 0..k-1 hold the clients'
+    weights, stats and reports afterwards."""
+
+    busy_seconds: list[float]  # each worker's training time in the last round
+    peak_memory: list[int]  # bytes, each worker's peak
+
+    def start(self, buffers: RoundBuffers) -> None: ...
+
+    def train(self, rnd: int, clients: torch.Tensor, start_from: torch.Tensor) -> None: ...
+
+    def agree(self, compute: Callable[[], object]) -> object:
+        """``compute()``, computed once and the same for every part of the run that plans rounds."""
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class RoundResult:
+    row: dict  # the round's metrics (test_accuracy is NaN when the round is not evaluated)
+    clients: list[ClientRecord]  # the trained clients slot by slot, then those whose work was lost
+    evaluated: bool
+    trained: torch.Tensor  # the ids of the clients trained, slot by slot
+
+
+@torch.inference_mode()
+def evaluate(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> tuple[float, float]:
+    """Accuracy and mean loss; one host sync at the end. The data may live in host memory
+    (data.placement): each batch then goes to the model's device."""
+    module.eval()
+    device = next(module.parameters()).device
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    loss = torch.zeros((), dtype=torch.float64, device=device)
+    for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
+        xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+        out = module(xb)
+        loss += F.cross_entropy(out, yb, reduction="sum").double()
+        correct += (out.argmax(dim=1) == yb).sum()
+    return correct.item() / len(y), loss.item() / len(y)
+
+
+class Engine:
+    """One run's rounds. ``test`` is the (inputs, labels) of the test set; ``client_eval``
+    scores the global model on every client's test split (or None); ``privacy`` reports the
+    privacy spent (or None)."""
+
+    def __init__(self, cfg, state: GlobalState, buffers: RoundBuffers, executor: Executor, strategy, system,
+                 test: tuple[torch.Tensor, torch.Tensor], client_eval=None, privacy=None):
+        self.cfg, self.state, self.buffers, self.executor, self.strategy = cfg, state, buffers, executor, strategy
+        self.system, self.test, self.client_eval, self.privacy = system, test, client_eval, privacy
+        self.sizes = np.diff(buffers.client_offsets.numpy())  # the clients' sample counts
+
+    def run_round(self, rnd: int) -> RoundResult:
+        cfg, t0 = self.cfg, time.perf_counter()
+        # 1. the round's clients among the online ones: those whose work reaches the server are
+        #    trained, partial stragglers for fewer steps
+        plan = self.plan(rnd)
+        clients = torch.from_numpy(plan.clients)
+        # 2. train them from the global weights
+        self.executor.train(rnd, clients, self.state.model.flat)
+        t_trained = time.perf_counter()
+        # 3. their updates as the server sees them, and one record per sampled client
+        round_, records = self.strategy.collect(rnd, clients)
+        records += [ClientRecord.lost(rnd, c, int(self.sizes[c]), plan.outcome(c), int(self.buffers.attackers[c]))
+                    for c in plan.dropped.tolist()]
+        # 4. the new global state
+        if len(round_.clients):
+            self.strategy.update(rnd, round_)
+        t_updated = time.perf_counter()
+        # 5. evaluate (with eval_per_client, also on every client's test split)
+        evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
+        row = {"round": rnd, **self._evaluate(rnd, evaluated), **self._train_metrics(round_, records),
+               "seconds": round(time.perf_counter() - t0, 4), "clients": len(records),
+               "attackers": sum(r.attacker for r in records),
+               "train_seconds": round(t_trained - t0, 4),
+               "worker_seconds": round(max(self.executor.busy_seconds), 4),
+               "aggregate_seconds": round(t_updated - t_trained, 4),
+               "eval_seconds": round(time.perf_counter() - t_updated, 4),
+               "epsilon": self.privacy.epsilon(rnd) if self.privacy else None,
+               # dropped_clients: the lost work of the plan, and the non-finite updates left out
+               **plan.metrics(left_out=len(plan.clients) - len(round_.clients))}
+        return RoundResult(row, records, evaluated, clients)
+
+    def plan(self, rnd: int) -> RoundPlan:
+        """The round's plan (see system.py), its step limits written where the workers read them."""
+        cfg = self.cfg
+        losses = self.executor.agree(lambda: self._candidate_losses(rnd)) if self.system.needs_losses else None
+        plan = self.system.round(cfg.seed, rnd, cfg.data.num_clients, cfg.clients_per_round, self.sizes, losses)
+        limits = [-1 if limit is None else limit for limit in plan.step_limits]
+        self.buffers.step_limits[:len(limits)] = torch.tensor(limits, dtype=torch.int64)
+        return plan
+
+    def _candidate_losses(self, rnd: int) -> dict[int, float] | None:
+        """power_of_choice: the current global model's mean loss on each candidate's whole training
+        set, computed in the server process in eval mode (no dropout, no augmentation), so the
+        same whatever the workers; None when there are no more candidates than clients to keep."""
+        cfg, b = self.cfg, self.buffers
+        candidates = self.system.candidates(cfg.seed, rnd, cfg.data.num_clients, cfg.clients_per_round, self.sizes)
+        if len(candidates) <= cfg.clients_per_round:
+            return None
+        losses = {}
+        for c in candidates.tolist():
+            ix = b.client_samples(c)
+            losses[c] = evaluate(self.state.model.module, b.train_x[ix], b.train_y[ix], cfg.eval_batch_size)[1]
+        return losses
+
+    def _evaluate(self, rnd: int, evaluated: bool) -> dict:
+        cfg, module = self.cfg, self.state.model.module
+        if not evaluated:
+            return {"test_accuracy": math.nan, "test_loss": math.nan, **dict.fromkeys(METRIC_COLUMNS)}
+        accuracy, loss = evaluate(module, *self.test, cfg.eval_batch_size)
+        per_client = self.client_eval.score(module, *self.test, cfg.eval_batch_size, rnd) if self.client_eval \
+            else dict.fromkeys(METRIC_COLUMNS)
+        return {"test_accuracy": accuracy, "test_loss": loss, **per_client}
+
+    def _train_metrics(self, round_, records: list[ClientRecord]) -> dict:
+        """The mean training loss over the kept clients' samples, as each client's loss is the mean
+        over its own; ``records`` starts with the trained clients, slot by slot."""
+        if not len(round_.clients):
+            return {"train_loss": math.nan}
+        losses = self.buffers.stats[:, 1][[i for i, r in enumerate(records) if not r.dropped]]
+        return {"train_loss": float((round_.weights * losses).sum() / round_.weights.sum())}

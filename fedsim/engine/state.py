@@ -1,0 +1,77 @@
+"""What the server keeps between rounds: the global model, the server optimizer's state and the
+algorithm's state. All of it, and nothing else, is what a checkpoint holds."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import FedsimError
+from ..flat import FlatModel
+from ..results import flatten_config
+
+
+class GlobalState:
+    """``description`` names the run's model, algorithm and server optimizer for the message
+    that refuses another run's checkpoint. The algorithm's state tensors are allocated here and
+    shared with the workers through the round's buffers (they read them, the server changes them)."""
+
+    def __init__(self, model: FlatModel, server_optimizer, algorithm, num_clients: int, description: str):
+        n, device = model.num_params, model.flat.device
+        self.model, self.server_optimizer, self.description = model, server_optimizer, description
+        self.server_state = {name: torch.zeros(*shape, device=device)
+                             for name, shape in algorithm.server_state(n).items()}
+        self.client_state = {name: torch.zeros(num_clients, *shape, device=device)
+                             for name, shape in algorithm.client_state(n).items()}
+        self.saved_round = 0  # the round of the last state saved (or resumed from); 0: none
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.model.flat, *self.server_state.values(), *self.client_state.values()]
+
+    def state_dict(self, rnd: int) -> dict:
+        return {
+            "round": rnd,
+            "global": self.model.flat.cpu(),
+            "server_optimizer": {k: v.cpu() for k, v in self.server_optimizer.state_dict().items()},
+            "algorithm": {"server": {k: v.cpu() for k, v in self.server_state.items()},
+                          "clients": {k: v.cpu() for k, v in self.client_state.items()}},
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict, source: Path) -> None:
+        """Continue from ``state``, the checkpoint read from the file ``source``."""
+        self._check(state, source)
+        self.model.flat.copy_(state["global"])
+        self.server_optimizer.load_state_dict(state["server_optimizer"])
+        for name, value in state["algorithm"]["server"].items():
+            self.server_state[name].copy_(value)
+        for name, value in state["algorithm"]["clients"].items():
+            self.client_state[name].copy_(value)
+        torch.set_rng_state(state["torch_rng"])
+        self.saved_round = state["round"]
+
+    def _check(self, state: dict, source: Path) -> None:
+        """Every tensor the run restores must be there with this run's shape, and nothing else:
+        a checkpoint copied from another run (or torn by hand) is refused in one line."""
+        expected = {"global": self.model.flat, "torch_rng": torch.get_rng_state(),
+                    **{f"server_optimizer.{k}": v for k, v in self.server_optimizer.state_dict().items()},
+                    **{f"algorithm.server.{k}": v for k, v in self.server_state.items()},
+                    **{f"algorithm.clients.{k}": v for k, v in self.client_state.items()}}
+        saved = dict(flatten_config({key: state.get(key) for key in ("server_optimizer", "algorithm")}))
+        unexpected = sorted(k for k, v in saved.items() if isinstance(v, torch.Tensor) and k not in expected)
+        if unexpected:
+            raise FedsimError(f"{source}: holds {unexpected[0]}, which this run does not keep; it is not this "
+                              f"run's checkpoint")
+        for key, like in expected.items():
+            value = state
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if not isinstance(value, torch.Tensor) or value.shape != like.shape or value.dtype != like.dtype:
+                got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "nothing"
+                raise FedsimError(f"{source}: holds {got} for {key} where this run ({self.description}) needs "
+                                  f"{tuple(like.shape)}; it is not this run's checkpoint")
+
+    def kept(self) -> str:
+        """What a run that stops now still has on disk, for its error message."""
+        return f"the checkpoint of round {self.saved_round} is kept" if self.saved_round else \
+            "no checkpoint was written"

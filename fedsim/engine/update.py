@@ -1,0 +1,94 @@
+"""How a round's training becomes the new global model: an update strategy collects what the
+clients left in the round's buffers (one record per client, and the updates as the server sees
+them) and turns it into the new global state.
+
+``AggregateUpdates`` is the synchronous FedAvg family: every client trained a copy of the
+global weights; their differences from the global weights (after an attack rewrote the
+attackers' and non-finite ones were left out) go through the algorithm's server update, with
+the run's rule (or privacy's clipped, noised mean), then through the server optimizer.
+A strategy whose clients train the global weights themselves adopts them instead (see
+execution/hogwild.py).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..aggregation import row_norms
+from ..algorithms import Round
+from ..errors import NonFiniteError
+from ..streams import attack_generator
+from .buffers import RoundBuffers
+from .records import ClientRecord
+from .state import GlobalState
+
+logger = logging.getLogger("fedsim")
+
+
+def check_finite(state: GlobalState, tensor: torch.Tensor, rnd: int, what: str, why: str, advice: str) -> None:
+    """The global state must stay finite: stop before a non-finite one is evaluated or saved."""
+    if not torch.isfinite(tensor).all():
+        raise NonFiniteError(f"round {rnd}: {what} (NaN/Inf){why}; nothing of this round was saved and "
+                             f"{state.kept()}; {advice}")
+
+
+class AggregateUpdates:
+    """``names`` describes the algorithm, rule and server optimizer for error messages."""
+
+    keeps_client_weights = True  # each client trains a copy, kept in its row of client_weights
+
+    def __init__(self, cfg, state: GlobalState, buffers: RoundBuffers, algorithm, aggregate, privacy, attack,
+                 names: dict):
+        self.cfg, self.state, self.buffers = cfg, state, buffers
+        self.algorithm, self.aggregate, self.privacy, self.attack, self.names = \
+            algorithm, aggregate, privacy, attack, names
+
+    def collect(self, rnd: int, clients: torch.Tensor) -> tuple[Round, list[ClientRecord]]:
+        """The round's updates as the server's update sees them, and one record per client."""
+        cfg, b, k = self.cfg, self.buffers, len(clients)
+        updates = b.client_weights[:k].sub_(self.state.model.flat)  # client weights - global weights, in place
+        attacking = b.attackers[clients]
+        rows = attacking.nonzero().flatten().to(updates.device)
+        if len(rows):
+            rewritten = self.attack.rewrite(updates[rows], attack_generator(cfg.seed, rnd))
+            if rewritten is not None:
+                updates[rows] = rewritten
+        finite = torch.isfinite(updates).all(dim=1)
+        for report in b.reports.values():
+            finite &= torch.isfinite(report[:k].reshape(k, -1)).all(dim=1)
+        keep = finite.nonzero().flatten()
+        bad = clients[(~finite).cpu()].tolist()
+        if bad:
+            if cfg.on_nonfinite == "fail":
+                raise NonFiniteError(f"round {rnd}: client {bad[0]} sent non-finite (NaN/Inf) weights "
+                                     f"(on_nonfinite: fail; use drop to leave such clients out)")
+            logger.warning(f"round {rnd}: dropped {len(bad)} client(s) with non-finite weights: {bad}")
+        norms, stats = row_norms(updates), b.stats[:k].cpu()
+        records = [ClientRecord(rnd, int(c), int(stats[i, 0]), float(stats[i, 1]), float(norms[i]),
+                                0 if finite[i] else "nonfinite", int(attacking[i]), int(stats[i, 2]))
+                   for i, c in enumerate(clients.tolist())]
+        round_ = Round(updates=updates[keep], weights=b.stats[keep, 0],
+                       clients=clients[keep.cpu()].to(b.global_flat.device),
+                       reports={name: report[keep] for name, report in b.reports.items()},
+                       aggregate=self.privacy.rule(cfg.seed, rnd) if self.privacy else self.aggregate,
+                       global_weights=self.state.model.flat, num_params=self.state.model.num_params,
+                       num_clients=cfg.data.num_clients)
+        return round_, records
+
+    def update(self, rnd: int, round_: Round) -> None:
+        """The new global model; a non-finite one is never kept. The global state can become
+        non-finite although every client update is finite (a rule or a server optimizer can
+        overflow)."""
+        state, n, names = self.state, self.state.model.num_params, self.names
+        delta = self.algorithm.server_update(round_, state.server_state, state.client_state)
+        why = " although every client update used was finite"
+        advice = "lower server_lr or attack.scale, or bound updates with aggregator: norm_clip"
+        check_finite(state, delta, rnd, f"the update of {names['algorithm']} with the rule {names['aggregator']} "
+                                        f"is non-finite", why, advice)
+        state.server_optimizer.step(state.model.params, delta[:n])
+        state.model.flat[n:].add_(delta[n:])  # buffers (batch-norm statistics) are averaged as they are
+        check_finite(state, state.model.flat, rnd, f"the server optimizer {names['server_optimizer']} made the "
+                                                   f"global weights non-finite", why, advice)
+        for name, tensor in state.server_state.items():
+            check_finite(state, tensor, rnd, f"the algorithm's state {name!r} became non-finite", why, advice)

@@ -1,0 +1,307 @@
+"""The executors of one machine: a pool of persistent worker processes, or the server itself.
+
+One round, as the server and each worker ``w`` of ``W`` see it::
+
+    server                                     worker w
+    write global weights and assignment
+    open the round barrier:  ("train", r, groups) -> wakes up
+                                               for slots in its groups (w, w+W, ... of the
+                                               server's share of the round):
+                                                   train the clients assignment[slots] from
+                                                   the global weights; write their weights and
+                                                   stats into rows `slots` of the round's buffers
+    wait until all W arrive  <- ("done",)      synchronize the device, arrive
+    aggregate rows 0..k-1
+
+Every tensor a worker touches is created by the server and handed over once at start-up
+(CUDA IPC on a GPU, shared memory on a CPU): nothing is pickled per round but those
+few-byte messages.
+
+The round barrier is built on each worker's pipe rather than on multiprocessing.Barrier:
+waking the waiters of a multiprocessing.Barrier (also to abort it) waits for each of them to
+acknowledge, so one worker killed while waiting there hangs the server for good. Here the
+server waits on the pipes and the process sentinels together, so an arrival, an exception
+report, a death and a timeout are all seen at once, and a failure ends the round with a
+message naming worker, client and round.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.multiprocessing as mp
+
+from ..config import vmap_group_size
+from ..engine.buffers import RoundBuffers
+from ..errors import WorkerError, resource_hint
+from .resources import (born_ignoring_sigint, check_descriptors, die_with_parent, exit_cause,
+                        raise_descriptor_limit, stop_resource_sharer)
+from .runner import ClientRunner
+
+STARTING, IDLE = -2, -1  # RoundBuffers.progress values besides a client id
+START_TIMEOUT = 300.0  # seconds for workers to start (spawn, imports, CUDA context, model)
+FIRST_ROUND_TIMEOUT = 900.0  # the first round also pays for cuDNN set-up and first kernels
+
+
+def _worker_main(rank: int, num_workers: int, config, device: str, conn: Connection, runner: type) -> None:
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the server decides
+    try:
+        torch.multiprocessing.set_sharing_strategy(config.sharing_strategy)
+        torch.set_num_threads(1)  # one thread per worker: no oversubscription, and the same float
+        # reductions in every worker (and in InlinePool), so results do not depend on `workers`
+        buffers: RoundBuffers = conn.recv()
+        trainer = runner(config, buffers, torch.device(device))
+        buffers.progress[rank] = IDLE
+        conn.send(("ready",))
+        while True:
+            command = conn.recv()  # blocks until the server opens the next round
+            if command[0] == "stop":
+                return
+            _, rnd, groups = command
+            started = time.perf_counter()
+            for slots in groups:
+                buffers.progress[rank] = int(buffers.assignment[slots[0]])
+                trainer.train_group(slots, rnd)
+            buffers.progress[rank] = IDLE
+            trainer.synchronize()  # results must be in memory before the server reads them
+            conn.send(("done", time.perf_counter() - started, trainer.peak_memory()))
+    except (EOFError, BrokenPipeError):
+        return  # the server is gone or stopping the pool
+    except BaseException as e:  # report, so the server can name the cause; then die
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        finally:
+            sys.exit(1)
+
+
+def slot_groups(config, k: int) -> list[list[int]]:
+    """The round's slots cut into groups trained together (one slot each for the process
+    backend, ``vmap_group_size`` for vmap). Groups are dealt to ranks and then to workers in
+    turn: the grouping depends on the round and the config, never on the number of workers or
+    ranks, so neither do the results."""
+    size = vmap_group_size(config) if config.backend == "vmap" else 1
+    return [list(range(i, min(i + size, k))) for i in range(0, k, size)]
+
+
+class WorkerPool:
+    """``W`` spawned worker processes sharing the server's buffers; each trains its clients with
+    a ``runner`` (a ClientRunner, or a subclass such as Hogwild's), built once in the worker.
+
+    Creating the pool spawns the processes, which import torch (the bulk of a worker's
+    start-up) while the server loads the data; ``start`` then hands them the buffers.
+    """
+
+    def __init__(self, config, num_workers: int, device: torch.device, runner: type = ClientRunner):
+        ctx = mp.get_context("spawn")
+        self.buffers: RoundBuffers | None = None  # set by start()
+        self.num_workers, self.config = num_workers, config
+        self.round, self.slowest = 0, 0.0  # the longest round so far, in seconds (for the timeout)
+        self._closed = False
+        self._in_round = False
+        self.processes, self.conns = [], []
+        self.peak_memory = [0] * num_workers  # bytes, as last reported by each worker
+        self.busy_seconds = [0.0] * num_workers  # each worker's training time in the last round
+        _LIVE_POOLS.add(self)
+        raise_descriptor_limit()
+        try:
+            for rank in range(num_workers):
+                parent_end, child_end = ctx.Pipe()
+                process = ctx.Process(target=_worker_main, name=f"fedsim-worker-{rank}", daemon=True,
+                                      args=(rank, num_workers, config, str(device), child_end, runner))
+                with born_ignoring_sigint():
+                    process.start()
+                child_end.close()
+                self.processes.append(process)
+                self.conns.append(parent_end)
+        except BaseException:
+            self._release()
+            raise
+
+    def start(self, buffers: RoundBuffers) -> None:
+        """Hand every worker the shared buffers, once, and wait until all are ready to train."""
+        self.buffers = buffers
+        timeout = max(self.config.worker_timeout or 0, START_TIMEOUT)
+        buffers.progress.fill_(STARTING)
+        try:
+            check_descriptors(buffers, self.num_workers)
+            for conn in self.conns:
+                try:
+                    conn.send(buffers)
+                except BrokenPipeError:
+                    pass  # that worker died while starting; waiting below names it
+            self._await_all("ready", timeout)
+        except BaseException:
+            self._release()
+            raise
+
+    def train(self, rnd: int, clients: torch.Tensor, start_from: torch.Tensor, groups=None) -> None:
+        """Have the workers train the slot ``groups`` (default: all of the round's, see
+        slot_groups) of the round's ``clients`` (one per slot) from the weights ``start_from``:
+        worker w the groups w, w+W, ..."""
+        b, started = self.buffers, time.perf_counter()
+        b.global_flat.copy_(start_from)
+        b.assignment[: len(clients)] = clients
+        groups = slot_groups(self.config, len(clients)) if groups is None else groups
+        timeout = self.config.worker_timeout or (
+            FIRST_ROUND_TIMEOUT if not self.slowest else max(120.0, 10 * self.slowest))
+        self.round, self._in_round = rnd, True
+        if b.global_flat.is_cuda:
+            torch.cuda.synchronize(b.global_flat.device)  # the global weights are written
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send(("train", rnd, groups[rank::self.num_workers]))
+            except (BrokenPipeError, OSError):
+                self.processes[rank].join(1)
+                raise WorkerError(self._failure(rank, exit_cause(self.processes[rank].exitcode))) from None
+        self._await_all("done", timeout)
+        self._in_round = False
+        self.slowest = max(self.slowest, time.perf_counter() - started)
+
+    def agree(self, compute):
+        return compute()  # one process plans the rounds
+
+    def _await_all(self, kind: str, timeout: float) -> None:
+        """Wait until every worker has sent ``kind``; raise WorkerError on the first death,
+        exception report or timeout."""
+        waiting = set(range(self.num_workers))
+        owner = {p.sentinel: rank for rank, p in enumerate(self.processes)}
+        deadline = time.monotonic() + timeout
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorkerError(self._timeout_message(kind, timeout, sorted(waiting)))
+            pipes = {self.conns[rank]: rank for rank in waiting}
+            ready = wait(list(pipes) + list(owner), timeout=remaining)
+            for obj in sorted(ready, key=lambda o: o not in pipes):  # messages before deaths
+                if obj in pipes:
+                    rank = pipes[obj]
+                    try:
+                        message = obj.recv()
+                    except (EOFError, OSError):
+                        continue  # died: its sentinel is ready too
+                    if message[0] == "error":
+                        raise WorkerError(self._failure(rank, message[1]))
+                    if message[0] == kind:
+                        waiting.discard(rank)
+                    if message[0] == "done":
+                        self.busy_seconds[rank], self.peak_memory[rank] = message[1], message[2]
+                else:
+                    rank = owner[obj]
+                    self.processes[rank].join(1)
+                    raise WorkerError(self._failure(rank, exit_cause(self.processes[rank].exitcode)))
+
+    def _progress(self, rank: int) -> int:
+        return STARTING if self.buffers is None else int(self.buffers.progress[rank])
+
+    def _failure(self, rank: int, cause: str) -> str:
+        client = self._progress(rank)
+        if client >= 0:
+            where = f"while training client {client} in round {self.round}"
+        elif client == STARTING:
+            where = "while starting"
+        else:
+            where = f"between clients in round {self.round}" if self._in_round else "between rounds"
+        hint = resource_hint(cause)
+        return f"worker {rank} failed {where}: {cause}" + (f"; {hint}" if hint else "")
+
+    def _timeout_message(self, kind: str, timeout: float, waiting: list[int]) -> str:
+        rank = waiting[0]
+        client = self._progress(rank)
+        others = f" (and {len(waiting) - 1} more)" if len(waiting) > 1 else ""
+        if kind == "ready":
+            doing = "did not start"
+        elif client >= 0:
+            doing = f"did not finish client {client} of round {self.round}"
+        else:
+            doing = f"did not finish round {self.round}"
+        return (f"worker {rank} {doing} within {timeout:.0f} s (worker_timeout){others}; "
+                f"raise worker_timeout if rounds are really this slow")
+
+    def close(self) -> None:
+        """Stop every worker: politely between rounds, by signal otherwise. Never leaves one alive."""
+        if self._closed:
+            return
+        if self.buffers is not None and not self._in_round:  # started and idle: ask them to stop
+            for conn in self.conns:
+                try:
+                    conn.send(("stop",))
+                except (BrokenPipeError, OSError):
+                    pass
+            deadline = time.monotonic() + 10
+            for p in self.processes:
+                p.join(max(0.0, deadline - time.monotonic()))
+        self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        self.kill()
+        for conn in self.conns:
+            conn.close()
+        stop_resource_sharer()
+        _LIVE_POOLS.discard(self)
+
+    def kill(self) -> None:
+        """Terminate, then kill, whatever is still alive; wait for each to be gone."""
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in self.processes:
+            p.join(3)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_LIVE_POOLS: set[WorkerPool] = set()
+
+
+class InlinePool:
+    """``workers: 0``: the server trains the clients itself, one after another, with no worker
+    process. For debugging (a breakpoint in a model's forward stops there) and for runs so small
+    that starting a process costs more than training. The same code trains the same clients from
+    the same streams, on one thread as a worker does, so the numbers are those of any ``workers``.
+    No timeout guards a round here, and there is no process to restart."""
+
+    num_workers = 0
+
+    def __init__(self, config, device: torch.device, runner: type = ClientRunner):
+        self.config, self.device, self.runner_type = config, device, runner
+        self.busy_seconds, self.peak_memory = [0.0], [0]
+
+    def start(self, buffers: RoundBuffers) -> None:
+        self.buffers, self.runner = buffers, self.runner_type(self.config, buffers, self.device)
+
+    def train(self, rnd: int, clients: torch.Tensor, start_from: torch.Tensor, groups=None) -> None:
+        b, k = self.buffers, len(clients)
+        b.global_flat.copy_(start_from)
+        b.assignment[:k] = clients
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        started = time.perf_counter()
+        try:
+            for slots in slot_groups(self.config, k) if groups is None else groups:
+                try:
+                    self.runner.train_group(slots, rnd)
+                except Exception as e:
+                    raise WorkerError(f"training client {int(b.assignment[slots[0]])} in round {rnd} failed: "
+                                      f"{type(e).__name__}: {e}") from None
+            self.runner.synchronize()
+        finally:
+            torch.set_num_threads(threads)
+        self.busy_seconds, self.peak_memory = [time.perf_counter() - started], [self.runner.peak_memory()]
+
+    def agree(self, compute):
+        return compute()
+
+    def close(self) -> None:
+        pass
+
+
+def kill_all_pools() -> None:
+    """For a second Ctrl-C: end every worker at once, without the polite protocol."""
+    for pool in list(_LIVE_POOLS):
+        pool.kill()

@@ -1,0 +1,96 @@
+"""Several ranks as an executor: each rank trains its share of a round with an executor of its
+own (its worker pool), the leader (rank 0) then holds every rank's rows, and after the leader's
+update every rank takes the new state. The engine on the leader sees one executor that trains
+the whole round; the other ranks run ``follow``, the same rounds without collecting, updating
+or recording. See distributed.py for how the ranks talk."""
+from __future__ import annotations
+
+import torch
+
+from ..distributed import RankStopped, Ranks
+from ..errors import FedsimError
+from .pool import slot_groups
+
+
+class RanksExecutor:
+    def __init__(self, inner, ranks: Ranks, config, state):
+        self.inner, self.ranks, self.config, self.state = inner, ranks, config, state
+        self.rank_memory = None  # every rank's memory figures, on the leader once the run ends
+
+    @property
+    def busy_seconds(self) -> list[float]:
+        return self.inner.busy_seconds
+
+    @property
+    def peak_memory(self) -> list[int]:
+        return self.inner.peak_memory
+
+    def start(self, buffers) -> None:
+        self.buffers = buffers
+        self.inner.start(buffers)
+
+    def share_start(self, first_round: int) -> int:
+        """Every rank starts from the leader's state (a resumed run's, read on the leader only) and
+        first round, which is returned."""
+        first_round = self.ranks.decide(first_round, "starting")
+        self.ranks.share(self.state.tensors(), "starting")
+        return first_round
+
+    def train(self, rnd: int, clients: torch.Tensor, start_from: torch.Tensor) -> None:
+        """This rank's share of the slot groups, then every rank's rows on the leader. A rank that
+        fails says so to the others, and every rank stops."""
+        groups = slot_groups(self.config, len(clients))
+        error = None
+        try:
+            self.inner.train(rnd, clients, start_from, groups=self.ranks.groups(groups))
+        except FedsimError as e:
+            error = str(e)
+        self.ranks.agree(error, f"round {rnd}'s training")
+        self.ranks.gather_rows(self.buffers, groups, f"gathering round {rnd}")
+
+    def agree(self, compute):
+        """The leader's ``compute()`` (the candidates' losses), so that every rank plans the same round."""
+        return self.ranks.decide(compute() if self.ranks.is_root else None, "planning a round")
+
+    def end_round(self, rnd: int, clients: torch.Tensor, go_on: bool) -> None:
+        """The leader, after recording its round: tell the others whether to go on, and give them
+        the state."""
+        self.ranks.decide("next" if go_on else "done", f"ending round {rnd}")
+        if go_on:
+            self._exchange_state(rnd, clients)
+
+    def follow(self, engine, first_round: int) -> None:
+        """The rounds of a rank other than the leader: plan and train its share, then take the
+        leader's state, until the leader says the run is over."""
+        for rnd in range(first_round, self.config.rounds + 1):
+            clients = torch.from_numpy(engine.plan(rnd).clients)
+            self.train(rnd, clients, self.state.model.flat)
+            decision = self.ranks.decide(None, f"ending round {rnd}")
+            if decision == "failed":
+                raise RankStopped("")
+            if decision == "done":
+                return
+            self._exchange_state(rnd, clients)
+
+    def _exchange_state(self, rnd: int, clients: torch.Tensor) -> None:
+        """The leader's global weights, server state and the round's client-state rows on every
+        rank (server_update changes the client state of the round's clients only)."""
+        state = self.state
+        ids = clients.to(state.model.flat.device)
+        rows = [tensor[ids] for tensor in state.client_state.values()]
+        self.ranks.share([state.model.flat, *state.server_state.values(), *rows], f"sharing round {rnd}'s update")
+        if not self.ranks.is_root:
+            for tensor, row in zip(state.client_state.values(), rows):
+                tensor[ids] = row
+
+    def close(self, stopped_early: bool = False, memory: dict | None = None) -> None:
+        """Stop this rank's workers. The leader tells the others when it stops early; every rank
+        reports its memory to the leader. A rank that is gone makes these fail: then there is
+        nothing to tell or collect."""
+        self.inner.close()
+        try:
+            if self.ranks.is_root and stopped_early:
+                self.ranks.decide("failed", "stopping")
+            self.rank_memory = self.ranks.collect(memory, "collecting the ranks' memory")
+        except FedsimError:
+            self.rank_memory = None

@@ -1,0 +1,106 @@
+"""What a run asks of the operating system: memory figures, open descriptors, signals for child
+processes."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing.resource_sharer
+import os
+import resource
+import signal
+import threading
+
+import torch
+
+from ..errors import ResourceError
+
+def die_with_parent() -> None:
+    """Ask Linux to kill this worker if the server dies (even by SIGKILL): no orphans."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the server's atexit handler still terminates daemonic workers
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size. Read from /proc: a spawned child's ru_maxrss
+    starts at its parent's peak, which would make every worker report the server's size."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def exit_cause(code: int | None) -> str:
+    if code is None:
+        return "exited"
+    if code < 0:
+        name = signal.Signals(-code).name
+        hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if name == "SIGKILL" else ""
+        return f"killed by {name}{hint}"
+    return f"exited with status {code}"
+
+
+@contextlib.contextmanager
+def born_ignoring_sigint():
+    """Ctrl-C reaches every process of the terminal's group, and the server decides what it
+    means; a worker still importing torch would print a traceback. An ignored signal stays
+    ignored across exec, so the worker is started while SIGINT is ignored here; meanwhile
+    SIGINT is also blocked, which on Linux keeps one that arrives pending for the server's own
+    handler instead of discarding it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may change handlers; the worker ignores SIGINT once it runs
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def stop_resource_sharer() -> None:
+    """Descriptors of CPU tensors that a dead worker never collected stay open in
+    multiprocessing's resource sharer until it stops; release them. Its stop() waits for the
+    sharer's thread to answer, which it cannot do while descriptors are exhausted, so the wait
+    is bounded (the thread is a daemon and ends with the process)."""
+    stopper = threading.Thread(target=multiprocessing.resource_sharer.stop, daemon=True)
+    stopper.start()
+    stopper.join(5)
+
+
+_DESCRIPTOR_TARGET = 65536
+
+
+def raise_descriptor_limit() -> None:
+    """Lift the soft limit on open descriptors towards the hard one, as PyTorch advises for the
+    file_descriptor sharing strategy (every shared CPU tensor is one descriptor per process)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = _DESCRIPTOR_TARGET if hard == resource.RLIM_INFINITY else min(hard, _DESCRIPTOR_TARGET)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def check_descriptors(buffers, num_workers: int) -> None:
+    """Refuse to start, in one line, when the descriptor limit is too low to hand the buffers to
+    the workers: running out midway leaves multiprocessing's resource sharer spinning on failed
+    accepts, with a traceback each time. The server needs its open descriptors, plus for each
+    worker its pipe, sentinel and handshake and, with file_descriptor, one per CPU tensor."""
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return  # not Linux: nothing to count with
+    per_tensor = torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
+    tensors = sum(t.device.type == "cpu" for t in buffers.tensors())
+    needed = open_now + num_workers * (4 + tensors * per_tensor) + 16
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        alternative = " or set sharing_strategy: file_system" if per_tensor else ""
+        raise ResourceError(f"too few file descriptors: {num_workers} worker(s) need about {needed} open at "
+                            f"once and the limit (ulimit -n) is {soft}; raise it (ulimit -n 65536){alternative}")

@@ -1,0 +1,82 @@
+"""What a worker does with its share of a round: train the clients of some slots from the
+global weights into their rows of the round's buffers. The same code runs in a worker process
+and, with ``workers: 0``, in the server itself."""
+from __future__ import annotations
+
+import torch
+
+from .. import components
+from ..algorithms import Clients, LocalResult
+from ..attacks import make_attack
+from ..client import LocalTrainer, VmapTrainer
+from ..data.augment import augmentation_for
+from ..engine.buffers import RoundBuffers
+from ..flat import FlatModel
+from ..streams import client_seed, group_seed
+from .resources import peak_rss_bytes
+
+
+class ClientRunner:
+    """Per-worker state: the model, the trainer, the algorithm and the attack."""
+
+    def __init__(self, config, buffers: RoundBuffers, device: torch.device):
+        self.config, self.buffers, self.device = components.from_server(config), buffers, device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        input_shape = tuple(buffers.train_x.shape[1:])
+        module = components.build_model(config.model, input_shape, buffers.num_classes)
+        self.algorithm = components.algorithm(config.algorithm, config.algorithm_options)
+        self.algorithm.setup(config)
+        self.attack = make_attack(config.attack)
+        options = dict(num_classes=buffers.num_classes, algorithm=self.algorithm,
+                       augment=augmentation_for(config.data, input_shape))
+        if config.backend == "vmap":
+            self.trainer = VmapTrainer(module.to(device), buffers.train_x, buffers.train_y, config.local, **options)
+        else:
+            self.model = self.flat_model(module, device)
+            self.trainer = LocalTrainer(self.model, buffers.train_x, buffers.train_y, config.local, **options)
+
+    def flat_model(self, module, device: torch.device) -> FlatModel:
+        """The model the clients train: a copy of the global weights, this worker's own."""
+        return FlatModel(module, device)
+
+    def train_group(self, slots: list[int], rnd: int) -> None:
+        cfg, b = self.config, self.buffers
+        clients = [int(b.assignment[slot]) for slot in slots]
+        rows = slice(slots[0], slots[-1] + 1)
+        ids = torch.tensor(clients, device=b.global_flat.device)
+        local_state = self.algorithm.start_client(Clients(
+            ids, rnd, b.server_state, {name: state[ids] for name, state in b.client_state.items()}))
+        indices = [b.client_samples(c) for c in clients]
+        attacked = b.attackers[clients]
+        relabel = self.attack.relabel if self.attack.relabels and bool(attacked.any()) else None
+        limits = [None if limit < 0 else limit for limit in b.step_limits[rows].tolist()]
+        if cfg.backend == "vmap":
+            weights, trained = self.trainer.train(
+                indices, b.global_flat, [client_seed(cfg.seed, rnd, c) for c in clients],
+                group_seed(cfg.seed, rnd, slots[0]), local_state=local_state, relabel=relabel,
+                attacked=attacked.to(self.device), max_steps=limits)
+            b.client_weights[rows].copy_(weights)
+        else:
+            trained = self.trainer.train(indices[0], b.global_flat, client_seed(cfg.seed, rnd, clients[0]),
+                                         local_state=local_state, relabel=relabel, max_steps=limits[0])
+            b.client_weights[rows].copy_(self.model.flat)
+        sizes = torch.tensor([len(ix) for ix in indices], dtype=b.stats.dtype)
+        b.stats[rows, 0] = sizes
+        b.stats[rows, 1].copy_(trained.loss)
+        b.stats[rows, 2].copy_(trained.steps)
+        reports = self.algorithm.client_report(
+            LocalResult(b.global_flat, b.client_weights[rows], trained.steps, sizes, trained.mean_gradient),
+            local_state)
+        for name, value in reports.items():
+            b.reports[name][rows].copy_(value)
+
+    def peak_memory(self) -> int:
+        """Bytes: the allocator's peak on a GPU (the CUDA context comes on top), peak RSS on a CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return peak_rss_bytes()
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,178 @@
+"""Starting and resuming runs: ``fedsim.run``, ``fedsim.resume`` and what the command line's
+``run`` calls, on every rank."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from . import components
+from .config import Config, apply_overrides, locate, save_config
+from .distributed import RankStopped, Ranks
+from .errors import ConfigError, FedsimError, explain_resource_error
+from .progress import RoundLog
+from .results import History
+from .rundir import RunDirectory
+from .session import RESUMABLE_KEYS, Session, run_identity
+from .validation import load_config
+
+
+def run(config="experiments/mnist_seed.yaml", *, out=None, overwrite: bool = False, quiet: bool = False,
+        progress: bool | None = None, callbacks=(), **overrides) -> History:
+    """Run an experiment and return its History.
+
+    ``config`` is a YAML path, a dict or a Config; ``overrides`` set keys, dotted ones via
+    ``**{"local.lr": 0.05}`` or whole sections as dicts (``data={"limit": 2000}``); ``model``,
+    ``aggregator``, ``algorithm`` and ``dataset`` may be objects of your own (see
+    components.py). Files go to ``out`` (default ``runs/<name>-<timestamp>``). ``progress``:
+    show the rounds as one updating line (None: only on a terminal); ``quiet``: print no
+    per-round lines; ``callbacks``: observers of the run (see callbacks.py).
+    """
+    cfg = load_config(config, _with_dataset_key(overrides))
+    return start_run(cfg, out=out, overwrite=overwrite, quiet=quiet, progress=progress, callbacks=callbacks)
+
+
+def resume(run_dir, *, quiet: bool = False, progress: bool | None = None, callbacks=(), **overrides) -> History:
+    """Continue a run from its last checkpoint; ``rounds=N`` extends it. A component that was
+    given as an object (defined in a notebook, say) is given again the same way."""
+    return resume_run(run_dir, _with_dataset_key(overrides), quiet=quiet, progress=progress, callbacks=callbacks)
+
+
+def _with_dataset_key(overrides: dict) -> dict:
+    """``dataset=`` is short for ``data={"dataset": ...}``."""
+    if "dataset" in overrides:
+        overrides = {**overrides, "data.dataset": overrides["dataset"]}
+        del overrides["dataset"]
+    return overrides
+
+
+def start_run(cfg: Config, out=None, overwrite: bool = False, quiet: bool = False, progress=None,
+              callbacks=(), ranks: Ranks | None = None) -> History:
+    """Run ``cfg`` into ``out`` (default ``runs/<name>-<timestamp>``); on ranks other than 0
+    (see distributed.py) only train."""
+    ranks = ranks or Ranks()
+    path = RunDirectory.target(out, cfg.name, overwrite) if ranks.is_root else None  # before loading anything
+    session = _setup(cfg, quiet, progress, callbacks, ranks)
+    if not ranks.is_root:
+        return session.run(None)
+    try:
+        run_dir = RunDirectory.create(path, overwrite)
+        try:
+            save_config(session.cfg, run_dir.path / "config.yaml")
+        except BaseException:
+            run_dir.unlock()
+            raise
+    except BaseException:
+        session.executor.close()
+        raise
+    return session.run(run_dir)
+
+
+def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None, callbacks=(),
+               ranks: Ranks | None = None) -> History | None:
+    """Continue ``run_dir`` from its checkpoint; ``overrides`` is a list of "key=value"
+    strings (the CLI's --set) or a dict, limited to keys that keep it one run (and to the
+    components of the run, given again as objects). Rank 0 reads the run directory; the other
+    ranks receive what they need from it."""
+    ranks = ranks or Ranks()
+    path = Path(run_dir)
+    directory = RunDirectory(path)
+    loaded = {}
+
+    def load() -> Config | None:
+        if not (path / "config.yaml").is_file():
+            raise FedsimError(f"--resume {path}: not a run directory (no config.yaml)")
+        bad = sorted(apply_overrides({}, overrides or {}) - RESUMABLE_KEYS - set(components.KEYS))
+        if bad:
+            raise ConfigError(f"--set {bad[0]}: cannot change when resuming (the rounds before and after would not "
+                              f"be one run); allowed: {', '.join(sorted(RESUMABLE_KEYS))}")
+        directory.lock()  # a second resume of the same directory is refused, not interleaved
+        try:
+            state = directory.load_checkpoint()
+            cfg = load_config(path / "config.yaml", overrides)
+            _check_same_run(path, state, cfg)
+            loaded.update(state=state, rows=directory.rows(), cfg=cfg)
+        except BaseException:
+            directory.unlock()
+            raise
+        if state["round"] >= cfg.rounds:
+            print(f"{path}: already at round {state['round']} of {cfg.rounds}; nothing to do "
+                  f"(extend with --set rounds=N)")
+            directory.unlock()
+            return None
+        return cfg
+
+    cfg = agree_on_config(ranks, load)
+    if cfg is None:
+        return History(loaded["rows"], loaded["cfg"].to_dict(), path) if ranks.is_root else None
+    try:
+        session = _setup(cfg, quiet, progress, callbacks, ranks)
+    except BaseException:
+        if ranks.is_root:
+            directory.unlock()
+        raise
+    if not ranks.is_root:
+        return session.run(None)
+    try:
+        # rows after the checkpoint happened after it, and are dropped (the rounds run again)
+        state = loaded["state"]
+        session.restore(state, [r for r in loaded["rows"] if r["round"] <= state["round"]], path / "checkpoint.pt")
+        save_config(session.cfg, path / "config.yaml")
+    except BaseException:
+        directory.unlock()
+        session.executor.close()
+        raise
+    return session.run(directory)
+
+
+def agree_on_config(ranks: Ranks, load) -> Config | None:
+    """The config of a run: rank 0's ``load()`` (None: nothing to run); the other ranks receive
+    it. If loading fails on rank 0, the others stop quietly and rank 0 says why."""
+    if ranks.world == 1:
+        return load()
+    if ranks.is_root:
+        try:
+            cfg = load()
+        except BaseException:
+            ranks.decide(("stop", None), "sharing the config")
+            raise
+        ranks.decide(("run", cfg.to_dict()) if cfg is not None else ("done", None), "sharing the config")
+        return cfg
+    kind, values = ranks.decide(None, "sharing the config")
+    if kind == "stop":
+        raise RankStopped("")
+    return load_config(values) if kind == "run" else None
+
+
+def _check_same_run(path: Path, state: dict, cfg: Config) -> None:
+    identity = state.get("config")
+    if not isinstance(identity, str):
+        return  # a checkpoint from before runs recorded their identity
+    before, now = yaml.safe_load(identity), yaml.safe_load(run_identity(cfg))
+
+    # a key added since ran at its default. Mapping values are flattened (aggregator_options.beta,
+    # system.speed.lognormal), so a key counts as recorded when the checkpoint holds it, a part of
+    # its mapping, or the mapping it is part of.
+    def recorded(key: str) -> bool:
+        return any(r == key or r.startswith(key + ".") or key.startswith(r + ".") for r in before)
+
+    before = {**{k: v for k, v in yaml.safe_load(run_identity(Config())).items() if not recorded(k)}, **before}
+    changed = sorted(k for k in set(before) | set(now) if before.get(k, "(unset)") != now.get(k, "(unset)"))
+    if changed:
+        key = changed[0]
+        raise ConfigError(f"{path}: config.yaml says {key}: {now.get(key)!r} but checkpoint.pt was written by a run "
+                          f"with {before.get(key)!r}; they are not one run (restore the matching file, or start "
+                          f"a new run)")
+
+
+def _setup(cfg: Config, quiet: bool, progress: bool | None, callbacks=(), ranks: Ranks | None = None) -> Session:
+    ranks = ranks or Ranks()
+    try:
+        session = Session(cfg, log=RoundLog(progress, quiet=quiet or not ranks.is_root), callbacks=callbacks,
+                          ranks=ranks)
+    except FedsimError as e:
+        raise locate(cfg, e) from None
+    except (RuntimeError, OSError) as e:
+        raise explain_resource_error(e) or e
+    cfg.workers, cfg.device = session.workers, str(session.device)  # the resolved values, as they ran
+    return session

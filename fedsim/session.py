@@ -1,0 +1,371 @@
+"""One run as its user sees it: the engine assembled from the config, the run directory and its
+files, checkpoints, the round line, interrupts, and every rank's part of it.
+
+The engine (engine/) runs a round and returns what happened; a session decides what becomes
+of it: metrics.csv and clients.csv (through the file callbacks), the checkpoint, the round's
+line, whether to go on, and, under torchrun, what the other ranks are told (execution/ranks.py).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+
+import torch
+import yaml
+
+from . import components
+from .attacks import attacker_mask, make_attack
+from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart
+from .client_eval import ClientEvaluation
+from .config import Config, groups_per_round
+from .distributed import RankStopped, Ranks, rank_device
+from .engine import AggregateUpdates, Engine, GlobalState, RoundBuffers
+from .errors import ConfigError, FedsimError, OutputError, explain_resource_error
+from .execution import Restarting, new_pool
+from .execution.hogwild import AdoptSharedWeights, HogwildRunner
+from .execution.ranks import RanksExecutor
+from .execution.resources import peak_rss_bytes
+from .execution.runner import ClientRunner
+from .federation import initial_model, load_federation
+from .flat import FlatModel
+from .interrupts import shielded
+from .privacy import Privacy
+from .progress import RoundLog, console_logging
+from .results import History, flatten_config, read_clients
+from .server_opt import make_server_optimizer
+from .system import System
+from .validation import unused_settings
+
+logger = logging.getLogger("fedsim")
+
+# Keys a resumed run may change: how long it runs, where and how fast, how often it reports.
+RESUMABLE_KEYS = {"rounds", "workers", "worker_timeout", "checkpoint_every", "stop_at_accuracy",
+                  "on_worker_failure", "eval_every", "eval_batch_size", "device", "sharing_strategy",
+                  "data.root", "data.download", "data.placement"}
+# Each worker process on a GPU holds a CUDA context (about 0.5 GiB) plus its model, gradients
+# and activations; this budget per worker keeps the default from over-subscribing the card.
+_GPU_BYTES_PER_WORKER = 1 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    """The run's device; a CUDA device always with its index (workers pass it to set_device)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device: '{name}' asked for, but CUDA is not available here "
+                              f"(torch {torch.__version__}); use device: cpu or auto")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device: '{name}' asked for, but there are {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def resolve_workers(cfg: Config, device: torch.device) -> int:
+    if cfg.workers is not None:
+        return cfg.workers
+    workers = min(groups_per_round(cfg), available_cores())
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        workers = min(workers, max(1, int(0.8 * free // _GPU_BYTES_PER_WORKER)))
+    return workers
+
+
+def data_placement(placement: str, data, device: torch.device) -> torch.device:
+    """Where the dataset lives: on the device, or in host memory when it would take more than
+    half of the GPU's free memory (``auto``), or when asked (``host``)."""
+    if device.type != "cuda" or placement == "device":
+        return device
+    if placement == "host":
+        return torch.device("cpu")
+    size = sum(t.numel() * t.element_size() for t in (data.train_x, data.train_y, data.test_x, data.test_y))
+    free, _ = torch.cuda.mem_get_info(device)
+    return device if size <= free / 2 else torch.device("cpu")
+
+
+def run_identity(cfg: Config) -> str:
+    """The config of a run without the keys that may change on resume, as YAML: a checkpoint
+    keeps it, so that a config.yaml edited by hand is not taken for the same run."""
+    kept = {k: v for k, v in flatten_config(cfg.to_dict()) if k not in RESUMABLE_KEYS}
+    return yaml.safe_dump(kept, sort_keys=True)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: tensors on the GPU (the allocator's peak, without the
+    CUDA context), or resident set size on a CPU."""
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    return round(peak_rss_bytes() / 2**20, 1)
+
+
+class Session:
+    """One run: the data on the device, the global state, the executor, the round loop, the files.
+
+    ``log`` prints the per-round lines: a RoundLog, or any function of one line of text;
+    ``callbacks`` observe the run (see callbacks.py).
+    """
+
+    def __init__(self, cfg: Config, log=None, callbacks=(), ranks: Ranks | None = None):
+        self.cfg, self.ranks = cfg, ranks or Ranks()
+        self.log = log if isinstance(log, RoundLog) else RoundLog(progress=False, write=log or print)
+        self.user_callbacks = list(callbacks)
+        self.t_start = time.perf_counter()
+        torch.multiprocessing.set_sharing_strategy(cfg.sharing_strategy)
+        self.device = resolve_device(rank_device(cfg.device) if self.ranks.world > 1 else cfg.device)
+        if cfg.mode == "hogwild" and self.ranks.world > 1:
+            raise ConfigError("mode: hogwild shares one model in one machine's memory; run it as a single "
+                              "process, without torchrun")
+        self.ranks.use_device(self.device)
+        self.workers = resolve_workers(cfg, self.device)
+        runner = HogwildRunner if cfg.mode == "hogwild" else ClientRunner
+        shipped = components.for_workers(cfg)
+        make_pool = lambda: new_pool(shipped, self.workers, self.device, runner)  # noqa: E731
+        # the workers import torch while the data loads
+        self.executor = Restarting(make_pool) if cfg.on_worker_failure == "restart" else make_pool()
+        try:
+            self._assemble()
+        except BaseException:
+            self.executor.close()
+            raise
+        self.rows: list[dict] = []
+        self.client_rows: list[dict] = []
+        self.first_round, self.elapsed_before = 1, 0.0  # a resumed run's, from its checkpoint
+        self.startup_seconds, self.summary, self.run_dir = None, {}, None
+
+    def _assemble(self) -> None:
+        """The data on its device, the global state, the round's buffers and the engine."""
+        cfg, device = self.cfg, self.device
+        federation = load_federation(cfg)
+        data, parts = federation.data, federation.parts
+        sizes = [len(p) for p in parts]
+        if 0 in sizes:
+            raise ConfigError(f"data.partition: client {sizes.index(0)} gets no samples; "
+                              f"use fewer clients or more data")
+        model = FlatModel(initial_model(cfg, data), device)
+        if cfg.backend == "vmap" and len(model) != model.num_params:
+            raise ConfigError(f"backend: vmap cannot train {components.describe(cfg.model)}, whose batch-norm "
+                              f"statistics are not parameters; use backend: process")
+        data_device = data_placement(cfg.data.placement, data, device)
+        if data_device != device:
+            logger.info(f"{data.name} is kept in host memory (data.placement); batches are copied to {device}")
+        privacy = Privacy.from_config(cfg)  # DP-FedAvg in place of the rule (privacy.py), or None
+        if privacy:
+            privacy.check_model(components.describe(cfg.model), model.num_params, len(model))
+        algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
+        algorithm.setup(cfg)
+        names = {"algorithm": components.describe(cfg.algorithm), "aggregator": components.describe(cfg.aggregator),
+                 "server_optimizer": cfg.server_optimizer}
+        self.state = GlobalState(model, make_server_optimizer(cfg, model.num_params, device), algorithm,
+                                 cfg.data.num_clients, f"{components.describe(cfg.model)}, {names['algorithm']}, "
+                                                       f"{names['server_optimizer']}")
+        keeps_copies = cfg.mode != "hogwild"
+        self.buffers = self._buffers(data, parts, data_device, algorithm, keeps_copies)
+        if keeps_copies:
+            strategy = AggregateUpdates(cfg, self.state, self.buffers, algorithm,
+                                        components.aggregator(cfg.aggregator, cfg.aggregator_options), privacy,
+                                        make_attack(cfg.attack), names)
+        else:
+            strategy = AdoptSharedWeights(cfg, self.state, self.buffers)
+        if self.ranks.world > 1:
+            self.executor = RanksExecutor(self.executor, self.ranks, cfg, self.state)
+        self.client_eval = ClientEvaluation.for_run(cfg, data, parts, data_device) if cfg.eval_per_client else None
+        test = (data.test_x.to(data_device), data.test_y.to(data_device))
+        self.engine = Engine(cfg, self.state, self.buffers, self.executor, strategy, System.from_config(cfg), test,
+                             self.client_eval, privacy)
+
+    def _buffers(self, data, parts, data_device, algorithm, keeps_copies: bool) -> RoundBuffers:
+        cfg, k, n, dev, state = self.cfg, self.cfg.clients_per_round, self.state.model.num_params, self.device, \
+            self.state
+        return RoundBuffers(
+            train_x=data.train_x.to(data_device), train_y=data.train_y.to(data_device),
+            client_indices=torch.cat(parts).to(data_device),
+            client_offsets=torch.tensor([0] + torch.tensor([len(q) for q in parts]).cumsum(0).tolist()),
+            num_classes=data.num_classes,
+            global_flat=torch.zeros(len(state.model), device=dev),
+            client_weights=torch.zeros(k if keeps_copies else 0, len(state.model), device=dev),
+            stats=torch.zeros(k, 3, device=dev),
+            assignment=torch.zeros(k, dtype=torch.int64),
+            step_limits=torch.full((k,), -1, dtype=torch.int64),
+            progress=torch.zeros(max(self.workers, 1), dtype=torch.int64),
+            attackers=attacker_mask(cfg.seed, cfg.data.num_clients, cfg.attack),
+            server_state=state.server_state, client_state=state.client_state,
+            reports={name: torch.zeros(k, *shape, device=dev) for name, shape in algorithm.report_shapes(n).items()},
+        ).share_cpu_tensors()
+
+    # ------------------------------------------------------------------ the run
+
+    def restore(self, state: dict, rows: list[dict], source) -> None:
+        """Continue from ``state``, the checkpoint read from the file ``source``."""
+        self.state.load_state_dict(state, source)
+        self.first_round, self.elapsed_before = state["round"] + 1, state["elapsed_seconds"]
+        self.rows = rows
+        records = source.parent / "clients.csv"
+        if records.is_file():
+            self.client_rows = [r for r in read_clients(records) if r["round"] <= state["round"]]
+
+    def run(self, run_dir) -> History:
+        """The rounds. On ranks other than 0 (see distributed.py) ``run_dir`` is None: they train
+        their share of every round and take the new global state from rank 0."""
+        cfg, self.run_dir, root = self.cfg, run_dir, self.ranks.is_root
+        self.callbacks = [MetricsFile(run_dir), ClientsFile(run_dir.path / "clients.csv"),
+                          *([ClientAccuracyFile(run_dir.path / "client_accuracy.csv", self.client_eval)]
+                            if self.client_eval else []),
+                          *self.user_callbacks] if root else []
+        status = "interrupted"
+        try:
+            with console_logging(self.log):
+                if root:
+                    self._before_start()
+                self._start()
+                if not root:
+                    self.executor.follow(self.engine, self.first_round)
+                    status = "finished"
+                else:
+                    ranks = f"{self.ranks.world} ranks x " if self.ranks.world > 1 else ""
+                    logger.info(f"{cfg.name}: {cfg.rounds} rounds of {cfg.clients_per_round}/{cfg.data.num_clients} "
+                                f"clients, {ranks}{self.workers} workers on {self.device}; writing {run_dir.path}")
+                    self._notify("on_run_start", RunStart(cfg, run_dir.path, self.first_round, self.state.model.module))
+                    status = self._rounds()
+        except FedsimError:
+            status = "failed"
+            raise
+        except (RuntimeError, OSError) as e:
+            status = "failed"
+            raise explain_resource_error(e) or e
+        finally:
+            self._finish(status, ended_by=sys.exc_info()[1])
+        return self.history()
+
+    def _before_start(self) -> None:
+        # the plot at the end needs matplotlib (most of a second to import): import it while the
+        # workers start, when this process only waits
+        threading.Thread(target=importlib.import_module, args=("fedsim.plot",), daemon=True).start()
+        for message in [*unused_settings(self.cfg), self.client_eval and self.client_eval.warning()]:
+            if message:
+                logger.warning(message)
+
+    def _start(self) -> None:
+        self.executor.start(self.buffers)
+        self.startup_seconds = round(time.perf_counter() - self.t_start, 3)  # data placed, workers ready
+        if self.ranks.world > 1:
+            self.first_round = self.executor.share_start(self.first_round)
+
+    def _rounds(self) -> str:
+        """The leader's rounds, each recorded in step (files, checkpoint, line) whatever signal
+        arrives; the run's status once they end."""
+        cfg, status = self.cfg, "interrupted"
+        for rnd in range(self.first_round, cfg.rounds + 1):
+            result = self.engine.run_round(rnd)
+            row = {**result.row,
+                   "elapsed_seconds": round(self.elapsed_before + time.perf_counter() - self.t_start, 4)}
+            target = cfg.stop_at_accuracy
+            reached = target is not None and row["test_accuracy"] >= target  # False for NaN
+            with shielded():
+                if result.evaluated:
+                    self.rows.append(row)
+                records = [record.as_row() for record in result.clients]
+                self.client_rows.extend(records)
+                self._notify("on_round_end", row, records)
+                if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds or reached):
+                    checkpoint = {**self.state.state_dict(rnd), "elapsed_seconds": row["elapsed_seconds"],
+                                  "config": run_identity(cfg)}
+                    self.run_dir.save_checkpoint(checkpoint)
+                    self.state.saved_round = rnd
+                self.log.round_end(row, cfg.rounds)  # once printed, the round is on disk
+                if reached or rnd == cfg.rounds:
+                    status = "finished"  # whatever arrives from here on, every round is done
+            if self.ranks.world > 1:  # the other ranks get the new state, or learn that the run is over
+                self.executor.end_round(rnd, result.trained, go_on=status != "finished")
+            if reached:
+                logger.info(f"reached stop_at_accuracy {target} in round {rnd}")
+                break
+        return status
+
+    def history(self) -> History:
+        return History(self.rows, self.cfg.to_dict(), self.run_dir.path if self.run_dir else None,
+                       self.summary, client_records=self.client_rows)
+
+    def _notify(self, event: str, *args) -> None:
+        """Call every callback that has ``event``; one that raises stops the run in one line."""
+        for callback in self.callbacks:
+            method = getattr(callback, event, None)
+            if method is None:
+                continue
+            try:
+                method(*args)
+            except FedsimError:
+                raise
+            except Exception as e:
+                where = f" in round {args[0]['round']}" if event == "on_round_end" else ""
+                raise FedsimError(f"callback {type(callback).__name__}.{event} failed{where}: "
+                                  f"{type(e).__name__}: {e}") from None
+
+    def _finish(self, status: str, ended_by: BaseException | None) -> None:
+        """Stop the workers, write the summary and plot, tell the callbacks; whatever happens."""
+        with shielded():
+            self.worker_peak_memory_mb = [round(b / 2**20, 1) for b in self.executor.peak_memory]
+            if self.ranks.world > 1:
+                memory = {"rank": self.ranks.rank, "host": socket.gethostname(), "device": str(self.device),
+                          "server_peak_memory_mb": peak_memory_mb(self.device),
+                          "worker_peak_memory_mb": self.worker_peak_memory_mb}
+                early = status != "finished" and not isinstance(ended_by, RankStopped)
+                self.executor.close(stopped_early=early, memory=memory)
+            else:
+                self.executor.close()
+            if not self.ranks.is_root:
+                self.log.close()
+                return
+            try:
+                self._write_summary(status)
+                self._notify("on_run_end", self.history())
+            except FedsimError as e:
+                if status == "finished":
+                    raise
+                if not isinstance(ended_by, OutputError):  # a failing disk is said once
+                    logger.warning(f"could not finish the run's files: {e}")  # never mask what ended the run
+            finally:
+                self.run_dir.unlock()
+                self.log.close()  # an error or interrupt message starts on a line of its own
+
+    def _write_summary(self, status: str) -> None:
+        accuracies = [r["test_accuracy"] for r in self.rows]
+        target = self.cfg.stop_at_accuracy
+        self.summary = {
+            "name": self.cfg.name,
+            "status": status,
+            "rounds": self.rows[-1]["round"] if self.rows else 0,
+            "final_test_accuracy": accuracies[-1] if accuracies else None,
+            "best_test_accuracy": max(accuracies) if accuracies else None,
+            "final_test_loss": self.rows[-1]["test_loss"] if self.rows else None,
+            "checkpoint_round": self.state.saved_round,
+            "rounds_to_target": next((r["round"] for r in self.rows if target and r["test_accuracy"] >= target), None),
+            "startup_seconds": self.startup_seconds,
+            "wall_seconds": round(self.elapsed_before + time.perf_counter() - self.t_start, 3),
+            "device": str(self.device),
+            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "workers": self.workers,
+            "worker_peak_memory_mb": self.worker_peak_memory_mb,
+            "server_peak_memory_mb": peak_memory_mb(self.device),
+            **({"ranks": self.executor.rank_memory} if self.ranks.world > 1 else {}),
+            "torch": torch.__version__,
+        }
+        self.run_dir.write_summary(self.summary)
+        if self.rows:
+            from .plot import save_accuracy_plot  # matplotlib: imported while the workers started
+
+            save_accuracy_plot(History(self.rows, self.cfg.to_dict(), self.run_dir.path),
+                               self.run_dir.path / "accuracy.png")

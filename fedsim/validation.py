@@ -1,0 +1,188 @@
+"""Loading an experiment and checking it whole: every section's values, then what the sections
+say together (a component against its options, privacy against the rule, hogwild against the
+rest). Every check raises a one-line ConfigError that names the key, and ``load_config`` adds
+where its value came from (the file, or ``--set``). Only the top of the package (runs, sweep,
+cli) imports this module: the features it combines never import it back."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+from pathlib import Path
+
+from . import components
+from .checks import Checks, cut, shown
+from .config import MAX_CLIENTS, MAX_TIMEOUT, Config, DataConfig, apply_overrides, build, groups_per_round, where
+from .data import options_for
+from .errors import ConfigError
+from .privacy import Privacy
+from .system import System, SystemConfig
+from .yamlfile import read_yaml
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+_PARTITION_KEYS = ("alpha", "min_samples", "shards_per_client", "classes_per_client", "sigma", "quantity_skew")
+
+
+def load_config(source: "str | os.PathLike | dict | Config" = None, overrides=None) -> Config:
+    """Build a validated Config from a YAML path, a dict or a Config, plus overrides.
+
+    ``overrides`` is a list of ``"dotted.key=value"`` strings (values parsed as YAML
+    scalars, as on the command line) or a dict of ``{"dotted.key": value}``; nested dicts
+    such as ``{"local": {"lr": 0.1}}`` work too.
+    """
+    origin = "config"
+    if source is None:
+        raw: dict = {}
+    elif isinstance(source, Config):
+        raw = source.to_dict()
+    elif isinstance(source, dict):
+        raw = copy.deepcopy(source)
+    else:
+        origin = str(source)
+        raw = read_yaml(Path(source))
+    from_overrides = apply_overrides(raw, overrides or {}, origin)
+    cfg = build(Config, raw, "", origin, from_overrides)
+    try:
+        validate(cfg)
+    except ConfigError as e:  # the message starts with the key it is about
+        key, _, message = str(e).partition(": ")
+        raise ConfigError(f"{where(origin, key, from_overrides)}: {message}") from None
+    cfg.origin = (origin, frozenset(from_overrides))  # for errors found later (see config.locate)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Every check, section by section; raises ConfigError naming the first bad key."""
+    checks = Checks()
+    _check_run(cfg, checks)
+    _check_data(cfg.data, Checks("data"))
+    _check_training(cfg, checks)
+    tables = components.tables()
+    checks.choice("data.partition", cfg.data.partition, tables["partitions"])
+    checks.choice("server_optimizer", cfg.server_optimizer, tables["server optimizers"])
+    checks.choice("attack.type", cfg.attack.type, tables["attacks"])
+    if cfg.attack.type != "none" and cfg.attack.fraction == 0:
+        checks.fail("attack.fraction", f"attack.type is {cfg.attack.type} but fraction is 0; set a fraction in (0, 1)")
+    if cfg.eval_per_client and not cfg.data.test_partition:
+        checks.fail("eval_per_client", "needs data.test_partition: true, which gives every client its own test split")
+    components.check(cfg)
+    if cfg.mode == "hogwild":  # first: it refuses whole sections that the checks below detail
+        check_hogwild(cfg, checks)
+    System.check_config(cfg)
+    Privacy.check(cfg)  # after the components it is combined with are known to be valid
+
+
+def _check_run(cfg: Config, checks: Checks) -> None:
+    """How the run is executed: name, device, rounds, workers, evaluation, failures."""
+    if not cfg.name.strip() or any(ord(ch) < 32 or ord(ch) == 127 for ch in cfg.name):
+        checks.fail("name", f"must be a non-empty name without control characters, got {shown(cfg.name)}")
+    if not _DEVICE.fullmatch(cfg.device):
+        checks.fail("device", f"must be auto, cpu, cuda or cuda:N, got {cut(repr(cfg.device))}")
+    checks.at_least("seed", cfg.seed, 0)
+    checks.at_least("rounds", cfg.rounds, 1)
+    checks.at_least("data.num_clients", cfg.data.num_clients, 1)
+    if cfg.data.num_clients > MAX_CLIENTS:  # the engine keeps per-client tensors (attackers, SCAFFOLD's c_i)
+        checks.fail("data.num_clients", f"must be at most {MAX_CLIENTS:,}, got {cfg.data.num_clients:,}")
+    checks.at_least("clients_per_round", cfg.clients_per_round, 1)
+    if cfg.clients_per_round > cfg.data.num_clients:
+        checks.fail("clients_per_round", f"must be <= data.num_clients ({cfg.data.num_clients}), "
+                                         f"got {cfg.clients_per_round}")
+    if cfg.workers is not None:
+        checks.at_least("workers", cfg.workers, 0)
+        if cfg.workers > cfg.clients_per_round:
+            checks.fail("workers", f"must be <= clients_per_round ({cfg.clients_per_round}): "
+                                   f"a worker without a client would idle, got {cfg.workers}")
+    checks.at_least("vmap_group_size", cfg.vmap_group_size, 0)
+    if cfg.backend == "vmap" and cfg.workers is not None and cfg.workers > groups_per_round(cfg):
+        checks.fail("workers", f"must be <= the {groups_per_round(cfg)} vmap group(s) of a round (clients_per_round "
+                               f"/ vmap_group_size, rounded up), got {cfg.workers}")
+    checks.at_least("eval_every", cfg.eval_every, 1)
+    checks.at_least("eval_batch_size", cfg.eval_batch_size, 1)
+    checks.at_least("checkpoint_every", cfg.checkpoint_every, 0)
+    if cfg.stop_at_accuracy is not None and not 0 < cfg.stop_at_accuracy <= 1:
+        checks.fail("stop_at_accuracy", f"must be a fraction in (0, 1], got {cfg.stop_at_accuracy}")
+    if cfg.worker_timeout is not None and not 0 < cfg.worker_timeout <= MAX_TIMEOUT:
+        checks.fail("worker_timeout", f"must be > 0 and at most {MAX_TIMEOUT:,} seconds (waits are counted in "
+                                      f"milliseconds of a C int), got {cfg.worker_timeout}")
+    checks.one_of("mode", cfg.mode, ("sync", "hogwild"))
+    checks.one_of("backend", cfg.backend, ("process", "vmap"))
+    checks.one_of("on_worker_failure", cfg.on_worker_failure, ("stop", "restart"))
+    checks.one_of("on_nonfinite", cfg.on_nonfinite, ("drop", "fail"))
+    checks.one_of("sharing_strategy", cfg.sharing_strategy, ("file_descriptor", "file_system"))
+
+
+def _check_data(d: DataConfig, checks: Checks) -> None:
+    if d.limit is not None and d.limit < d.num_clients:
+        checks.fail("limit", f"must be >= data.num_clients ({d.num_clients}) so every client gets data, got {d.limit}")
+    if d.alpha <= 0:
+        checks.fail("alpha", f"must be > 0, got {d.alpha}")
+    checks.at_least("sigma", d.sigma, 0)
+    checks.at_least("min_samples", d.min_samples, 0)
+    checks.at_least("shards_per_client", d.shards_per_client, 1)
+    checks.at_least("classes_per_client", d.classes_per_client, 1)
+    checks.one_of("quantity_skew", d.quantity_skew, ("lognormal", "dirichlet"))
+    checks.one_of("placement", d.placement, ("auto", "device", "host"))
+
+
+def _check_training(cfg: Config, checks: Checks) -> None:
+    """Local training, the server optimizer and the attack."""
+    local = Checks("local")
+    local.at_least("epochs", cfg.local.epochs, 1)
+    local.at_least("batch_size", cfg.local.batch_size, 1)
+    if cfg.local.lr <= 0:
+        local.fail("lr", f"must be > 0, got {cfg.local.lr}")
+    local.within("momentum", cfg.local.momentum, 0, 1, "[)")
+    local.at_least("weight_decay", cfg.local.weight_decay, 0)
+    local.one_of("precision", cfg.local.precision, ("fp32", "bf16"))
+    if cfg.server_lr is not None and cfg.server_lr <= 0:
+        checks.fail("server_lr", f"must be > 0, got {cfg.server_lr}")
+    for key in ("server_momentum", "server_beta1", "server_beta2"):
+        checks.within(key, getattr(cfg, key), 0, 1, "[)")
+    if not 0 < cfg.server_tau <= 1e18:
+        checks.fail("server_tau", f"must be > 0 and at most 1e18 (its square must fit in float32), got {cfg.server_tau}")
+    Checks("attack").within("fraction", cfg.attack.fraction, 0, 1, "[)")
+
+
+def check_hogwild(cfg: Config, checks: Checks) -> None:
+    """``mode: hogwild`` (execution/hogwild.py): refuse, naming the key, every setting it would
+    silently ignore."""
+    n = cfg.data.num_clients
+    system = [f"system.{f.name}" for f in dataclasses.fields(cfg.system)
+              if getattr(cfg.system, f.name) != getattr(SystemConfig(), f.name)]
+    refused = [
+        ("algorithm", components.describe(cfg.algorithm) != "fedavg",
+         "hogwild trains by plain local SGD, with no client term and no server update; use algorithm: fedavg"),
+        ("aggregator", components.describe(cfg.aggregator) != "fedavg",
+         "hogwild aggregates nothing (every step lands in the one shared model); use aggregator: fedavg"),
+        ("server_optimizer", cfg.server_optimizer != "none",
+         "hogwild has no aggregated update for a server optimizer to apply; use server_optimizer: none"),
+        ("attack.type", cfg.attack.type != "none",
+         "hogwild has no client updates for an attack to rewrite; use attack.type: none"),
+        ("backend", cfg.backend != "process",
+         "vmap trains copies of the weights; hogwild trains the shared weights themselves: use backend: process"),
+        ("clients_per_round", cfg.clients_per_round != n,
+         f"a hogwild round is one pass over every client; set it to data.num_clients ({n}), "
+         f"got {cfg.clients_per_round}"),
+        ("privacy", cfg.privacy is not None,
+         "DP-FedAvg clips and noises client updates, which hogwild does not have; remove the privacy section"),
+        ("client_sampling", cfg.client_sampling != "uniform",
+         "a hogwild round trains every client, so there is no sample to choose; use client_sampling: uniform"),
+        ("sampling_candidates", cfg.sampling_candidates is not None,
+         "a hogwild round trains every client, so there is no sample to choose; leave it unset"),
+        (system[0] if system else "system", bool(system),
+         "system heterogeneity is simulated for synchronous rounds only; leave the system section out"),
+    ]
+    for key, bad, why in refused:
+        if bad:
+            checks.fail(key, f"{why} (mode: hogwild)")
+
+
+def unused_settings(cfg: Config) -> list[str]:
+    """Partition options set to other than their default although the chosen partition does not
+    read them, and system settings that do nothing (see System.warnings): a run would silently
+    ignore them, so the run warns."""
+    used, default = options_for(cfg.data.partition, cfg.data), DataConfig()
+    return [f"data.{key} is {getattr(cfg.data, key)!r} but data.partition {cfg.data.partition} does not use it"
+            for key in _PARTITION_KEYS if key not in used and getattr(cfg.data, key) != getattr(default, key)] + \
+        System.from_config(cfg).warnings()
