@@ -45,7 +45,7 @@ def tables() -> dict[str, Registry]:
     from .data import DATASETS, PARTITIONS
     from .models import MODELS
     from .server_opt import SERVER_OPTIMIZERS
-    from .system import CLIENT_SAMPLINGS
+    from .sampling import CLIENT_SAMPLINGS
 
     return {"datasets": DATASETS, "partitions": PARTITIONS, "models": MODELS, "algorithms": ALGORITHMS,
             "aggregators": AGGREGATORS, "server optimizers": SERVER_OPTIMIZERS, "attacks": ATTACKS,
