@@ -32,7 +32,7 @@ from .errors import ConfigError
 from .models import MODELS
 from .registry import is_import_path, load_attr, registered
 from .server_opt import SERVER_OPTIMIZERS
-from .system import CLIENT_SAMPLINGS
+from .sampling import CLIENT_SAMPLINGS
 
 KEYS = ("model", "aggregator", "algorithm", "data.dataset")
 

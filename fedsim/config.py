@@ -22,6 +22,7 @@ import yaml
 
 from .checks import cut, shown
 from .errors import ConfigError, FedsimError
+from .system import SystemConfig
 from .yamlfile import RefusedYAML, parse_yaml
 
 
@@ -64,21 +65,6 @@ class AttackConfig:
     type: str = "none"
     fraction: float = 0.0  # share of all clients that are Byzantine (a seeded set)
     scale: float = 1.0  # sign_flip sends -scale x update, scale sends scale x update
-
-
-@dataclass
-class SystemConfig:
-    """Simulated system heterogeneity (see system.py, which checks every value); the defaults
-    simulate none. ``availability`` is a probability or a one-key mapping, ``speed`` null or a
-    one-key mapping: typed loosely here so that system.py's message, listing every form, is the
-    one a bad value gets."""
-
-    availability: Optional[Any] = 1.0  # online probability: p, {uniform: [low, high]} or {beta: [a, b]}
-    dropout: float = 0.0  # a sampled client fails before reporting
-    speed: Optional[Any] = None  # relative compute speed: null (all 1), {lognormal: sigma}, {uniform: [lo, hi]}
-    deadline: Optional[float] = None  # simulated seconds a round waits; null: no stragglers
-    step_seconds: float = 1.0  # simulated seconds of one local step at speed 1
-    stragglers: str = "drop"  # drop | partial: keep the steps finished by the deadline
 
 
 @dataclass

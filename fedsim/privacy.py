@@ -55,9 +55,12 @@ from typing import Callable
 
 import torch
 
-from .aggregation import float64_blocks, row_norms
+from . import components
+from .aggregation import AGGREGATORS, float64_blocks, row_norms
+from .algorithms import Algorithm
+from .checks import FLOAT32, Checks, is_integer, is_number
 from .errors import ConfigError
-from .options import FLOAT32, is_integer, is_number
+from .registry import is_import_path
 from .streams import privacy_noise_generator
 
 RULES = ("fedavg", "mean")  # the rules that privacy's clipped, noised mean replaces
@@ -69,6 +72,8 @@ INSTALL = 'pip install "fedsim-sync[privacy]"'
 # C. 2^-30 (~1e-9) exceeds those errors (~P 2^-53 even for a naive sum over P = 1e7 values) and is
 # far below anything that changes training; the noise stays calibrated to C itself.
 _MARGIN = 1 - 2.0**-30
+_CHECKS = Checks("privacy")
+_TOP = Checks()  # the run's clients_per_round and data.num_clients
 
 Rule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -84,26 +89,19 @@ class Privacy:
     """
 
     def __init__(self, clip, noise_multiplier, delta, clients_per_round: int, num_clients: int):
-        if not is_number(clip) or not FLOAT32.tiny <= clip <= FLOAT32.max:
-            # float32's normal range: the updates are float32, and a bound of 1e-45 clips them to 0
-            _fail("clip", f"must be a number > 0 in float32's normal range [{FLOAT32.tiny:.3g}, "
-                          f"{FLOAT32.max:.3g}], got {clip!r}")
+        self.clip = _CHECKS.positive("clip", clip)  # float32's normal range: a clip of 1e-45 would zero every update
         if not is_number(noise_multiplier) or not 0 <= noise_multiplier <= FLOAT32.max:
             # bounded as config floats are: z C then stays finite in float64
-            _fail("noise_multiplier", f"must be a number in [0, {FLOAT32.max:.3g}], got {noise_multiplier!r}")
+            _CHECKS.fail("noise_multiplier", f"must be a number in [0, {FLOAT32.max:.3g}], got {noise_multiplier!r}")
         if not is_number(delta) or not 0 < delta < 1:
-            _fail("delta", f"must be a number in (0, 1), got {delta!r}")
-        if not is_integer(num_clients) or num_clients < 1:
-            raise ConfigError(f"data.num_clients: must be an integer >= 1, got {num_clients!r}")
-        if not is_integer(clients_per_round) or not 1 <= clients_per_round <= num_clients:
-            raise ConfigError(f"clients_per_round: must be an integer in [1, data.num_clients = {num_clients}], "
-                              f"got {clients_per_round!r}")
-        self.clip = float(clip)
+            _CHECKS.fail("delta", f"must be a number in (0, 1), got {delta!r}")
         self.noise_multiplier = float(noise_multiplier)
         self.delta = float(delta)
-        self.clients_per_round = clients_per_round
-        self.num_clients = num_clients
-        self.sample_rate = clients_per_round / num_clients  # q
+        self.num_clients = _TOP.count("data.num_clients", num_clients, 1)
+        self.clients_per_round = _TOP.count("clients_per_round", clients_per_round, 1)
+        if self.clients_per_round > self.num_clients:
+            _TOP.fail("clients_per_round", f"must be <= data.num_clients ({num_clients}), got {clients_per_round}")
+        self.sample_rate = self.clients_per_round / self.num_clients  # q
         self._accountant, self._steps = None, 0  # Opacus's, stepped _steps times (see epsilon)
 
     # ----------------------------------------------------------------- from a config
@@ -116,16 +114,10 @@ class Privacy:
         section = getattr(cfg, "privacy", None)
         if section is None:
             return None
-        if isinstance(section, Mapping):
-            unknown = sorted(str(key) for key in section if key not in KEYS)
-            if unknown:
-                _fail(unknown[0], f"unknown key; privacy takes {', '.join(KEYS)}")
-            values = dict(section)
-        else:
-            values = {key: getattr(section, key) for key in KEYS if hasattr(section, key)}
+        values = _section(section)
         for key in KEYS:
             if values.get(key) is None:
-                _fail(key, "is required when privacy is on")
+                _CHECKS.fail(key, "is required when privacy is on")
         privacy = cls(values["clip"], values["noise_multiplier"], values["delta"],
                       cfg.clients_per_round, cfg.data.num_clients)
         _check_aggregator(cfg.aggregator)
@@ -218,8 +210,11 @@ class Privacy:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _fail(key: str, message: str):
-    raise ConfigError(f"privacy.{key}: {message}")
+def _section(section) -> dict:
+    """The section's values: a mapping of KEYS alone, or an object with them as attributes."""
+    if isinstance(section, Mapping) or not any(hasattr(section, key) for key in KEYS):
+        return _CHECKS.mapping(section, KEYS)
+    return {key: getattr(section, key, None) for key in KEYS}
 
 
 def _weighted_sum(rows: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
@@ -232,9 +227,6 @@ def _weighted_sum(rows: torch.Tensor, coefficients: torch.Tensor) -> torch.Tenso
 
 
 def _check_aggregator(spec) -> None:
-    from .aggregation import AGGREGATORS
-    from .components import describe, is_import_path
-
     registered = isinstance(spec, str) and not is_import_path(spec)
     if registered and spec in RULES:
         return
@@ -244,15 +236,12 @@ def _check_aggregator(spec) -> None:
     else:
         why = "fedsim cannot tell that its output is a sum of per-client contributions each bounded by " \
               "privacy.clip, which the Gaussian mechanism's sensitivity bound needs"
-    raise ConfigError(f"privacy: aggregator {describe(spec)} cannot be used with differential privacy: {why}; "
-                      f"use aggregator fedavg or mean (under privacy both are the "
-                      f"unweighted mean of the clipped updates)")
+    raise ConfigError(f"privacy: aggregator {components.describe(spec)} cannot be used with differential privacy: "
+                      f"{why}; use aggregator fedavg or mean (under privacy both are the unweighted mean of the "
+                      f"clipped updates)")
 
 
 def _check_algorithm(cfg) -> None:
-    from . import components
-    from .algorithms import Algorithm
-
     algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
     name = components.describe(cfg.algorithm)
     try:

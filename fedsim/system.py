@@ -10,22 +10,11 @@ are late, in FLGo's vocabulary (Wang et al., FLGo's ``flgo.simulator``):
 * completeness    stragglers are dropped (``stragglers: drop``), or report the steps they finished
                   in time (``stragglers: partial``): floor(deadline x speed / step_seconds) of them
 
-and who is sampled among the online clients (``client_sampling``):
-
-* ``uniform``          k clients without replacement, equally likely; with every client online this
-                       is exactly ``streams.sample_clients`` (today's sample)
-* ``by_size``          k clients without replacement, drawn one after another with probability
-                       proportional to their number of samples
-* ``power_of_choice``  Cho, Wang & Joshi (2020), "Client selection in federated learning:
-                       convergence analysis and power-of-choice selection strategies": d candidates
-                       (``sampling_candidates``, d >= k) drawn without replacement proportional to
-                       their number of samples, then the k of them with the highest local loss of
-                       the current global model
+Who is sampled among the online clients (``client_sampling``: uniform, by_size, power_of_choice)
+is sampling.py's.
 
 Experiment file (every key optional; shown with its default unless marked as an example)::
 
-    client_sampling: uniform      # uniform | by_size | power_of_choice
-    sampling_candidates: null     # d, required by power_of_choice: clients_per_round <= d <= num_clients
     system:
       availability: 1.0           # p in [0, 1]: every client online with probability p each round;
                                   #   or per-client probabilities, drawn once per client:
@@ -69,34 +58,39 @@ The module is pure: it keeps no state between calls except a cache of the per-cl
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields, is_dataclass
-from typing import Mapping, Optional, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .config import SystemConfig  # the section's dataclass lives with the config's other sections
-from .errors import ConfigError
-from .registry import Registry
-from .streams import AVAILABILITY, DROPOUT, ONLINE, SAMPLING, SPEED, SYSTEM
+from .checks import Checks, cut, is_number, shown
+from .sampling import check_sampling, choose, draw
+from .streams import AVAILABILITY, DROPOUT, ONLINE, SPEED, SYSTEM
 
-SAMPLINGS = {
-    "uniform": "k online clients, equally likely, without replacement (the default)",
-    "by_size": "k online clients without replacement, each draw proportional to the number of samples",
-    "power_of_choice": "of d candidates drawn by size, the k whose loss on the global model is highest "
-                       "(Cho et al. 2020; d is sampling_candidates)",
-}
-CLIENT_SAMPLINGS = Registry("client sampling")  # for `fedsim list`
-for _name, _line in SAMPLINGS.items():
-    CLIENT_SAMPLINGS.register(_name, _line)(_name)
+
+@dataclass
+class SystemConfig:
+    """The ``system:`` section; the defaults simulate none. ``availability`` is a probability or a
+    one-key mapping, ``speed`` null or a one-key mapping: typed loosely so that the message of the
+    checks below, listing every form, is the one a bad value gets."""
+
+    availability: Optional[Any] = 1.0  # online probability: p, {uniform: [low, high]} or {beta: [a, b]}
+    dropout: float = 0.0  # a sampled client fails before reporting
+    speed: Optional[Any] = None  # relative compute speed: null (all 1), {lognormal: sigma}, {uniform: [lo, hi]}
+    deadline: Optional[float] = None  # simulated seconds a round waits; null: no stragglers
+    step_seconds: float = 1.0  # simulated seconds of one local step at speed 1
+    stragglers: str = "drop"  # drop | partial: keep the steps finished by the deadline
+
+
+KEYS = tuple(f.name for f in fields(SystemConfig))
 STRAGGLERS = ("drop", "partial")
 AVAILABILITY_DISTRIBUTIONS = ("uniform", "beta")
 SPEED_DISTRIBUTIONS = ("lognormal", "uniform")
-KEYS = ("availability", "dropout", "speed", "deadline", "step_seconds", "stragglers")
 MAX_SIGMA = 10.0  # beyond this, lognormal speeds of a large federation over- and underflow float64
 # A step that ends within a billionth (relative) of the deadline counts as in time: 3 s / 0.1 s is
 # 30 steps, although 3 / 0.1 is 29.999999999999996 in floating point.
 _IN_TIME = 1e-9
+_CHECKS = Checks("system")
 
 
 # ----------------------------------------------------------------------------- validation
@@ -114,127 +108,77 @@ class _Spec:
     stragglers: str
 
 
-def _shown(value) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-
-
-def _number(key: str, value, what: str) -> float:
-    if not _is_number(value) or not math.isfinite(float(value)):
-        raise ConfigError(f"{key}: {what}, got {_shown(value)}")
-    return float(value)
-
-
-def _section_items(section) -> dict:
-    if section is None:
-        return {}
-    if is_dataclass(section) and not isinstance(section, type):
-        return {f.name: getattr(section, f.name) for f in fields(section)}
-    if not isinstance(section, Mapping):
-        raise ConfigError(f"system: expected a mapping of {', '.join(KEYS)}, got {_shown(section)}")
-    unknown = [key for key in section if key not in KEYS]
-    if unknown:
-        raise ConfigError(f"system.{unknown[0]}: unknown key; choose among: {', '.join(KEYS)}")
-    return dict(section)
-
-
 def _one_key(key: str, value, names: Sequence[str], forms: str):
     """A distribution written as a one-key mapping, ``{name: parameters}``."""
     if not isinstance(value, Mapping) or len(value) != 1:
-        raise ConfigError(f"{key}: must be {forms}, got {_shown(value)}")
+        _CHECKS.fail(key, f"must be {forms}, got {shown(value)}")
     (name, params), = value.items()
     if name not in names:
-        raise ConfigError(f"{key}: unknown distribution {str(name)[:60]!r}; choose one of: {', '.join(names)} "
-                          f"({forms})")
+        _CHECKS.fail(key, f"unknown distribution {cut(str(name))!r}; choose one of: {', '.join(names)} ({forms})")
     return name, params
 
 
 def _pair(key: str, name: str, params, what: str) -> tuple[float, float]:
-    if not isinstance(params, (list, tuple)) or len(params) != 2 or not all(_is_number(p) for p in params) \
-            or not all(math.isfinite(float(p)) for p in params):
-        raise ConfigError(f"{key}: {name} takes [{what}], two finite numbers, got {_shown(params)}")
+    if not isinstance(params, (list, tuple)) or len(params) != 2 or not all(is_number(p) for p in params):
+        _CHECKS.fail(key, f"{name} takes [{what}], two finite numbers, got {shown(params)}")
     return float(params[0]), float(params[1])
 
 
 def _availability(value) -> tuple:
-    key = "system.availability"
-    forms = "a probability in [0, 1], {uniform: [low, high]} or {beta: [a, b]}"
-    if _is_number(value):
-        p = _number(key, value, f"must be {forms}")
+    key, forms = "availability", "a probability in [0, 1], {uniform: [low, high]} or {beta: [a, b]}"
+    if not isinstance(value, Mapping):
+        p = _CHECKS.number(key, value, f"must be {forms}")
         if not 0 <= p <= 1:
-            raise ConfigError(f"{key}: must be a probability in [0, 1], got {p}")
+            _CHECKS.fail(key, f"must be a probability in [0, 1], got {p}")
         return ("constant", p)
     name, params = _one_key(key, value, AVAILABILITY_DISTRIBUTIONS, forms)
     if name == "uniform":
         low, high = _pair(key, name, params, "low, high")
         if not 0 <= low <= high <= 1:
-            raise ConfigError(f"{key}: uniform [low, high] needs 0 <= low <= high <= 1 (probabilities), "
-                              f"got [{low}, {high}]")
+            _CHECKS.fail(key, f"uniform [low, high] needs 0 <= low <= high <= 1 (probabilities), got [{low}, {high}]")
         return ("uniform", low, high)
     a, b = _pair(key, name, params, "a, b")
     if not (a > 0 and b > 0):
-        raise ConfigError(f"{key}: beta [a, b] needs a > 0 and b > 0, got [{a}, {b}]")
+        _CHECKS.fail(key, f"beta [a, b] needs a > 0 and b > 0, got [{a}, {b}]")
     return ("beta", a, b)
 
 
 def _speed(value) -> tuple:
-    key = "system.speed"
-    forms = "null (every client 1), {lognormal: sigma} or {uniform: [low, high]}"
+    key, forms = "speed", "null (every client 1), {lognormal: sigma} or {uniform: [low, high]}"
     if value is None:
         return ("constant", 1.0)
     name, params = _one_key(key, value, SPEED_DISTRIBUTIONS, forms)
     if name == "lognormal":
-        sigma = _number(key, params, "lognormal takes sigma, a finite number")
+        sigma = _CHECKS.number(key, params, "lognormal takes sigma, a finite number")
         if not 0 <= sigma <= MAX_SIGMA:
-            raise ConfigError(f"{key}: lognormal sigma must be in [0, {MAX_SIGMA:g}], got {sigma}")
+            _CHECKS.fail(key, f"lognormal sigma must be in [0, {MAX_SIGMA:g}], got {sigma}")
         return ("lognormal", sigma)
     low, high = _pair(key, name, params, "low, high")
     if not 0 < low <= high:
-        raise ConfigError(f"{key}: uniform [low, high] needs 0 < low <= high (a speed of 0 never finishes), "
+        _CHECKS.fail(key, f"uniform [low, high] needs 0 < low <= high (a speed of 0 never finishes), "
                           f"got [{low}, {high}]")
     return ("uniform", low, high)
 
 
+def _seconds(key: str, value, null: str = "") -> float:
+    """Simulated seconds > 0; ``null`` says what null means where it is allowed."""
+    seconds = _CHECKS.number(key, value, f"must be a number of simulated seconds > 0{null}")
+    if not seconds > 0:
+        _CHECKS.fail(key, f"must be > 0 simulated seconds{null}, got {seconds}")
+    return seconds
+
+
 def _parse(section, client_sampling, sampling_candidates, clients_per_round=None, num_clients=None) -> _Spec:
-    if client_sampling not in SAMPLINGS:
-        raise ConfigError(f"client_sampling: must be one of {', '.join(SAMPLINGS)}, got {_shown(client_sampling)}")
-    d = sampling_candidates
-    if d is not None:
-        if not isinstance(d, (int, np.integer)) or isinstance(d, (bool, np.bool_)) or d < 1:
-            raise ConfigError(f"sampling_candidates: must be a positive integer (or null), got {_shown(d)}")
-        d = int(d)
-        if clients_per_round is not None and d < clients_per_round:
-            raise ConfigError(f"sampling_candidates: must be >= clients_per_round ({clients_per_round}): the "
-                              f"round keeps k of its d candidates, got {d}")
-        if num_clients is not None and d > num_clients:
-            raise ConfigError(f"sampling_candidates: must be <= data.num_clients ({num_clients}), got {d}")
-    elif client_sampling == "power_of_choice":
-        raise ConfigError("sampling_candidates: client_sampling power_of_choice needs d, the number of candidates "
-                          "(clients_per_round <= d <= data.num_clients)")
-    items = _section_items(section)
-    defaults = SystemConfig()
-    get = lambda key: items.get(key, getattr(defaults, key))  # noqa: E731
-    dropout = _number("system.dropout", get("dropout"), "must be a probability in [0, 1)")
-    if not 0 <= dropout < 1:
-        raise ConfigError(f"system.dropout: must be in [0, 1) (1 would lose every client's work), got {dropout}")
-    deadline = get("deadline")
-    if deadline is not None:
-        deadline = _number("system.deadline", deadline, "must be a number of simulated seconds > 0, or null")
-        if not deadline > 0:
-            raise ConfigError(f"system.deadline: must be > 0 simulated seconds, or null for none, got {deadline}")
-    step_seconds = _number("system.step_seconds", get("step_seconds"), "must be a number of simulated seconds > 0")
-    if not step_seconds > 0:
-        raise ConfigError(f"system.step_seconds: must be > 0 simulated seconds, got {step_seconds}")
-    stragglers = get("stragglers")
-    if stragglers not in STRAGGLERS:
-        raise ConfigError(f"system.stragglers: must be one of {', '.join(STRAGGLERS)}, got {_shown(stragglers)}")
-    return _Spec(sampling=client_sampling, candidates=d, availability=_availability(get("availability")),
-                 dropout=dropout, speed=_speed(get("speed")), deadline=deadline, step_seconds=step_seconds,
-                 stragglers=stragglers)
+    candidates = check_sampling(client_sampling, sampling_candidates, clients_per_round, num_clients)
+    values = {**_CHECKS.mapping(SystemConfig(), KEYS), **_CHECKS.mapping(section, KEYS)}
+    dropout = _CHECKS.number("dropout", values["dropout"], "must be a probability in [0, 1)")
+    deadline = values["deadline"]
+    return _Spec(sampling=client_sampling, candidates=candidates, availability=_availability(values["availability"]),
+                 dropout=_CHECKS.within("dropout", dropout, 0, 1, "[)", " (1 would lose every client's work)"),
+                 speed=_speed(values["speed"]),
+                 deadline=None if deadline is None else _seconds("deadline", deadline, ", or null for none"),
+                 step_seconds=_seconds("step_seconds", values["step_seconds"]),
+                 stragglers=_CHECKS.one_of("stragglers", values["stragglers"], STRAGGLERS))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -412,16 +356,7 @@ class System:
 
     def _draw(self, seed: int, rnd: int, online: np.ndarray, k: int, sizes: np.ndarray) -> np.ndarray:
         s = self.spec
-        want = s.candidates if s.sampling == "power_of_choice" else k
-        if len(online) <= want:
-            return online  # fewer online than wanted: all of them, without a draw
-        rng = _stream(seed, SAMPLING, rnd)  # the stream of streams.sample_clients
-        if s.sampling == "uniform":  # all online: online[i] = i, so exactly sample_clients
-            return np.sort(online[rng.choice(len(online), size=want, replace=False)])
-        weights = sizes[online]
-        if not weights.min() > 0:
-            raise ValueError(f"{s.sampling}: every client needs a positive size, got {weights.min():g}")
-        return np.sort(rng.choice(online, size=want, replace=False, p=weights / weights.sum()))
+        return draw(s.sampling, seed, rnd, online, s.candidates if s.sampling == "power_of_choice" else k, sizes)
 
     def round(self, seed: int, rnd: int, num_clients: int, k: int, sizes, losses=None) -> RoundPlan:
         """The plan of round ``rnd``: who is sampled, who reports, with how many steps.
@@ -441,7 +376,7 @@ class System:
         mask = self.online(seed, rnd, num_clients)
         online = np.flatnonzero(mask)
         candidates = self._draw(seed, rnd, online, k, sizes_f)
-        sampled = self._choose(candidates, k, losses) if s.sampling == "power_of_choice" else candidates
+        sampled = choose(candidates, k, losses) if s.sampling == "power_of_choice" else candidates
         # connectivity: who fails before reporting
         if s.dropout > 0 and len(sampled):
             u = _stream(seed, SYSTEM, DROPOUT, rnd).random(int(sampled[-1]) + 1)  # c-th number: client c
@@ -477,26 +412,6 @@ class System:
                          sampled=_ids(sampled), clients=_ids(sampled[reports]), step_limits=limits,
                          dropouts=_ids(sampled[out]), stragglers=_ids(sampled[late]), dropped=_ids(sampled[lost]),
                          steps=steps, seconds=seconds, simulated_seconds=simulated)
-
-    def _choose(self, candidates: np.ndarray, k: int, losses) -> np.ndarray:
-        """Power of choice: the k candidates of highest loss, sorted."""
-        if len(candidates) <= k:
-            return candidates
-        if losses is None:
-            raise ValueError(f"power_of_choice: round() needs the losses of the {len(candidates)} candidates "
-                             f"(System.candidates) to keep {k}")
-        if isinstance(losses, Mapping):
-            missing = [int(c) for c in candidates if int(c) not in losses]
-            if missing:
-                raise ValueError(f"power_of_choice: no loss for candidate client {missing[0]}")
-            values = np.array([float(losses[int(c)]) for c in candidates])
-        else:
-            values = np.array([float(v) for v in losses], dtype=np.float64)
-            if len(values) != len(candidates):
-                raise ValueError(f"power_of_choice: {len(values)} losses for {len(candidates)} candidates")
-        values = np.where(np.isnan(values), np.inf, values)
-        order = np.lexsort((candidates, -values))  # highest loss first, then the lower id
-        return np.sort(candidates[order[:k]])
 
     @staticmethod
     def _arguments(num_clients: int, k: int, sizes) -> None:

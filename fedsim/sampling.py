@@ -1,0 +1,100 @@
+"""Client sampling: who of a round's online clients is sampled (``client_sampling``). system.py
+decides who is online and calls these; see its docstring for the round as a whole.
+
+* ``uniform``          k clients without replacement, equally likely; with every client online this
+                       is exactly ``streams.sample_clients`` (today's sample)
+* ``by_size``          k clients without replacement, drawn one after another with probability
+                       proportional to their number of samples
+* ``power_of_choice``  Cho, Wang & Joshi (2020), "Client selection in federated learning:
+                       convergence analysis and power-of-choice selection strategies": d candidates
+                       (``sampling_candidates``, d >= k) drawn without replacement proportional to
+                       their number of samples, then the k of them with the highest local loss of
+                       the current global model
+
+Experiment file (top-level keys, shown with their defaults)::
+
+    client_sampling: uniform      # uniform | by_size | power_of_choice
+    sampling_candidates: null     # d, required by power_of_choice: clients_per_round <= d <= num_clients
+
+Every draw comes from the stream ``(seed, streams.SAMPLING, round)``, that of
+``streams.sample_clients``, so the sample is the same in every worker and rank and after a resume.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import numpy as np
+
+from .checks import Checks, shown
+from .registry import Registry
+from .streams import SAMPLING
+
+SAMPLINGS = {
+    "uniform": "k online clients, equally likely, without replacement (the default)",
+    "by_size": "k online clients without replacement, each draw proportional to the number of samples",
+    "power_of_choice": "of d candidates drawn by size, the k whose loss on the global model is highest "
+                       "(Cho et al. 2020; d is sampling_candidates)",
+}
+CLIENT_SAMPLINGS = Registry("client sampling")  # for `fedsim list`
+for _name, _line in SAMPLINGS.items():
+    CLIENT_SAMPLINGS.register(_name, _line)(_name)
+
+_CHECKS = Checks()  # client_sampling and sampling_candidates are top-level keys
+
+
+def check_sampling(client_sampling, sampling_candidates, clients_per_round: Optional[int] = None,
+                   num_clients: Optional[int] = None) -> Optional[int]:
+    """d (``sampling_candidates``) as an int, or None; a one-line ConfigError naming the key for a
+    bad value. The bounds k <= d <= N are checked only when ``clients_per_round`` (k) and
+    ``num_clients`` (N) are given."""
+    if client_sampling not in tuple(SAMPLINGS):
+        _CHECKS.fail("client_sampling", f"must be one of {', '.join(SAMPLINGS)}, got {shown(client_sampling)}")
+    d = _CHECKS.count("sampling_candidates", sampling_candidates, 1, optional=True)
+    if d is None:
+        if client_sampling == "power_of_choice":
+            _CHECKS.fail("sampling_candidates", "client_sampling power_of_choice needs d, the number of candidates "
+                                                "(clients_per_round <= d <= data.num_clients)")
+        return None
+    if clients_per_round is not None and d < clients_per_round:
+        _CHECKS.fail("sampling_candidates", f"must be >= clients_per_round ({clients_per_round}): the round keeps "
+                                            f"k of its d candidates, got {d}")
+    if num_clients is not None and d > num_clients:
+        _CHECKS.fail("sampling_candidates", f"must be <= data.num_clients ({num_clients}), got {d}")
+    return d
+
+
+def draw(sampling: str, seed: int, rnd: int, online: np.ndarray, want: int, sizes: np.ndarray) -> np.ndarray:
+    """``want`` of the ``online`` clients (sorted ids), or all of them without a draw when at most
+    ``want`` are online: equally likely for ``uniform``, else each draw proportional to ``sizes``
+    (every client's number of samples, float64)."""
+    if len(online) <= want:
+        return online
+    rng = np.random.default_rng([int(seed), SAMPLING, int(rnd)])  # the stream of streams.sample_clients
+    if sampling == "uniform":  # all online: online[i] = i, so exactly sample_clients
+        return np.sort(online[rng.choice(len(online), size=want, replace=False)])
+    weights = sizes[online]
+    if not weights.min() > 0:
+        raise ValueError(f"{sampling}: every client needs a positive size, got {weights.min():g}")
+    return np.sort(rng.choice(online, size=want, replace=False, p=weights / weights.sum()))
+
+
+def choose(candidates: np.ndarray, k: int, losses) -> np.ndarray:
+    """Power of choice: the k candidates of highest loss, sorted. ``losses``: ``{client: loss}`` or a
+    sequence aligned with ``candidates``; a NaN loss counts as the highest, ties go to the lower id."""
+    if len(candidates) <= k:
+        return candidates
+    if losses is None:
+        raise ValueError(f"power_of_choice: round() needs the losses of the {len(candidates)} candidates "
+                         f"(System.candidates) to keep {k}")
+    if isinstance(losses, Mapping):
+        missing = [int(c) for c in candidates if int(c) not in losses]
+        if missing:
+            raise ValueError(f"power_of_choice: no loss for candidate client {missing[0]}")
+        values = np.array([float(losses[int(c)]) for c in candidates])
+    else:
+        values = np.array([float(v) for v in losses], dtype=np.float64)
+        if len(values) != len(candidates):
+            raise ValueError(f"power_of_choice: {len(values)} losses for {len(candidates)} candidates")
+    values = np.where(np.isnan(values), np.inf, values)
+    order = np.lexsort((candidates, -values))  # highest loss first, then the lower id
+    return np.sort(candidates[order[:k]])
