@@ -25,6 +25,7 @@ from pathlib import Path
 from statistics import fmean, stdev
 
 from .errors import ConfigError, FedsimError, write_error
+from .yamlfile import parse_yaml
 
 COLUMNS = ("round", "test_accuracy", "test_loss", "train_loss", "seconds", "elapsed_seconds",
            "clients", "dropped_clients", "attackers", "train_seconds", "worker_seconds", "aggregate_seconds",
