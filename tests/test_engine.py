@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fedsim
-from fedsim.results import COLUMNS
+from fedsim.rundir import COLUMNS
 
 from conftest import child_pids, shm_entries
 
@@ -80,7 +80,7 @@ def test_cuda_run_matches_contract(small_config, tmp_path):
 
 
 def test_a_simulation_takes_any_function_for_its_lines(small_config, tmp_path):
-    from fedsim.results import RunDirectory
+    from fedsim.rundir import RunDirectory
     from fedsim.server import Simulation
 
     lines = []

@@ -17,7 +17,8 @@ from matplotlib.collections import PolyCollection
 import fedsim
 import fedsim.server
 from fedsim.errors import ConfigError
-from fedsim.results import COLUMNS, History
+from fedsim.results import History
+from fedsim.rundir import COLUMNS
 from fedsim.sweep import parse_grid, plan, sweep
 
 
