@@ -69,7 +69,7 @@ def parse_args(argv=None):
 
 def measure(spec: dict) -> dict:
     """One fedsim run: its rows, summary and resolved config, and how long `fedsim.run` took."""
-    from fedsim.server import run  # fedsim.run; torch and the engine load here, before the clock starts
+    from fedsim.runs import run  # fedsim.run; torch and the engine load here, before the clock starts
 
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
@@ -84,7 +84,7 @@ def measure(spec: dict) -> dict:
 
 def measure_all(args, device: str) -> tuple[list[dict], list[dict]]:
     """Every (workload, model, backend, workers), and W1 through the command per backend."""
-    from fedsim.config import load_config
+    from fedsim.validation import load_config
 
     worker_counts = [int(w) for w in harness.split_list(args.workers or harness.DEFAULT_WORKERS[args.size])]
     entries, commands = [], []
@@ -104,7 +104,7 @@ def measure_all(args, device: str) -> tuple[list[dict], list[dict]]:
 
 def measure_one(run: dict, cfg, backend: str, workers: int, samples: float, device: str) -> dict:
     """One configuration in a fresh process, or why it was not measured."""
-    from fedsim.config import load_config
+    from fedsim.validation import load_config
     from fedsim.errors import ConfigError
 
     entry = {"workload": run["workload"], "model": run["model"], "backend": backend, "workers": workers,

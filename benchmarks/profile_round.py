@@ -66,11 +66,11 @@ class Setup:
 
         from fedsim import components
         from fedsim.client import LocalTrainer
-        from fedsim.config import load_config
+        from fedsim.validation import load_config
         from fedsim.data.augment import augmentation_for
         from fedsim.federation import initial_model, load_federation
         from fedsim.flat import FlatModel
-        from fedsim.server import resolve_device
+        from fedsim.session import resolve_device
         from fedsim.streams import client_seed, sample_clients
 
         cfg = self.cfg = load_config(spec["config"], spec["overrides"])
@@ -99,7 +99,7 @@ class Setup:
         return self.worker_model.flat.clone()
 
     def evaluate(self) -> None:
-        from fedsim.server import evaluate
+        from fedsim.engine import evaluate
 
         evaluate(self.server_model.module, self.test_x, self.test_y, self.cfg.eval_batch_size)
 

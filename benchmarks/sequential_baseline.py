@@ -217,7 +217,7 @@ def peak_memory_mb(device) -> float:
 def measure(spec: dict) -> dict:
     import torch
 
-    from fedsim.config import load_config
+    from fedsim.validation import load_config
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])

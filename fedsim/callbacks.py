@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .errors import write_error
-from .results import read_client_accuracy, write_atomically
+from .rundir import read_client_accuracy, write_atomically
 
 # dropped: 0, or why the client's work did not count (nonfinite, dropout, straggler); steps: the
 # local steps it took (fewer than its full work for a partial straggler; 0 where its work was lost)

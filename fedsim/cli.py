@@ -7,7 +7,6 @@ written, and exit with 130 and 143; a second Ctrl-C ends everything at once.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from .interrupts import Terminated, install_handlers
@@ -30,8 +29,8 @@ def _run(args, ranks) -> int:
     from .distributed import ranks_named
     from .errors import DataError, FedsimError
     from .progress import write_or_silence
-    from .results import RunDirectory
     from .execution import kill_all_pools
+    from .rundir import RunDirectory
     from .runs import agree_on_config, resume_run, start_run
 
     callbacks = [TensorBoard()] if args.tensorboard else []
@@ -129,7 +128,7 @@ def cmd_partition(args) -> int:
     from .validation import load_config
     from .data.report import write_report
     from .errors import FedsimError
-    from .results import check_output_path, safe_dir_name
+    from .rundir import check_output_path, safe_dir_name
 
     cfg = load_config(args.config, args.set)
     out = Path(args.out) if args.out else Path("runs") / f"{safe_dir_name(cfg.name)}-partition"
@@ -187,6 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_run_parser(sub)
+    lst = sub.add_parser("list", help="list datasets, partitions, models, aggregators, ...")
+    lst.set_defaults(func=cmd_list)
+    _add_partition_parser(sub)
+    _add_plot_parser(sub)
+    _add_sweep_parser(sub)
+    return parser
+
+
+def _add_run_parser(sub) -> None:
+    """``fedsim run``: an experiment file, or --resume of a run directory."""
     run = sub.add_parser("run", help="run an experiment file")
     run.add_argument("config", nargs="?", metavar="FILE", help="YAML experiment file")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -202,9 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     run.set_defaults(func=cmd_run)
 
-    lst = sub.add_parser("list", help="list datasets, partitions, models, aggregators, ...")
-    lst.set_defaults(func=cmd_list)
 
+def _add_partition_parser(sub) -> None:
+    """``fedsim partition``: how an experiment splits its data among clients."""
     part = sub.add_parser("partition", help="show how an experiment splits its data among clients")
     part.add_argument("config", metavar="FILE", help="YAML experiment file")
     part.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -213,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "(default runs/<name>-partition)")
     part.set_defaults(func=cmd_partition)
 
+
+def _add_plot_parser(sub) -> None:
+    """``fedsim plot``: a figure of the per-round metrics of one or more runs."""
     plot = sub.add_parser("plot", help="plot per-round metrics of one or more runs into a PNG or PDF")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories or glob patterns ('runs/cmp-*')")
     plot.add_argument("-o", "--output", required=True, metavar="FILE",
@@ -235,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--pdf", action="store_true", help="also write a PDF beside the PNG")
     plot.set_defaults(func=cmd_plot)
 
+
+def _add_sweep_parser(sub) -> None:
+    """``fedsim sweep``: every combination of grid values, one run after another."""
     swp = sub.add_parser("sweep", help="run every combination of grid values, one run after another")
     swp.add_argument("config", metavar="FILE", help="YAML experiment file")
     swp.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
@@ -252,7 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
     swp.add_argument("--overwrite", action="store_true", help="replace the run files in an existing --out DIR")
     swp.add_argument("--quiet", action="store_true", help="print no per-round lines")
     swp.set_defaults(func=cmd_sweep)
-    return parser
 
 
 def main(argv=None) -> None:

@@ -289,6 +289,6 @@ def groups_per_round(cfg: Config) -> int:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    from .results import atomic_write_text
+    from .rundir import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

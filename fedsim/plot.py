@@ -17,8 +17,8 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from .errors import FedsimError, write_error
-from .results import (COLUMNS, RUN_SPECIFIC_KEYS, History, check_output_path, flatten_config, group_repeats,
-                      load_run, load_runs, write_atomically)
+from .results import RUN_SPECIFIC_KEYS, History, flatten_config, group_repeats, load_run, load_runs
+from .rundir import COLUMNS, check_output_path, write_atomically
 
 # Okabe & Ito's palette, which stays distinct under the common colour-vision deficiencies;
 # yellow comes last because it is faint on white.
@@ -53,17 +53,7 @@ def plot_runs(runs, *, metric: str = "test_accuracy", x: str = "round", label: s
     in seed are averaged.
     """
     histories = as_histories(runs)
-    _check_choice("metric", metric, METRICS)
-    _check_choice("x", x, X_AXES)
-    _check_choice("band", band, BANDS)
-    if spread:
-        if metric not in ("test_accuracy", SPREAD[0]):
-            raise FedsimError(f"spread: draws the clients' accuracy; it does not combine with metric {metric}")
-        metric = SPREAD[0]
-    _check_has(histories, [*(SPREAD if spread else [metric]), *(["epsilon"] if x == "epsilon" else [])])
-    inches = WIDTHS.get(width, width)
-    if not isinstance(inches, (int, float)) or not 0.5 <= inches <= 50:
-        raise FedsimError(f"width: {width!r} is not 'single', 'double' or a width from 0.5 to 50 inches")
+    metric, inches = _checked_options(histories, metric, x, band, spread, width)
     distinguish = ("name",) if label is None else (label,)
     groups = group_repeats(histories, distinguish)
 
@@ -96,6 +86,23 @@ def plot_runs(runs, *, metric: str = "test_accuracy", x: str = "round", label: s
             handles += keys[:len(legend) - len(handles)]
             fig.legend(handles, legend, title=label, loc="outside lower center", ncols=columns, frameon=False)
     return fig
+
+
+def _checked_options(histories, metric: str, x: str, band: str, spread: bool, width) -> tuple[str, float]:
+    """plot_runs' options checked against each other and the runs: the metric to draw (with
+    ``spread``, the clients' mean accuracy) and the figure's width in inches."""
+    _check_choice("metric", metric, METRICS)
+    _check_choice("x", x, X_AXES)
+    _check_choice("band", band, BANDS)
+    if spread:
+        if metric not in ("test_accuracy", SPREAD[0]):
+            raise FedsimError(f"spread: draws the clients' accuracy; it does not combine with metric {metric}")
+        metric = SPREAD[0]
+    _check_has(histories, [*(SPREAD if spread else [metric]), *(["epsilon"] if x == "epsilon" else [])])
+    inches = WIDTHS.get(width, width)
+    if not isinstance(inches, (int, float)) or not 0.5 <= inches <= 50:
+        raise FedsimError(f"width: {width!r} is not 'single', 'double' or a width from 0.5 to 50 inches")
+    return metric, inches
 
 
 def as_histories(runs) -> list[History]:

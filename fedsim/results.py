@@ -1,43 +1,19 @@
-"""Run directories: resolved config, per-round metrics, summary, checkpoint, and History.
-
-A run directory holds::
-
-    config.yaml     the resolved configuration (what actually ran)
-    metrics.csv     one row per evaluated round, written as the run goes
-    clients.csv     one row per sampled client per round
-    client_accuracy.csv  each client's test accuracy per evaluated round (eval_per_client)
-    summary.json    final and best accuracy, rounds, wall time, device, workers
-    accuracy.png    per-round test accuracy
-    checkpoint.pt   the latest round's state, for --resume
+"""Runs read back from their run directories (see ``fedsim.rundir``): History, loading runs,
+grouping repeats over seeds, and results tables.
 """
 from __future__ import annotations
 
-import csv
-import errno
 import glob
-import hashlib
 import json
 import math
 import os
 import re
-from datetime import datetime
 from pathlib import Path
 from statistics import fmean, stdev
 
-from .errors import ConfigError, FedsimError, write_error
+from .errors import ConfigError, FedsimError
+from .rundir import COLUMNS, read_client_accuracy, read_clients, read_mapping, read_metrics
 from .yamlfile import parse_yaml
-
-COLUMNS = ("round", "test_accuracy", "test_loss", "train_loss", "seconds", "elapsed_seconds",
-           "clients", "dropped_clients", "attackers", "train_seconds", "worker_seconds", "aggregate_seconds",
-           "eval_seconds", "epsilon", "client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10",
-           "simulated_seconds", "unavailable", "stragglers")
-# columns of what a run may leave off (privacy, eval_per_client), and columns that rows of an older
-# version lack (a resumed run rewrites those rows): empty in metrics.csv, None in a History
-OPTIONAL_COLUMNS = {"epsilon", "client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10",
-                    "simulated_seconds", "unavailable", "stragglers"}
-_INT_COLUMNS = {"round", "clients", "dropped_clients", "attackers", "unavailable", "stragglers"}
-RUN_FILES = ("config.yaml", "metrics.csv", "clients.csv", "client_accuracy.csv", "summary.json", "accuracy.png",
-             "checkpoint.pt")
 
 
 class History:
@@ -129,8 +105,8 @@ def load_run(run_dir: str | os.PathLike) -> History:
         raise FedsimError(f"{path}: no such run directory")
     if not (path / "metrics.csv").is_file():
         raise FedsimError(f"{path}: not a run directory (no metrics.csv)")
-    config = _read_optional(path / "config.yaml", _yaml_mapping)
-    summary = _read_optional(path / "summary.json", json.loads)
+    config = read_mapping(path / "config.yaml", _yaml_mapping)
+    summary = read_mapping(path / "summary.json", json.loads)
     return History(read_metrics(path / "metrics.csv"), config, path, summary)
 
 
@@ -329,19 +305,6 @@ def _last(history: History, column: str) -> float:
     return history.rows[-1][column] if history.rows else math.nan
 
 
-def _read_optional(path: Path, parse) -> dict:
-    """A run file's mapping, or {} when the file is absent."""
-    if not path.is_file():
-        return {}
-    try:
-        value = parse(path.read_text())
-    except (OSError, ValueError) as e:  # json's and yaml's errors are ValueErrors (see _yaml_mapping)
-        raise FedsimError(f"{path}: cannot read ({_cut(str(e).splitlines()[0])})") from None
-    if not isinstance(value, dict):
-        raise FedsimError(f"{path}: cannot read (expected a mapping, got {type(value).__name__})")
-    return value
-
-
 def _yaml_mapping(text: str):
     import yaml
 
@@ -351,273 +314,3 @@ def _yaml_mapping(text: str):
     except yaml.YAMLError as e:
         raise ValueError(" ".join(str(e).split())) from None
 
-
-def read_metrics(path: Path) -> list[dict]:
-    try:
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            if not {"round", "test_accuracy"} <= set(reader.fieldnames or ()):
-                raise FedsimError(f"{path}: not a fedsim metrics file (no round and test_accuracy columns)")
-            rows = []
-            for row in reader:
-                try:
-                    rows.append({k: _parse(k, v) for k, v in row.items()})
-                except (TypeError, ValueError):
-                    raise FedsimError(f"{path}: line {reader.line_num}: not a complete metrics row") from None
-            return rows
-    except FileNotFoundError:
-        raise FedsimError(f"{path}: missing; a run directory keeps its per-round metrics there") from None
-    except (UnicodeDecodeError, csv.Error):
-        raise FedsimError(f"{path}: not a fedsim metrics file (not CSV text)") from None
-    except OSError as e:
-        raise FedsimError(f"{path}: cannot read ({e.strerror or e})") from None
-
-
-def read_clients(path: Path) -> list[dict]:
-    """The rows of a clients.csv, numbers as numbers; ``dropped`` is 0 or the reason (a word; 1 in
-    files of an older version), and a cell that rows of an older version lack is None."""
-    try:
-        with open(path, newline="") as f:
-            return [{k: _client_cell(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
-    except (OSError, UnicodeDecodeError, csv.Error, TypeError, ValueError) as e:
-        raise FedsimError(f"{path}: not a fedsim clients file ({type(e).__name__})") from None
-
-
-def _client_cell(column: str, value: str):
-    if value == "":
-        return None
-    if column in ("train_loss", "update_norm"):
-        return float(value)
-    if column == "dropped" and not value.isdigit():
-        return value
-    return int(value)
-
-
-def read_client_accuracy(path: Path) -> list[dict]:
-    """The rows of a client_accuracy.csv, numbers as numbers (accuracy nan: no test samples)."""
-    try:
-        with open(path, newline="") as f:
-            return [{k: (float(v) if k == "accuracy" else int(v)) for k, v in row.items()} for row in csv.DictReader(f)]
-    except (OSError, UnicodeDecodeError, csv.Error, TypeError, ValueError) as e:
-        raise FedsimError(f"{path}: not a fedsim client accuracy file ({type(e).__name__})") from None
-
-
-def _parse(column: str, value: str):
-    """A cell of metrics.csv: fedsim's own columns are numbers (an integer or a float, which
-    may be nan), or None where an optional column is empty; a column fedsim does not know is
-    kept as it is, number or text."""
-    if column in OPTIONAL_COLUMNS and value == "":
-        return None
-    if column in _INT_COLUMNS:
-        return int(value)
-    if column in COLUMNS:
-        return float(value)
-    try:
-        return float(value)
-    except ValueError:
-        return value
-
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")  # characters kept out of directory names
-_MAX_DIR_NAME = 120  # file systems allow 255 bytes; a timestamp and suffixes come on top
-
-
-def safe_dir_name(name: str) -> str:
-    """A directory name for a run name: letters, digits and ``._=+-`` only, so that ``../x`` or
-    ``/etc`` stays one name inside ``runs/``; no leading dot; at most _MAX_DIR_NAME characters,
-    a long name ending in a hash of the whole so that two long names stay apart."""
-    text = _UNSAFE.sub("_", name).lstrip(".") or "run"
-    if len(text) > _MAX_DIR_NAME:
-        digest = hashlib.sha1(name.encode()).hexdigest()[:8]
-        text = f"{text[:_MAX_DIR_NAME - 9]}-{digest}"
-    return text
-
-
-def check_output_path(path: Path, flag: str = "--out") -> None:
-    """Refuse, in one line, a path that cannot become a directory: a name too long, or an
-    existing file where a directory has to be. Creates nothing."""
-    for part in path.parts:
-        if len(part.encode()) > 255:
-            raise FedsimError(f"{flag} {_cut(str(path))}: a name in it is longer than 255 bytes")
-    parent = path
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if parent.exists() and not parent.is_dir():
-        raise FedsimError(f"{flag} {path}: {parent} is a file, not a directory")
-
-
-def _cut(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-class RunDirectory:
-    """Writes one run's files; rows are flushed as they come, so an interrupted run keeps them.
-
-    Every file is written whole or not at all (see ``write_atomically``), and while a run
-    writes, it holds a lock on the directory, so that a second run or resume of the same
-    directory is refused instead of interleaving its rows.
-    """
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._lock = None
-
-    @staticmethod
-    def target(out: str | os.PathLike | None, name: str, overwrite: bool = False) -> Path:
-        """The directory a new run will write: ``out``, or ``runs/<name>-<timestamp>``.
-        Refuses an ``out`` that holds files unless ``overwrite``; creates nothing."""
-        if out is None:
-            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-            base = f"{safe_dir_name(name)}-{stamp}"
-            path, n = Path("runs") / base, 2
-            while path.exists():
-                path, n = Path("runs") / f"{base}-{n}", n + 1
-            check_output_path(path)
-            return path
-        path = Path(out)
-        check_output_path(path)
-        if path.exists() and not path.is_dir():
-            raise FedsimError(f"--out {path}: exists and is not a directory")
-        if path.is_dir() and any(path.iterdir()) and not overwrite:
-            raise FedsimError(f"--out {path}: directory exists and is not empty; "
-                              f"pass --overwrite to replace its run files")
-        return path
-
-    @classmethod
-    def create(cls, path: Path, overwrite: bool = False) -> "RunDirectory":
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise write_error(path, e) from None
-        directory = cls(path)
-        directory.lock()
-        try:
-            if overwrite:
-                for file in RUN_FILES:
-                    (path / file).unlink(missing_ok=True)
-            directory.write_rows([])
-        except BaseException:
-            directory.unlock()
-            raise
-        return directory
-
-    def lock(self) -> None:
-        """Hold an exclusive lock on the directory until ``unlock`` (or this process ends)."""
-        import fcntl
-
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise RunInUseError(f"{self.path}: another fedsim process is running in this directory; "
-                                f"wait for it to finish (or stop it) first") from None
-        self._lock = fd
-
-    def unlock(self) -> None:
-        if self._lock is not None:
-            os.close(self._lock)  # closing the descriptor releases the lock
-            self._lock = None
-
-    def append(self, row: dict) -> None:
-        """Add one row to metrics.csv; a failed write is cut back, so no half row stays."""
-        path = self.path / "metrics.csv"
-        try:
-            with open(path, "a", newline="") as f:
-                size = f.tell()
-                try:
-                    csv.writer(f).writerow([_format(row.get(c, "")) for c in COLUMNS])
-                    f.flush()
-                except BaseException:
-                    f.truncate(size)
-                    raise
-        except OSError as e:
-            raise write_error(path, e) from None
-
-    def rows(self) -> list[dict]:
-        return read_metrics(self.path / "metrics.csv")
-
-    def write_rows(self, rows: list[dict]) -> None:
-        """Replace metrics.csv by the header and ``rows``, whole or not at all."""
-        def write(tmp):
-            with open(tmp, "w", newline="") as f:
-                writer = csv.writer(f)
-                writer.writerow(COLUMNS)
-                writer.writerows([_format(row.get(c, "")) for c in COLUMNS] for row in rows)
-
-        write_atomically(self.path / "metrics.csv", write)
-
-    def write_summary(self, summary: dict) -> None:
-        atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
-
-    def save_checkpoint(self, state: dict) -> None:
-        import torch  # here, so that loading and plotting results does not wait for torch
-
-        write_atomically(self.path / "checkpoint.pt", lambda tmp: torch.save(state, tmp))
-
-    def load_checkpoint(self) -> dict:
-        path = self.path / "checkpoint.pt"
-        if not path.is_file():
-            raise FedsimError(f"{self.path}: no checkpoint.pt to resume from")
-        import pickle
-
-        import torch
-
-        try:
-            state = torch.load(path, weights_only=True, map_location="cpu")
-        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
-            raise FedsimError(f"{path}: corrupt or not a fedsim checkpoint; the run cannot be resumed "
-                              f"from it") from None
-        if not isinstance(state, dict) or "round" not in state or "global" not in state:
-            raise FedsimError(f"{path}: not a fedsim checkpoint (no round and global weights)")
-        if not isinstance(state["round"], int) or state["round"] < 0 or \
-                not isinstance(state.get("elapsed_seconds", 0.0), (int, float)):
-            raise FedsimError(f"{path}: not a fedsim checkpoint (its round is {state['round']!r})")
-        return state
-
-
-class RunInUseError(FedsimError):
-    """Another process holds the run directory's lock."""
-
-    exit_code = 1
-
-
-def write_atomically(path: Path, write, advice: str = "choose another place with --out") -> None:
-    """Write ``path`` whole or not at all: ``write(tmp)`` fills a temporary file beside it,
-    which then replaces ``path``. A full disk, a crash or an interrupt leaves the old file whole
-    and no temporary file behind; a failure is one line naming the path and what to do."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise write_error(path, e, advice) from None
-    except RuntimeError as e:  # torch.save reports a failed write as a RuntimeError
-        raise write_error(path, _as_os_error(path, e), advice) from None
-    finally:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # could not be created in the first place
-
-
-def _as_os_error(path: Path, error: RuntimeError) -> OSError:
-    """The OSError behind a library's failed write: a full disk when it has no room left."""
-    try:
-        stats = os.statvfs(path.parent)
-        if stats.f_bavail * stats.f_frsize < 1 << 20:
-            return OSError(errno.ENOSPC, "No space left on device")
-    except OSError:
-        pass
-    return OSError(errno.EIO, str(error).splitlines()[0])
-
-
-def atomic_write_text(path: Path, text: str, advice: str = "choose another place with --out") -> None:
-    write_atomically(path, lambda tmp: tmp.write_text(text), advice)
-
-
-def _format(value) -> str:
-    # repr keeps every bit of a float, so two runs' files are equal exactly when their numbers are
-    if value is None:  # an optional column of a run without its feature
-        return ""
-    return repr(value) if isinstance(value, float) else str(value)

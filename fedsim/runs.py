@@ -12,7 +12,7 @@ from .distributed import RankStopped, Ranks
 from .errors import ConfigError, FedsimError, explain_resource_error
 from .progress import RoundLog
 from .results import History
-from .results import RunDirectory
+from .rundir import RunDirectory
 from .session import RESUMABLE_KEYS, Session, run_identity
 from .validation import load_config
 

@@ -36,7 +36,8 @@ from .flat import FlatModel
 from .interrupts import shielded
 from .privacy import Privacy
 from .progress import RoundLog, console_logging
-from .results import History, flatten_config, read_clients
+from .results import History, flatten_config
+from .rundir import read_clients
 from .server_opt import make_server_optimizer
 from .system import System
 from .validation import unused_settings

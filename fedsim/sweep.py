@@ -27,8 +27,8 @@ from pathlib import Path
 
 from .config import Config
 from .errors import ConfigError, FedsimError, write_error
-from .results import (History, RunDirectory, check_target, format_rounds_to_target, mean_and_sd, rounds_to_target,
-                      safe_dir_name, target_stats, write_atomically)
+from .results import History, check_target, format_rounds_to_target, mean_and_sd, rounds_to_target, target_stats
+from .rundir import RunDirectory, safe_dir_name, write_atomically
 from .validation import load_config
 
 

@@ -11,11 +11,11 @@ import torch
 
 import fedsim
 from fedsim.client_eval import spread
-from fedsim.config import load_config
+from fedsim.validation import load_config
 from fedsim.data import local_test_split
 from fedsim.federation import initial_model, load_federation
 from fedsim.flat import FlatModel
-from fedsim.results import COLUMNS
+from fedsim.rundir import COLUMNS
 
 CONFIG = {
     "name": "per_client",

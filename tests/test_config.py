@@ -1,6 +1,7 @@
 import pytest
 
-from fedsim.config import Config, load_config
+from fedsim.config import Config
+from fedsim.validation import load_config
 from fedsim.errors import ConfigError
 
 

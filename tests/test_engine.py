@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fedsim
-from fedsim.results import COLUMNS
+from fedsim.rundir import COLUMNS
 
 from conftest import child_pids, shm_entries
 
@@ -80,11 +80,11 @@ def test_cuda_run_matches_contract(small_config, tmp_path):
 
 
 def test_a_simulation_takes_any_function_for_its_lines(small_config, tmp_path):
-    from fedsim.results import RunDirectory
-    from fedsim.server import Simulation
+    from fedsim.rundir import RunDirectory
+    from fedsim.session import Session
 
     lines = []
-    sim = Simulation(fedsim.load_config(dict(small_config, rounds=2)), log=lines.append)
+    sim = Session(fedsim.load_config(dict(small_config, rounds=2)), log=lines.append)
     history = sim.run(RunDirectory.create(tmp_path / "run"))
     assert [line.split()[1] for line in lines if line.startswith("round")] == ["1/2", "2/2"]
     assert history.round == [1, 2] and child_pids() == []

@@ -25,7 +25,7 @@ import yaml
 import fedsim
 from fedsim.cli import main
 from fedsim.errors import resource_hint
-from fedsim.results import RunDirectory, safe_dir_name
+from fedsim.rundir import RunDirectory, safe_dir_name
 
 from conftest import assert_one_line_error, run_cli, start, tagged_processes, wait_for_round
 
@@ -118,7 +118,7 @@ def test_a_run_named_like_a_path_writes_inside_runs(tmp_path, monkeypatch):
     ("config.yaml", 1, "permission denied"),
 ])
 def test_a_failed_write_is_one_line_and_leaves_no_temporary_file(tmp_path, capsys, monkeypatch, target, code, words):
-    import fedsim.results
+    import fedsim.rundir
 
     causes = {"checkpoint.pt": errno.ENOSPC, "metrics.csv": errno.EROFS, "config.yaml": errno.EACCES}
     real = os.replace
@@ -128,7 +128,7 @@ def test_a_failed_write_is_one_line_and_leaves_no_temporary_file(tmp_path, capsy
             raise OSError(causes[target], os.strerror(causes[target]))
         return real(src, dst)
 
-    monkeypatch.setattr(fedsim.results.os, "replace", failing)
+    monkeypatch.setattr(fedsim.rundir.os, "replace", failing)
     status, err = cli(capsys, "run", write_config(tmp_path), "--out", tmp_path / "run")
     assert status == code, err
     assert_one_line_error(err, f"cannot write {tmp_path / 'run' / target}: {words}", "choose another place with --out")

@@ -1,4 +1,4 @@
-"""mode: hogwild: the workers train one shared model lock-free (see fedsim/hogwild.py)."""
+"""mode: hogwild: the workers train one shared model lock-free (see fedsim/execution/hogwild.py)."""
 from __future__ import annotations
 
 import csv
@@ -147,12 +147,12 @@ def test_an_unknown_mode_is_one_line(hogwild):
 
 def test_hogwild_refuses_several_ranks(hogwild):
     from fedsim.distributed import Ranks
-    from fedsim.hogwild import HogwildSimulation
+    from fedsim.session import Session
 
     ranks = Ranks()
     ranks.world = 2  # as torchrun would make it; refused before anything starts
     with pytest.raises(ConfigError, match="^mode: hogwild shares one model in one machine's memory"):
-        HogwildSimulation(fedsim.load_config(hogwild), ranks=ranks)
+        Session(fedsim.load_config(hogwild), ranks=ranks)
     assert child_pids() == []
 
 

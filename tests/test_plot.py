@@ -192,7 +192,8 @@ def test_legend_names_each_line_also_for_names_that_start_with_an_underscore(tmp
 def test_runs_of_sweep_seeds_become_one_line_and_one_band_per_configuration(tmp_path):
     """The configs fedsim sweep --seeds gives its runs: the seeds of a grid point share its name,
     so the default legend (run names) pools them; the real command is in test_sweep.py."""
-    from fedsim.results import COLUMNS, History
+    from fedsim.results import History
+    from fedsim.rundir import COLUMNS
     from fedsim.sweep import plan
 
     (tmp_path / "base.yaml").write_text("name: cmp\nrounds: 2\ndata: {dataset: synthetic}\n")

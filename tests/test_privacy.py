@@ -289,7 +289,7 @@ def final_weights(run_dir) -> torch.Tensor:
 
 
 def initial_weights(cfg) -> torch.Tensor:
-    from fedsim.config import load_config
+    from fedsim.validation import load_config
     from fedsim.federation import initial_model, load_federation
     from fedsim.flat import FlatModel
 

@@ -11,7 +11,8 @@ import yaml
 import fedsim
 from fedsim.config import Config
 from fedsim.errors import FedsimError
-from fedsim.results import COLUMNS, History, group_repeats, results_table, rounds_to_target
+from fedsim.results import History, group_repeats, results_table, rounds_to_target
+from fedsim.rundir import COLUMNS
 
 
 def write_run(path, name="run", seed=0, accuracies=(0.5, 0.7, 0.8), summary=True, settings=None):

@@ -15,9 +15,10 @@ import yaml
 from matplotlib.collections import PolyCollection
 
 import fedsim
-import fedsim.server
+import fedsim.runs
 from fedsim.errors import ConfigError
-from fedsim.results import COLUMNS, History
+from fedsim.results import History
+from fedsim.rundir import COLUMNS
 from fedsim.sweep import parse_grid, plan, sweep
 
 
@@ -39,7 +40,7 @@ def fake_runs(monkeypatch):
                 for r, acc, s in [(1, 0.5, 9.0), (2, cfg.seed / 10, 2.0)]]
         return History(rows, cfg.to_dict(), out)
 
-    monkeypatch.setattr(fedsim.server, "start_run", start_run)
+    monkeypatch.setattr(fedsim.runs, "start_run", start_run)
     return calls
 
 
@@ -179,7 +180,7 @@ def curve_runs(monkeypatch):
                 for r, acc in enumerate(CURVES[cfg.aggregator, cfg.seed], start=1)]
         return History(rows, cfg.to_dict(), out)
 
-    monkeypatch.setattr(fedsim.server, "start_run", start_run)
+    monkeypatch.setattr(fedsim.runs, "start_run", start_run)
 
 
 @pytest.mark.parametrize("how", [{"target": 0.7}, {"overrides": ["stop_at_accuracy=0.7"]}])
@@ -352,7 +353,7 @@ def test_a_sweep_of_private_runs_tables_the_epsilon_they_spent(config_file, monk
                 for r in (1, 2)]
         return History(rows, cfg.to_dict(), out)
 
-    monkeypatch.setattr(fedsim.server, "start_run", start_run)
+    monkeypatch.setattr(fedsim.runs, "start_run", start_run)
     lines = []
     sweep(config_file, ["privacy.noise_multiplier=0.5,4"], ["privacy.clip=1.0", "privacy.noise_multiplier=1.0",
                                                         "privacy.delta=1e-5"],

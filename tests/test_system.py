@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim.config import parse_yaml
+from fedsim.yamlfile import parse_yaml
 from fedsim.errors import ConfigError
 from fedsim.streams import sample_clients
 from fedsim.system import RoundPlan, System, SystemConfig, local_steps

@@ -22,12 +22,13 @@ import fedsim
 from fedsim.algorithms.fednova import FedNova
 from fedsim.cli import build_parser
 from fedsim.client import LocalTrainer, VmapTrainer
-from fedsim.config import load_config, unused_settings
+from fedsim.validation import load_config, unused_settings
 from fedsim.errors import ConfigError
 from fedsim.federation import load_federation
 from fedsim.flat import FlatModel
-from fedsim.results import RunDirectory, read_clients
-from fedsim.server import _check_same_run, run_identity
+from fedsim.rundir import RunDirectory, read_clients
+from fedsim.runs import _check_same_run
+from fedsim.session import run_identity
 from fedsim.sweep import plan
 from fedsim.system import System, local_steps
 

@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from ..errors import write_error
-from ..results import atomic_write_text, write_atomically
+from ..rundir import atomic_write_text, write_atomically
 from .partition import local_test_split, options_for
 
 _ANNOTATE_UP_TO = 200  # cells; beyond this, numbers in the cells become unreadable
