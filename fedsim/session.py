@@ -113,6 +113,28 @@ def peak_memory_mb(device: torch.device) -> float:
     return round(peak_rss_bytes() / 2**20, 1)
 
 
+def allocate_buffers(cfg: Config, state: GlobalState, data, parts, data_device: torch.device, algorithm,
+                     keeps_copies: bool, workers: int) -> RoundBuffers:
+    """The round's buffers: the data where it lives, the rest on the state's device; the
+    algorithm's state is the global state's own tensors."""
+    k, n, dev = cfg.clients_per_round, state.model.num_params, state.model.flat.device
+    return RoundBuffers(
+        train_x=data.train_x.to(data_device), train_y=data.train_y.to(data_device),
+        client_indices=torch.cat(parts).to(data_device),
+        client_offsets=torch.tensor([0] + torch.tensor([len(q) for q in parts]).cumsum(0).tolist()),
+        num_classes=data.num_classes,
+        global_flat=torch.zeros(len(state.model), device=dev),
+        client_weights=torch.zeros(k if keeps_copies else 0, len(state.model), device=dev),
+        stats=torch.zeros(k, 3, device=dev),
+        assignment=torch.zeros(k, dtype=torch.int64),
+        step_limits=torch.full((k,), -1, dtype=torch.int64),
+        progress=torch.zeros(max(workers, 1), dtype=torch.int64),
+        attackers=attacker_mask(cfg.seed, cfg.data.num_clients, cfg.attack),
+        server_state=state.server_state, client_state=state.client_state,
+        reports={name: torch.zeros(k, *shape, device=dev) for name, shape in algorithm.report_shapes(n).items()},
+    ).share_cpu_tensors()
+
+
 class Session:
     """One run: the data on the device, the global state, the executor, the round loop, the files.
 
@@ -174,7 +196,8 @@ class Session:
                                  cfg.data.num_clients, f"{components.describe(cfg.model)}, {names['algorithm']}, "
                                                        f"{names['server_optimizer']}")
         keeps_copies = cfg.mode != "hogwild"
-        self.buffers = self._buffers(data, parts, data_device, algorithm, keeps_copies)
+        self.buffers = allocate_buffers(cfg, self.state, data, parts, data_device, algorithm, keeps_copies,
+                                        self.workers)
         if keeps_copies:
             strategy = AggregateUpdates(cfg, self.state, self.buffers, algorithm,
                                         components.aggregator(cfg.aggregator, cfg.aggregator_options), privacy,
@@ -187,25 +210,6 @@ class Session:
         test = (data.test_x.to(data_device), data.test_y.to(data_device))
         self.engine = Engine(cfg, self.state, self.buffers, self.executor, strategy, System.from_config(cfg), test,
                              self.client_eval, privacy)
-
-    def _buffers(self, data, parts, data_device, algorithm, keeps_copies: bool) -> RoundBuffers:
-        cfg, k, n, dev, state = self.cfg, self.cfg.clients_per_round, self.state.model.num_params, self.device, \
-            self.state
-        return RoundBuffers(
-            train_x=data.train_x.to(data_device), train_y=data.train_y.to(data_device),
-            client_indices=torch.cat(parts).to(data_device),
-            client_offsets=torch.tensor([0] + torch.tensor([len(q) for q in parts]).cumsum(0).tolist()),
-            num_classes=data.num_classes,
-            global_flat=torch.zeros(len(state.model), device=dev),
-            client_weights=torch.zeros(k if keeps_copies else 0, len(state.model), device=dev),
-            stats=torch.zeros(k, 3, device=dev),
-            assignment=torch.zeros(k, dtype=torch.int64),
-            step_limits=torch.full((k,), -1, dtype=torch.int64),
-            progress=torch.zeros(max(self.workers, 1), dtype=torch.int64),
-            attackers=attacker_mask(cfg.seed, cfg.data.num_clients, cfg.attack),
-            server_state=state.server_state, client_state=state.client_state,
-            reports={name: torch.zeros(k, *shape, device=dev) for name, shape in algorithm.report_shapes(n).items()},
-        ).share_cpu_tensors()
 
     # ------------------------------------------------------------------ the run
 

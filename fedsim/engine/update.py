@@ -7,7 +7,7 @@ global weights; their differences from the global weights (after an attack rewro
 attackers' and non-finite ones were left out) go through the algorithm's server update, with
 the run's rule (or privacy's clipped, noised mean), then through the server optimizer.
 A strategy whose clients train the global weights themselves adopts them instead (see
-execution/hogwild.py).
+``AdoptSharedWeights`` in the execution package).
 """
 from __future__ import annotations
 

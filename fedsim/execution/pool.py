@@ -301,6 +301,22 @@ class InlinePool:
         pass
 
 
+class Wrapper:
+    """An executor around another, ``inner``, whose workers do the training."""
+
+    @property
+    def busy_seconds(self) -> list[float]:
+        return self.inner.busy_seconds
+
+    @property
+    def peak_memory(self) -> list[int]:
+        return self.inner.peak_memory
+
+    def start(self, buffers: RoundBuffers) -> None:
+        self.buffers = buffers
+        self.inner.start(buffers)
+
+
 def kill_all_pools() -> None:
     """For a second Ctrl-C: end every worker at once, without the polite protocol."""
     for pool in list(_LIVE_POOLS):

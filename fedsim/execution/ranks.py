@@ -9,25 +9,13 @@ import torch
 
 from ..distributed import RankStopped, Ranks
 from ..errors import FedsimError
-from .pool import slot_groups
+from .pool import Wrapper, slot_groups
 
 
-class RanksExecutor:
+class RanksExecutor(Wrapper):
     def __init__(self, inner, ranks: Ranks, config, state):
         self.inner, self.ranks, self.config, self.state = inner, ranks, config, state
         self.rank_memory = None  # every rank's memory figures, on the leader once the run ends
-
-    @property
-    def busy_seconds(self) -> list[float]:
-        return self.inner.busy_seconds
-
-    @property
-    def peak_memory(self) -> list[int]:
-        return self.inner.peak_memory
-
-    def start(self, buffers) -> None:
-        self.buffers = buffers
-        self.inner.start(buffers)
 
     def share_start(self, first_round: int) -> int:
         """Every rank starts from the leader's state (a resumed run's, read on the leader only) and
