@@ -21,12 +21,10 @@ from pathlib import Path
 
 import torch
 
+from .engine.records import CLIENT_COLUMNS
 from .errors import write_error
 from .rundir import read_client_accuracy, write_atomically
 
-# dropped: 0, or why the client's work did not count (nonfinite, dropout, straggler); steps: the
-# local steps it took (fewer than its full work for a partial straggler; 0 where its work was lost)
-CLIENT_COLUMNS = ("round", "client", "samples", "train_loss", "update_norm", "dropped", "attacker", "steps")
 CLIENT_ACCURACY_COLUMNS = ("round", "client", "samples", "accuracy")
 
 
