@@ -47,6 +47,7 @@ def start_client(algorithm, num_params, *, server=None, state=None, client=0, rn
 # ----------------------------------------------------------------------------- FedProx
 
 
+@pytest.mark.slow
 def test_fedprox_with_mu_zero_is_exactly_fedavg(small_config, tmp_path):
     fedavg = fedsim.run(dict(small_config, algorithm="fedavg"), out=tmp_path / "fedavg", quiet=True)
     prox_cfg = dict(small_config, algorithm="fedprox", algorithm_options={"mu": 0.0})
@@ -67,6 +68,7 @@ def train_client(data, mu, momentum=0.0):
     return float(torch.linalg.vector_norm(model.flat - start))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_fedprox_keeps_the_client_closer_to_the_global_weights(synthetic, momentum):
     drift = [train_client(synthetic, mu, momentum) for mu in (0.0, 0.1, 1.0)]
@@ -111,6 +113,7 @@ def scaffold_config(momentum=0.0):
     }
 
 
+@pytest.mark.slow
 def test_scaffold_control_variates_follow_option_two_and_it_learns_a_non_iid_split(tmp_path):
     """With every client in every round and equal K, option II (Karimireddy et al. 2020) gives
 
@@ -143,6 +146,7 @@ def test_scaffold_control_variates_follow_option_two_and_it_learns_a_non_iid_spl
     assert history.test_accuracy[-1] > 0.5, history.test_accuracy  # chance is 0.1
 
 
+@pytest.mark.slow
 def test_scaffold_with_local_momentum_stays_finite(tmp_path):
     # the option II formula (x - y_i) / (K lr) would make the controls 1 / (1 - 0.9) = 10x too
     # large here and training diverge; the mean uncorrected gradient does not
@@ -403,6 +407,7 @@ def test_feddyn_rounds_follow_the_papers_algorithm(tiny_runs):
 # ----------------------------------------------------------------------------- learning
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm, options", [
     # clients of unequal sizes take unequal numbers of steps: FedNova is not FedAvg here
     ("fednova", {"data": {"partition": "quantity", "sigma": 0.5}}),

@@ -84,6 +84,7 @@ def test_every_attack_is_registered_with_a_description():
     assert {"none", "sign_flip", "scale", "gaussian", "label_flip"} <= set(described)
 
 
+@pytest.mark.slow
 def test_engine_counts_the_sampled_attackers_each_round(small_config, tmp_path):
     cfg = dict(small_config, aggregator="median", attack={"type": "sign_flip", "fraction": 0.25, "scale": 1.0})
     history = fedsim.run(cfg, out=tmp_path / "run", quiet=True)

@@ -113,6 +113,7 @@ def test_vmap_group_equals_clients_trained_one_by_one(options):
         assert reports["steps"].tolist() == [float(r["steps"]) for r in expected_reports] == [10.0, 2.0, 4.0]
 
 
+@pytest.mark.slow
 def test_vmap_refuses_models_with_batch_norm_statistics(tmp_path, monkeypatch):
     from fedsim.errors import ConfigError
     from fedsim.models import MODELS
@@ -134,6 +135,7 @@ def test_vmap_refuses_models_with_batch_norm_statistics(tmp_path, monkeypatch):
         fedsim.run(cfg, out=tmp_path / "run", quiet=True)
 
 
+@pytest.mark.slow
 def test_vmap_results_do_not_depend_on_the_number_of_workers(small_config, tmp_path):
     cfg = dict(small_config, backend="vmap", vmap_group_size=2, rounds=2)  # 4 clients: two groups
     one = fedsim.run(cfg, out=tmp_path / "w1", quiet=True, workers=1)
@@ -142,6 +144,7 @@ def test_vmap_results_do_not_depend_on_the_number_of_workers(small_config, tmp_p
     assert one.test_accuracy[-1] > 0.3
 
 
+@pytest.mark.slow
 def test_bf16_autocast_trains_close_to_fp32_and_keeps_fp32_weights():
     x, y, clients = problem(1)
     torch.manual_seed(0)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--size", "cpu", "--device", "cpu", "--rounds", "2",
         "--set", "data.dataset=synthetic", "--set", "data.limit=400"]

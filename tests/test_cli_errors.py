@@ -251,6 +251,7 @@ def test_cuda_on_a_machine_without_it(tmp_path, capsys):
     assert "device: 'cuda' asked for, but CUDA is not available here" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_the_real_command_prints_no_traceback_and_debug_does(tmp_path):
     path = tmp_path / "exp.yaml"
     path.write_text(with_change("rounds", "ten"))

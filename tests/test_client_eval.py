@@ -59,6 +59,7 @@ def test_spread_is_the_mean_the_deviation_over_clients_and_the_tenth_percentile(
     assert all(math.isnan(v) for v in spread([math.nan, math.nan]).values())
 
 
+@pytest.mark.slow
 def test_columns_and_table_agree_with_a_direct_evaluation_of_the_final_model(tmp_path):
     history = fedsim.run(CONFIG, out=tmp_path / "run", quiet=True)
     run_dir = tmp_path / "run"
@@ -104,6 +105,7 @@ def test_columns_and_table_agree_with_a_direct_evaluation_of_the_final_model(tmp
     assert loaded.epsilon == [None, None, None]  # no privacy section
 
 
+@pytest.mark.slow
 def test_scoring_the_clients_changes_nothing_else_and_survives_a_resume(tmp_path):
     full = fedsim.run(CONFIG, out=tmp_path / "full", quiet=True)
     without = fedsim.run({**CONFIG, "eval_per_client": False}, out=tmp_path / "without", quiet=True)

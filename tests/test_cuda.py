@@ -9,9 +9,9 @@ import uuid
 import pytest
 
 import fedsim
-from test_reliability import BASE, run_cli, start, tagged_processes, wait_for_round, write_config, write_faulty_config
+from support import BASE, run_cli, start, tagged_processes, wait_for_round, write_config, write_faulty_config
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
 CUDA = {**BASE, "device": "cuda"}
 

@@ -1,8 +1,6 @@
 import os
-import pickle
 import stat
 
-import numpy as np
 import pytest
 import torch
 import torchvision
@@ -15,26 +13,9 @@ from fedsim.errors import DataError
 from fedsim.flat import FlatModel
 from fedsim.models import MODELS, build_model
 
+from support import write_fake_cifar
+
 # ----------------------------------------------------------------------------- CIFAR-10
-
-
-def write_fake_cifar(root, per_batch=4, test_size=3):
-    """A tiny copy of torchvision's cifar-10-batches-py: five training batches, a test batch
-    and batches.meta, pickled as the real ones (rows of 1024 red, 1024 green, 1024 blue bytes)."""
-    folder = root / CIFAR10_FOLDER
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    batches = {}
-    for name, n in [(f"data_batch_{i}", per_batch) for i in range(1, 6)] + [("test_batch", test_size)]:
-        batches[name] = {"batch_label": name, "labels": rng.integers(0, 10, n).tolist(),
-                         "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-                         "filenames": [f"{name}_{i}.png" for i in range(n)]}
-        with open(folder / name, "wb") as f:
-            pickle.dump(batches[name], f)
-    with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
-                                     "ship", "truck"], "num_cases_per_batch": per_batch, "num_vis": 3072}, f)
-    return batches
 
 
 def test_cifar10_reads_pickled_batches_from_a_read_only_folder(tmp_path):
@@ -109,6 +90,7 @@ def test_cifar_cnn_is_the_classic_62006_parameter_network():
     assert build_model("cifar_cnn", (1, 28, 28), 10)(torch.randn(2, 1, 28, 28)).shape == (2, 10)
 
 
+@pytest.mark.slow
 def test_resnet18_uses_group_norm_and_trains_as_a_flat_model():
     torch.manual_seed(0)
     model = build_model("resnet18", (3, 32, 32), 10)

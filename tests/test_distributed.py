@@ -17,9 +17,10 @@ import pytest
 import yaml
 
 import fedsim
-from conftest import start, tagged_processes, wait_for_round
+from support import start, tagged_processes, wait_for_round
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo ranks are tested on Linux")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo ranks are tested on Linux"),
+              pytest.mark.slow]
 
 CONFIG = {
     "name": "ranks", "seed": 5, "device": "cpu", "rounds": 3, "workers": 1, "clients_per_round": 6,

@@ -11,7 +11,9 @@ import torch
 import fedsim
 from fedsim.rundir import COLUMNS
 
-from conftest import child_pids, shm_entries
+from support import child_pids, shm_entries
+
+pytestmark = pytest.mark.slow
 
 
 def test_run_learns_writes_files_and_leaves_nothing_behind(small_config, tmp_path):

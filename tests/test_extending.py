@@ -24,6 +24,7 @@ TINY = {"name": "own", "seed": 4, "device": "cpu", "rounds": 2, "workers": 0, "c
         "local": {"lr": 0.05, "batch_size": 32}}
 
 
+@pytest.mark.slow
 def test_a_model_rule_algorithm_and_dataset_from_a_scripts_main_run_in_spawned_workers(tmp_path):
     # everything defined in __main__: the workers get the model and the algorithm by value
     script = tmp_path / "mine.py"
@@ -82,6 +83,7 @@ def test_a_model_rule_algorithm_and_dataset_from_a_scripts_main_run_in_spawned_w
     assert "algorithm: __main__:ServerStep()" in config and "dataset: my data" in config
 
 
+@pytest.mark.slow
 def test_components_named_by_import_path_are_imported_in_every_process(tmp_path):
     (tmp_path / "mynets.py").write_text(textwrap.dedent("""
         import torch
@@ -143,6 +145,7 @@ class Recorder(fedsim.Callback):
         self.events.append(("end", len(history)))
 
 
+@pytest.mark.slow
 def test_a_callback_sees_every_round_and_clients_csv_has_every_trained_client(tmp_path):
     recorder = Recorder()
     history = fedsim.run(TINY, out=tmp_path / "run", quiet=True, rounds=3, eval_every=2, callbacks=[recorder])
@@ -176,6 +179,7 @@ def test_a_failing_callback_stops_the_run_in_one_line(tmp_path, capsys):
     assert str(info.value) == "callback Broken.on_round_end failed in round 1: ValueError: no room"
 
 
+@pytest.mark.slow
 def test_messages_go_through_logging(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(logging.getLogger(), "handlers", [])  # as in a program that has not set up logging
     fedsim.run(TINY, out=tmp_path / "a", rounds=1, data={"alpha": 0.1})
@@ -192,6 +196,7 @@ def test_messages_go_through_logging(tmp_path, capsys, monkeypatch):
     assert "round 1/1" in captured.out  # the round lines are not messages (quiet=True silences those)
 
 
+@pytest.mark.slow
 def test_tensorboard_writes_every_metric(tmp_path, capsys):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -27,7 +27,7 @@ from fedsim.cli import main
 from fedsim.errors import resource_hint
 from fedsim.rundir import RunDirectory, safe_dir_name
 
-from conftest import assert_one_line_error, run_cli, start, tagged_processes, wait_for_round
+from support import assert_one_line_error, run_cli, start, tagged_processes, wait_for_round
 
 BASE = {
     "name": "faults",
@@ -101,6 +101,7 @@ def test_run_directories_stay_inside_runs(name, tmp_path, monkeypatch):
     assert "/" not in safe_dir_name(name) and safe_dir_name(name) != safe_dir_name(name + "y")
 
 
+@pytest.mark.slow
 def test_a_run_named_like_a_path_writes_inside_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     history = fedsim.run(BASE, quiet=True, rounds=1, name="../../escape")
@@ -112,6 +113,7 @@ def test_a_run_named_like_a_path_writes_inside_runs(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- failed writes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target, code, words", [
     ("checkpoint.pt", 1, "the disk is full"),
     ("metrics.csv", 1, "the file system is read-only"),
@@ -144,6 +146,7 @@ def _in_private_mount(script: str) -> subprocess.CompletedProcess:
                           timeout=120, env=env)
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_named_as_such_and_keeps_files_whole(tmp_path):
     config = write_config(tmp_path)
     mount = tmp_path / "small"
@@ -165,6 +168,7 @@ def test_a_full_disk_is_named_as_such_and_keeps_files_whole(tmp_path):
     assert "round,test_accuracy" in listing  # the metrics file is whole (a header, no half row)
 
 
+@pytest.mark.slow
 def test_a_read_only_output_is_named_as_such(tmp_path):
     config = write_config(tmp_path)
     mount = tmp_path / "ro"
@@ -237,6 +241,7 @@ def test_a_damaged_dataset_archive_is_named(tmp_path, capsys, file, damage, word
     assert not (tmp_path / "part").exists()
 
 
+@pytest.mark.slow
 def test_a_damaged_archive_stops_a_run_in_one_line(tmp_path):
     raw = _fake_mnist(tmp_path / "data")
     _truncate(raw / "t10k-images-idx3-ubyte.gz")
@@ -247,6 +252,7 @@ def test_a_damaged_archive_stops_a_run_in_one_line(tmp_path):
     assert tagged_processes(tag) == []
 
 
+@pytest.mark.slow
 def test_offline_the_quick_start_says_what_works_at_once(tmp_path, capsys, monkeypatch):
     import torchvision
 
@@ -285,6 +291,7 @@ def test_a_damaged_run_file_given_to_plot_is_one_line(tmp_path, capsys, finished
     assert not (tmp_path / "fig.png").exists()
 
 
+@pytest.mark.slow
 def test_resume_without_metrics_or_with_another_models_checkpoint_is_refused(tmp_path, capsys, finished):
     copy_of(finished, tmp_path)
     fedsim.run(BASE, out=tmp_path / "other", quiet=True, rounds=1, model="mnist_2nn")
@@ -354,6 +361,7 @@ def test_plot_refuses_a_width_it_cannot_draw(tmp_path, capsys, finished, width):
     assert code == 2 and err.count("\n") == 1 and "a width from 0.5 to 50 inches" in err, err
 
 
+@pytest.mark.slow
 def test_an_output_that_cannot_be_written_is_one_line(tmp_path):
     with open("/dev/full", "w") as full:
         done = subprocess.run([sys.executable, "-m", "fedsim", "list"], stdout=full, stderr=subprocess.PIPE,
@@ -387,6 +395,7 @@ def test_each_exhaustion_is_told_apart_by_its_own_words(text, cause):
     assert resource_hint(text).startswith(cause)
 
 
+@pytest.mark.slow
 def test_a_low_descriptor_limit_is_named_before_anything_starts(tmp_path):
     def low_limit():
         resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
@@ -403,6 +412,7 @@ def test_a_low_descriptor_limit_is_named_before_anything_starts(tmp_path):
 # ----------------------------------------------------------------------------- the edges of a run
 
 
+@pytest.mark.slow
 def test_the_global_model_never_becomes_non_finite(tmp_path):
     # a scaling attacker's finite update makes Yogi's squared pseudo-gradient overflow
     config = write_config(tmp_path, rounds=4, clients_per_round=4, server_optimizer="fedyogi", aggregator="mean",
@@ -417,6 +427,7 @@ def test_the_global_model_never_becomes_non_finite(tmp_path):
     assert tagged_processes(tag) == []
 
 
+@pytest.mark.slow
 def test_an_interrupt_at_the_very_end_tells_the_truth(tmp_path):
     config = write_config(tmp_path, rounds=2)
     run_dir = tmp_path / "run"
@@ -433,6 +444,7 @@ def test_an_interrupt_at_the_very_end_tells_the_truth(tmp_path):
         assert proc.returncode == 0 and err == ""
 
 
+@pytest.mark.slow
 def test_a_run_directory_in_use_is_refused(tmp_path, finished):
     copy_of(finished, tmp_path)
     first = start(["run", "--resume", str(tmp_path / "run"), "--set", "rounds=200"], uuid.uuid4().hex)
@@ -462,6 +474,7 @@ def _spawned_children(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_workers_import_torch_is_one_line(tmp_path):
     config = write_config(tmp_path, workers=2)
     proc = start(["run", str(config), "--out", str(tmp_path / "run")], uuid.uuid4().hex,
@@ -476,6 +489,7 @@ def test_ctrl_c_while_the_workers_import_torch_is_one_line(tmp_path):
     assert len(err.strip().splitlines()) == 1 and err.startswith("fedsim: interrupted"), err
 
 
+@pytest.mark.slow
 def test_a_reader_that_goes_away_does_not_stop_the_run(tmp_path):
     config = write_config(tmp_path, rounds=3)
     proc = start(["run", str(config), "--out", str(tmp_path / "run"), "--no-progress"], uuid.uuid4().hex)
@@ -493,7 +507,7 @@ def test_a_reader_that_goes_away_does_not_stop_the_run(tmp_path):
 
 
 def test_a_dataset_pickle_cannot_run_code(tmp_path, capsys):
-    from test_datasets import write_fake_cifar
+    from support import write_fake_cifar
 
     write_fake_cifar(tmp_path / "data")
     marker = tmp_path / "ran"

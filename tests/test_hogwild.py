@@ -20,7 +20,7 @@ from fedsim.errors import ConfigError
 from fedsim.federation import initial_model, load_federation
 from fedsim.streams import client_seed
 
-from conftest import assert_one_line_error, child_pids, shm_entries, start, tagged_processes, wait_for_round
+from support import assert_one_line_error, child_pids, shm_entries, start, tagged_processes, wait_for_round
 
 
 @pytest.fixture
@@ -31,6 +31,7 @@ def hogwild(small_config):
             "data": {**small_config["data"], "num_clients": 4}, "local": {**small_config["local"], "momentum": 0.5}}
 
 
+@pytest.mark.slow
 def test_hogwild_learns_writes_the_results_and_leaves_nothing_behind(hogwild, tmp_path):
     shm_before = shm_entries()
     history = fedsim.run(hogwild, out=tmp_path / "run", quiet=True)
@@ -74,6 +75,7 @@ def sequential_sgd(cfg, rounds: int) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+@pytest.mark.slow
 def test_one_worker_is_plain_sequential_sgd_on_one_model(tmp_path):
     cfg = {"name": "sequential", "seed": 4, "device": "cpu", "rounds": 2, "mode": "hogwild", "clients_per_round": 2,
            "model": "mnist_cnn", "data": {"dataset": "synthetic", "num_clients": 2, "limit": 600},
@@ -94,6 +96,7 @@ def test_one_worker_is_plain_sequential_sgd_on_one_model(tmp_path):
     assert child_pids() == []
 
 
+@pytest.mark.slow
 def test_a_hogwild_run_resumes_and_mode_cannot_change(hogwild, tmp_path):
     one = dict(hogwild, workers=0)  # no worker process: deterministic, so resuming must give the same numbers
     full = fedsim.run(one, out=tmp_path / "full", quiet=True)
@@ -105,6 +108,7 @@ def test_a_hogwild_run_resumes_and_mode_cannot_change(hogwild, tmp_path):
     assert child_pids() == []
 
 
+@pytest.mark.slow
 def test_a_killed_hogwild_worker_ends_the_run_with_one_line(hogwild, tmp_path):
     config = tmp_path / "exp.yaml"
     config.write_text(yaml.safe_dump({**hogwild, "rounds": 200}))
@@ -156,6 +160,7 @@ def test_hogwild_refuses_several_ranks(hogwild):
     assert child_pids() == []
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_hogwild_on_cuda_learns_and_leaves_nothing_behind(hogwild, tmp_path):
     history = fedsim.run(dict(hogwild, device="cuda"), out=tmp_path / "run", quiet=True)  # weights over CUDA IPC

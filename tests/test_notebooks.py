@@ -36,6 +36,7 @@ def test_there_are_notebooks():
         "compare_aggregators.ipynb", "partitions.ipynb", "quickstart.ipynb"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path, tmp_path):
     before = files_under(NOTEBOOKS)

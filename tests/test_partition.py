@@ -172,6 +172,7 @@ def test_local_test_split_follows_each_client_label_mix():
     assert all(torch.equal(a, b) for a, b in zip(tests, again))
 
 
+@pytest.mark.slow
 def test_shards_on_real_mnist_match_the_pathological_split(mnist_root):
     labels = load_dataset("mnist", mnist_root).train_y
     parts = partition(labels, "shards", 100, seed=0, shards_per_client=2)

@@ -12,7 +12,7 @@ import fedsim
 from fedsim.errors import FedsimError
 from fedsim.plot import PALETTE, plot_runs, save_accuracy_plot, save_figure
 
-from test_results import write_run
+from support import write_run
 
 
 def runs(tmp_path, specs):
@@ -156,6 +156,7 @@ def fedsim_command(*args, cwd):
     return subprocess.run([sys.executable, "-m", "fedsim", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_plot_command_writes_png_and_pdf(tmp_path):
     three_runs(tmp_path)
     done = fedsim_command("plot", "run0", "run1", "run2", "--label", "aggregator", "--loss", "-o", "fig.png", "--pdf",
@@ -169,6 +170,7 @@ def test_plot_command_writes_png_and_pdf(tmp_path):
     assert (tmp_path / "figs" / "fig.pdf").read_bytes()[:4] == b"%PDF"
 
 
+@pytest.mark.slow
 def test_plot_command_on_a_non_run_directory_is_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
     done = fedsim_command("plot", "empty", "-o", "fig.png", cwd=tmp_path)
@@ -257,6 +259,7 @@ def test_spread_and_epsilon_need_runs_that_have_them(tmp_path):
         plot_runs(fedsim.load_run(path), x="epsilon")
 
 
+@pytest.mark.slow
 def test_accuracy_against_epsilon_and_the_spread_from_the_command(tmp_path):
     for i, z in enumerate((0.5, 1.0)):
         with_columns(write_run(tmp_path / f"run{i}", name=f"z{z}", accuracies=(0.3, 0.6)),

@@ -142,6 +142,7 @@ def test_zero_noise_multiplier_adds_nothing():
 # ----------------------------------------------------------------------------- accounting
 
 
+@pytest.mark.slow
 def test_epsilon_is_opacus_rdp_accountant_and_grows_with_rounds():
     from opacus.accountants import RDPAccountant
 
@@ -156,6 +157,7 @@ def test_epsilon_is_opacus_rdp_accountant_and_grows_with_rounds():
         assert got == accountant.get_epsilon(delta)
 
 
+@pytest.mark.slow
 def test_epsilon_is_a_function_of_the_round_count():
     """What a resumed run relies on: a fresh object asked for round t answers what one asked for
     every round up to t does, and asking backwards (a run resumed from an earlier checkpoint)
@@ -297,6 +299,7 @@ def initial_weights(cfg) -> torch.Tensor:
     return FlatModel(initial_model(cfg, load_federation(cfg).data), "cpu").flat.detach().clone()
 
 
+@pytest.mark.slow
 def test_a_round_under_privacy_adds_the_clipped_noised_update(tmp_path):
     """One client per round: with the unweighted mean, the new global weights are x0 + u for the
     client's update u; under privacy they are x0 + (clip(u) + N(0, (z C)^2 I)) / 1, the noise drawn
@@ -321,6 +324,7 @@ def test_a_round_under_privacy_adds_the_clipped_noised_update(tmp_path):
     assert abs(noise.std() / (0.7 * 0.05) - 1) <= 6 / math.sqrt(2 * (len(noise) - 1)) + 1e-4
 
 
+@pytest.mark.slow
 def test_without_noise_or_clipping_privacy_is_the_unweighted_mean_divided_by_k(tmp_path):
     """z = 0 and a clip no update reaches: (sum of updates) / K, the rule mean; not fedavg, whose
     weights are the clients' unequal sample counts."""
@@ -340,6 +344,7 @@ def test_without_noise_or_clipping_privacy_is_the_unweighted_mean_divided_by_k(t
     assert history.epsilon == [math.inf]  # no noise, no guarantee
 
 
+@pytest.mark.slow
 def test_a_private_run_is_the_same_for_one_and_two_workers_and_reports_opacus_epsilon(tmp_path):
     """The noise is drawn on the server from (seed, round): the workers cannot change it. Epsilon
     after round t is what Opacus's RDP accountant gives for t steps at q = K / N, z, delta."""
@@ -394,7 +399,7 @@ def test_the_experiment_file_plans_its_sweep_and_its_plot():
     from fedsim.cli import build_parser
     from fedsim.sweep import plan
 
-    from test_sweep import documented_commands
+    from support import documented_commands
 
     path = Path("experiments/dp_fedavg.yaml")
     text = path.read_text()

@@ -116,6 +116,7 @@ def test_format_duration(seconds, text):
     assert format_duration(seconds) == text
 
 
+@pytest.mark.slow
 def test_a_run_with_progress_shows_one_line(tmp_path, capsys, monkeypatch):
     import logging
 

@@ -14,45 +14,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
 import fedsim
-from fedsim.streams import sample_clients
 
-from conftest import assert_one_line_error, run_cli, shm_entries, start, tagged_processes, wait_for_round
+from support import (BASE, assert_one_line_error, run_cli, shm_entries, start, tagged_processes, wait_for_round,
+                     write_config, write_faulty_config)
 
-BASE = {
-    "name": "reliability",
-    "seed": 5,
-    "device": "cpu",
-    "rounds": 3,
-    "workers": 2,
-    "clients_per_round": 4,
-    "data": {"dataset": "synthetic", "num_clients": 8},
-    "local": {"lr": 0.05, "momentum": 0.9, "batch_size": 32},
-}
-
-
-def write_config(tmp_path, **changes) -> Path:
-    cfg = {**BASE, **changes}
-    path = tmp_path / "exp.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def client_of(worker: int, rnd: int, cfg: dict = BASE) -> int:
-    """The first client ``worker`` trains in round ``rnd``: slot s of a round goes to worker s mod W."""
-    clients = sample_clients(cfg["seed"], rnd, cfg["data"]["num_clients"], cfg["clients_per_round"])
-    return int(clients[worker::cfg["workers"]][0])
-
-
-def write_faulty_config(tmp_path, kind: str, rnd: int, worker: int, once: Path | None = None,
-                        **changes) -> tuple[Path, int]:
-    """A config whose algorithm (tests/faulty.py: FedAvg plus one fault) strikes when ``worker``
-    trains its first client of round ``rnd``; returns the config's path and that client."""
-    client = client_of(worker, rnd, {**BASE, **changes})
-    options = {"kind": kind, "round": rnd, "client": client, **({"once": str(once)} if once else {})}
-    return write_config(tmp_path, algorithm="faulty:Faulty", algorithm_options=options, **changes), client
+pytestmark = pytest.mark.slow
 
 
 # ----------------------------------------------------------------------------- worker failure

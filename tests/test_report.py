@@ -52,6 +52,7 @@ def test_partition_figure_draws_a_labelled_heat_map(num_clients):
     fig.savefig(io.BytesIO(), format="png")
 
 
+@pytest.mark.slow
 def test_write_report_splits_the_data_as_a_run_does(tmp_path, small_config):
     cfg = load_config(small_config, {"data.partition": "dirichlet", "data.alpha": 0.2, "data.test_partition": True})
     report = write_report(cfg, tmp_path / "out")
@@ -64,6 +65,7 @@ def test_write_report_splits_the_data_as_a_run_does(tmp_path, small_config):
     assert (tmp_path / "out" / "partition.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_fedsim_partition_command_writes_json_and_png(tmp_path, small_config):
     config = {**small_config, "data": {**small_config["data"], "partition": "shards", "shards_per_client": 2}}
     path = tmp_path / "exp.yaml"

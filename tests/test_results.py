@@ -1,45 +1,15 @@
 """Loading run directories and tabulating them (on fabricated run directories, no training)."""
 from __future__ import annotations
 
-import csv
-import json
 import math
 
 import pytest
-import yaml
 
 import fedsim
-from fedsim.config import Config
 from fedsim.errors import FedsimError
 from fedsim.results import History, group_repeats, results_table, rounds_to_target
-from fedsim.rundir import COLUMNS
 
-
-def write_run(path, name="run", seed=0, accuracies=(0.5, 0.7, 0.8), summary=True, settings=None):
-    """A run directory as the server writes it: config.yaml, metrics.csv, summary.json.
-
-    ``settings``: config keys to change from the defaults, dotted for sections (``"data.alpha"``).
-    """
-    path.mkdir(parents=True)
-    cfg = Config(name=name, seed=seed, device="cpu", workers=2).to_dict()
-    for key, value in (settings or {}).items():
-        *sections, field = key.split(".")
-        section = cfg
-        for part in sections:
-            section = section[part]
-        section[field] = value
-    (path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    with open(path / "metrics.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, COLUMNS, restval="0.5")  # 0.5 s for the timing columns not set here
-        writer.writeheader()
-        for rnd, acc in enumerate(accuracies, start=1):
-            writer.writerow({"round": rnd, "test_accuracy": acc, "test_loss": 2.0 - acc, "train_loss": 1.9 - acc,
-                             "seconds": 1.5, "elapsed_seconds": 1.5 * rnd + seed, "clients": 4,
-                             "dropped_clients": 0, "attackers": 0, "unavailable": 0, "stragglers": 0})
-    if summary:
-        (path / "summary.json").write_text(json.dumps({
-            "name": name, "final_test_accuracy": accuracies[-1], "wall_seconds": 1.5 * len(accuracies) + seed}))
-    return path
+from support import write_run
 
 
 def test_load_run_reads_metrics_config_and_summary(tmp_path):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import csv
 import os
-import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +18,8 @@ from fedsim.errors import ConfigError
 from fedsim.results import History
 from fedsim.rundir import COLUMNS
 from fedsim.sweep import parse_grid, plan, sweep
+
+from support import documented_commands
 
 
 @pytest.fixture
@@ -101,6 +101,7 @@ def test_sweep_runs_every_point_into_its_folder_and_tables_them(config_file, fak
     assert table[2].split() == ["small-aggregator=mean-seed=7", "0.7000", "0.7000", "2.00"]
 
 
+@pytest.mark.slow
 def test_the_command_runs_a_real_sweep(config_file, tmp_path):
     out = tmp_path / "sweep"
     result = subprocess.run(
@@ -117,6 +118,7 @@ def test_the_command_runs_a_real_sweep(config_file, tmp_path):
     assert row["run"] == label and 0 <= float(row["final_test_accuracy"]) <= 1
 
 
+@pytest.mark.slow
 def test_the_command_needs_a_grid(config_file):
     result = subprocess.run([sys.executable, "-m", "fedsim", "sweep", str(config_file)],
                             capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=os.getcwd()))
@@ -238,6 +240,7 @@ def test_without_seeds_a_target_adds_rounds_to_the_per_run_table(config_file, cu
     assert not (tmp_path / "out" / "runs.csv").exists()
 
 
+@pytest.mark.slow
 def test_the_command_repeats_over_seeds_and_plots_them_as_one_band(config_file, tmp_path):
     """A real sweep --seeds, in-process training (workers: 0) on generated data: the directories,
     the grouped table and sweep.csv (checked against the runs' own metrics.csv), and fedsim plot
@@ -286,13 +289,6 @@ def test_the_command_repeats_over_seeds_and_plots_them_as_one_band(config_file, 
 # ----------------------------------------------------------------------------- experiment files
 
 NIID_BENCH = sorted(Path("experiments/niid_bench").glob("*.yaml"))
-
-
-def documented_commands(path: Path) -> list[list[str]]:
-    """The `fedsim ...` commands written in an experiment file's leading comment."""
-    text = "\n".join(line[1:] for line in path.read_text().splitlines() if line.startswith("#"))
-    return [shlex.split(command.replace("\\\n", " ")) for command in re.findall(r"^\s+(fedsim (?:.*\\\n)*.*)$", text,
-                                                                                re.MULTILINE)]
 
 
 def test_niid_bench_files_keep_the_paper_setting_and_their_sweep_plans():

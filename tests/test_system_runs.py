@@ -32,7 +32,7 @@ from fedsim.session import run_identity
 from fedsim.sweep import plan
 from fedsim.system import System, local_steps
 
-from test_sweep import documented_commands
+from support import documented_commands
 
 U32 = 2.0**-24  # float32 unit roundoff
 SD = 5.0
@@ -139,6 +139,7 @@ RATES = {
 }
 
 
+@pytest.mark.slow
 def test_availability_dropout_and_stragglers_at_their_rates_for_any_number_of_workers(tmp_path):
     runs = {}
     for workers in (1, 2):
@@ -191,6 +192,7 @@ class RecordingFedNova(FedNova):
         return super().server_update(round, server, clients)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["process", "vmap"])
 def test_partial_stragglers_report_their_fewer_steps_to_fednova(tmp_path, backend):
     # 6 clients of lognormal sizes (data.partition quantity), batches of 10: client i's full work
@@ -247,6 +249,7 @@ class HighestLoss:
         self._measure(self.model, row["round"] + 1)
 
 
+@pytest.mark.slow
 def test_power_of_choice_keeps_the_candidates_the_global_model_fits_worst(tmp_path):
     cfg = {"name": "pow-d", "seed": 2, "device": "cpu", "rounds": 3, "workers": 0, "clients_per_round": 3,
            "client_sampling": "power_of_choice", "sampling_candidates": 6, "model": "mnist_2nn",
@@ -272,6 +275,7 @@ SMALL = {"name": "small-system", "seed": 3, "device": "cpu", "workers": 0, "clie
                     "deadline": 4.0, "stragglers": "partial"}}
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_the_same_plan_and_keeps_it(tmp_path):
     full = fedsim.run(SMALL, out=tmp_path / "full", quiet=True, rounds=4)
     fedsim.run(SMALL, out=tmp_path / "part", quiet=True, rounds=2)
