@@ -45,9 +45,6 @@ class Restarting(Wrapper):
                 self.inner = self.make_pool()
                 self.inner.start(self.buffers)
 
-    def agree(self, compute):
-        return compute()
-
     def close(self) -> None:
         self.inner.close()
 

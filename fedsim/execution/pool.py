@@ -316,6 +316,9 @@ class Wrapper:
         self.buffers = buffers
         self.inner.start(buffers)
 
+    def agree(self, compute):
+        return self.inner.agree(compute)
+
 
 def kill_all_pools() -> None:
     """For a second Ctrl-C: end every worker at once, without the polite protocol."""
