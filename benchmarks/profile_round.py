@@ -62,6 +62,7 @@ class Setup:
     """One client-training worker and the server of a round, built as fedsim builds them."""
 
     def __init__(self, spec: dict):
+        import numpy as np
         import torch
 
         from fedsim import components
@@ -71,7 +72,8 @@ class Setup:
         from fedsim.federation import initial_model, load_federation
         from fedsim.flat import FlatModel
         from fedsim.session import resolve_device
-        from fedsim.streams import client_seed, sample_clients
+        from fedsim.sampling import draw
+        from fedsim.streams import client_seed
 
         cfg = self.cfg = load_config(spec["config"], spec["overrides"])
         self.device = resolve_device(cfg.device)
@@ -86,7 +88,8 @@ class Setup:
         self.trainer = LocalTrainer(self.worker_model, data.train_x.to(self.device), data.train_y.to(self.device),
                                     cfg.local, num_classes=data.num_classes,
                                     augment=augmentation_for(cfg.data, data.input_shape))
-        round_clients = sample_clients(cfg.seed, 1, cfg.data.num_clients, cfg.clients_per_round).tolist()
+        everyone = np.arange(cfg.data.num_clients)  # a uniform sample, every client online
+        round_clients = draw("uniform", cfg.seed, 1, everyone, cfg.clients_per_round, None).tolist()
         self.clients = round_clients[:spec["clients"]]
         self.indices = {c: parts[c].to(self.device) for c in self.clients}
         self.seeds = {c: client_seed(cfg.seed, 1, c) for c in self.clients}

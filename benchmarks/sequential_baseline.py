@@ -139,11 +139,15 @@ def train_round(cfg, rnd: int, model, global_state: dict, client_sizes: list[int
     the mean of the clients' weights, weighted by sample counts) and the mean train loss."""
     import torch
 
-    from fedsim.streams import client_seed, sample_clients
+    import numpy as np
+
+    from fedsim.sampling import draw
+    from fedsim.streams import client_seed
 
     total = {name: torch.zeros_like(value) for name, value in global_state.items()}
     weight_sum, loss_sum, samples_seen = 0, 0.0, 0
-    for client in sample_clients(cfg.seed, rnd, cfg.data.num_clients, cfg.clients_per_round).tolist():
+    everyone = np.arange(cfg.data.num_clients)  # a uniform sample, every client online
+    for client in draw("uniform", cfg.seed, rnd, everyone, cfg.clients_per_round, None).tolist():
         torch.manual_seed(client_seed(cfg.seed, rnd, client))  # shuffling and dropout of this client
         model.load_state_dict(global_state)
         client_loss, seen = train_client(model, partial(epoch_batches, client), cfg.local)

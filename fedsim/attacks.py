@@ -74,10 +74,3 @@ def attacker_mask(seed: int, num_clients: int, attack_config) -> torch.Tensor:
         mask[torch.from_numpy(attackers_rng(seed).choice(num_clients, size=count, replace=False))] = True
     return mask
 
-
-def corrupt_updates(attack_config, updates: torch.Tensor, rows: torch.Tensor, generator: torch.Generator) -> None:
-    """Rewrite ``updates[rows]`` in place according to the attack."""
-    if len(rows):
-        bad = make_attack(attack_config).rewrite(updates[rows], generator)
-        if bad is not None:
-            updates[rows] = bad

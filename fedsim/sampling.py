@@ -1,8 +1,7 @@
 """Client sampling: who of a round's online clients is sampled (``client_sampling``). system.py
 decides who is online and calls these; see its docstring for the round as a whole.
 
-* ``uniform``          k clients without replacement, equally likely; with every client online this
-                       is exactly ``streams.sample_clients`` (today's sample)
+* ``uniform``          k clients without replacement, equally likely
 * ``by_size``          k clients without replacement, drawn one after another with probability
                        proportional to their number of samples
 * ``power_of_choice``  Cho, Wang & Joshi (2020), "Client selection in federated learning:
@@ -16,8 +15,8 @@ Experiment file (top-level keys, shown with their defaults)::
     client_sampling: uniform      # uniform | by_size | power_of_choice
     sampling_candidates: null     # d, required by power_of_choice: clients_per_round <= d <= num_clients
 
-Every draw comes from the stream ``(seed, streams.SAMPLING, round)``, that of
-``streams.sample_clients``, so the sample is the same in every worker and rank and after a resume.
+Every draw comes from the stream ``(seed, streams.SAMPLING, round)``, so the sample is the same in
+every worker and rank and after a resume.
 """
 from __future__ import annotations
 
@@ -69,8 +68,8 @@ def draw(sampling: str, seed: int, rnd: int, online: np.ndarray, want: int, size
     (every client's number of samples, float64)."""
     if len(online) <= want:
         return online
-    rng = np.random.default_rng([int(seed), SAMPLING, int(rnd)])  # the stream of streams.sample_clients
-    if sampling == "uniform":  # all online: online[i] = i, so exactly sample_clients
+    rng = np.random.default_rng([int(seed), SAMPLING, int(rnd)])
+    if sampling == "uniform":
         return np.sort(online[rng.choice(len(online), size=want, replace=False)])
     weights = sizes[online]
     if not weights.min() > 0:

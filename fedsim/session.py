@@ -168,6 +168,7 @@ class Session:
         self.client_rows: list[dict] = []
         self.first_round, self.elapsed_before = 1, 0.0  # a resumed run's, from its checkpoint
         self.startup_seconds, self.summary, self.run_dir = None, {}, None
+        self.status = "interrupted"  # until the last round is on disk
 
     def _assemble(self) -> None:
         """The data on its device, the global state, the round's buffers and the engine."""
@@ -230,7 +231,6 @@ class Session:
                           *([ClientAccuracyFile(run_dir.path / "client_accuracy.csv", self.client_eval)]
                             if self.client_eval else []),
                           *self.user_callbacks] if root else []
-        status = "interrupted"
         try:
             with console_logging(self.log):
                 if root:
@@ -238,21 +238,21 @@ class Session:
                 self._start()
                 if not root:
                     self.executor.follow(self.engine, self.first_round)
-                    status = "finished"
+                    self.status = "finished"
                 else:
                     ranks = f"{self.ranks.world} ranks x " if self.ranks.world > 1 else ""
                     logger.info(f"{cfg.name}: {cfg.rounds} rounds of {cfg.clients_per_round}/{cfg.data.num_clients} "
                                 f"clients, {ranks}{self.workers} workers on {self.device}; writing {run_dir.path}")
                     self._notify("on_run_start", RunStart(cfg, run_dir.path, self.first_round, self.state.model.module))
-                    status = self._rounds()
+                    self._rounds()
         except FedsimError:
-            status = "failed"
+            self.status = "failed"
             raise
         except (RuntimeError, OSError) as e:
-            status = "failed"
+            self.status = "failed"
             raise explain_resource_error(e) or e
         finally:
-            self._finish(status, ended_by=sys.exc_info()[1])
+            self._finish(self.status, ended_by=sys.exc_info()[1])
         return self.history()
 
     def _before_start(self) -> None:
@@ -269,10 +269,11 @@ class Session:
         if self.ranks.world > 1:
             self.first_round = self.executor.share_start(self.first_round)
 
-    def _rounds(self) -> str:
+    def _rounds(self) -> None:
         """The leader's rounds, each recorded in step (files, checkpoint, line) whatever signal
-        arrives; the run's status once they end."""
-        cfg, status = self.cfg, "interrupted"
+        arrives. The status is the session's own, not a local: a signal held through the last
+        round's files is delivered as that block ends, and must find the run already finished."""
+        cfg = self.cfg
         for rnd in range(self.first_round, cfg.rounds + 1):
             result = self.engine.run_round(rnd)
             row = {**result.row,
@@ -292,13 +293,12 @@ class Session:
                     self.state.saved_round = rnd
                 self.log.round_end(row, cfg.rounds)  # once printed, the round is on disk
                 if reached or rnd == cfg.rounds:
-                    status = "finished"  # whatever arrives from here on, every round is done
+                    self.status = "finished"  # whatever arrives from here on, every round is done
             if self.ranks.world > 1:  # the other ranks get the new state, or learn that the run is over
-                self.executor.end_round(rnd, result.trained, go_on=status != "finished")
+                self.executor.end_round(rnd, result.trained, go_on=self.status != "finished")
             if reached:
                 logger.info(f"reached stop_at_accuracy {target} in round {rnd}")
                 break
-        return status
 
     def history(self) -> History:
         return History(self.rows, self.cfg.to_dict(), self.run_dir.path if self.run_dir else None,

@@ -44,12 +44,6 @@ def group_seed(seed: int, rnd: int, first_slot: int) -> int:
     return derive_seed(seed, rnd, VMAP_GROUP, first_slot)
 
 
-def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> torch.Tensor:
-    """The ``k`` clients of round ``rnd``, sorted, drawn without replacement."""
-    rng = np.random.default_rng([seed, SAMPLING, rnd])
-    return torch.from_numpy(np.sort(rng.choice(num_clients, size=k, replace=False)))
-
-
 def attack_generator(seed: int, rnd: int) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(seed, ATTACK_NOISE, rnd))
 

@@ -30,7 +30,7 @@ Experiment file (every key optional; shown with its default unless marked as an 
 Randomness. Every draw comes from a stream keyed by what it is for (see ``streams.py``), never by a
 process's history, so a plan is the same in every worker and rank and after a resume:
 
-* the sample:        ``(seed, streams.SAMPLING, round)``, the stream of ``streams.sample_clients``;
+* the sample:        ``(seed, streams.SAMPLING, round)``;
 * online:            ``(seed, SYSTEM, ONLINE, round)``: client c is online iff the c-th uniform
                      number of that stream is below its availability probability;
 * dropout:           ``(seed, SYSTEM, DROPOUT, round)``: client c drops out iff the c-th uniform

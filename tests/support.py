@@ -15,12 +15,13 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import torch
 import yaml
 
 from fedsim.config import Config
 from fedsim.data.datasets import CIFAR10_FOLDER
 from fedsim.rundir import COLUMNS
-from fedsim.streams import sample_clients
+from fedsim.streams import SAMPLING
 
 # ----------------------------------------------------------------------------- processes
 
@@ -141,6 +142,13 @@ def write_config(tmp_path, **changes) -> Path:
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> torch.Tensor:
+    """Round ``rnd``'s uniform sample with every client online, written out here: ``k`` clients
+    drawn without replacement from the stream ``(seed, SAMPLING, rnd)``, sorted."""
+    rng = np.random.default_rng([seed, SAMPLING, rnd])
+    return torch.from_numpy(np.sort(rng.choice(num_clients, size=k, replace=False)))
 
 
 def client_of(worker: int, rnd: int, cfg: dict = BASE) -> int:

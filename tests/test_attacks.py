@@ -5,9 +5,10 @@ import pytest
 import torch
 
 import fedsim
-from fedsim.attacks import ATTACKS, attacker_mask, corrupt_updates
+from fedsim.attacks import ATTACKS, attacker_mask, make_attack
 from fedsim.config import AttackConfig
-from fedsim.streams import sample_clients
+
+from support import sample_clients
 
 
 @pytest.mark.parametrize("fraction,num_clients", [(0.2, 100), (0.1, 10), (0.3, 7), (0.5, 8), (0.01, 30)])
@@ -28,6 +29,14 @@ def test_attacker_set_is_reproducible_and_depends_on_the_seed():
 
 def test_no_attack_means_no_attackers():
     assert not attacker_mask(0, 50, AttackConfig("none", 0.0)).any()
+
+
+def corrupt_updates(attack_config, updates, rows, generator):
+    """What the server does to the attackers' rows: ``updates[rows]`` rewritten in place."""
+    if len(rows):
+        bad = make_attack(attack_config).rewrite(updates[rows], generator)
+        if bad is not None:
+            updates[rows] = bad
 
 
 def stack():

@@ -444,6 +444,22 @@ def test_an_interrupt_at_the_very_end_tells_the_truth(tmp_path):
         assert proc.returncode == 0 and err == ""
 
 
+def test_an_interrupt_held_through_the_last_rounds_files_finds_the_run_finished(tmp_path):
+    # the signal lands while the last round is being written (deterministically: from a callback
+    # inside that step) and is delivered as the step ends
+    class InterruptAtTheEnd(fedsim.Callback):
+        def on_round_end(self, row, clients):
+            if row["round"] == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    tiny = {"name": "tiny", "seed": 1, "device": "cpu", "rounds": 2, "workers": 0, "clients_per_round": 2,
+            "data": {"dataset": "synthetic", "num_clients": 2, "limit": 200}}
+    with pytest.raises(KeyboardInterrupt):
+        fedsim.run(tiny, out=tmp_path / "run", quiet=True, callbacks=[InterruptAtTheEnd()])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rounds"] == 2
+
+
 @pytest.mark.slow
 def test_a_run_directory_in_use_is_refused(tmp_path, finished):
     copy_of(finished, tmp_path)

@@ -18,8 +18,9 @@ import torch
 
 from fedsim.yamlfile import parse_yaml
 from fedsim.errors import ConfigError
-from fedsim.streams import sample_clients
 from fedsim.system import RoundPlan, System, SystemConfig, local_steps
+
+from support import sample_clients
 
 SD = 5.0  # standard deviations allowed (see the module docstring)
 
