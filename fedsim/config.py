@@ -78,7 +78,7 @@ class Config:
     backend: str = "process"  # process | vmap
     vmap_group_size: int = 0  # vmap: clients trained together in one group; 0 = the whole round
     clients_per_round: int = 10
-    client_sampling: str = "uniform"  # uniform | by_size | power_of_choice (see system.py)
+    client_sampling: str = "uniform"  # uniform | by_size | poisson | power_of_choice (see sampling.py)
     sampling_candidates: Optional[int] = None  # power_of_choice: d candidates, clients_per_round <= d
     eval_every: int = 1
     eval_batch_size: int = 2000

@@ -1,22 +1,39 @@
 """Client-level differential privacy: DP-FedAvg (McMahan, Ramage, Talwar, Zhang 2018, "Learning
-differentially private recurrent language models").
+differentially private recurrent language models"), with optional adaptive clipping (Andrew,
+Thakkar, McMahan, Ramaswamy 2021, "Differentially private learning with adaptive clipping").
+
+Sampling. Each round every client joins independently with probability q = K / N (K =
+``clients_per_round``, N = ``data.num_clients``; ``client_sampling: poisson``, which a run with
+``privacy:`` must use). That is the sampling the accounting below assumes. Sampling exactly K
+clients without replacement, fedsim's usual ``uniform``, is refused: the Poisson analysis is not
+a proven bound for it, and the bound that is proven for fixed-size sampling (under the
+replace-one relation it needs) is many times larger.
 
 Each round the server clips every client update (a row of the ``[k, P]`` stack) to L2 norm at
-most ``clip`` (C), sums the clipped rows, adds Gaussian noise N(0, (z C)^2 I) to the sum
-(z = ``noise_multiplier``) and divides by ``clients_per_round`` (K), the fixed expected number
-of clients, not by the number that reported: adding or removing one client then moves the
-result by at most C / K whatever the others did or whether some dropped, which is the
-sensitivity the Gaussian mechanism's analysis needs. Sample counts are not used: a weight
-proportional to a client's data would let one client's share, hence its influence, grow beyond
-C / K. The guarantee is client-level: it covers everything one client contributes in a round,
-the whole row, batch-norm statistics included (see ``check_model``).
+most C (``clip``), sums the clipped rows, adds Gaussian noise N(0, (z C)^2 I) to the sum
+(z = ``noise_multiplier``) and divides by K, the expected number of clients, not by the number
+that was sampled or reported: adding or removing one client then moves the result by at most
+C / K whatever the others did, which is the sensitivity the Gaussian mechanism's analysis
+needs. A round whose sample is empty still releases the noise. Sample counts are not used: a
+weight proportional to a client's data would let one client's influence grow beyond C / K. The
+guarantee is client-level: it covers everything one client contributes in a round, the whole
+row, batch-norm statistics included (see ``check_model``).
+
+Adaptive clipping (``target_quantile`` set). C follows the ``target_quantile`` (gamma) of the
+clients' update norms: each round the server also releases the noised share of clients whose
+update was within C, b = (sum_i (1[|u_i| <= C] - 1/2) + N(0, s^2)) / K + 1/2 (s =
+``count_noise``, default K / 20), and sets C <- C exp(-eta (b - gamma)) (eta =
+``clip_learning_rate``). Releasing b costs privacy too: the updates' noise multiplier becomes
+z_u = (z^-2 - (2 s)^-2)^(-1/2), so that the two releases together are one Gaussian mechanism of
+noise multiplier z (Andrew et al., Theorem 1), which is what is accounted. C starts at ``clip``,
+is part of the checkpoint, and is the ``clip`` column of metrics.csv.
 
 Which rules and algorithms keep the guarantee (``Privacy.check``):
 
-- aggregator ``fedavg`` or ``mean``: under privacy both become the unweighted mean of the clipped
-  updates above. Every other rule (median, trimmed_mean, krum, multi_krum, geometric_median,
-  norm_clip, a rule of one's own) is refused: its output is not a sum of per-client
-  contributions each bounded by C, so the Gaussian mechanism's sensitivity bound does not hold.
+- aggregator ``fedavg`` or ``mean``: under privacy both become the mean above. Every other rule
+  (median, trimmed_mean, krum, multi_krum, geometric_median, norm_clip, a rule of one's own) is
+  refused: its output is not a sum of per-client contributions each bounded by C, so the
+  Gaussian mechanism's sensitivity bound does not hold.
 - an algorithm that keeps no server or client state, has its clients report nothing and uses
   the base ``server_update`` (fedavg, fedprox, or one of one's own that only changes local
   training). SCAFFOLD, FedNova and FedDyn are refused: their state or reports are computed from
@@ -24,31 +41,27 @@ Which rules and algorithms keep the guarantee (``Privacy.check``):
   client's weight).
 - any server optimizer: it only post-processes the noised aggregate, and post-processing keeps
   a differential-privacy guarantee.
-- client_sampling ``uniform`` with every client always online (system.availability 1): the
-  accountant's rate q = K / N is then every client's chance to be sampled in a round. by_size and
-  power_of_choice make some clients likelier (power_of_choice also ranks clients by their loss on
-  their own data, un-noised), and so does an availability below 1 for the clients online more
-  often: refused. Clients that drop out or straggle only remove contributions.
+- every client always online (system.availability 1): clients online more often would be
+  sampled more often than q. Clients that drop out or straggle only remove contributions.
 - attacks: an attacker's update is rewritten before the server clips it, so it is clipped and
   noised like any other, and moves the aggregate by at most C / K too.
 
-The engine builds one Privacy per run (``from_config``), refuses a model with buffers once it is
-built (``check_model``), lets ``rule(seed, rnd)`` stand in for the run's aggregation rule in every
-round's ``Round``, and writes ``epsilon(rnd)`` in the ``epsilon`` column of every round's row.
-
-Accounting. ``epsilon(rounds)`` is the epsilon at ``delta`` after ``rounds`` rounds, from Opacus's
-RDP accountant (the sampled Gaussian mechanism, Mironov, Talwar and Zhang 2019) stepped once per
-round with noise multiplier z and sampling rate q = K / N. That analysis assumes Poisson
-sampling (each client joins a round independently with probability q); fedsim samples exactly
-K of the N clients without replacement, for which it is not a proven bound, only the customary
-approximation: Flower's and TF-Privacy's DP-FedAvg report the same number under the same
-assumption. The noise is torch's floating-point Gaussian, as in Opacus; floating-point attacks
-on noise samplers (Mironov 2012) are outside this simulation's model. Non-finite updates that
-the engine drops, and clients that fail, only remove contributions, which the analysis allows.
+Accounting. ``epsilon(rounds)`` is the epsilon at ``delta`` after ``rounds`` rounds of the
+Poisson-subsampled Gaussian mechanism (rate q, noise multiplier z), from Google's
+``dp-accounting`` library, under the add/remove-one-client relation: ``accountant: pld`` (the
+default) composes privacy loss distributions (Koskela et al. 2020; Doroshenko et al. 2022), a
+valid and tight bound, discretised pessimistically at 1e-3 so that each round's number takes
+tens of milliseconds; ``accountant: rdp`` is the Renyi-DP bound of the sampled Gaussian mechanism
+(Mironov, Talwar, Zhang 2019), valid but looser (1.1 to 3.1 times the PLD epsilon at common
+settings). The noise is torch's floating-point Gaussian, as in Opacus; floating-point attacks on
+noise samplers (Mironov 2012) are outside this simulation's model. Non-finite updates that the
+engine drops, and clients that fail, only remove contributions, which the analysis allows.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import logging
 import math
 from collections.abc import Mapping
 from typing import Callable
@@ -64,8 +77,12 @@ from .registry import is_import_path
 from .streams import privacy_noise_generator
 
 RULES = ("fedavg", "mean")  # the rules that privacy's clipped, noised mean replaces
-KEYS = ("clip", "noise_multiplier", "delta")
+REQUIRED = ("clip", "noise_multiplier", "delta")
+DEFAULTS = {"accountant": "pld", "target_quantile": None, "clip_learning_rate": 0.2, "count_noise": None}
+KEYS = (*REQUIRED, *DEFAULTS)
+ACCOUNTANTS = ("pld", "rdp")
 INSTALL = 'pip install "fedsim-sync[privacy]"'
+PLD_DISCRETIZATION = 1e-3  # pessimistic: epsilon within rounds x 1e-3 above the exact PLD bound, never below
 
 # Clipping aims at C (1 - 2^-30), not C: in float64 the scale, the products and the norm each
 # round by a few units in the last place, and the norm of a clipped row must not come out above
@@ -80,15 +97,16 @@ Rule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 class Privacy:
     """DP-FedAvg with clip C, noise multiplier z and target delta, for a federation of
-    ``num_clients`` (N) of which ``clients_per_round`` (K) are sampled each round.
+    ``num_clients`` (N) of which each round samples ``clients_per_round`` (K) in expectation.
 
     Call ``aggregate`` (or the rule ``rule(seed, rnd)`` gives) once per round on the server, and
-    ``epsilon(rnd)`` after round ``rnd`` for the privacy spent so far. Nothing is kept between
-    rounds: the noise is a function of (seed, round) and epsilon of the number of rounds, so a
-    resumed run reports the same as an uninterrupted one without a checkpointed accountant.
+    ``epsilon(rnd)`` after round ``rnd`` for the privacy spent so far. The noise is a function of
+    (seed, round) and epsilon of the number of rounds; the one thing kept between rounds is the
+    adaptive clip, in ``state`` (a checkpoint holds it), so a resumed run continues exactly.
     """
 
-    def __init__(self, clip, noise_multiplier, delta, clients_per_round: int, num_clients: int):
+    def __init__(self, clip, noise_multiplier, delta, clients_per_round: int, num_clients: int,
+                 accountant: str = "pld", target_quantile=None, clip_learning_rate=0.2, count_noise=None):
         self.clip = _CHECKS.positive("clip", clip)  # float32's normal range: a clip of 1e-45 would zero every update
         if not is_number(noise_multiplier) or not 0 <= noise_multiplier <= FLOAT32.max:
             # bounded as config floats are: z C then stays finite in float64
@@ -97,40 +115,61 @@ class Privacy:
             _CHECKS.fail("delta", f"must be a number in (0, 1), got {delta!r}")
         self.noise_multiplier = float(noise_multiplier)
         self.delta = float(delta)
+        self.accountant = _CHECKS.one_of("accountant", accountant, ACCOUNTANTS)
         self.num_clients = _TOP.count("data.num_clients", num_clients, 1)
         self.clients_per_round = _TOP.count("clients_per_round", clients_per_round, 1)
         if self.clients_per_round > self.num_clients:
             _TOP.fail("clients_per_round", f"must be <= data.num_clients ({num_clients}), got {clients_per_round}")
         self.sample_rate = self.clients_per_round / self.num_clients  # q
-        self._accountant, self._steps = None, 0  # Opacus's, stepped _steps times (see epsilon)
+        self.clip_learning_rate = _CHECKS.positive("clip_learning_rate", clip_learning_rate)
+        self.count_noise = self.clients_per_round / 20 if count_noise is None else \
+            _CHECKS.positive("count_noise", count_noise)
+        self.update_noise = self.noise_multiplier  # z_u: what the updates get (all of z without adaptive clipping)
+        self.state: dict[str, torch.Tensor] = {}
+        if target_quantile is not None:
+            self._adaptive(target_quantile)
+        self._loss_distribution, self._epsilons = None, {}  # the PLD of one round; epsilon by round
+
+    def _adaptive(self, target_quantile) -> None:
+        if not is_number(target_quantile) or not 0 < target_quantile < 1:
+            _CHECKS.fail("target_quantile", f"must be a number in (0, 1), or null for a fixed clip, "
+                                            f"got {target_quantile!r}")
+        self.target_quantile = float(target_quantile)
+        if self.noise_multiplier > 0:
+            if not 2 * self.count_noise > self.noise_multiplier:
+                _CHECKS.fail("count_noise", f"must be > noise_multiplier / 2 ({self.noise_multiplier / 2:g}) for "
+                                            f"adaptive clipping to leave noise for the updates, got "
+                                            f"{self.count_noise:g} (the default is clients_per_round / 20)")
+            self.update_noise = (self.noise_multiplier**-2 - (2 * self.count_noise)**-2) ** -0.5
+        self.state["clip"] = torch.tensor([self.clip], dtype=torch.float64)
 
     # ----------------------------------------------------------------- from a config
 
     @classmethod
     def from_config(cls, cfg) -> "Privacy | None":
         """The run's Privacy, or None without a ``privacy`` section (absent or null). The section
-        is a mapping or an object with the attributes ``clip``, ``noise_multiplier``, ``delta``.
-        Validates it and its combination with the run's aggregator and algorithm (see ``check``)."""
+        is a mapping or an object with the attributes ``clip``, ``noise_multiplier``, ``delta``
+        (and optionally the other KEYS). Validates it and its combination with the run's
+        sampling, aggregator and algorithm (see ``check``)."""
         section = getattr(cfg, "privacy", None)
         if section is None:
             return None
-        values = _section(section)
-        for key in KEYS:
+        values = {**DEFAULTS, **{k: v for k, v in _section(section).items() if v is not None or k in REQUIRED}}
+        for key in REQUIRED:
             if values.get(key) is None:
                 _CHECKS.fail(key, "is required when privacy is on")
-        privacy = cls(values["clip"], values["noise_multiplier"], values["delta"],
-                      cfg.clients_per_round, cfg.data.num_clients)
+        privacy = cls(**values, clients_per_round=cfg.clients_per_round, num_clients=cfg.data.num_clients)
         _check_aggregator(cfg.aggregator)
         _check_algorithm(cfg)
         _check_sampling(cfg)
-        if importlib.util.find_spec("opacus") is None:  # found now, imported (seconds) only when accounting
-            raise ConfigError(f"privacy: its accounting needs the opacus package: {INSTALL}")
+        if importlib.util.find_spec("dp_accounting") is None:  # found now, imported (seconds) only when accounting
+            raise ConfigError(f"privacy: its accounting needs the dp-accounting package: {INSTALL}")
         return privacy
 
     @classmethod
     def check(cls, cfg) -> None:
         """Raise a one-line ConfigError, naming the key, if the ``privacy`` section is invalid or
-        cannot be combined with the run's aggregator or algorithm; nothing without the section."""
+        cannot be combined with the run's sampling, aggregator or algorithm; nothing without it."""
         cls.from_config(cfg)
 
     @staticmethod
@@ -146,12 +185,17 @@ class Privacy:
 
     # ----------------------------------------------------------------- one round
 
+    @property
+    def current_clip(self) -> float:
+        """This round's C: ``clip``, or where adaptive clipping has taken it."""
+        return float(self.state["clip"][0]) if "clip" in self.state else self.clip
+
     def scales(self, updates: torch.Tensor) -> torch.Tensor:
         """The ``[k]`` float64 factors that clip the rows: 1 for a row within the bound (a zero
         row too), else the bound over its norm. Norms are float64 (``row_norms``): finite for
         any finite float32 row, where a float32 sum of squares overflows past 1.8e19."""
         norms = row_norms(updates)
-        bound = self.clip * _MARGIN
+        bound = self.current_clip * _MARGIN
         return torch.where(norms > bound, bound / norms, torch.ones_like(norms))
 
     def clipped(self, updates: torch.Tensor) -> torch.Tensor:
@@ -160,21 +204,27 @@ class Privacy:
         return updates.to(torch.float64) * self.scales(updates)[:, None]
 
     def aggregate(self, updates: torch.Tensor, seed: int, rnd: int) -> torch.Tensor:
-        """Round ``rnd``'s update ``[P]`` from the finite updates ``[k, P]`` of the k <= K clients that
-        reported: (sum of clipped rows + N(0, (z C)^2 I)) / K, in the updates' dtype and device.
+        """Round ``rnd``'s update ``[P]`` from the finite updates ``[k, P]`` of the clients that
+        reported (k may be 0): (sum of clipped rows + N(0, (z_u C)^2 I)) / K, in the updates'
+        dtype and device; with adaptive clipping, then the next round's C.
 
         The sum is taken in float64, where k rows of norm <= C cannot overflow (C <= 3.4e38), in
         column blocks so that no float64 copy of the stack is made. The noise is drawn on the CPU
-        from ``streams.privacy_noise_generator(seed, rnd)``. The result is clamped to the dtype's finite range
-        before the cast, so that an absurd z C cannot make the update infinite; clamping only
-        post-processes the noised value, which keeps the guarantee.
+        from ``streams.privacy_noise_generator(seed, rnd)`` (the updates' P values, then the
+        count's one). The result is clamped to the dtype's finite range before the cast, so that
+        an absurd z C cannot make the update infinite; clamping only post-processes the noised
+        value, which keeps the guarantee.
         """
-        k, p = updates.shape
-        if k > self.clients_per_round:
-            raise ValueError(f"{k} updates for a round of clients_per_round = {self.clients_per_round}")
-        total = _weighted_sum(updates, self.scales(updates))
-        noise = torch.randn(p, generator=privacy_noise_generator(seed, rnd), dtype=torch.float64)
-        total += noise.to(total.device).mul_(self.noise_multiplier * self.clip)
+        clip, scales = self.current_clip, self.scales(updates)
+        generator = privacy_noise_generator(seed, rnd)
+        total = _weighted_sum(updates, scales)
+        noise = torch.randn(updates.shape[1], generator=generator, dtype=torch.float64)
+        total += noise.to(total.device).mul_(self.update_noise * clip)
+        if "clip" in self.state:
+            within = float((scales == 1).sum())  # norm <= C (up to the 1e-9 margin above)
+            share = (within - len(scales) / 2 + self.count_noise * float(torch.randn(1, generator=generator,
+                     dtype=torch.float64))) / self.clients_per_round + 0.5
+            self.state["clip"].mul_(math.exp(-self.clip_learning_rate * (share - self.target_quantile)))
         limit = torch.finfo(updates.dtype).max
         return total.div_(self.clients_per_round).clamp_(-limit, limit).to(updates.dtype)
 
@@ -188,23 +238,33 @@ class Privacy:
     def epsilon(self, rounds: int) -> float:
         """Epsilon at ``delta`` after ``rounds`` rounds (0 for none; inf for z = 0, where there is no
         noise and so no guarantee). A function of the round count alone: a resumed run asks for
-        its round and gets what an uninterrupted one would; recomputed, not checkpointed.
-
-        One accountant is kept and stepped on, so asking after every round costs one step and
-        Opacus's ``get_epsilon`` (tens of milliseconds); asking for fewer rounds than the last
-        time starts a fresh one."""
+        its round and gets what an uninterrupted one would; recomputed, not checkpointed."""
         if not is_integer(rounds) or rounds < 0:
             raise ValueError(f"rounds must be an integer >= 0, got {rounds!r}")
         if rounds == 0:
             return 0.0
         if self.noise_multiplier == 0:
-            return math.inf  # what Opacus says too, with a warning about its orders
-        if self._accountant is None or self._steps > rounds:
-            self._accountant, self._steps = _rdp_accountant(), 0
-        for _ in range(rounds - self._steps):
-            self._accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
-        self._steps = rounds
-        return float(self._accountant.get_epsilon(self.delta))
+            return math.inf
+        if rounds not in self._epsilons:
+            self._epsilons[rounds] = self._pld_epsilon(rounds) if self.accountant == "pld" else \
+                self._rdp_epsilon(rounds)
+        return self._epsilons[rounds]
+
+    def _pld_epsilon(self, rounds: int) -> float:
+        if self._loss_distribution is None:
+            pld = _import("dp_accounting.pld.privacy_loss_distribution")
+            self._loss_distribution = pld.from_gaussian_mechanism(
+                self.noise_multiplier, sampling_prob=self.sample_rate,
+                value_discretization_interval=PLD_DISCRETIZATION)
+        composed = self._loss_distribution.self_compose(rounds) if rounds > 1 else self._loss_distribution
+        return float(composed.get_epsilon_for_delta(self.delta))
+
+    def _rdp_epsilon(self, rounds: int) -> float:
+        dp = _import("dp_accounting")
+        accountant = _import("dp_accounting.rdp").RdpAccountant()
+        accountant.compose(dp.PoissonSampledDpEvent(self.sample_rate, dp.GaussianDpEvent(self.noise_multiplier)),
+                           rounds)
+        return float(accountant.get_epsilon(self.delta))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -264,27 +324,34 @@ def _check_algorithm(cfg) -> None:
 
 
 def _check_sampling(cfg) -> None:
-    """The accountant's sampling rate q = K / N holds for every client only when each is equally
-    likely to be sampled in each round: uniform sampling among clients that are always online."""
+    """The accountant's rate q = K / N is each client's chance to be in a round only under Poisson
+    sampling of clients that are always online."""
     sampling = getattr(cfg, "client_sampling", "uniform")
-    if sampling != "uniform":
-        why = " and picks clients by their loss on their own data, which is not noised" \
-            if sampling == "power_of_choice" else ""
-        raise ConfigError(f"privacy: client_sampling {sampling} cannot be used with differential privacy: it makes "
-                          f"some clients likelier to be sampled than clients_per_round / data.num_clients, the "
-                          f"sampling rate the accountant assumes{why}; use client_sampling: uniform")
-    availability = getattr(getattr(cfg, "system", None), "availability", 1.0)
+    if sampling != "poisson":
+        why = {"uniform": "it samples exactly clients_per_round clients, for which the Poisson accounting is not "
+                          "a proven bound",
+               "power_of_choice": "it makes some clients likelier to be sampled, by their loss on their own "
+                                  "data, which is not noised"}.get(sampling, "it makes some clients likelier to be "
+                                                                             "sampled than others")
+        raise ConfigError(f"client_sampling: {sampling} cannot be used with privacy: {why}; use client_sampling: "
+                          f"poisson (each client joins a round with probability clients_per_round / "
+                          f"data.num_clients, as DP-FedAvg assumes)")
+    system = getattr(cfg, "system", None)
+    availability = system.get("availability", 1.0) if isinstance(system, Mapping) else \
+        getattr(system, "availability", 1.0)
     if availability != 1:
         raise ConfigError(f"privacy: system.availability {availability!r} cannot be used with differential privacy: "
                           f"clients that are online more often are sampled more often than clients_per_round / "
                           f"data.num_clients, the sampling rate the accountant assumes; leave availability at 1")
 
 
-def _rdp_accountant():
-    """A fresh ``opacus.accountants.RDPAccountant``, imported only now (importing opacus takes
-    seconds), with one line naming the extra if it cannot be."""
+def _import(module: str):
+    """A module of dp-accounting, imported only when first needed (it takes seconds), with one
+    line naming the extra if it cannot be. absl's warnings about orders the RDP accountant
+    leaves out are not the user's concern."""
     try:
-        from opacus.accountants import RDPAccountant
+        found = importlib.import_module(module)
     except ImportError as e:
-        raise ConfigError(f"privacy: its accounting needs the opacus package ({e}): {INSTALL}") from None
-    return RDPAccountant()
+        raise ConfigError(f"privacy: its accounting needs the dp-accounting package ({e}): {INSTALL}") from None
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    return found

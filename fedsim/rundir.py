@@ -28,11 +28,11 @@ from .errors import FedsimError, write_error
 
 COLUMNS = ("round", "test_accuracy", "test_loss", "train_loss", "seconds", "elapsed_seconds",
            "clients", "dropped_clients", "attackers", "train_seconds", "worker_seconds", "aggregate_seconds",
-           "eval_seconds", "epsilon", "client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10",
+           "eval_seconds", "epsilon", "clip", "client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10",
            "simulated_seconds", "unavailable", "stragglers")
 # columns of what a run may leave off (privacy, eval_per_client), and columns that rows of an older
 # version lack (a resumed run rewrites those rows): empty in metrics.csv, None in a History
-OPTIONAL_COLUMNS = {"epsilon", "client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10",
+OPTIONAL_COLUMNS = {"epsilon", "clip", "client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10",
                     "simulated_seconds", "unavailable", "stragglers"}
 _INT_COLUMNS = {"round", "clients", "dropped_clients", "attackers", "unavailable", "stragglers"}
 RUN_FILES = ("config.yaml", "metrics.csv", "clients.csv", "client_accuracy.csv", "summary.json", "accuracy.png",

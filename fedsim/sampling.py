@@ -4,6 +4,12 @@ decides who is online and calls these; see its docstring for the round as a whol
 * ``uniform``          k clients without replacement, equally likely
 * ``by_size``          k clients without replacement, drawn one after another with probability
                        proportional to their number of samples
+* ``poisson``          every client independently with probability q = k / N (N = data.num_clients),
+                       so k is the expected number; an offline client that is drawn does not train.
+                       The sampling that DP-FedAvg's accounting assumes (McMahan et al. 2018), and
+                       the one a run with ``privacy:`` must use. A round may sample more than k
+                       clients: the round's buffers hold ``poisson_capacity`` clients, the largest
+                       sample of the run's rounds, known before the first round
 * ``power_of_choice``  Cho, Wang & Joshi (2020), "Client selection in federated learning:
                        convergence analysis and power-of-choice selection strategies": d candidates
                        (``sampling_candidates``, d >= k) drawn without replacement proportional to
@@ -12,7 +18,7 @@ decides who is online and calls these; see its docstring for the round as a whol
 
 Experiment file (top-level keys, shown with their defaults)::
 
-    client_sampling: uniform      # uniform | by_size | power_of_choice
+    client_sampling: uniform      # uniform | by_size | poisson | power_of_choice
     sampling_candidates: null     # d, required by power_of_choice: clients_per_round <= d <= num_clients
 
 Every draw comes from the stream ``(seed, streams.SAMPLING, round)``, so the sample is the same in
@@ -31,6 +37,8 @@ from .streams import SAMPLING
 SAMPLINGS = {
     "uniform": "k online clients, equally likely, without replacement (the default)",
     "by_size": "k online clients without replacement, each draw proportional to the number of samples",
+    "poisson": "each client independently with probability clients_per_round / num_clients (DP-FedAvg's "
+               "sampling; needed by privacy)",
     "power_of_choice": "of d candidates drawn by size, the k whose loss on the global model is highest "
                        "(Cho et al. 2020; d is sampling_candidates)",
 }
@@ -65,16 +73,40 @@ def check_sampling(client_sampling, sampling_candidates, clients_per_round: Opti
 def draw(sampling: str, seed: int, rnd: int, online: np.ndarray, want: int, sizes: np.ndarray) -> np.ndarray:
     """``want`` of the ``online`` clients (sorted ids), or all of them without a draw when at most
     ``want`` are online: equally likely for ``uniform``, else each draw proportional to ``sizes``
-    (every client's number of samples, float64)."""
+    (every client's number of samples, float64). ``poisson``: each online client independently
+    with probability ``want / len(sizes)``."""
+    if sampling == "poisson":
+        rng, count = _poisson_count(seed, rnd, len(sizes), want)
+        drawn = rng.choice(len(sizes), size=count, replace=False)
+        return np.intersect1d(drawn, online)  # sorted; the same law as a coin per online client
     if len(online) <= want:
         return online
-    rng = np.random.default_rng([int(seed), SAMPLING, int(rnd)])
+    rng = _sampling_stream(seed, rnd)
     if sampling == "uniform":
         return np.sort(online[rng.choice(len(online), size=want, replace=False)])
     weights = sizes[online]
     if not weights.min() > 0:
         raise ValueError(f"{sampling}: every client needs a positive size, got {weights.min():g}")
     return np.sort(rng.choice(online, size=want, replace=False, p=weights / weights.sum()))
+
+
+def poisson_capacity(seed: int, rounds: int, num_clients: int, k: int) -> int:
+    """The most clients that any of rounds 1..``rounds`` samples under ``poisson`` (at least ``k``):
+    the round's buffers are sized to it, so that no round's sample is ever cut short, which would
+    change the sampling the privacy accounting assumes. One binomial draw per round."""
+    return max([k, *(_poisson_count(seed, rnd, num_clients, k)[1] for rnd in range(1, rounds + 1))])
+
+
+def _poisson_count(seed: int, rnd: int, num_clients: int, k: int) -> tuple[np.random.Generator, int]:
+    """Round ``rnd``'s stream and its Poisson sample's size, Binomial(N, k / N): a coin for every
+    client is the same law as this size followed by that many clients drawn without replacement,
+    and the size alone is cheap to know for every round in advance."""
+    rng = _sampling_stream(seed, rnd)
+    return rng, int(rng.binomial(num_clients, k / num_clients))
+
+
+def _sampling_stream(seed: int, rnd: int) -> np.random.Generator:
+    return np.random.default_rng([int(seed), SAMPLING, int(rnd)])
 
 
 def choose(candidates: np.ndarray, k: int, losses) -> np.ndarray:

@@ -38,6 +38,7 @@ from .privacy import Privacy
 from .progress import RoundLog, console_logging
 from .results import History, flatten_config
 from .rundir import read_clients
+from .sampling import poisson_capacity
 from .server_opt import make_server_optimizer
 from .system import System
 from .validation import unused_settings
@@ -116,8 +117,11 @@ def peak_memory_mb(device: torch.device) -> float:
 def allocate_buffers(cfg: Config, state: GlobalState, data, parts, data_device: torch.device, algorithm,
                      keeps_copies: bool, workers: int) -> RoundBuffers:
     """The round's buffers: the data where it lives, the rest on the state's device; the
-    algorithm's state is the global state's own tensors."""
-    k, n, dev = cfg.clients_per_round, state.model.num_params, state.model.flat.device
+    algorithm's state is the global state's own tensors. A row per client a round can hold:
+    clients_per_round, or the largest sample of the run's rounds under poisson sampling."""
+    k = poisson_capacity(cfg.seed, cfg.rounds, cfg.data.num_clients, cfg.clients_per_round) \
+        if cfg.client_sampling == "poisson" else cfg.clients_per_round
+    n, dev = state.model.num_params, state.model.flat.device
     return RoundBuffers(
         train_x=data.train_x.to(data_device), train_y=data.train_y.to(data_device),
         client_indices=torch.cat(parts).to(data_device),
@@ -195,7 +199,8 @@ class Session:
                  "server_optimizer": cfg.server_optimizer}
         self.state = GlobalState(model, make_server_optimizer(cfg, model.num_params, device), algorithm,
                                  cfg.data.num_clients, f"{components.describe(cfg.model)}, {names['algorithm']}, "
-                                                       f"{names['server_optimizer']}")
+                                                       f"{names['server_optimizer']}",
+                                 privacy_state=privacy.state if privacy else None)
         keeps_copies = cfg.mode != "hogwild"
         self.buffers = allocate_buffers(cfg, self.state, data, parts, data_device, algorithm, keeps_copies,
                                         self.workers)

@@ -183,6 +183,10 @@ def unused_settings(cfg: Config) -> list[str]:
     read them, and system settings that do nothing (see System.warnings): a run would silently
     ignore them, so the run warns."""
     used, default = options_for(cfg.data.partition, cfg.data), DataConfig()
+    privacy = cfg.privacy if isinstance(cfg.privacy, dict) else {}
     return [f"data.{key} is {getattr(cfg.data, key)!r} but data.partition {cfg.data.partition} does not use it"
             for key in _PARTITION_KEYS if key not in used and getattr(cfg.data, key) != getattr(default, key)] + \
+        [f"privacy.{key} is {privacy[key]!r} but privacy.target_quantile is null: the clip is fixed"
+         for key in ("clip_learning_rate", "count_noise")
+         if privacy.get(key) is not None and privacy.get("target_quantile") is None] + \
         System.from_config(cfg).warnings()

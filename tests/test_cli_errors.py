@@ -204,7 +204,7 @@ CASES = [
     ("too few candidates", with_change("client_sampling", "power_of_choice"), ["--set", "sampling_candidates=1"],
      ["--set sampling_candidates: must be >= clients_per_round (2)", "got 1"]),
     ("unknown client sampling", with_change("client_sampling", "random"), [],
-     ["exp.yaml: client_sampling: must be one of uniform, by_size, power_of_choice, got str 'random'"]),
+     ["exp.yaml: client_sampling: must be one of uniform, by_size, poisson, power_of_choice, got str 'random'"]),
     ("unknown speed distribution", with_change("system.speed", {"gamma": 1}), [],
      ["exp.yaml: system.speed: unknown distribution 'gamma'; choose one of: lognormal, uniform"]),
     ("unknown system key", with_change("system.deadlines", 5), [],

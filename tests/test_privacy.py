@@ -1,11 +1,13 @@
-"""DP-FedAvg (fedsim.privacy): clipping, the noise's scale and streams, accounting against Opacus,
-and the one-line refusals of what the guarantee does not cover."""
+"""DP-FedAvg (fedsim.privacy): Poisson sampling, clipping (fixed and adaptive), the noise's scale
+and streams, accounting against Google's dp-accounting, and the one-line refusals of what the
+guarantee does not cover."""
 from __future__ import annotations
 
 import math
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from fedsim.algorithms import Algorithm
 from fedsim.config import Config
 from fedsim.errors import ConfigError
 from fedsim.privacy import Privacy
+from fedsim.sampling import draw, poisson_capacity
 
 K, N = 4, 20  # clients per round, clients in all
 C = 1.5  # the clip
@@ -33,7 +36,7 @@ def stack(norms, p=300, seed=0) -> torch.Tensor:
 
 def config(**privacy_section) -> Config:
     cfg = Config()
-    cfg.clients_per_round, cfg.data.num_clients = K, N
+    cfg.clients_per_round, cfg.data.num_clients, cfg.client_sampling = K, N, "poisson"
     cfg.privacy = privacy_section or {"clip": C, "noise_multiplier": 1.0, "delta": 1e-5}
     return cfg
 
@@ -139,22 +142,125 @@ def test_zero_noise_multiplier_adds_nothing():
     assert torch.allclose(out.double(), updates.double().sum(0) / K, rtol=2**-22, atol=1e-12)
 
 
+def test_an_empty_sample_still_releases_the_noise():
+    out = make(noise_multiplier=1.0).aggregate(torch.zeros(0, 1000), seed=3, rnd=5)
+    assert torch.equal(out, make(noise_multiplier=1.0).aggregate(torch.zeros(K, 1000), seed=3, rnd=5))
+    assert float(out.abs().max()) > 0
+
+
+# ----------------------------------------------------------------------------- Poisson sampling
+
+
+def test_poisson_sampling_takes_each_client_independently_with_probability_k_over_n():
+    """Over R rounds client c is sampled Binomial(R, q) times; six standard deviations bound
+    every client's count. Pairs: P(both) = q^2 for independent coins."""
+    n, k, rounds = 50, 5, 4000
+    q = k / n
+    taken = np.zeros((rounds, n), dtype=bool)
+    everyone = np.arange(n)
+    for rnd in range(1, rounds + 1):
+        taken[rnd - 1, draw("poisson", 7, rnd, everyone, k, np.ones(n))] = True
+    sd = math.sqrt(rounds * q * (1 - q))
+    assert np.all(np.abs(taken.sum(0) - rounds * q) <= 6 * sd)
+    both = (taken[:, 0] & taken[:, 1]).sum()
+    assert abs(both - rounds * q * q) <= 6 * math.sqrt(rounds * q * q)
+    sizes = taken.sum(1)
+    assert sizes.min() < k < sizes.max()  # the sample's size varies around k
+    assert poisson_capacity(7, rounds, n, k) == sizes.max()  # the buffers hold the largest sample
+    # an offline client that is drawn does not train: the sample is the draw among the online ones
+    online = everyone[::2]
+    for rnd in range(1, 20):
+        assert np.array_equal(draw("poisson", 7, rnd, online, k, np.ones(n)), np.intersect1d(
+            draw("poisson", 7, rnd, everyone, k, np.ones(n)), online))
+
+
+# ----------------------------------------------------------------------------- adaptive clipping
+
+
+def test_adaptive_clipping_follows_andrew_et_al():
+    """One round by the paper's formulas, written out: the noised share of rows within C, then
+    C <- C exp(-eta (share - gamma)); the updates' noise multiplier z_u = (z^-2 - (2 s)^-2)^(-1/2)."""
+    z, s, eta, gamma = 1.0, 2.0, 0.2, 0.7
+    p = Privacy(C, z, 1e-5, K, N, target_quantile=gamma, clip_learning_rate=eta, count_noise=s)
+    z_u = (z**-2 - (2 * s) ** -2) ** -0.5
+    assert p.update_noise == pytest.approx(z_u, rel=1e-15)
+    updates = stack([0.5 * C, 0.9 * C, 3 * C], p=400)  # two within C, one above: 3 of K = 4 reported
+    out = p.aggregate(updates, seed=5, rnd=2)
+    generator = privacy.privacy_noise_generator(5, 2)
+    noise = torch.randn(400, generator=generator, dtype=torch.float64)
+    count_noise = float(torch.randn(1, generator=generator, dtype=torch.float64))
+    clipped_sum = updates[:2].double().sum(0) + updates[2].double() * (C / float(updates[2].double().norm()))
+    expected = (clipped_sum + z_u * C * noise) / K
+    assert torch.allclose(out.double(), expected, rtol=0, atol=1e-6 * float(expected.abs().max()))
+    share = ((2 - 3 / 2) + s * count_noise) / K + 1 / 2
+    assert p.current_clip == pytest.approx(C * math.exp(-eta * (share - gamma)), rel=1e-12)
+
+
+def test_adaptive_clipping_settles_at_the_target_quantile_of_the_norms():
+    """Norms 1, 2, ..., 100 every round and little count noise: C settles where about gamma of
+    them are within it (the geometric update's fixed point), from far above or below."""
+    updates = stack(list(range(1, 101)), p=50)
+    for start in (0.01, 1e4):
+        p = Privacy(start, 0.0, 1e-5, 100, 1000, target_quantile=0.3, clip_learning_rate=0.2, count_noise=0.5)
+        for rnd in range(1, 301):
+            p.aggregate(updates, seed=0, rnd=rnd)
+        assert 25 <= p.current_clip <= 35, (start, p.current_clip)
+
+
+def test_adaptive_settings_without_a_target_quantile_are_warned_about():
+    from fedsim.validation import load_config, unused_settings
+
+    cfg = load_config({"client_sampling": "poisson", "clients_per_round": 2, "data": {"num_clients": 20},
+                       "privacy": {"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-5, "count_noise": 2}})
+    assert unused_settings(cfg) == ["privacy.count_noise is 2 but privacy.target_quantile is null: the clip is fixed"]
+
+
+def test_adaptive_clipping_needs_count_noise_above_half_the_noise_multiplier():
+    message = refused(config(clip=C, noise_multiplier=1.0, delta=1e-5, target_quantile=0.5, count_noise=0.4))
+    assert message.startswith("privacy.count_noise: must be > noise_multiplier / 2 (0.5)"), message
+    assert Privacy(C, 1.0, 1e-5, 100, 1000, target_quantile=0.5).count_noise == 5.0  # K / 20
+
+
 # ----------------------------------------------------------------------------- accounting
 
 
-@pytest.mark.slow
-def test_epsilon_is_opacus_rdp_accountant_and_grows_with_rounds():
-    from opacus.accountants import RDPAccountant
+def library_epsilon(accountant: str, q: float, z: float, rounds: int, delta: float) -> float:
+    """dp-accounting's own accountant, at its default settings, for rounds of the Poisson-subsampled
+    Gaussian mechanism."""
+    import dp_accounting
+    from dp_accounting import pld, rdp
 
-    z, delta = 1.1, 1e-5
-    p = make(noise_multiplier=z, delta=delta)
-    epsilons = [p.epsilon(t) for t in (1, 2, 5, 10, 50)]
-    assert all(a < b for a, b in zip(epsilons, epsilons[1:])), epsilons
-    for steps, got in zip((1, 2, 5, 10, 50), epsilons):
-        accountant = RDPAccountant()
-        for _ in range(steps):
-            accountant.step(noise_multiplier=z, sample_rate=K / N)
-        assert got == accountant.get_epsilon(delta)
+    library = pld.PLDAccountant() if accountant == "pld" else rdp.RdpAccountant()
+    library.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), rounds)
+    return library.get_epsilon(delta)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("z", [0.8, 1.1])
+def test_epsilon_is_dp_accountings_and_pld_is_the_tighter(z):
+    """rdp: the library's RDP accountant, exactly. pld: the library's PLD accountant, whose grid
+    is 1e-4 where fedsim's is 1e-3: both round every privacy loss up (pessimistic), so fedsim's
+    is never below the library's, and above it by at most the grid step per composed round."""
+    delta = 1e-5
+    pld_, rdp_ = make(noise_multiplier=z, delta=delta), Privacy(C, z, delta, K, N, accountant="rdp")
+    rounds = (1, 2, 5, 10, 50)
+    pld_eps, rdp_eps = [pld_.epsilon(t) for t in rounds], [rdp_.epsilon(t) for t in rounds]
+    assert all(a < b for a, b in zip(pld_eps, pld_eps[1:])), pld_eps
+    for t, tight, loose in zip(rounds, pld_eps, rdp_eps):
+        assert loose == library_epsilon("rdp", K / N, z, t, delta)
+        exact = library_epsilon("pld", K / N, z, t, delta)
+        assert exact - 1e-9 <= tight <= exact + t * 1e-3, (t, tight, exact)
+        assert tight < loose
+
+
+@pytest.mark.slow
+def test_rdp_is_one_to_three_times_the_pld_epsilon_on_common_settings():
+    for q in (0.01, 0.1):
+        for z in (0.5, 1.0, 2.0):
+            for rounds in (10, 100):
+                tight = Privacy(C, z, 1e-5, round(q * 1000), 1000).epsilon(rounds)
+                loose = Privacy(C, z, 1e-5, round(q * 1000), 1000, accountant="rdp").epsilon(rounds)
+                assert 1 < loose / tight < 3.5, (q, z, rounds, tight, loose)
 
 
 @pytest.mark.slow
@@ -170,13 +276,14 @@ def test_epsilon_is_a_function_of_the_round_count():
     assert make(noise_multiplier=0.0).epsilon(3) == math.inf
 
 
-def test_a_missing_opacus_is_one_line_naming_the_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "opacus.accountants", None)  # import raises ImportError
+def test_a_missing_dp_accounting_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "dp_accounting.pld.privacy_loss_distribution", None)  # import raises
     with pytest.raises(ConfigError, match=r'pip install "fedsim-sync\[privacy\]"') as err:
         make().epsilon(3)
     assert "\n" not in str(err.value)
     real = privacy.importlib.util.find_spec
-    monkeypatch.setattr(privacy.importlib.util, "find_spec", lambda name: None if name == "opacus" else real(name))
+    monkeypatch.setattr(privacy.importlib.util, "find_spec",
+                        lambda name: None if name == "dp_accounting" else real(name))
     assert 'pip install "fedsim-sync[privacy]"' in refused(config())
 
 
@@ -205,6 +312,8 @@ def test_the_section_as_mapping_or_object():
     ("clip", True, "normal range"), ("clip", "1", "normal range"),
     ("noise_multiplier", -0.1, "[0,"), ("noise_multiplier", math.nan, "[0,"), ("noise_multiplier", 1e300, "[0,"),
     ("delta", 0, "(0, 1)"), ("delta", 1, "(0, 1)"), ("delta", 1.5, "(0, 1)"), ("delta", None, "required"),
+    ("accountant", "gdp", "pld, rdp"), ("target_quantile", 1.0, "(0, 1)"), ("target_quantile", 0, "(0, 1)"),
+    ("clip_learning_rate", 0, "normal range"),
 ])
 def test_bad_values_are_one_line_naming_the_key(key, value, words):
     section = {"clip": C, "noise_multiplier": 1.0, "delta": 1e-5, key: value}
@@ -215,7 +324,7 @@ def test_bad_values_are_one_line_naming_the_key(key, value, words):
 def test_missing_and_unknown_keys_are_refused():
     assert refused(config(clip=1.0, delta=1e-5)).startswith("privacy.noise_multiplier: is required")
     message = refused(config(clip=1.0, noise_multiplier=1.0, delta=1e-5, sigma=2))
-    assert message.startswith("privacy.sigma: unknown key") and "clip, noise_multiplier, delta" in message
+    assert message.startswith("privacy.sigma: unknown key") and "clip, noise_multiplier, delta, accountant" in message
 
 
 @pytest.mark.parametrize("rule", sorted(set(AGGREGATORS.names()) - {"fedavg", "mean"}))
@@ -308,13 +417,14 @@ def test_a_round_under_privacy_adds_the_clipped_noised_update(tmp_path):
     the final additions round once more each: 4 x 2^-24 x max|x| bounds every difference."""
     import fedsim
 
-    fedsim.run({**RUN, "aggregator": "mean"}, out=tmp_path / "plain", quiet=True)
+    one = {**RUN, "data": {**RUN["data"], "num_clients": 1}}  # q = 1: the one client every round
+    fedsim.run({**one, "aggregator": "mean"}, out=tmp_path / "plain", quiet=True)
     section = {"clip": 0.05, "noise_multiplier": 0.7, "delta": 1e-5}
-    fedsim.run({**RUN, "privacy": section}, out=tmp_path / "private", quiet=True)
-    x0 = initial_weights(RUN)
+    fedsim.run({**one, "client_sampling": "poisson", "privacy": section}, out=tmp_path / "private", quiet=True)
+    x0 = initial_weights(one)
     update = final_weights(tmp_path / "plain") - x0
     assert row_norms(update[None])[0] > 0.05  # the clip binds
-    dp = Privacy(0.05, 0.7, 1e-5, clients_per_round=1, num_clients=5)
+    dp = Privacy(0.05, 0.7, 1e-5, clients_per_round=1, num_clients=1)
     expected = x0 + dp.aggregate(update[None], seed=2, rnd=1)
     got = final_weights(tmp_path / "private")
     bound = 4 * 2**-24 * float(torch.maximum(x0.abs(), got.abs()).max())
@@ -330,11 +440,13 @@ def test_without_noise_or_clipping_privacy_is_the_unweighted_mean_divided_by_k(t
     weights are the clients' unequal sample counts."""
     import fedsim
 
-    cfg = {**RUN, "clients_per_round": 3, "data": {**RUN["data"], "partition": "quantity", "sigma": 1.0}}
+    cfg = {**RUN, "clients_per_round": 3, "data": {**RUN["data"], "num_clients": 3, "partition": "quantity",
+                                                   "sigma": 1.0}}  # q = 1: all three every round
     runs = {rule: final_weights(fedsim.run({**cfg, "aggregator": rule}, out=tmp_path / rule, quiet=True).run_dir)
             for rule in ("mean", "fedavg")}
     section = {"clip": 1e30, "noise_multiplier": 0.0, "delta": 1e-5}
-    history = fedsim.run({**cfg, "privacy": section}, out=tmp_path / "private", quiet=True)
+    history = fedsim.run({**cfg, "client_sampling": "poisson", "privacy": section}, out=tmp_path / "private",
+                         quiet=True)
     got = final_weights(tmp_path / "private")
     x0 = initial_weights(cfg)
     # the mean's and privacy's sums round differently: a few float32 units of the largest |update|
@@ -345,27 +457,31 @@ def test_without_noise_or_clipping_privacy_is_the_unweighted_mean_divided_by_k(t
 
 
 @pytest.mark.slow
-def test_a_private_run_is_the_same_for_one_and_two_workers_and_reports_opacus_epsilon(tmp_path):
-    """The noise is drawn on the server from (seed, round): the workers cannot change it. Epsilon
-    after round t is what Opacus's RDP accountant gives for t steps at q = K / N, z, delta."""
-    from opacus.accountants import RDPAccountant
-
+def test_a_private_run_is_the_same_for_any_workers_resumes_exactly_and_reports_its_epsilon(tmp_path):
+    """The sample and the noise are drawn on the server from (seed, round): the workers cannot
+    change them; the adaptive clip is in the checkpoint, so a resumed run continues exactly.
+    Epsilon after round t is dp-accounting's for t rounds at q = K / N, z, delta."""
     import fedsim
 
-    cfg = {**RUN, "rounds": 3, "clients_per_round": 4, "eval_per_client": True,
+    cfg = {**RUN, "rounds": 3, "clients_per_round": 4, "eval_per_client": True, "client_sampling": "poisson",
            "data": {**RUN["data"], "num_clients": 10, "partition": "dirichlet", "test_partition": True},
-           "privacy": {"clip": 0.5, "noise_multiplier": 1.1, "delta": 1e-5}}
+           "privacy": {"clip": 0.5, "noise_multiplier": 1.1, "delta": 1e-5, "target_quantile": 0.5,
+                       "count_noise": 1.0}}
     one = fedsim.run(cfg, out=tmp_path / "w1", quiet=True, workers=1)
     two = fedsim.run(cfg, out=tmp_path / "w2", quiet=True, workers=2)
-    assert torch.equal(final_weights(tmp_path / "w1"), final_weights(tmp_path / "w2"))
-    for column in ("test_accuracy", "test_loss", "train_loss", "epsilon", "client_accuracy_mean",
-                   "client_accuracy_std", "client_accuracy_p10"):
-        assert getattr(one, column) == getattr(two, column), column
+    fedsim.run(cfg, out=tmp_path / "resumed", quiet=True, workers=1, rounds=2)
+    again = fedsim.resume(tmp_path / "resumed", quiet=True, rounds=3)
+    for other in ("w2", "resumed"):
+        assert torch.equal(final_weights(tmp_path / "w1"), final_weights(tmp_path / other)), other
+    for column in ("test_accuracy", "test_loss", "train_loss", "epsilon", "clip", "client_accuracy_mean",
+                   "client_accuracy_std", "client_accuracy_p10", "clients"):
+        assert getattr(one, column) == getattr(two, column) == getattr(again, column), column
+    assert one.clip[0] == 0.5 and len(set(one.clip)) == 3  # the clip moves every round
+    sampled = [len(draw("poisson", 2, rnd, np.arange(10), 4, np.ones(10))) for rnd in (1, 2, 3)]
+    assert one.clients == sampled
     for rnd, epsilon in zip(one.round, one.epsilon):
-        accountant = RDPAccountant()
-        for _ in range(rnd):
-            accountant.step(noise_multiplier=1.1, sample_rate=4 / 10)
-        assert epsilon == accountant.get_epsilon(1e-5)
+        exact = library_epsilon("pld", 4 / 10, 1.1, rnd, 1e-5)
+        assert exact - 1e-9 <= epsilon <= exact + rnd * 1e-3
     assert one.epsilon[0] < one.epsilon[1] < one.epsilon[2]
     assert fedsim.load_run(tmp_path / "w1").epsilon == one.epsilon  # every bit through metrics.csv
 
@@ -378,14 +494,18 @@ def test_a_model_with_buffers_is_refused_in_one_line(tmp_path):
 
     section = {"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}
     with pytest.raises(ConfigError, match=r"^config: privacy: model .*batch_norm_net has 20 buffer values") as err:
-        fedsim.run({**RUN, "privacy": section}, model=batch_norm_net, out=tmp_path / "bn", quiet=True)
+        fedsim.run({**RUN, "client_sampling": "poisson", "privacy": section}, model=batch_norm_net, out=tmp_path / "bn", quiet=True)
     assert "\n" not in str(err.value)
 
 
-def test_client_sampling_that_is_not_uniform_is_refused():
+def test_client_sampling_that_is_not_poisson_is_refused():
     cfg = config()
     cfg.client_sampling = "power_of_choice"
-    assert refused(cfg).startswith("privacy: client_sampling power_of_choice cannot") and "loss" in refused(cfg)
+    assert refused(cfg).startswith("client_sampling: power_of_choice cannot be used with privacy") and \
+        "loss" in refused(cfg)
+    cfg.client_sampling = "uniform"
+    assert refused(cfg).startswith("client_sampling: uniform cannot be used with privacy: it samples exactly") and \
+        "use client_sampling: poisson" in refused(cfg)
     cfg = config()
     cfg.system = types.SimpleNamespace(availability=0.5)
     assert "system.availability 0.5" in refused(cfg)
@@ -406,7 +526,7 @@ def test_the_experiment_file_plans_its_sweep_and_its_plot():
     assert text.startswith("# What does client-level differential privacy cost")
     assert "McMahan, Ramage, Talwar, Zhang" in text and "ICLR 2018" in text
     cfg = fedsim.load_config(path)
-    assert cfg.privacy == {"clip": 0.2, "noise_multiplier": 1.0, "delta": 1e-5}
+    assert cfg.privacy == {"clip": 0.2, "noise_multiplier": 1.0, "delta": 1e-5} and cfg.client_sampling == "poisson"
     assert (cfg.aggregator, cfg.algorithm, cfg.clients_per_round, cfg.data.num_clients) == ("fedavg", "fedavg", 100, 1000)
     sweep_command, plot_command = documented_commands(path)
     args = build_parser().parse_args(sweep_command[1:])

@@ -352,7 +352,7 @@ def test_a_sweep_of_private_runs_tables_the_epsilon_they_spent(config_file, monk
     monkeypatch.setattr(fedsim.runs, "start_run", start_run)
     lines = []
     sweep(config_file, ["privacy.noise_multiplier=0.5,4"], ["privacy.clip=1.0", "privacy.noise_multiplier=1.0",
-                                                        "privacy.delta=1e-5"],
+                                                        "privacy.delta=1e-5", "client_sampling=poisson"],
           out=tmp_path / "out", log=lines.append)
     table = lines[-2].splitlines()
     assert table[0].split() == ["run", "final", "acc", "best", "acc", "epsilon", "s/round"]

@@ -90,8 +90,9 @@ class Engine:
         round_, records = self.strategy.collect(rnd, clients)
         records += [ClientRecord.lost(rnd, c, int(self.sizes[c]), plan.outcome(c), int(self.buffers.attackers[c]))
                     for c in plan.dropped.tolist()]
-        # 4. the new global state
-        if len(round_.clients):
+        clip = self.privacy.current_clip if self.privacy else None  # this round's, before adaptive clipping moves it
+        # 4. the new global state (under privacy also from no client: the noise is released)
+        if len(round_.clients) or self.privacy:
             self.strategy.update(rnd, round_)
         t_updated = time.perf_counter()
         # 5. evaluate (with eval_per_client, also on every client's test split)
@@ -103,7 +104,7 @@ class Engine:
                "worker_seconds": round(max(self.executor.busy_seconds), 4),
                "aggregate_seconds": round(t_updated - t_trained, 4),
                "eval_seconds": round(time.perf_counter() - t_updated, 4),
-               "epsilon": self.privacy.epsilon(rnd) if self.privacy else None,
+               "epsilon": self.privacy.epsilon(rnd) if self.privacy else None, "clip": clip,
                # dropped_clients: the lost work of the plan, and the non-finite updates left out
                **plan.metrics(left_out=len(plan.clients) - len(round_.clients))}
         return RoundResult(row, records, evaluated, clients)

@@ -1,5 +1,6 @@
-"""What the server keeps between rounds: the global model, the server optimizer's state and the
-algorithm's state. All of it, and nothing else, is what a checkpoint holds."""
+"""What the server keeps between rounds: the global model, the server optimizer's state, the
+algorithm's state and privacy's (the adaptive clip). All of it, and nothing else, is what a
+checkpoint holds."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,9 +17,11 @@ class GlobalState:
     that refuses another run's checkpoint. The algorithm's state tensors are allocated here and
     shared with the workers through the round's buffers (they read them, the server changes them)."""
 
-    def __init__(self, model: FlatModel, server_optimizer, algorithm, num_clients: int, description: str):
+    def __init__(self, model: FlatModel, server_optimizer, algorithm, num_clients: int, description: str,
+                 privacy_state: dict[str, torch.Tensor] | None = None):
         n, device = model.num_params, model.flat.device
         self.model, self.server_optimizer, self.description = model, server_optimizer, description
+        self.privacy_state = privacy_state or {}  # privacy's own tensors, changed in place by it
         self.server_state = {name: torch.zeros(*shape, device=device)
                              for name, shape in algorithm.server_state(n).items()}
         self.client_state = {name: torch.zeros(num_clients, *shape, device=device)
@@ -35,6 +38,7 @@ class GlobalState:
             "server_optimizer": {k: v.cpu() for k, v in self.server_optimizer.state_dict().items()},
             "algorithm": {"server": {k: v.cpu() for k, v in self.server_state.items()},
                           "clients": {k: v.cpu() for k, v in self.client_state.items()}},
+            "privacy": {k: v.cpu() for k, v in self.privacy_state.items()},
             "torch_rng": torch.get_rng_state(),
         }
 
@@ -47,6 +51,8 @@ class GlobalState:
             self.server_state[name].copy_(value)
         for name, value in state["algorithm"]["clients"].items():
             self.client_state[name].copy_(value)
+        for name, value in state.get("privacy", {}).items():
+            self.privacy_state[name].copy_(value)
         torch.set_rng_state(state["torch_rng"])
         self.saved_round = state["round"]
 
@@ -56,8 +62,9 @@ class GlobalState:
         expected = {"global": self.model.flat, "torch_rng": torch.get_rng_state(),
                     **{f"server_optimizer.{k}": v for k, v in self.server_optimizer.state_dict().items()},
                     **{f"algorithm.server.{k}": v for k, v in self.server_state.items()},
-                    **{f"algorithm.clients.{k}": v for k, v in self.client_state.items()}}
-        saved = dict(flatten_config({key: state.get(key) for key in ("server_optimizer", "algorithm")}))
+                    **{f"algorithm.clients.{k}": v for k, v in self.client_state.items()},
+                    **{f"privacy.{k}": v for k, v in self.privacy_state.items()}}
+        saved = dict(flatten_config({key: state.get(key) for key in ("server_optimizer", "algorithm", "privacy")}))
         unexpected = sorted(k for k, v in saved.items() if isinstance(v, torch.Tensor) and k not in expected)
         if unexpected:
             raise FedsimError(f"{source}: holds {unexpected[0]}, which this run does not keep; it is not this "
