@@ -21,6 +21,7 @@ from typing import Any, Optional
 import yaml
 
 from .checks import cut, shown
+from .compression import CompressionConfig
 from .errors import ConfigError, FedsimError
 from .system import SystemConfig
 from .yamlfile import RefusedYAML, parse_yaml
@@ -105,13 +106,14 @@ class Config:
     local: LocalConfig = field(default_factory=LocalConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)  # see compression.py
 
     def to_dict(self) -> dict:
         """Plain values only: a component given as an object is named by ``describe``."""
         from .components import describe
 
         def plain(value):
-            if isinstance(value, (Config, DataConfig, LocalConfig, AttackConfig, SystemConfig)):
+            if isinstance(value, (Config, DataConfig, LocalConfig, AttackConfig, SystemConfig, CompressionConfig)):
                 return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
             if isinstance(value, dict):
                 return {k: plain(v) for k, v in value.items()}

@@ -26,10 +26,14 @@ PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#0
 LINESTYLES = ("-", "--", ":", "-.")  # after the eight colours, lines differ by dash too
 WIDTHS = {"single": 3.5, "double": 7.0}  # inches: one and two columns of a two-column paper
 BANDS = {"minmax": "min–max", "std": "± 1 s.d."}
-X_AXES = {"round": "round", "seconds": "wall time (s)", "epsilon": "ε (privacy spent, at privacy.delta)"}
+X_AXES = {"round": "round", "seconds": "wall time (s)", "epsilon": "ε (privacy spent, at privacy.delta)",
+          "bytes": "MB sent, up and down, since round 1"}
+_X_COLUMNS = {"seconds": "elapsed_seconds", "bytes": "cumulative_bytes"}  # the column of an x axis, by name
+_X_SCALES = {"bytes": 1e-6}  # the bytes axis reads in MB
 METRICS = tuple(c for c in COLUMNS if c != "round")
 SPREAD = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")  # what spread=True draws
-_HAS = {"epsilon": "a run with a privacy section has it", **dict.fromkeys(
+_HAS = {"epsilon": "a run with a privacy section has it",
+        "cumulative_bytes": "every run counts them except in mode: hogwild, where nothing travels", **dict.fromkeys(
     SPREAD, "a run with eval_per_client: true and data.test_partition: true has it")}
 
 
@@ -43,8 +47,9 @@ def plot_runs(runs, *, metric: str = "test_accuracy", x: str = "round", label: s
     the legend; by default the run name. Runs with the same label whose configs differ only
     in seed (and other run-specific keys such as workers and device) are drawn as their mean
     with a band: ``"minmax"`` shades min to max, ``"std"`` mean ± one sample standard
-    deviation. ``x``: ``"round"``, ``"seconds"`` (wall time since the start of the run) or
-    ``"epsilon"`` (the privacy spent, for runs with a privacy section). ``loss``: add a panel of
+    deviation. ``x``: ``"round"``, ``"seconds"`` (wall time since the start of the run),
+    ``"epsilon"`` (the privacy spent, for runs with a privacy section) or ``"bytes"`` (the
+    megabytes sent up and down since round 1, ``cumulative_bytes``). ``loss``: add a panel of
     test loss below. ``width``: ``"single"`` (3.5 in), ``"double"`` (7 in) or inches.
 
     ``spread``: draw how the global model fares on each client's own test split (runs with
@@ -98,7 +103,8 @@ def _checked_options(histories, metric: str, x: str, band: str, spread: bool, wi
         if metric not in ("test_accuracy", SPREAD[0]):
             raise FedsimError(f"spread: draws the clients' accuracy; it does not combine with metric {metric}")
         metric = SPREAD[0]
-    _check_has(histories, [*(SPREAD if spread else [metric]), *(["epsilon"] if x == "epsilon" else [])])
+    axis = [_X_COLUMNS.get(x, x)] if x in ("epsilon", "bytes") else []
+    _check_has(histories, [*(SPREAD if spread else [metric]), *axis])
     inches = WIDTHS.get(width, width)
     if not isinstance(inches, (int, float)) or not 0.5 <= inches <= 50:
         raise FedsimError(f"width: {width!r} is not 'single', 'double' or a width from 0.5 to 50 inches")
@@ -186,14 +192,15 @@ def _draw_spread(ax, group: list[History], x: str, style: dict, name: str):
 
 def _aligned(group: list[History], column: str, x: str) -> tuple[list, list[list[float]]]:
     """The rounds every run of the group evaluated, the x value of each (rounds, or the
-    mean of the runs' elapsed seconds or epsilons) and the runs' values of ``column`` there."""
+    mean of the runs' elapsed seconds, epsilons or megabytes sent) and the runs' values of
+    ``column`` there."""
     by_round = [{row["round"]: row for row in h.rows} for h in group]
     rounds = sorted(set.intersection(*(set(r) for r in by_round)))
     values = [[runs[r][column] for runs in by_round] for r in rounds]
     if x == "round":
         return rounds, values
-    key = "elapsed_seconds" if x == "seconds" else x
-    return [fmean([runs[r][key] for runs in by_round]) for r in rounds], values
+    key, scale = _X_COLUMNS.get(x, x), _X_SCALES.get(x, 1)
+    return [scale * fmean([runs[r][key] for runs in by_round]) for r in rounds], values
 
 
 def _check_has(histories: list[History], columns) -> None:
@@ -267,7 +274,8 @@ def _default_title(histories: list[History], metric: str, x: str) -> str:
     if len(names) == 1:
         return names.pop()
     what = _axis_label(metric).split(" (")[0].capitalize()
-    return {"round": f"{what} per round", "seconds": f"{what} over wall time", "epsilon": f"{what} against ε"}[x]
+    return {"round": f"{what} per round", "seconds": f"{what} over wall time", "epsilon": f"{what} against ε",
+            "bytes": f"{what} against bytes sent"}[x]
 
 
 def _axis_label(column: str) -> str:

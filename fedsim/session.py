@@ -22,6 +22,7 @@ from . import components
 from .attacks import attacker_mask, make_attack
 from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart
 from .client_eval import ClientEvaluation
+from .compression import Compression
 from .config import Config, groups_per_round
 from .distributed import RankStopped, Ranks, rank_device
 from .engine import AggregateUpdates, Engine, GlobalState, RoundBuffers
@@ -195,21 +196,24 @@ class Session:
             privacy.check_model(components.describe(cfg.model), model.num_params, len(model))
         algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
         algorithm.setup(cfg)
+        self.compression = Compression.from_config(cfg)  # None: updates travel whole
+        feedback = self.compression.memory if self.compression and self.compression.error_feedback else None
         names = {"algorithm": components.describe(cfg.algorithm), "aggregator": components.describe(cfg.aggregator),
                  "server_optimizer": cfg.server_optimizer}
         self.state = GlobalState(model, make_server_optimizer(cfg, model.num_params, device), algorithm,
                                  cfg.data.num_clients, f"{components.describe(cfg.model)}, {names['algorithm']}, "
                                                        f"{names['server_optimizer']}",
-                                 privacy_state=privacy.state if privacy else None)
+                                 privacy_state=privacy.state if privacy else None, error_feedback=feedback)
         keeps_copies = cfg.mode != "hogwild"
         self.buffers = allocate_buffers(cfg, self.state, data, parts, data_device, algorithm, keeps_copies,
                                         self.workers)
         if keeps_copies:
             strategy = AggregateUpdates(cfg, self.state, self.buffers, algorithm,
                                         components.aggregator(cfg.aggregator, cfg.aggregator_options), privacy,
-                                        make_attack(cfg.attack), names)
+                                        make_attack(cfg.attack), names, self.compression)
         else:
             strategy = AdoptSharedWeights(cfg, self.state, self.buffers)
+            self.state.bytes_sent = None  # nothing travels: the workers train one shared model
         if self.ranks.world > 1:
             self.executor = RanksExecutor(self.executor, self.ranks, cfg, self.state)
         self.client_eval = ClientEvaluation.for_run(cfg, data, parts, data_device) if cfg.eval_per_client else None
@@ -267,6 +271,8 @@ class Session:
         for message in [*unused_settings(self.cfg), self.client_eval and self.client_eval.warning()]:
             if message:
                 logger.warning(message)
+        if self.compression and self.compression.error_feedback:
+            logger.info(self.compression.memory_bound(self.state.model.num_params, self.cfg.data.num_clients))
 
     def _start(self) -> None:
         self.executor.start(self.buffers)
@@ -362,6 +368,8 @@ class Session:
             "best_test_accuracy": max(accuracies) if accuracies else None,
             "final_test_loss": self.rows[-1]["test_loss"] if self.rows else None,
             "checkpoint_round": self.state.saved_round,
+            "bytes_sent": self.state.bytes_sent,
+            **(self.compression.summary() if self.compression else {}),
             "rounds_to_target": next((r["round"] for r in self.rows if target and r["test_accuracy"] >= target), None),
             "startup_seconds": self.startup_seconds,
             "wall_seconds": round(self.elapsed_before + time.perf_counter() - self.t_start, 3),

@@ -27,6 +27,9 @@ SPEED = 4  # (seed, SYSTEM, SPEED): each client's relative speed, drawn once
 # (data.num_clients <= 1e8), so never a client's (seed, round, client) stream; and not 0, which
 # numpy's SeedSequence would drop as a trailing key
 PRIVACY_NOISE = 2**32 - 1
+# a client's compressed update (compression.py): (seed, round, client, COMPRESSION), a fourth key
+# above every first slot of a vmap group, so never group_seed's stream
+COMPRESSION = 2**32 - 2
 
 
 def derive_seed(*keys: int) -> int:
@@ -52,6 +55,12 @@ def privacy_noise_generator(seed: int, rnd: int) -> torch.Generator:
     """Round ``rnd``'s privacy noise: a CPU generator, so that the noise is the same on any device,
     in any process, and after a resume."""
     return torch.Generator().manual_seed(derive_seed(seed, rnd, PRIVACY_NOISE))
+
+
+def compression_generator(seed: int, rnd: int, client: int) -> torch.Generator:
+    """The random rounding of ``client``'s update in round ``rnd``: a CPU generator, so that it is
+    the same on any device, in any process, and after a resume."""
+    return torch.Generator().manual_seed(derive_seed(seed, rnd, client, COMPRESSION))
 
 
 def attackers_rng(seed: int) -> np.random.Generator:

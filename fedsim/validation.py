@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from . import components
+from . import components, compression
 from .checks import Checks, cut, shown
 from .config import MAX_CLIENTS, MAX_TIMEOUT, Config, DataConfig, apply_overrides, build, groups_per_round, where
 from .data import options_for
@@ -67,6 +67,7 @@ def validate(cfg: Config) -> None:
     if cfg.eval_per_client and not cfg.data.test_partition:
         checks.fail("eval_per_client", "needs data.test_partition: true, which gives every client its own test split")
     components.check(cfg)
+    compression.check(cfg.compression)
     if cfg.mode == "hogwild":  # first: it refuses whole sections that the checks below detail
         check_hogwild(cfg, checks)
     System.check_config(cfg)
@@ -164,6 +165,9 @@ def check_hogwild(cfg: Config, checks: Checks) -> None:
         ("clients_per_round", cfg.clients_per_round != n,
          f"a hogwild round is one pass over every client; set it to data.num_clients ({n}), "
          f"got {cfg.clients_per_round}"),
+        ("compression.type", cfg.compression.type != "none",
+         "hogwild has no client updates to compress (every step lands in the one shared model); "
+         "use compression.type: none"),
         ("privacy", cfg.privacy is not None,
          "DP-FedAvg clips and noises client updates, which hogwild does not have; remove the privacy section"),
         ("client_sampling", cfg.client_sampling != "uniform",
@@ -189,4 +193,4 @@ def unused_settings(cfg: Config) -> list[str]:
         [f"privacy.{key} is {privacy[key]!r} but privacy.target_quantile is null: the clip is fixed"
          for key in ("clip_learning_rate", "count_noise")
          if privacy.get(key) is not None and privacy.get("target_quantile") is None] + \
-        System.from_config(cfg).warnings()
+        compression.unused_options(cfg.compression) + System.from_config(cfg).warnings()

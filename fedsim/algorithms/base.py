@@ -68,6 +68,7 @@ class Algorithm:
     """
 
     keeps_mean_gradient = False  # set True to get LocalResult.mean_gradient (costs a [n] sum per step)
+    sent_to_clients: tuple[str, ...] = ()  # the server state its clients read: it travels with the global weights
 
     def setup(self, config) -> None:
         """Called once in the server and once in every worker with the run's Config, before any

@@ -17,6 +17,7 @@ class Scaffold(Algorithm):
     """
 
     keeps_mean_gradient = True
+    sent_to_clients = ("control",)  # c goes down with the global weights; the change of c_i comes back as a report
 
     def server_state(self, num_params):
         return {"control": (num_params,)}

@@ -105,6 +105,7 @@ class Engine:
                "aggregate_seconds": round(t_updated - t_trained, 4),
                "eval_seconds": round(time.perf_counter() - t_updated, 4),
                "epsilon": self.privacy.epsilon(rnd) if self.privacy else None, "clip": clip,
+               **self._traffic(plan),
                # dropped_clients: the lost work of the plan, and the non-finite updates left out
                **plan.metrics(left_out=len(plan.clients) - len(round_.clients))}
         return RoundResult(row, records, evaluated, clients)
@@ -117,6 +118,20 @@ class Engine:
         limits = [-1 if limit is None else limit for limit in plan.step_limits]
         self.buffers.step_limits[:len(limits)] = torch.tensor(limits, dtype=torch.int64)
         return plan
+
+    def _traffic(self, plan: RoundPlan) -> dict:
+        """The round's bytes: the global weights go to every client sampled (to every candidate under
+        power_of_choice, which each sends back its loss as a float32), and every client that
+        reports sends its message; the dropouts' and late clients' uploads never arrive. Nothing
+        travels in hogwild mode (None)."""
+        sizes = self.strategy.message_bytes()
+        if sizes is None:
+            return {}
+        polled = len(plan.candidates) if len(plan.candidates) > len(plan.sampled) else 0
+        down, up = len(plan.candidates) * sizes[0], len(plan.clients) * sizes[1] + 4 * polled
+        if self.state.bytes_sent is not None:
+            self.state.bytes_sent += down + up
+        return {"bytes_down": down, "bytes_up": up, "cumulative_bytes": self.state.bytes_sent}
 
     def _candidate_losses(self, rnd: int) -> dict[int, float] | None:
         """power_of_choice: the current global model's mean loss on each candidate's whole training

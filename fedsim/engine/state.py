@@ -1,12 +1,13 @@
 """What the server keeps between rounds: the global model, the server optimizer's state, the
-algorithm's state and privacy's (the adaptive clip). All of it, and nothing else, is what a
-checkpoint holds."""
+algorithm's state, privacy's (the adaptive clip), the clients' error-feedback residuals
+(compression) and the bytes sent so far. All of it, and nothing else, is what a checkpoint holds."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
+from ..checks import is_integer
 from ..errors import FedsimError
 from ..flat import FlatModel
 from ..results import flatten_config
@@ -18,10 +19,17 @@ class GlobalState:
     shared with the workers through the round's buffers (they read them, the server changes them)."""
 
     def __init__(self, model: FlatModel, server_optimizer, algorithm, num_clients: int, description: str,
-                 privacy_state: dict[str, torch.Tensor] | None = None):
+                 privacy_state: dict[str, torch.Tensor] | None = None,
+                 error_feedback: dict[int, torch.Tensor] | None = None):
         n, device = model.num_params, model.flat.device
         self.model, self.server_optimizer, self.description = model, server_optimizer, description
+        self.num_clients = num_clients
         self.privacy_state = privacy_state or {}  # privacy's own tensors, changed in place by it
+        # compression's residuals, client id -> [n] float32 in host memory (None: no error feedback)
+        self.error_feedback = error_feedback
+        # bytes up and down since round 1; None where nothing is counted (hogwild, or a resumed
+        # checkpoint of an earlier version, which did not count them)
+        self.bytes_sent: int | None = 0
         self.server_state = {name: torch.zeros(*shape, device=device)
                              for name, shape in algorithm.server_state(n).items()}
         self.client_state = {name: torch.zeros(num_clients, *shape, device=device)
@@ -39,6 +47,8 @@ class GlobalState:
             "algorithm": {"server": {k: v.cpu() for k, v in self.server_state.items()},
                           "clients": {k: v.cpu() for k, v in self.client_state.items()}},
             "privacy": {k: v.cpu() for k, v in self.privacy_state.items()},
+            "error_feedback": dict(self.error_feedback or {}),
+            "bytes_sent": self.bytes_sent,
             "torch_rng": torch.get_rng_state(),
         }
 
@@ -53,6 +63,10 @@ class GlobalState:
             self.client_state[name].copy_(value)
         for name, value in state.get("privacy", {}).items():
             self.privacy_state[name].copy_(value)
+        if self.error_feedback is not None:
+            self.error_feedback.clear()
+            self.error_feedback.update(state.get("error_feedback", {}))
+        self.bytes_sent = state.get("bytes_sent")  # a checkpoint of an earlier version did not count them
         torch.set_rng_state(state["torch_rng"])
         self.saved_round = state["round"]
 
@@ -77,6 +91,20 @@ class GlobalState:
                 got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "nothing"
                 raise FedsimError(f"{source}: holds {got} for {key} where this run ({self.description}) needs "
                                   f"{tuple(like.shape)}; it is not this run's checkpoint")
+        self._check_error_feedback(state.get("error_feedback") or {}, source)
+
+    def _check_error_feedback(self, saved: dict, source: Path) -> None:
+        """Residuals only where this run keeps them: a float32 [n] for a client of the federation."""
+        if saved and self.error_feedback is None:
+            raise FedsimError(f"{source}: holds error-feedback residuals, which this run does not keep; it is not "
+                              f"this run's checkpoint")
+        n = self.model.num_params
+        for client, value in saved.items():
+            if not (is_integer(client) and 0 <= client < self.num_clients and isinstance(value, torch.Tensor)
+                    and value.shape == (n,) and value.dtype == torch.float32):
+                raise FedsimError(f"{source}: holds an error-feedback residual for client {client!r} that this run "
+                                  f"({self.description}, {self.num_clients} clients) cannot use: it needs float32 of "
+                                  f"shape ({n},); it is not this run's checkpoint")
 
     def kept(self) -> str:
         """What a run that stops now still has on disk, for its error message."""

@@ -4,8 +4,9 @@ them) and turns it into the new global state.
 
 ``AggregateUpdates`` is the synchronous FedAvg family: every client trained a copy of the
 global weights; their differences from the global weights (after an attack rewrote the
-attackers' and non-finite ones were left out) go through the algorithm's server update, with
-the run's rule (or privacy's clipped, noised mean), then through the server optimizer.
+attackers', each client compressed what it sends, and non-finite ones were left out) go through
+the algorithm's server update, with the run's rule (or privacy's clipped, noised mean), then
+through the server optimizer.
 A strategy whose clients train the global weights themselves adopts them instead (see
 ``AdoptSharedWeights`` in the execution package).
 """
@@ -39,10 +40,23 @@ class AggregateUpdates:
     keeps_client_weights = True  # each client trains a copy, kept in its row of client_weights
 
     def __init__(self, cfg, state: GlobalState, buffers: RoundBuffers, algorithm, aggregate, privacy, attack,
-                 names: dict):
+                 names: dict, compression=None):
         self.cfg, self.state, self.buffers = cfg, state, buffers
         self.algorithm, self.aggregate, self.privacy, self.attack, self.names = \
             algorithm, aggregate, privacy, attack, names
+        self.compression = compression  # compression.Compression, or None: updates travel whole
+
+    def message_bytes(self) -> tuple[int, int]:
+        """Bytes each client receives (the global weights, and the server state its algorithm reads)
+        and sends (its update, compressed or whole, and its reports); float32 unless compressed.
+        Only the trainable parameters' part of an update is compressed: buffers travel whole."""
+        state, n = self.state, self.state.model.num_params
+        length, size = len(state.model), state.model.flat.element_size()
+        down = size * (length + sum(state.server_state[name].numel() for name in self.algorithm.sent_to_clients))
+        update = self.compression.compressor.message_bytes(n) + size * (length - n) if self.compression \
+            else size * length
+        reports = sum(r[0].numel() * r.element_size() for r in self.buffers.reports.values())
+        return down, update + reports
 
     def collect(self, rnd: int, clients: torch.Tensor) -> tuple[Round, list[ClientRecord]]:
         """The round's updates as the server's update sees them, and one record per client."""
@@ -57,6 +71,8 @@ class AggregateUpdates:
         finite = torch.isfinite(updates).all(dim=1)
         for report in b.reports.values():
             finite &= torch.isfinite(report[:k].reshape(k, -1)).all(dim=1)
+        if self.compression:  # what each client sends instead (see compression.py for why after the attack)
+            self.compression.compress(updates[:, :self.state.model.num_params], clients.tolist(), finite, rnd)
         keep = finite.nonzero().flatten()
         bad = clients[(~finite).cpu()].tolist()
         if bad:

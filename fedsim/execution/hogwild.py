@@ -60,6 +60,10 @@ class AdoptSharedWeights:
     def __init__(self, cfg, state, buffers):
         self.cfg, self.state, self.buffers = cfg, state, buffers
 
+    def message_bytes(self) -> None:
+        """Nothing travels: the workers train the one shared model in this machine's memory."""
+        return None
+
     def collect(self, rnd: int, clients: torch.Tensor) -> tuple[Round, list[ClientRecord]]:
         """One record per client. No client has an update of its own (its steps are already in the
         shared weights), so update_norm is NaN, and none can be dropped."""

@@ -1,0 +1,206 @@
+"""Compressed client updates: what each client sends the server in place of its whole update.
+
+Experiment file (every key optional; shown with its default)::
+
+    compression:
+      type: none            # none | topk | qsgd
+      ratio: 0.01           # topk: the share of the coordinates a client sends
+      levels: 15            # qsgd: s, the quantization levels (s = 2^b - 1 fills b bits)
+      bucket_size: 512      # qsgd: coordinates that share one norm; null: the whole update
+      error_feedback: null  # true | false; null: on for topk, off for qsgd
+
+``topk`` (Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with memory") sends the k = round(ratio
+x n) coordinates of largest magnitude (at least one). ``qsgd`` (Alistarh, Grubic, Li, Tomioka,
+Vojnovic 2017, "QSGD: communication-efficient SGD via gradient quantization and encoding") sends,
+for each bucket v of ``bucket_size`` coordinates, ||v||_2 and for every coordinate sign(v_i) and
+xi_i in {0, ..., s}: with r = s |v_i| / ||v||, xi_i is floor(r) + 1 with probability r -
+floor(r), else floor(r); the server reads ||v|| sign(v_i) xi_i / s, whose expectation is v_i
+(Lemma 3.1: E||Q(v) - v||^2 <= min(d / s^2, sqrt(d) / s) ||v||^2 for buckets of d values).
+
+Error feedback (Stich et al.'s memory, and the same for qsgd when asked): a client compresses
+its update plus its residual, what it has not sent before, and keeps the difference as its new
+residual, so sent + new residual = update + old residual. The residuals are per client, in host
+memory, only for the clients that have sent an update (at most ``data.num_clients`` x n float32
+values), and part of the checkpoint.
+
+What is compressed: the trainable parameters' part of the update (n values). Buffers (batch-norm
+statistics) and an algorithm's reports (SCAFFOLD's control change) travel whole, as float32:
+quantization noise on a running variance could make it negative. The randomness of qsgd comes
+from the stream ``(seed, round, client)`` of ``streams.compression_generator``, drawn on the CPU,
+and everything here runs on the server, so a run gives the same numbers for any number of
+workers and continues exactly after a resume.
+
+Where it plugs in (engine/update.py): after an attack has rewritten the attackers' updates, before
+the non-finite updates are left out and the rule aggregates. A Byzantine client chooses what it
+sends, but it still has to send a message the server can decode: under ``topk`` k values and
+their indices, under ``qsgd`` norms, signs and levels. Rewriting the compressed message instead
+would let the gaussian attack send a dense vector through a top-k channel, and the bytes counted
+would not be what travelled.
+
+What travels (``message_bytes``): none, 4 n bytes; topk, 8 k bytes (a float32 value and an int32
+index per coordinate kept); qsgd, ceil((32 B + n (1 + ceil(log2(s + 1)))) / 8) bytes for B =
+ceil(n / bucket_size) buckets: a float32 norm per bucket and, per coordinate, a sign bit and xi
+in ceil(log2(s + 1)) bits, packed (the paper's Elias coding of the levels can be shorter).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .checks import Checks
+from .registry import Registry
+from .streams import compression_generator
+
+COMPRESSORS = Registry("compressor")
+MAX_LEVELS = 2**16 - 1  # 16 bits of level: more levels than float32's 24-bit mantissa resolves in a bucket
+_CHECKS = Checks("compression")
+
+
+@dataclass
+class CompressionConfig:
+    """The ``compression:`` section; the defaults send every update whole."""
+
+    type: str = "none"  # none | topk | qsgd
+    ratio: float = 0.01  # topk: the share of the coordinates a client sends
+    levels: int = 15  # qsgd: s quantization levels of |v_i| / ||v||
+    bucket_size: Optional[int] = 512  # qsgd: coordinates that share one norm; None: the whole update
+    error_feedback: Optional[bool] = None  # None: the compressor's usual choice (topk on, qsgd off)
+
+
+class Compressor:
+    """Send the update whole, as float32 values."""
+
+    options: tuple[str, ...] = ()  # the keys of the section it reads
+    random = False  # whether it draws from its generator
+    error_feedback = False  # its error feedback when the section leaves it null
+
+    def __init__(self, section: CompressionConfig):
+        self.section = section
+
+    def __call__(self, v: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """What the server reads of ``v`` ([n]), as a new tensor of ``v``'s dtype and device."""
+        return v.clone()
+
+    def message_bytes(self, n: int) -> int:
+        return 4 * n
+
+
+COMPRESSORS.register("none", "send every update whole (float32)")(Compressor)
+
+
+@COMPRESSORS.register("topk", "send the ratio x n largest-magnitude coordinates, values and indices "
+                              "(Stich et al. 2018; error feedback on by default)")
+class TopK(Compressor):
+    options = ("ratio",)
+    error_feedback = True
+
+    def kept(self, n: int) -> int:
+        return min(n, max(1, round(self.section.ratio * n)))
+
+    def __call__(self, v, generator):
+        index = v.abs().topk(self.kept(len(v)), sorted=False).indices
+        sent = torch.zeros_like(v)
+        sent[index] = v[index]
+        return sent
+
+    def message_bytes(self, n):
+        return 8 * self.kept(n)  # a float32 value and an int32 index per coordinate kept
+
+
+@COMPRESSORS.register("qsgd", "send per bucket its norm, per coordinate a sign and a level in 0..levels "
+                              "rounded at random without bias (Alistarh et al. 2017)")
+class QSGD(Compressor):
+    options = ("levels", "bucket_size")
+    random = True
+
+    def bucket(self, n: int) -> int:
+        return min(self.section.bucket_size or n, n)
+
+    def __call__(self, v, generator):
+        s, n = self.section.levels, len(v)
+        d = self.bucket(n)
+        # float64: a float32 bucket's norm cannot overflow there, and r is exact enough that the
+        # rounding's bias (a few 2^-53 relative) is far below what any test or run can see
+        x = torch.nn.functional.pad(v.double(), (0, -n % d)).view(-1, d)
+        norms = x.norm(dim=1, keepdim=True)
+        r = x.abs() / torch.where(norms > 0, norms, 1) * s
+        low = r.floor()
+        u = torch.rand(x.shape, generator=generator, dtype=torch.float64).to(x.device)
+        levels = (low + (u < r - low)).clamp_(max=s)  # r may exceed s by a rounding of the norm
+        return (x.sign() * levels * (norms / s)).flatten()[:n].to(v.dtype)
+
+    def message_bytes(self, n):
+        buckets = -(-n // self.bucket(n))
+        bits = 32 * buckets + n * (1 + self.section.levels.bit_length())  # bit_length(s) = ceil(log2(s + 1))
+        return -(-bits // 8)
+
+
+def check(section: CompressionConfig) -> None:
+    """One-line ConfigErrors naming the key."""
+    _CHECKS.choice("type", section.type, COMPRESSORS)
+    _CHECKS.within("ratio", section.ratio, 0, 1, "(]")
+    _CHECKS.within("levels", section.levels, 1, MAX_LEVELS)
+    if section.bucket_size is not None:
+        _CHECKS.at_least("bucket_size", section.bucket_size, 1)
+    if section.type == "none" and section.error_feedback:
+        _CHECKS.fail("error_feedback", "compression.type none sends every update whole, so nothing is left to feed "
+                                       "back; choose compression.type topk or qsgd")
+
+
+def unused_options(section: CompressionConfig) -> list[str]:
+    """Options set to other than their default that the chosen compressor does not read."""
+    default, reads = CompressionConfig(), COMPRESSORS.get(section.type).options
+    return [f"compression.{key} is {getattr(section, key)!r} but compression.type {section.type} does not use it"
+            for key in ("ratio", "levels", "bucket_size")
+            if key not in reads and getattr(section, key) != getattr(default, key)]
+
+
+class Compression:
+    """A run's compressor and, with error feedback, every client's residual (``memory``: client id
+    -> [n] float32 on the CPU, only for the clients that have sent an update)."""
+
+    def __init__(self, section: CompressionConfig, seed: int):
+        self.compressor = COMPRESSORS.get(section.type)(section)
+        self.error_feedback = self.compressor.error_feedback if section.error_feedback is None \
+            else section.error_feedback
+        self.seed = seed
+        self.memory: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def from_config(cls, cfg) -> "Compression | None":
+        """The run's Compression, or None when every update is sent whole."""
+        return None if cfg.compression.type == "none" else cls(cfg.compression, cfg.seed)
+
+    def compress(self, updates: torch.Tensor, clients: list[int], usable: torch.Tensor, rnd: int) -> None:
+        """Replace each usable row of ``updates`` ([k, n], in place) by what client ``clients[i]``
+        sends in round ``rnd``, and keep its new residual. A row whose message or residual is not
+        finite (a huge update can overflow) becomes unusable (``usable[i]`` False, in place) and
+        leaves the client's residual as it was."""
+        for i, client in enumerate(clients):
+            if not usable[i]:
+                continue
+            row = updates[i]
+            target = row + self.memory[client].to(row.device) if client in self.memory else row
+            generator = compression_generator(self.seed, rnd, client) if self.compressor.random else None
+            sent = self.compressor(target, generator)
+            residual = target - sent if self.error_feedback else None
+            if not (torch.isfinite(sent).all() and (residual is None or torch.isfinite(residual).all())):
+                usable[i] = False
+                continue
+            if self.error_feedback:
+                self.memory[client] = residual.cpu()
+            row.copy_(sent)
+
+    def memory_bound(self, n: int, num_clients: int) -> str:
+        """The most error feedback can hold, for the run's log."""
+        return (f"error feedback keeps {4 * n / 2**20:.2f} MiB per client that has sent an update, in host memory: "
+                f"at most {num_clients:,} clients, {4 * n * num_clients / 2**20:,.1f} MiB")
+
+    def summary(self) -> dict:
+        """What error feedback holds now: how many clients' residuals, in MiB."""
+        if not self.error_feedback:
+            return {}
+        size = sum(t.numel() * t.element_size() for t in self.memory.values())
+        return {"error_feedback_clients": len(self.memory), "error_feedback_mb": round(size / 2**20, 2)}
