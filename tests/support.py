@@ -208,7 +208,8 @@ def write_run(path, name="run", seed=0, accuracies=(0.5, 0.7, 0.8), summary=True
         for rnd, acc in enumerate(accuracies, start=1):
             writer.writerow({"round": rnd, "test_accuracy": acc, "test_loss": 2.0 - acc, "train_loss": 1.9 - acc,
                              "seconds": 1.5, "elapsed_seconds": 1.5 * rnd + seed, "clients": 4,
-                             "dropped_clients": 0, "attackers": 0, "unavailable": 0, "stragglers": 0})
+                             "dropped_clients": 0, "attackers": 0, "unavailable": 0, "stragglers": 0,
+                             "bytes_down": 1000, "bytes_up": 500, "cumulative_bytes": 1500 * rnd})
     if summary:
         (path / "summary.json").write_text(json.dumps({
             "name": name, "final_test_accuracy": accuracies[-1], "wall_seconds": 1.5 * len(accuracies) + seed}))
