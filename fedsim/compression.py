@@ -35,7 +35,10 @@ the non-finite updates are left out and the rule aggregates. A Byzantine client 
 sends, but it still has to send a message the server can decode: under ``topk`` k values and
 their indices, under ``qsgd`` norms, signs and levels. Rewriting the compressed message instead
 would let the gaussian attack send a dense vector through a top-k channel, and the bytes counted
-would not be what travelled.
+would not be what travelled. Under privacy the server clips what arrives, so DP-FedAvg's bound
+holds for a message computed from the client's update and a fresh stream; error feedback, state
+kept across rounds, is refused there (see privacy.py). Hogwild has no client updates and refuses
+compression (validation.check_hogwild).
 
 What travels (``message_bytes``): none, 4 n bytes; topk, 8 k bytes (a float32 value and an int32
 index per coordinate kept); qsgd, ceil((32 B + n (1 + ceil(log2(s + 1)))) / 8) bytes for B =
@@ -149,6 +152,13 @@ def check(section: CompressionConfig) -> None:
                                        "back; choose compression.type topk or qsgd")
 
 
+def feeds_back(section: CompressionConfig) -> bool:
+    """Whether the clients keep residuals: ``error_feedback``, or the compressor's usual choice."""
+    if section.error_feedback is None:
+        return COMPRESSORS.get(section.type).error_feedback
+    return section.error_feedback
+
+
 def unused_options(section: CompressionConfig) -> list[str]:
     """Options set to other than their default that the chosen compressor does not read."""
     default, reads = CompressionConfig(), COMPRESSORS.get(section.type).options
@@ -163,8 +173,7 @@ class Compression:
 
     def __init__(self, section: CompressionConfig, seed: int):
         self.compressor = COMPRESSORS.get(section.type)(section)
-        self.error_feedback = self.compressor.error_feedback if section.error_feedback is None \
-            else section.error_feedback
+        self.error_feedback = feeds_back(section)
         self.seed = seed
         self.memory: dict[int, torch.Tensor] = {}
 

@@ -45,6 +45,11 @@ Which rules and algorithms keep the guarantee (``Privacy.check``):
   sampled more often than q. Clients that drop out or straggle only remove contributions.
 - attacks: an attacker's update is rewritten before the server clips it, so it is clipped and
   noised like any other, and moves the aggregate by at most C / K too.
+- compression without error feedback: a client's message is a function of its update and a
+  fresh random stream (seed, round, client), and the server clips the message, so it too moves
+  the aggregate by at most C / K. Error feedback is refused: a client's residual is state kept
+  from the rounds it took part in, like an algorithm's client state, and the accounting (each
+  round's contribution a function of the client's data and the current model) does not cover it.
 
 Accounting. ``epsilon(rounds)`` is the epsilon at ``delta`` after ``rounds`` rounds of the
 Poisson-subsampled Gaussian mechanism (rate q, noise multiplier z), from Google's
@@ -72,6 +77,7 @@ from . import components
 from .aggregation import AGGREGATORS, float64_blocks, row_norms
 from .algorithms import Algorithm
 from .checks import FLOAT32, Checks, is_integer, is_number
+from .compression import feeds_back
 from .errors import ConfigError
 from .registry import is_import_path
 from .streams import privacy_noise_generator
@@ -161,6 +167,7 @@ class Privacy:
         privacy = cls(**values, clients_per_round=cfg.clients_per_round, num_clients=cfg.data.num_clients)
         _check_aggregator(cfg.aggregator)
         _check_algorithm(cfg)
+        _check_compression(cfg)
         _check_sampling(cfg)
         if importlib.util.find_spec("dp_accounting") is None:  # found now, imported (seconds) only when accounting
             raise ConfigError(f"privacy: its accounting needs the dp-accounting package: {INSTALL}")
@@ -321,6 +328,15 @@ def _check_algorithm(cfg) -> None:
         raise ConfigError(f"privacy: algorithm {name} cannot be used with differential privacy: it has {listed}, "
                           f"which see the clients' un-noised data and so would leak it; use an algorithm that only "
                           f"changes local training (fedavg, fedprox)")
+
+
+def _check_compression(cfg) -> None:
+    section = getattr(cfg, "compression", None)
+    if section is not None and feeds_back(section):
+        raise ConfigError("compression.error_feedback: cannot be used with differential privacy: each client's "
+                          "residual is state kept from the rounds it took part in, which the accounting (each "
+                          "round's contribution a function of the client's data and the current model) does not "
+                          "cover, as with an algorithm's client state; set compression.error_feedback: false")
 
 
 def _check_sampling(cfg) -> None:

@@ -259,6 +259,19 @@ def test_spread_and_epsilon_need_runs_that_have_them(tmp_path):
         plot_runs(fedsim.load_run(path), x="epsilon")
 
 
+def test_accuracy_against_the_megabytes_sent(tmp_path):
+    for seed in (0, 1):
+        write_run(tmp_path / f"run{seed}", name=f"r{seed}", accuracies=(0.3, 0.6, 0.8))  # 1,500 bytes a round
+    fig = plot_runs(fedsim.load_runs(tmp_path / "run*"), x="bytes")
+    (ax,) = fig.axes
+    assert list(ax.lines[0].get_xdata()) == pytest.approx([0.0015, 0.003, 0.0045])
+    assert ax.get_xlabel() == "MB sent, up and down, since round 1"
+    assert ax.get_title() == "Test accuracy against bytes sent"
+    path = with_columns(tmp_path / "run0", cumulative_bytes=(None, None, None))  # hogwild's
+    with pytest.raises(FedsimError, match="has no cumulative_bytes values to plot; every run counts them except"):
+        plot_runs(fedsim.load_run(path), x="bytes")
+
+
 @pytest.mark.slow
 def test_accuracy_against_epsilon_and_the_spread_from_the_command(tmp_path):
     for i, z in enumerate((0.5, 1.0)):
