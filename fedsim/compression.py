@@ -57,7 +57,7 @@ from .registry import Registry
 from .streams import compression_generator
 
 COMPRESSORS = Registry("compressor")
-MAX_LEVELS = 2**16 - 1  # 16 bits of level: more levels than float32's 24-bit mantissa resolves in a bucket
+MAX_LEVELS = 2**16 - 1  # a level in 16 bits; with more, a coordinate costs over half of its float32
 _CHECKS = Checks("compression")
 
 

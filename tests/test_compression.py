@@ -313,3 +313,37 @@ def test_a_compressed_run_is_the_same_for_any_workers_and_resumes_exactly(tmp_pa
     for column in ("test_accuracy", "test_loss", "train_loss", "bytes_down", "bytes_up", "cumulative_bytes"):
         assert getattr(zero, column) == getattr(two, column) == getattr(again, column), column
     assert len(ends["w0"]["error_feedback"]) > 4  # residuals of more clients than one round's
+
+
+def test_the_experiment_file_plans_its_sweep_and_plot_and_its_message_sizes_are_right():
+    import fnmatch
+    from pathlib import Path
+
+    from fedsim.cli import build_parser
+    from fedsim.models import MODELS
+    from fedsim.sweep import plan
+
+    from support import documented_commands
+
+    path = Path("experiments/compression.yaml")
+    text = path.read_text()
+    assert "Stich, Cordonnier, Jaggi 2018" in text and "Alistarh, Grubic, Li, Tomioka" in text
+    sweep_command, plot_command = documented_commands(path)
+    args = build_parser().parse_args(sweep_command[1:])
+    runs = plan(args.config, args.grid, args.set, args.seeds)  # every point validated
+    assert [run.config.compression.type for run in runs] == ["none", "topk", "qsgd"]
+    plot = build_parser().parse_args(plot_command[1:])
+    assert plot.x == "bytes" and plot.label == "compression.type"
+    directories = [f"runs/compression-sweep-20250101-000000/{run.label}" for run in runs]
+    assert fnmatch.filter(directories, plot.runs[0]) == directories
+    cfg = runs[0].config
+    n = sum(p.numel() for p in MODELS.get(cfg.model)((1, 28, 28), 10).parameters())
+    assert n == 21_840 and "21,840 weights" in text
+    sizes = {run.config.compression.type: Compression(run.config.compression, 0).compressor.message_bytes(n)
+             for run in runs[1:]}
+    assert 4 * n == 87_360 and "87,360 bytes" in text
+    assert sizes["topk"] == 8 * round(0.01 * n) == 1_744 and "218 values" in text and "1,744 bytes" in text
+    assert sizes["qsgd"] == math.ceil((32 * math.ceil(n / 512) + 5 * n) / 8) == 13_822 and "13,822 bytes" in text
+    assert f"{4 * n / sizes['topk']:.0f} times" in text and f"{4 * n / sizes['qsgd']:.1f} times" in text
+    assert cfg.clients_per_round * 4 * n == 873_600 and "873,600 bytes" in text
+    assert runs[1].config.compression.error_feedback is None  # on: topk's default
