@@ -242,7 +242,7 @@ def test_options_the_compressor_does_not_read_are_warned_about_and_it_is_listed(
     assert tables()["compressors"].names() == ["none", "qsgd", "topk"]
 
 
-def test_a_checkpoint_with_residuals_this_run_cannot_use_is_refused(tmp_path):
+def test_residuals_and_the_byte_count_are_restored_and_a_checkpoint_this_run_cannot_use_is_refused(tmp_path):
     cfg = load_config({})
     model = FlatModel(torch.nn.Linear(3, 2), "cpu")  # n = 8
 
@@ -260,6 +260,13 @@ def test_a_checkpoint_with_residuals_this_run_cannot_use_is_refused(tmp_path):
         with pytest.raises(FedsimError, match="holds an error-feedback residual for client .* it needs float32 of "
                                               r"shape \(8,\)"):
             state({}).load_state_dict({**saved, "error_feedback": bad}, tmp_path / "checkpoint.pt")
+    with pytest.raises(FedsimError, match="holds a list for error_feedback where residuals by client belong"):
+        state({}).load_state_dict({**saved, "error_feedback": [torch.ones(8)]}, tmp_path / "checkpoint.pt")
+    with pytest.raises(FedsimError, match="holds -1 for bytes_sent where a count of bytes belongs"):
+        state({}).load_state_dict({**saved, "bytes_sent": -1}, tmp_path / "checkpoint.pt")
+    older = {k: v for k, v in saved.items() if k not in ("error_feedback", "bytes_sent")}  # before compression
+    keeper.load_state_dict(older, tmp_path / "checkpoint.pt")
+    assert keeper.error_feedback == {} and keeper.bytes_sent is None  # its bytes were not counted
 
 
 # ----------------------------------------------------------------------------- in a run

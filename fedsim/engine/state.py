@@ -91,10 +91,17 @@ class GlobalState:
                 got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "nothing"
                 raise FedsimError(f"{source}: holds {got} for {key} where this run ({self.description}) needs "
                                   f"{tuple(like.shape)}; it is not this run's checkpoint")
+        sent = state.get("bytes_sent")
+        if sent is not None and not (is_integer(sent) and sent >= 0):
+            raise FedsimError(f"{source}: holds {sent!r} for bytes_sent where a count of bytes belongs; it is not "
+                              f"this run's checkpoint")
         self._check_error_feedback(state.get("error_feedback") or {}, source)
 
     def _check_error_feedback(self, saved: dict, source: Path) -> None:
         """Residuals only where this run keeps them: a float32 [n] for a client of the federation."""
+        if not isinstance(saved, dict):
+            raise FedsimError(f"{source}: holds a {type(saved).__name__} for error_feedback where residuals by client "
+                              f"belong; it is not this run's checkpoint")
         if saved and self.error_feedback is None:
             raise FedsimError(f"{source}: holds error-feedback residuals, which this run does not keep; it is not "
                               f"this run's checkpoint")
