@@ -15,7 +15,7 @@ Experiment file (top-level keys, shown with their defaults)::
     client_sampling: uniform      # uniform | by_size | power_of_choice
     sampling_candidates: null     # d, required by power_of_choice: clients_per_round <= d <= num_clients
 
-Every draw comes from the stream ``(seed, streams.SAMPLING, round)``, so the sample is the same in
+Every draw comes from the stream ``streams.SAMPLING`` of (seed, round), so the sample is the same in
 every worker and rank and after a resume.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 
 from .checks import Checks, shown
 from .registry import Registry
-from .streams import SAMPLING
+from .streams import SAMPLING, generator
 
 SAMPLINGS = {
     "uniform": "k online clients, equally likely, without replacement (the default)",
@@ -68,7 +68,7 @@ def draw(sampling: str, seed: int, rnd: int, online: np.ndarray, want: int, size
     (every client's number of samples, float64)."""
     if len(online) <= want:
         return online
-    rng = np.random.default_rng([int(seed), SAMPLING, int(rnd)])
+    rng = generator(SAMPLING, seed, rnd)
     if sampling == "uniform":
         return np.sort(online[rng.choice(len(online), size=want, replace=False)])
     weights = sizes[online]

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import ConfigError
 from ..registry import Registry
-from ..streams import test_split_rng
+from ..streams import partition_rng, test_split_rng
 
 PARTITIONS = Registry("partition")
 
@@ -35,7 +35,7 @@ def partition(labels, method: str, num_clients: int, seed: int, **options) -> li
     if unknown:
         raise ConfigError(f"partition '{method}' takes no option {sorted(unknown)[0]!r}; it takes: "
                           f"{', '.join(sorted(accepted)) or 'no options'}")
-    parts = fn(labels, num_clients, np.random.default_rng(seed), **options)
+    parts = fn(labels, num_clients, partition_rng(seed), **options)
     return [torch.as_tensor(np.asarray(p), dtype=torch.int64) for p in parts]
 
 
