@@ -87,7 +87,7 @@ class Config:
     model: Any = "mnist_cnn"  # model, algorithm, aggregator: a name, an import path or an object
     algorithm: Any = "fedavg"
     algorithm_options: dict = field(default_factory=dict)
-    aggregator: Any = "fedavg"
+    aggregator: Any = "fedavg"  # load_config: unset or null gives the algorithm's paper's rule (mean for scaffold)
     aggregator_options: dict = field(default_factory=dict)
     server_optimizer: str = "none"
     server_lr: Optional[float] = None  # None: the optimizer's own default

@@ -42,8 +42,13 @@ def load_config(source: "str | os.PathLike | dict | Config" = None, overrides=No
         origin = str(source)
         raw = read_yaml(Path(source))
     from_overrides = apply_overrides(raw, overrides or {}, origin)
+    rule_named = raw.get("aggregator") is not None
+    if not rule_named:  # no aggregator, or null: the one the algorithm's paper fixes
+        raw.pop("aggregator", None)
     cfg = build(Config, raw, "", origin, from_overrides)
     try:
+        if not rule_named:
+            cfg.aggregator = components.default_aggregator(cfg.algorithm)
         validate(cfg)
     except ConfigError as e:  # the message starts with the key it is about
         key, _, message = str(e).partition(": ")
@@ -181,8 +186,9 @@ def check_hogwild(cfg: Config, checks: Checks) -> None:
 def unused_settings(cfg: Config) -> list[str]:
     """Partition options set to other than their default although the chosen partition does not
     read them, and system settings that do nothing (see System.warnings): a run would silently
-    ignore them, so the run warns."""
+    ignore them, so the run warns. So it does for a rule other than the one the algorithm's
+    paper fixes."""
     used, default = options_for(cfg.data.partition, cfg.data), DataConfig()
     return [f"data.{key} is {getattr(cfg.data, key)!r} but data.partition {cfg.data.partition} does not use it"
             for key in _PARTITION_KEYS if key not in used and getattr(cfg.data, key) != getattr(default, key)] + \
-        System.from_config(cfg).warnings()
+        System.from_config(cfg).warnings() + [w for w in [components.aggregator_warning(cfg)] if w]
