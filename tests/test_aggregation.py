@@ -132,6 +132,25 @@ def test_trimmed_mean_rounds_the_count_down():
     assert run("trimmed_mean", u, [1] * 9, beta=0.2)[0] == pytest.approx(np.mean(np.arange(1, 8) ** 2))
 
 
+@pytest.mark.parametrize("k,beta", [(100, 0.29), (180, 0.35), (200, 0.145), (200, 0.285)])
+def test_trimmed_mean_counts_beta_k_exactly_where_truncating_the_float_product_drops_one_less(k, beta):
+    """floor of the exact decimal product, against Flower 1.42's int(beta * k) written out here."""
+    exact, truncated = math.floor(Fraction(str(beta)) * k), int(beta * k)
+    assert truncated == exact - 1  # the float product falls just below the integer
+    # integer cubes, exact in float32; the mean of the m = k - 2b kept rounds m + 1 times (as in the
+    # tests above), and the means after b and b - 1 drops differ by far more than that
+    u = (np.arange(k, dtype=np.float64) ** 3)[:, None]
+    rng = np.random.default_rng(k)
+    shuffled = u[rng.permutation(k)].astype(np.float32)
+
+    def trimmed(drop):
+        return float(sum(Fraction(int(v)) for v in u[drop:k - drop, 0]) / (k - 2 * drop))
+
+    bound = rounding_bound(k - 2 * exact + 1, trimmed(exact))
+    assert abs(run("trimmed_mean", shuffled, [1] * k, beta=beta)[0] - trimmed(exact)) <= bound
+    assert abs(trimmed(truncated) - trimmed(exact)) > 100 * bound
+
+
 @pytest.mark.parametrize("k,f", [(3, 0), (5, 1), (9, 3), (10, 2)])
 def test_krum_and_multi_krum_match_references(k, f):
     u, w = random_stack(k, 29, seed=10 + k)
