@@ -42,6 +42,7 @@ class DataConfig:
     # partition options; each partition reads the ones it needs
     alpha: float = 0.5  # dirichlet concentration (label skew, or sizes for quantity)
     min_samples: int = 1  # dirichlet: re-draw until every client has this many
+    balanced: bool = False  # dirichlet: NIID-Bench's cap, no more classes for a client holding N / num_clients
     shards_per_client: int = 2
     classes_per_client: int = 2
     sigma: float = 1.0  # quantity: log-normal spread of client sizes

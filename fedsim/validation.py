@@ -21,7 +21,8 @@ from .system import System, SystemConfig
 from .yamlfile import read_yaml
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-_PARTITION_KEYS = ("alpha", "min_samples", "shards_per_client", "classes_per_client", "sigma", "quantity_skew")
+_PARTITION_KEYS = ("alpha", "min_samples", "balanced", "shards_per_client", "classes_per_client", "sigma",
+                   "quantity_skew")
 
 
 def load_config(source: "str | os.PathLike | dict | Config" = None, overrides=None) -> Config:
