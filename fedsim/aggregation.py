@@ -200,8 +200,8 @@ def trimmed_mean(beta=0.1) -> Rule:
     ``beta * k`` is the exact product of ``beta`` as written in decimal (its shortest repr) and
     ``k``: 0.29 of 100 clients drops 29 at each end. Flower 1.42's ``aggregate_trimmed_avg``
     truncates the float product instead, ``int(beta * k)``, which is one less where that product
-    falls just below an integer: 0.29 * 100 = 28.999999999999996 there, and likewise for
-    (k, beta) = (180, 0.35) and (200, 0.145), 3 of the pairs with k <= 200 and beta in steps of 0.001.
+    falls just below an integer: (k, beta) = (100, 0.29) (28.999999999999996), (180, 0.35),
+    (200, 0.145), (200, 0.285) and (200, 0.29) among k <= 200 and beta a multiple of 0.001.
     """
     if not is_number(beta) or not 0 <= beta < 0.5:
         _fail(f"beta must be a number in [0, 0.5), got {beta!r}")
