@@ -439,7 +439,7 @@ def test_feddyn_rounds_follow_the_papers_algorithm(tiny_runs):
     run = tiny_runs("feddyn", seed=0, rounds=2, clients_per_round=2, algorithm_options={"alpha": alpha})
     assert len(set(run.trained[0]) & set(run.trained[1])) == 1  # one client in both rounds (seed 0)
     ref = feddyn_reference(initial_weights(), run.trained, lr, batch_size, alpha)
-    # atol: twice the bound derived in feddyn_reference (4e-5 for x, 1e-5 for g_k and h here; the errors
+    # atol: twice the bound derived in feddyn_reference (5e-5 for x, 1e-5 for g_k and h here; the errors
     # measured are <= 1e-7)
     state = run.state["algorithm"]
     torch.testing.assert_close(run.state["global"].double(), ref.x, rtol=0, atol=2 * ref.error["x"])
@@ -448,6 +448,7 @@ def test_feddyn_rounds_follow_the_papers_algorithm(tiny_runs):
     torch.testing.assert_close(state["server"]["h"].double(), ref.h, rtol=0, atol=2 * ref.error["h"])
     # the state and the rule matter: without g_k in the clients' objective, without h in the server's
     # model, or with the sample-weighted average of the fedavg rule, the same two rounds end elsewhere
+    # (0.045, 0.20 and 0.075 away)
     for ignored in ({"use_g": False}, {"use_h": False}, {"weighted": True}):
         other = feddyn_reference(initial_weights(), run.trained, lr, batch_size, alpha, **ignored)
         assert float((other.x - ref.x).abs().max()) > 500 * ref.error["x"], ignored
