@@ -191,6 +191,25 @@ def algorithm(spec, options: dict):
     raise ConfigError(f"algorithm: {describe(spec)} is not a fedsim Algorithm (subclass fedsim.Algorithm)")
 
 
+def paper_aggregator(spec) -> str | None:
+    """The rule the paper of algorithm ``spec`` fixes (``Algorithm.paper_aggregator``), or None."""
+    return getattr(_resolve("algorithm", spec, ALGORITHMS), "paper_aggregator", None)
+
+
+def default_aggregator(spec) -> str:
+    """The rule of a run that names none: its algorithm's paper's, else fedavg."""
+    return paper_aggregator(spec) or "fedavg"
+
+
+def aggregator_warning(cfg) -> str | None:
+    """A line for a run whose rule is not the one its algorithm's paper fixes; None otherwise."""
+    paper, rule = paper_aggregator(cfg.algorithm), describe(cfg.aggregator)
+    if paper is None or rule == paper:
+        return None
+    return (f"aggregator is {rule}, but the {describe(cfg.algorithm)} paper aggregates with {paper} "
+            f"(what the run gets when aggregator is not set)")
+
+
 # ----------------------------------------------------------------------------- checks and shipping
 
 

@@ -43,6 +43,7 @@ class DataConfig:
     # partition options; each partition reads the ones it needs
     alpha: float = 0.5  # dirichlet concentration (label skew, or sizes for quantity)
     min_samples: int = 1  # dirichlet: re-draw until every client has this many
+    balanced: bool = False  # dirichlet: NIID-Bench's cap, no more classes for a client holding N / num_clients
     shards_per_client: int = 2
     classes_per_client: int = 2
     sigma: float = 1.0  # quantity: log-normal spread of client sizes
@@ -88,7 +89,7 @@ class Config:
     model: Any = "mnist_cnn"  # model, algorithm, aggregator: a name, an import path or an object
     algorithm: Any = "fedavg"
     algorithm_options: dict = field(default_factory=dict)
-    aggregator: Any = "fedavg"
+    aggregator: Any = "fedavg"  # load_config: unset or null gives the algorithm's paper's rule (mean for scaffold)
     aggregator_options: dict = field(default_factory=dict)
     server_optimizer: str = "none"
     server_lr: Optional[float] = None  # None: the optimizer's own default

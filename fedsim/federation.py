@@ -11,6 +11,7 @@ import torch
 
 from . import components
 from .data import Dataset, load_dataset, options_for, partition
+from .streams import model_seed
 
 
 @dataclass
@@ -29,7 +30,7 @@ def load_federation(cfg) -> Federation:
 def initial_model(cfg, data: Dataset) -> torch.nn.Module:
     """The model, built from ``seed`` (so the same initial weights in every run of the config)
     and probed once on two training samples."""
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(model_seed(cfg.seed))
     module = components.build_model(cfg.model, data.input_shape, data.num_classes)
     components.probe_model(cfg.model, module, data.train_x[:2], data.num_classes)
     return module

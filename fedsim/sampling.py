@@ -21,7 +21,7 @@ Experiment file (top-level keys, shown with their defaults)::
     client_sampling: uniform      # uniform | by_size | poisson | power_of_choice
     sampling_candidates: null     # d, required by power_of_choice: clients_per_round <= d <= num_clients
 
-Every draw comes from the stream ``(seed, streams.SAMPLING, round)``, so the sample is the same in
+Every draw comes from the stream ``streams.SAMPLING`` of (seed, round), so the sample is the same in
 every worker and rank and after a resume.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 
 from .checks import Checks, shown
 from .registry import Registry
-from .streams import SAMPLING
+from .streams import SAMPLING, generator
 
 SAMPLINGS = {
     "uniform": "k online clients, equally likely, without replacement (the default)",
@@ -81,7 +81,7 @@ def draw(sampling: str, seed: int, rnd: int, online: np.ndarray, want: int, size
         return np.intersect1d(drawn, online)  # sorted; the same law as a coin per online client
     if len(online) <= want:
         return online
-    rng = _sampling_stream(seed, rnd)
+    rng = generator(SAMPLING, seed, rnd)
     if sampling == "uniform":
         return np.sort(online[rng.choice(len(online), size=want, replace=False)])
     weights = sizes[online]
@@ -101,12 +101,8 @@ def _poisson_count(seed: int, rnd: int, num_clients: int, k: int) -> tuple[np.ra
     """Round ``rnd``'s stream and its Poisson sample's size, Binomial(N, k / N): a coin for every
     client is the same law as this size followed by that many clients drawn without replacement,
     and the size alone is cheap to know for every round in advance."""
-    rng = _sampling_stream(seed, rnd)
+    rng = generator(SAMPLING, seed, rnd)
     return rng, int(rng.binomial(num_clients, k / num_clients))
-
-
-def _sampling_stream(seed: int, rnd: int) -> np.random.Generator:
-    return np.random.default_rng([int(seed), SAMPLING, int(rnd)])
 
 
 def choose(candidates: np.ndarray, k: int, losses) -> np.ndarray:

@@ -3,69 +3,111 @@
 A stream is seeded from the run's seed and keys that say what it is for (a round, a client, a
 vmap group), never from a process's history: the same keys give the same numbers in any worker,
 rank or resumed process, which is why results do not depend on the number of workers and a
-resumed run continues exactly. The partition and the initial model draw from ``seed`` itself.
+resumed run continues exactly.
+
+How keys become a seed. numpy's ``SeedSequence`` hashes a list of 32-bit words, but a list of
+integers does not name one word list: it pads a short list with zero words, so ``[s, r, 0]``
+and ``[s, r]`` are one stream, and it spreads an integer of 2^32 or more over as many words as
+it needs, so ``[2**32 + 5, 7]`` and ``[5, 1, 7]`` are one stream too. Every stream here is
+therefore the word list
+
+    [tag, seed_lo, seed_hi, key_lo, key_hi, ..., length]
+
+``tag``: the stream's own nonzero number (below); the seed and every key, integers in
+[0, 2^64), as exactly two words each, low word first; ``length``: the number of words in the
+list, never 0. A tag takes a fixed number of keys, so two lists with the same first word have
+the same length, and the last word is never a padding zero: different (stream, keys) give
+different word lists, and only a collision of ``SeedSequence``'s 128-bit hash could give them
+the same numbers. A new stream takes a new tag.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-# keys of the streams that are not a client's own (seed, round, client) stream
-SAMPLING = 1  # which clients a round samples
-ATTACK_NOISE = 2  # the noise the gaussian attack sends
-VMAP_GROUP = 3  # dropout and augmentation of a vmap group
-ATTACKERS = 7  # which clients are Byzantine
-TEST_SPLIT = 1  # the per-client test split (a stream of its own: its seed list differs in length)
-# simulated system heterogeneity (system.py): every such stream starts (seed, SYSTEM, purpose, ...);
-# SYSTEM ("SYST" in ASCII) is never the second key of the streams above
-SYSTEM = 0x53595354
-ONLINE = 1  # (seed, SYSTEM, ONLINE, round): who is online this round
-DROPOUT = 2  # (seed, SYSTEM, DROPOUT, round): who fails before reporting this round
-AVAILABILITY = 3  # (seed, SYSTEM, AVAILABILITY): each client's availability probability, drawn once
-SPEED = 4  # (seed, SYSTEM, SPEED): each client's relative speed, drawn once
-# DP-FedAvg's noise (privacy.py): (seed, round, PRIVACY_NOISE), a third key above every client id
-# (data.num_clients <= 1e8), so never a client's (seed, round, client) stream; and not 0, which
-# numpy's SeedSequence would drop as a trailing key
-PRIVACY_NOISE = 2**32 - 1
-# a client's compressed update (compression.py): (seed, round, client, COMPRESSION), a fourth key
-# above every first slot of a vmap group, so never group_seed's stream
-COMPRESSION = 2**32 - 2
+# tag: the stream, and the keys after the run's seed
+PARTITION = 1  # (): the split of the training set among the clients
+TEST_SPLIT = 2  # (): the per-client test split
+MODEL = 3  # (): the initial model's weights
+SAMPLING = 4  # (round): which clients a round samples
+CLIENT = 5  # (round, client): a client's shuffling, dropout and augmentation in one round
+VMAP_GROUP = 6  # (round, first slot): dropout and augmentation of a vmap group
+ATTACKERS = 7  # (): which clients are Byzantine
+ATTACK_NOISE = 8  # (round): the noise the gaussian attack sends
+PRIVACY_NOISE = 9  # (round): DP-FedAvg's noise
+ONLINE = 10  # (round): who is online (system.py)
+DROPOUT = 11  # (round): who fails before reporting (system.py)
+AVAILABILITY = 12  # (): each client's availability probability, drawn once (system.py)
+SPEED = 13  # (): each client's relative speed, drawn once (system.py)
+COMPRESSION = 14  # (round, client): the random rounding of a client's compressed update (compression.py)
+
+_KEYS = {PARTITION: 0, TEST_SPLIT: 0, MODEL: 0, SAMPLING: 1, CLIENT: 2, VMAP_GROUP: 2, ATTACKERS: 0,
+         ATTACK_NOISE: 1, PRIVACY_NOISE: 1, ONLINE: 1, DROPOUT: 1, AVAILABILITY: 0, SPEED: 0,
+         COMPRESSION: 2}
+_WORD = 2**32
 
 
-def derive_seed(*keys: int) -> int:
-    """A 63-bit seed from integer keys, e.g. (seed, round, client)."""
-    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+def words(tag: int, seed: int, *keys: int) -> list[int]:
+    """The word list of stream ``tag`` for the run's ``seed`` and the stream's keys."""
+    if _KEYS.get(tag) != len(keys):
+        raise ValueError(f"stream {tag} takes {_KEYS.get(tag)} keys after the seed, got {len(keys)}")
+    out = [tag]
+    for key in (seed, *keys):
+        key = int(key)
+        if not 0 <= key < _WORD**2:
+            raise ValueError(f"stream keys are integers in [0, 2^64), got {key}")
+        out += [key % _WORD, key // _WORD]
+    return out + [len(out) + 1]
+
+
+def generator(tag: int, seed: int, *keys: int) -> np.random.Generator:
+    """A numpy generator on the stream."""
+    return np.random.default_rng(np.random.SeedSequence(words(tag, seed, *keys)))
+
+
+def torch_seed(tag: int, seed: int, *keys: int) -> int:
+    """A 63-bit seed for torch's generators, from the stream."""
+    state = np.random.SeedSequence(words(tag, seed, *keys)).generate_state(2, np.uint64)
+    return int(state[0] >> np.uint64(1))
 
 
 def client_seed(seed: int, rnd: int, client: int) -> int:
     """A client's shuffling, dropout and augmentation in one round."""
-    return derive_seed(seed, rnd, client)
+    return torch_seed(CLIENT, seed, rnd, client)
 
 
 def group_seed(seed: int, rnd: int, first_slot: int) -> int:
     """Dropout and augmentation of the vmap group that starts at ``first_slot``."""
-    return derive_seed(seed, rnd, VMAP_GROUP, first_slot)
+    return torch_seed(VMAP_GROUP, seed, rnd, first_slot)
+
+
+def model_seed(seed: int) -> int:
+    return torch_seed(MODEL, seed)
 
 
 def attack_generator(seed: int, rnd: int) -> torch.Generator:
-    return torch.Generator().manual_seed(derive_seed(seed, ATTACK_NOISE, rnd))
+    return torch.Generator().manual_seed(torch_seed(ATTACK_NOISE, seed, rnd))
 
 
 def privacy_noise_generator(seed: int, rnd: int) -> torch.Generator:
     """Round ``rnd``'s privacy noise: a CPU generator, so that the noise is the same on any device,
     in any process, and after a resume."""
-    return torch.Generator().manual_seed(derive_seed(seed, rnd, PRIVACY_NOISE))
+    return torch.Generator().manual_seed(torch_seed(PRIVACY_NOISE, seed, rnd))
+
+
+def partition_rng(seed: int) -> np.random.Generator:
+    return generator(PARTITION, seed)
 
 
 def compression_generator(seed: int, rnd: int, client: int) -> torch.Generator:
     """The random rounding of ``client``'s update in round ``rnd``: a CPU generator, so that it is
     the same on any device, in any process, and after a resume."""
-    return torch.Generator().manual_seed(derive_seed(seed, rnd, client, COMPRESSION))
+    return torch.Generator().manual_seed(torch_seed(COMPRESSION, seed, rnd, client))
 
 
 def attackers_rng(seed: int) -> np.random.Generator:
-    return np.random.default_rng([seed, ATTACKERS])
+    return generator(ATTACKERS, seed)
 
 
 def test_split_rng(seed: int) -> np.random.Generator:
-    return np.random.default_rng([seed, TEST_SPLIT])
+    return generator(TEST_SPLIT, seed)

@@ -30,13 +30,13 @@ Experiment file (every key optional; shown with its default unless marked as an 
 Randomness. Every draw comes from a stream keyed by what it is for (see ``streams.py``), never by a
 process's history, so a plan is the same in every worker and rank and after a resume:
 
-* the sample:        ``(seed, streams.SAMPLING, round)``;
-* online:            ``(seed, SYSTEM, ONLINE, round)``: client c is online iff the c-th uniform
+* the sample:        ``SAMPLING`` of (seed, round);
+* online:            ``ONLINE`` of (seed, round): client c is online iff the c-th uniform
                      number of that stream is below its availability probability;
-* dropout:           ``(seed, SYSTEM, DROPOUT, round)``: client c drops out iff the c-th uniform
+* dropout:           ``DROPOUT`` of (seed, round): client c drops out iff the c-th uniform
                      number is below ``dropout``;
-* per-client constants, drawn once: availability probabilities ``(seed, SYSTEM, AVAILABILITY)``
-  and speeds ``(seed, SYSTEM, SPEED)``, client c taking the c-th value.
+* per-client constants, drawn once: availability probabilities ``AVAILABILITY`` of (seed)
+  and speeds ``SPEED`` of (seed), client c taking the c-th value.
 
 "The c-th number of a stream" depends only on the stream's keys and c (a stream's first c numbers do
 not depend on how many more are drawn), so client c's draws are a function of (seed, round, c) alone:
@@ -65,7 +65,7 @@ import numpy as np
 
 from .checks import Checks, cut, is_number, shown
 from .sampling import check_sampling, choose, draw
-from .streams import AVAILABILITY, DROPOUT, ONLINE, SPEED, SYSTEM
+from .streams import AVAILABILITY, DROPOUT, ONLINE, SPEED, generator
 
 
 @dataclass
@@ -191,10 +191,6 @@ def local_steps(sizes, epochs: int, batch_size: int) -> np.ndarray:
     return int(epochs) * ((n + int(batch_size) - 1) // int(batch_size))
 
 
-def _stream(*keys: int) -> np.random.Generator:
-    return np.random.default_rng([int(k) for k in keys])
-
-
 def _ids(values) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
 
@@ -314,7 +310,7 @@ class System:
         kind, *params = self.spec.availability
         if kind == "constant":
             return np.full(n, params[0])
-        rng = _stream(seed, SYSTEM, AVAILABILITY)
+        rng = generator(AVAILABILITY, seed)
         if kind == "uniform":
             return rng.uniform(params[0], params[1], size=n)
         return rng.beta(params[0], params[1], size=n)
@@ -323,7 +319,7 @@ class System:
         kind, *params = self.spec.speed
         if kind == "constant":
             return np.ones(n)
-        rng = _stream(seed, SYSTEM, SPEED)
+        rng = generator(SPEED, seed)
         if kind == "lognormal":
             return np.exp(params[0] * rng.standard_normal(n))  # median exp(0) = 1
         return rng.uniform(params[0], params[1], size=n)
@@ -344,7 +340,7 @@ class System:
         if kind == "constant" and params[0] == 1:
             return np.ones(num_clients, dtype=bool)  # no draw: every client, as without a system
         p = self._constants(seed, num_clients)[0]
-        return _stream(seed, SYSTEM, ONLINE, rnd).random(num_clients) < p
+        return generator(ONLINE, seed, rnd).random(num_clients) < p
 
     def candidates(self, seed: int, rnd: int, num_clients: int, k: int, sizes) -> np.ndarray:
         """The clients the round chooses among (sorted): for power_of_choice the d candidates
@@ -379,7 +375,7 @@ class System:
         sampled = choose(candidates, k, losses) if s.sampling == "power_of_choice" else candidates
         # connectivity: who fails before reporting
         if s.dropout > 0 and len(sampled):
-            u = _stream(seed, SYSTEM, DROPOUT, rnd).random(int(sampled[-1]) + 1)  # c-th number: client c
+            u = generator(DROPOUT, seed, rnd).random(int(sampled[-1]) + 1)  # c-th number: client c
             out = u[sampled] < s.dropout
         else:
             out = np.zeros(len(sampled), dtype=bool)

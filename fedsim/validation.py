@@ -21,7 +21,8 @@ from .system import System, SystemConfig
 from .yamlfile import read_yaml
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-_PARTITION_KEYS = ("alpha", "min_samples", "shards_per_client", "classes_per_client", "sigma", "quantity_skew")
+_PARTITION_KEYS = ("alpha", "min_samples", "balanced", "shards_per_client", "classes_per_client", "sigma",
+                   "quantity_skew")
 
 
 def load_config(source: "str | os.PathLike | dict | Config" = None, overrides=None) -> Config:
@@ -42,8 +43,13 @@ def load_config(source: "str | os.PathLike | dict | Config" = None, overrides=No
         origin = str(source)
         raw = read_yaml(Path(source))
     from_overrides = apply_overrides(raw, overrides or {}, origin)
+    rule_named = raw.get("aggregator") is not None
+    if not rule_named:  # no aggregator, or null: the one the algorithm's paper fixes
+        raw.pop("aggregator", None)
     cfg = build(Config, raw, "", origin, from_overrides)
     try:
+        if not rule_named:
+            cfg.aggregator = components.default_aggregator(cfg.algorithm)
         validate(cfg)
     except ConfigError as e:  # the message starts with the key it is about
         key, _, message = str(e).partition(": ")
@@ -185,7 +191,8 @@ def check_hogwild(cfg: Config, checks: Checks) -> None:
 def unused_settings(cfg: Config) -> list[str]:
     """Partition options set to other than their default although the chosen partition does not
     read them, and system settings that do nothing (see System.warnings): a run would silently
-    ignore them, so the run warns."""
+    ignore them, so the run warns. So it does for a rule other than the one the algorithm's
+    paper fixes."""
     used, default = options_for(cfg.data.partition, cfg.data), DataConfig()
     privacy = cfg.privacy if isinstance(cfg.privacy, dict) else {}
     return [f"data.{key} is {getattr(cfg.data, key)!r} but data.partition {cfg.data.partition} does not use it"
@@ -193,4 +200,5 @@ def unused_settings(cfg: Config) -> list[str]:
         [f"privacy.{key} is {privacy[key]!r} but privacy.target_quantile is null: the clip is fixed"
          for key in ("clip_learning_rate", "count_noise")
          if privacy.get(key) is not None and privacy.get("target_quantile") is None] + \
-        compression.unused_options(cfg.compression) + System.from_config(cfg).warnings()
+        compression.unused_options(cfg.compression) + System.from_config(cfg).warnings() + \
+        [w for w in [components.aggregator_warning(cfg)] if w]

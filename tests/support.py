@@ -21,7 +21,7 @@ import yaml
 from fedsim.config import Config
 from fedsim.data.datasets import CIFAR10_FOLDER
 from fedsim.rundir import COLUMNS
-from fedsim.streams import SAMPLING
+from fedsim.streams import SAMPLING, words
 
 # ----------------------------------------------------------------------------- processes
 
@@ -146,8 +146,8 @@ def write_config(tmp_path, **changes) -> Path:
 
 def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> torch.Tensor:
     """Round ``rnd``'s uniform sample with every client online, written out here: ``k`` clients
-    drawn without replacement from the stream ``(seed, SAMPLING, rnd)``, sorted."""
-    rng = np.random.default_rng([seed, SAMPLING, rnd])
+    drawn without replacement from the stream SAMPLING of (seed, rnd), sorted."""
+    rng = np.random.default_rng(np.random.SeedSequence(words(SAMPLING, seed, rnd)))
     return torch.from_numpy(np.sort(rng.choice(num_clients, size=k, replace=False)))
 
 

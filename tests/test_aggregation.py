@@ -12,7 +12,7 @@ import fedsim
 from fedsim import aggregation
 from fedsim.errors import ConfigError
 
-RULES = ["fedavg", "mean", "median", "trimmed_mean", "krum", "multi_krum", "geometric_median", "norm_clip"]
+RULES = ["fedavg", "mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "geometric_median", "norm_clip"]
 U32 = 2.0**-24  # float32 unit roundoff
 
 
@@ -55,6 +55,31 @@ def ref_krum(u, f):
 def ref_multi_krum(u, f, m):
     order = np.argsort(ref_krum_scores(u, f), kind="stable")
     return u[order[:m]].mean(axis=0)
+
+
+def ref_bulyan_selection(u, f):
+    """El Mhamdi et al. 2018: Krum on the updates not picked yet, k - 2f times; Krum scores a row by
+    its |R| - f - 2 nearest others in R, at least one (see aggregation.bulyan)."""
+    remaining, picked = list(range(len(u))), []
+    while len(picked) < len(u) - 2 * f:
+        count = min(max(1, len(remaining) - f - 2), len(remaining) - 1)
+        scores = [sum(sorted(float(np.sum((u[i] - u[j]) ** 2)) for j in remaining if j != i)[:count])
+                  for i in remaining]
+        picked.append(remaining.pop(int(np.argmin(scores))))  # argmin: the first of equal scores
+    return picked
+
+
+def ref_bulyan(u, f):
+    """Per coordinate, the mean of the k - 4f picked values nearest their median; also the values kept."""
+    chosen = u[ref_bulyan_selection(u, f)]
+    beta = len(u) - 4 * f
+    out, kept = [], []
+    for column in chosen.T:
+        middle = ref_median(column[:, None])[0]
+        nearest = sorted(range(len(column)), key=lambda i: (abs(column[i] - middle), i))[:beta]
+        kept.append(column[nearest])
+        out.append(sum(column[i] for i in nearest) / beta)
+    return np.array(out), np.array(kept).T
 
 
 def ref_geometric_median(u, w, eps=1e-6, iterations=2000):
@@ -132,6 +157,25 @@ def test_trimmed_mean_rounds_the_count_down():
     assert run("trimmed_mean", u, [1] * 9, beta=0.2)[0] == pytest.approx(np.mean(np.arange(1, 8) ** 2))
 
 
+@pytest.mark.parametrize("k,beta", [(100, 0.29), (180, 0.35), (200, 0.145), (200, 0.285)])
+def test_trimmed_mean_counts_beta_k_exactly_where_truncating_the_float_product_drops_one_less(k, beta):
+    """floor of the exact decimal product, against Flower 1.42's int(beta * k) written out here."""
+    exact, truncated = math.floor(Fraction(str(beta)) * k), int(beta * k)
+    assert truncated == exact - 1  # the float product falls just below the integer
+    # integer cubes, exact in float32; the mean of the m = k - 2b kept rounds m + 1 times (as in the
+    # tests above), and the means after b and b - 1 drops differ by far more than that
+    u = (np.arange(k, dtype=np.float64) ** 3)[:, None]
+    rng = np.random.default_rng(k)
+    shuffled = u[rng.permutation(k)].astype(np.float32)
+
+    def trimmed(drop):
+        return float(sum(Fraction(int(v)) for v in u[drop:k - drop, 0]) / (k - 2 * drop))
+
+    bound = rounding_bound(k - 2 * exact + 1, trimmed(exact))
+    assert abs(run("trimmed_mean", shuffled, [1] * k, beta=beta)[0] - trimmed(exact)) <= bound
+    assert abs(trimmed(truncated) - trimmed(exact)) > 100 * bound
+
+
 @pytest.mark.parametrize("k,f", [(3, 0), (5, 1), (9, 3), (10, 2)])
 def test_krum_and_multi_krum_match_references(k, f):
     u, w = random_stack(k, 29, seed=10 + k)
@@ -141,6 +185,31 @@ def test_krum_and_multi_krum_match_references(k, f):
     for m in range(1, k - f + 1):
         assert_within(run("multi_krum", u, w, f=f, m=m), ref_multi_krum(u64, f, m),
                       rounding_bound(m + 1, abs(u64).max(axis=0)))
+
+
+@pytest.mark.parametrize("k,f", [(3, 0), (7, 1), (8, 1), (11, 2), (12, 2), (16, 3)])
+def test_bulyan_matches_reference(k, f):
+    u, w = random_stack(k, 31, seed=30 + k)
+    u64 = u.astype(np.float64)
+    expected, kept = ref_bulyan(u64, f)
+    # the mean of the k - 4f values kept: k - 4f + 1 roundings of values <= their mean magnitude
+    assert_within(run("bulyan", u, w, f=f), expected, rounding_bound(k - 4 * f + 1, abs(kept).mean(axis=0)))
+    if f == 0:  # every update picked and kept: the mean
+        assert_within(run("bulyan", u, w, f=0), u64.mean(axis=0), rounding_bound(k + 1, abs(u64).mean(axis=0)))
+
+
+def test_bulyan_picks_as_krum_does_on_the_remaining_updates():
+    # two far rows and one farther: the honest nine are picked first, in Krum's order, the outliers never
+    rng = np.random.default_rng(3)
+    honest = rng.normal(size=(9, 5))
+    u = np.concatenate([honest[:4], [np.full(5, 50.0)], honest[4:], [np.full(5, -40.0)]]).astype(np.float32)
+    picked = ref_bulyan_selection(u.astype(np.float64), 1)
+    assert len(picked) == 9 and {4, 10}.isdisjoint(picked)
+    expected, kept = ref_bulyan(u.astype(np.float64), 1)
+    assert_within(run("bulyan", u, [1] * 11, f=1), expected, rounding_bound(7 + 1, abs(kept).mean(axis=0)))
+    # f: null is the largest f with k >= 4f + 3, here 2
+    expected, kept = ref_bulyan(u.astype(np.float64), 2)
+    assert_within(run("bulyan", u, [1] * 11), expected, rounding_bound(3 + 1, abs(kept).mean(axis=0)))
 
 
 def test_krum_defaults_to_the_largest_f_and_multi_krum_to_k_minus_f():
@@ -306,6 +375,11 @@ def test_huge_updates_give_a_finite_aggregate(name, stack):
     elif name == "multi_krum":
         f = (k - 3) // 2
         assert_within(got, ref_multi_krum(u64, f, k - f), rounding_bound(k - f + 1, abs(u64).max(axis=0)))
+    elif name == "bulyan" and stack == "one huge":  # as Krum: its distances among the honest rows are lost
+        assert np.all(abs(got) <= abs(np.delete(u, 3, axis=0)).max(axis=0)), got
+    elif name == "bulyan":
+        expected, kept = ref_bulyan(u64, (k - 3) // 4)
+        assert_within(got, expected, rounding_bound(len(kept) + 1, abs(kept).mean(axis=0)))
     elif name == "norm_clip":  # clipped to the median norm
         bound = np.median(np.sqrt((u64 ** 2).sum(axis=1)))
         assert_within(got, ref_norm_clip(u64, w64, bound),
@@ -324,8 +398,8 @@ def test_one_huge_update_does_not_move_the_robust_rules():
     honest = np.delete(u, 3, axis=0).astype(np.float64)
     honest_mean = honest.mean(axis=0)
     radius = max(np.linalg.norm(h - honest_mean) for h in honest)
-    for name in ["median", "trimmed_mean", "krum", "multi_krum", "geometric_median", "norm_clip"]:
-        options = {"beta": 0.2} if name == "trimmed_mean" else {}  # drops 1 of 7 at each end
+    for name in ["median", "trimmed_mean", "krum", "multi_krum", "bulyan", "geometric_median", "norm_clip"]:
+        options = {"beta": 0.2} if name == "trimmed_mean" else {}  # drops 1 of 7 at each end; bulyan: f = 1
         assert np.linalg.norm(run(name, u, [100] * len(u), **options) - honest_mean) <= 2 * radius, name
 
 
@@ -396,6 +470,9 @@ def test_cuda_matches_cpu(name):
     ("multi_krum", {"f": 1, "m": 9}, 9, ["aggregator_options.m", "[1, 8]"]),
     ("multi_krum", {"m": 0}, 9, ["m must be an integer >= 1"]),
     ("krum", {"f": -1}, 9, ["f must be an integer >= 0"]),
+    ("bulyan", {"f": 2}, 10, ["aggregator_options.f", "[0, 1]", "k = 10", "4f + 3"]),
+    ("bulyan", {}, 2, ["at least 3", "k = 2"]),
+    ("bulyan", {"f": 0.5}, 9, ["f must be an integer >= 0"]),
     ("krum", {"f": 1.5}, 9, ["f must be an integer >= 0"]),
     ("trimmed_mean", {"beta": 0.5}, 9, ["beta", "[0, 0.5)", "0.5"]),
     ("trimmed_mean", {"beta": -0.1}, 9, ["beta", "[0, 0.5)"]),
@@ -449,6 +526,11 @@ def test_config_validation_reports_k_dependent_options():
     message = str(info.value)
     assert "\n" not in message and "aggregator_options" in message and "[0, 1]" in message, message
     fedsim.load_config(dict(cfg, clients_per_round=7))  # k = 7 > 2 * 2 + 2
+    with pytest.raises(ConfigError) as info:
+        fedsim.load_config(dict(cfg, aggregator="bulyan", clients_per_round=10))
+    message = str(info.value)
+    assert "\n" not in message and "aggregator_options" in message and "k >= 4f + 3" in message, message
+    fedsim.load_config(dict(cfg, aggregator="bulyan", clients_per_round=11))  # k = 11 >= 4 * 2 + 3
 
 
 def test_every_rule_is_registered_with_a_description():

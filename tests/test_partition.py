@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedsim import streams
 from fedsim.config import DataConfig
 from fedsim.data import PARTITIONS, load_dataset, options_for, partition
 from fedsim.data.partition import local_test_split
@@ -32,6 +33,7 @@ COVERING = [
     ("contiguous", {}),
     ("dirichlet", {"alpha": 0.5}),
     ("dirichlet", {"alpha": 0.1, "min_samples": 20}),
+    ("dirichlet", {"alpha": 0.5, "min_samples": 10, "balanced": True}),
     ("shards", {"shards_per_client": 2}),
     ("label_k", {"classes_per_client": 3}),
     ("quantity", {"quantity_skew": "lognormal", "sigma": 1.5}),
@@ -68,6 +70,53 @@ def test_dirichlet_with_tiny_alpha_puts_each_class_on_about_one_client():
 def test_dirichlet_with_huge_alpha_is_near_uniform():
     parts = partition(EVEN, "dirichlet", 10, seed=0, alpha=1e6)
     assert np.abs(class_counts(parts, EVEN) - 60).max() <= 2
+
+
+def niid_bench_counts(labels, num_clients, seed, alpha, min_samples):
+    """NIID-Bench's label skew (partition_data, noniid-labeldir) written out with loops, on the
+    partition's stream and with fedsim's rounding of the cumulative bounds: class by class in label
+    order, Dir(alpha) proportions over the clients, zero for a client that holds N / num_clients
+    already, rescaled; the whole split again until every client has min_samples. [classes, clients]."""
+    rng = streams.partition_rng(seed)
+    sizes = np.unique(labels, return_counts=True)[1]
+    while True:
+        held, counts = [0] * num_clients, []
+        for size in sizes:
+            drawn = rng.dirichlet(np.full(num_clients, alpha))
+            kept = [drawn[j] if held[j] < len(labels) / num_clients else 0.0 for j in range(num_clients)]
+            bounds, cumulative = [], 0.0
+            for j in range(num_clients):
+                cumulative += kept[j] / sum(kept)
+                bounds.append(round(cumulative * size) if j < num_clients - 1 else size)
+            row = [b - a for a, b in zip([0] + bounds[:-1], bounds)]
+            held = [h + r for h, r in zip(held, row)]
+            counts.append(row)
+        if min(held) >= min_samples:
+            return np.array(counts)
+
+
+@pytest.mark.parametrize("alpha, seed", [(0.5, 0), (0.5, 1), (0.1, 2), (1.0, 3)])
+def test_balanced_dirichlet_is_niid_benchs_split(alpha, seed):
+    parts = partition(UNEVEN, "dirichlet", 10, seed=seed, alpha=alpha, min_samples=10, balanced=True)
+    counts = class_counts(parts, UNEVEN)  # [clients, classes]
+    np.testing.assert_array_equal(counts, niid_bench_counts(UNEVEN, 10, seed, alpha, 10).T)
+    # its rule, checked on the split itself: a client holding N / num_clients = 540 samples before a
+    # class (in label order) gets none of it; every client has at least 10
+    before = np.cumsum(counts, axis=1) - counts
+    assert np.all(counts[before >= len(UNEVEN) / 10] == 0) and (before >= len(UNEVEN) / 10).any()
+    assert counts.sum(axis=1).min() >= 10
+
+
+def test_the_cap_narrows_client_sizes_and_classes_per_client():
+    """Over 30 seeds at Dir(0.5), 10 clients: without the cap the spread of client sizes (std / mean)
+    averages 0.39 and a client holds 9.3 classes; with it 0.26 and 8.4."""
+    spread, classes = {}, {}
+    for balanced in (False, True):
+        counts = [class_counts(partition(UNEVEN, "dirichlet", 10, seed=s, alpha=0.5, min_samples=10,
+                                         balanced=balanced), UNEVEN) for s in range(30)]
+        spread[balanced] = np.mean([c.sum(axis=1).std() / c.sum(axis=1).mean() for c in counts])
+        classes[balanced] = np.mean([(c > 0).sum(axis=1).mean() for c in counts])
+    assert spread[True] < spread[False] - 0.08 and classes[True] < classes[False] - 0.6
 
 
 def test_dirichlet_min_samples_floor_holds_and_gives_up_in_one_line():
@@ -128,6 +177,7 @@ def test_quantity_skews_sizes_but_keeps_labels_iid():
     ("dirichlet", {"alpha": float("inf")}, "alpha"),
     ("dirichlet", {"min_samples": 601}, "min_samples"),
     ("dirichlet", {"min_samples": -1}, "min_samples"),
+    ("dirichlet", {"balanced": "yes"}, "balanced"),
     ("shards", {"shards_per_client": 7}, "shards_per_client"),
     ("shards", {"shards_per_client": 0}, "shards_per_client"),
     ("label_k", {"classes_per_client": 11}, "classes_per_client"),
@@ -149,9 +199,9 @@ def test_more_clients_than_samples_is_refused():
 
 
 def test_options_for_reads_each_method_keys_from_the_data_config():
-    data = DataConfig(alpha=0.2, min_samples=3, shards_per_client=4, classes_per_client=5, sigma=2.0,
-                      quantity_skew="dirichlet")
-    assert options_for("dirichlet", data) == {"alpha": 0.2, "min_samples": 3}
+    data = DataConfig(alpha=0.2, min_samples=3, balanced=True, shards_per_client=4, classes_per_client=5,
+                      sigma=2.0, quantity_skew="dirichlet")
+    assert options_for("dirichlet", data) == {"alpha": 0.2, "min_samples": 3, "balanced": True}
     assert options_for("shards", data) == {"shards_per_client": 4}
     assert options_for("label_k", data) == {"classes_per_client": 5}
     assert options_for("quantity", data) == {"quantity_skew": "dirichlet", "sigma": 2.0, "alpha": 0.2}

@@ -69,6 +69,9 @@ class Algorithm:
 
     keeps_mean_gradient = False  # set True to get LocalResult.mean_gradient (costs a [n] sum per step)
     sent_to_clients: tuple[str, ...] = ()  # the server state its clients read: it travels with the global weights
+    # the aggregation rule the algorithm's paper fixes: a run that sets no aggregator gets it, one
+    # that sets another is warned (None: the paper fixes none, and such a run gets fedavg)
+    paper_aggregator: str | None = None
 
     def setup(self, config) -> None:
         """Called once in the server and once in every worker with the run's Config, before any

@@ -11,9 +11,12 @@ class FedDyn(Algorithm):
     gradient of L_k at its last local optimum: every step adds alpha (w - x) - g_k. After the
     round, g_k <- g_k - alpha (w_k - x) for every client that reported, the server's h <- h -
     alpha (1/N) sum_k (w_k - x), and the global model becomes the aggregate of the w_k minus
-    h / alpha. With ``aggregator: mean`` (the paper averages its active clients unweighted) this
-    is Algorithm 1 of the paper; other rules replace that average.
+    h / alpha. With ``aggregator: mean`` (the paper averages its active clients unweighted), the
+    rule a run gets when it sets none, this is Algorithm 1 of the paper; other rules replace that
+    average.
     """
+
+    paper_aggregator = "mean"
 
     def __init__(self, alpha: float = 0.01):
         self.alpha = Checks("algorithm_options", options=True).positive("alpha", alpha)

@@ -13,11 +13,14 @@ class Scaffold(Algorithm):
     equals option II, (x - y_i) / (K lr) + c_i - c, and unlike that formula it stays right with
     local momentum, where the weights travel about 1 / (1 - momentum) times further than the
     gradients alone would take them (option II then overshoots and training diverges).
-    The server adds (1/N) sum of the changes to c, and each change to its client's c_i.
+    The server adds (1/N) sum of the changes to c, and each change to its client's c_i. The global
+    model moves by the unweighted mean of the client updates (the paper's x + (eta_g / |S|) sum_i
+    Delta y_i with eta_g = 1): ``mean`` is the rule a run gets when it sets none.
     """
 
     keeps_mean_gradient = True
     sent_to_clients = ("control",)  # c goes down with the global weights; the change of c_i comes back as a report
+    paper_aggregator = "mean"
 
     def server_state(self, num_params):
         return {"control": (num_params,)}

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import ConfigError
 from ..registry import Registry
-from ..streams import test_split_rng
+from ..streams import partition_rng, test_split_rng
 
 PARTITIONS = Registry("partition")
 
@@ -35,7 +35,7 @@ def partition(labels, method: str, num_clients: int, seed: int, **options) -> li
     if unknown:
         raise ConfigError(f"partition '{method}' takes no option {sorted(unknown)[0]!r}; it takes: "
                           f"{', '.join(sorted(accepted)) or 'no options'}")
-    parts = fn(labels, num_clients, np.random.default_rng(seed), **options)
+    parts = fn(labels, num_clients, partition_rng(seed), **options)
     return [torch.as_tensor(np.asarray(p), dtype=torch.int64) for p in parts]
 
 
@@ -130,21 +130,49 @@ def contiguous(labels, num_clients, rng):
 
 
 @PARTITIONS.register("dirichlet", "label skew: each class spread over the clients by shares drawn from "
-                                  "Dir(data.alpha); re-drawn until every client has data.min_samples")
-def dirichlet(labels, num_clients, rng, alpha=0.5, min_samples=1):
+                                  "Dir(data.alpha); re-drawn until every client has data.min_samples; "
+                                  "data.balanced: NIID-Bench's cap of N / num_clients per client")
+def dirichlet(labels, num_clients, rng, alpha=0.5, min_samples=1, balanced=False):
+    """Each class's samples go to the clients by shares drawn from Dir(alpha), the whole split
+    drawn again until every client has ``min_samples``. ``balanced``: NIID-Bench's rule (Li et al.
+    2022, ``partition_data``, ``noniid-labeldir``): the classes are dealt one after another in label
+    order, and a client that already holds N / num_clients samples (N: the training samples) gets
+    no share of the next classes, the others' shares scaled up to sum to 1. NIID-Bench asks for
+    10 samples per client (``min_samples: 10``); it truncates the cumulative share bounds where
+    fedsim rounds them (counts within one sample of share x class size either way)."""
     _check_positive("alpha", alpha)
     if not isinstance(min_samples, numbers.Integral) or not 0 <= min_samples * num_clients <= len(labels):
         raise _invalid("min_samples", f"an integer from 0 to {len(labels) // num_clients} "
                                       f"({len(labels)} samples over {num_clients} clients)", min_samples)
+    if not isinstance(balanced, bool):
+        raise _invalid("balanced", "true or false", balanced)
     class_sizes = np.unique(labels, return_counts=True)[1]
     for _ in range(MAX_DIRICHLET_DRAWS):
-        shares = rng.dirichlet(np.full(num_clients, alpha), size=len(class_sizes))  # [classes, clients]
-        counts = _split_counts(shares, class_sizes)
-        if counts.sum(axis=0).min() >= min_samples:
+        if balanced:
+            counts = _capped_counts(rng, alpha, class_sizes, num_clients, len(labels) / num_clients)
+        else:
+            shares = rng.dirichlet(np.full(num_clients, alpha), size=len(class_sizes))  # [classes, clients]
+            counts = _split_counts(shares, class_sizes)
+        if counts is not None and counts.sum(axis=0).min() >= min_samples:
             return _deal_by_class(labels, counts, rng)
     raise ConfigError(f"data.min_samples: no draw of {MAX_DIRICHLET_DRAWS} from Dir({alpha}) gave each of "
                       f"{num_clients} clients {min_samples} samples; lower data.min_samples, raise data.alpha "
                       f"or use fewer clients")
+
+
+def _capped_counts(rng, alpha, class_sizes, num_clients: int, cap: float) -> np.ndarray | None:
+    """Counts ``[classes, clients]``, class by class: Dir(alpha) shares, zero for every client that
+    already holds ``cap`` samples. None when the shares left are all zero (an alpha so small that
+    the draws underflow): a draw to repeat."""
+    held = np.zeros(num_clients, dtype=np.int64)
+    counts = np.zeros((len(class_sizes), num_clients), dtype=np.int64)
+    for c, size in enumerate(class_sizes):
+        shares = rng.dirichlet(np.full(num_clients, alpha)) * (held < cap)
+        if not shares.sum() > 0:
+            return None
+        counts[c] = _split_counts(shares / shares.sum(), size)
+        held += counts[c]
+    return counts
 
 
 @PARTITIONS.register("shards", "McMahan et al.'s pathological split: sorted by label, cut into "
