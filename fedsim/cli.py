@@ -17,16 +17,18 @@ def cmd_run(args) -> int:
     from .distributed import Ranks, launched
 
     ranks = Ranks.join() if launched() else Ranks()
+    ending = "failed"
     try:
-        return _run(args, ranks)
+        code = _run(args, ranks)
+        ending = "was interrupted" if code in (130, 143) else "finished"
+        return code
     finally:
-        ranks.close()
+        ranks.close(ending)
 
 
 def _run(args, ranks) -> int:
     from .callbacks import TensorBoard
     from .validation import load_config
-    from .distributed import ranks_named
     from .errors import DataError, FedsimError
     from .progress import write_or_silence
     from .execution import kill_all_pools
@@ -59,17 +61,9 @@ def _run(args, ranks) -> int:
     try:
         history = runner()
     except (KeyboardInterrupt, Terminated) as e:
-        # under torchrun a SIGTERM most often comes from the agent stopping the job because
-        # another rank died: say which, when that can be seen from this machine
-        lost = ranks.lost() if ranks.world > 1 else []
-        if ranks.is_root:
-            message = _interrupted_message(path)
-            if lost:
-                message = message.replace("interrupted", f"stopped because {ranks_named(lost)} died", 1)
+        message = _stopped_message(ranks, path)
+        if message:
             print(f"fedsim: {message}", file=sys.stderr)
-        elif 0 in lost:  # rank 0 cannot say it any more
-            print("fedsim: rank 0 died; the job stopped (rank 0's run directory holds what it wrote)",
-                  file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 143
     except DataError as e:
         if e.missing and not args.resume:  # offer what works at once, without the files
@@ -83,6 +77,24 @@ def _run(args, ranks) -> int:
                                      f"{summary['rounds']} ({summary['wall_seconds']:.1f} s); results in "
                                      f"{history.run_dir}\n")
     return 0
+
+
+def _stopped_message(ranks, path) -> str | None:
+    """What a rank stopped by a signal says, if anything. Under torchrun a SIGTERM most often
+    comes from the agent stopping the job because another rank died: say which, when that can
+    be seen from this machine; or this rank stopped itself because its launcher is gone."""
+    from .distributed import launcher_gone, ranks_named
+
+    lost = ranks.lost() if ranks.world > 1 else []
+    if not ranks.is_root:
+        return "rank 0 died; the job stopped (rank 0's run directory holds what it wrote)" \
+            if 0 in lost and not launcher_gone() else None  # rank 0 cannot say it any more
+    message = _interrupted_message(path)
+    if launcher_gone():
+        return message.replace("interrupted", "stopped because its launcher (torchrun) is gone", 1)
+    if lost:
+        return message.replace("interrupted", f"stopped because {ranks_named(lost)} died", 1)
+    return message
 
 
 def _interrupted_message(path) -> str:

@@ -6,6 +6,7 @@ ends, so an interrupt never leaves those files half-written or out of step with 
 """
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import threading
@@ -31,6 +32,15 @@ def install_handlers(kill_workers) -> None:
 
     signal.signal(signal.SIGINT, first)
     signal.signal(signal.SIGTERM, first)
+    # Once the interpreter shuts down, Python no longer runs these handlers, and a signal then
+    # (torchrun stops the ranks that are left once one has ended) would turn the command's exit
+    # status into death by that signal: hold both from the first exit handler on.
+    atexit.unregister(_hold_stop_signals)
+    atexit.register(_hold_stop_signals)
+
+
+def _hold_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 @contextmanager

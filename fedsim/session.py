@@ -33,7 +33,7 @@ from .execution.resources import peak_rss_bytes
 from .execution.runner import ClientRunner
 from .federation import initial_model, load_federation
 from .flat import FlatModel
-from .interrupts import shielded
+from .interrupts import Terminated, shielded
 from .privacy import Privacy
 from .progress import RoundLog, console_logging
 from .results import History, flatten_config
@@ -328,7 +328,9 @@ class Session:
                           "server_peak_memory_mb": peak_memory_mb(self.device),
                           "worker_peak_memory_mb": self.worker_peak_memory_mb}
                 early = status != "finished" and not isinstance(ended_by, RankStopped)
-                self.executor.close(stopped_early=early, memory=memory)
+                # a signal stops each rank wherever it is, not at the same collective: none is started
+                in_step = not isinstance(ended_by, (KeyboardInterrupt, Terminated))
+                self.executor.close(stopped_early=early, memory=memory, in_step=in_step)
             else:
                 self.executor.close()
             if not self.ranks.is_root:

@@ -26,6 +26,7 @@ message naming worker, client and round.
 """
 from __future__ import annotations
 
+import atexit
 import signal
 import sys
 import time
@@ -37,7 +38,7 @@ import torch.multiprocessing as mp
 from ..config import vmap_group_size
 from ..engine.buffers import RoundBuffers
 from ..errors import WorkerError, resource_hint
-from .resources import (born_ignoring_sigint, check_descriptors, die_with_parent, exit_cause,
+from .resources import (STOP_SIGNALS, born_ignoring_stop_signals, check_descriptors, die_with_parent, exit_cause,
                         raise_descriptor_limit, stop_resource_sharer)
 from .runner import ClientRunner
 
@@ -48,7 +49,8 @@ FIRST_ROUND_TIMEOUT = 900.0  # the first round also pays for cuDNN set-up and fi
 
 def _worker_main(rank: int, num_workers: int, config, device: str, conn: Connection, runner: type) -> None:
     die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the server decides
+    for signum in STOP_SIGNALS:  # Ctrl-C, and torchrun's or systemd's SIGTERM, reach the whole process
+        signal.signal(signum, signal.SIG_IGN)  # group; the server decides, and stops its workers itself
     try:
         torch.multiprocessing.set_sharing_strategy(config.sharing_strategy)
         torch.set_num_threads(1)  # one thread per worker: no oversubscription, and the same float
@@ -112,7 +114,7 @@ class WorkerPool:
                 parent_end, child_end = ctx.Pipe()
                 process = ctx.Process(target=_worker_main, name=f"fedsim-worker-{rank}", daemon=True,
                                       args=(rank, num_workers, config, str(device), child_end, runner))
-                with born_ignoring_sigint():
+                with born_ignoring_stop_signals():
                     process.start()
                 child_end.close()
                 self.processes.append(process)
@@ -245,15 +247,13 @@ class WorkerPool:
         _LIVE_POOLS.discard(self)
 
     def kill(self) -> None:
-        """Terminate, then kill, whatever is still alive; wait for each to be gone."""
+        """Kill whatever is still alive (SIGKILL: a worker ignores SIGTERM, and has nothing to save);
+        wait for each to be gone."""
         for p in self.processes:
-            if p.is_alive():
-                p.terminate()
-        for p in self.processes:
-            p.join(3)
             if p.is_alive():
                 p.kill()
-                p.join()
+        for p in self.processes:
+            p.join()
 
 
 _LIVE_POOLS: set[WorkerPool] = set()
@@ -324,3 +324,9 @@ def kill_all_pools() -> None:
     """For a second Ctrl-C: end every worker at once, without the polite protocol."""
     for pool in list(_LIVE_POOLS):
         pool.kill()
+
+
+# Before multiprocessing's own exit handler (registered earlier, so run later), whose SIGTERM a
+# worker ignores: a pool left open by an error ends with the process, also where no parent-death
+# signal exists.
+atexit.register(kill_all_pools)
