@@ -288,7 +288,8 @@ class Session:
                 self._notify("on_round_end", row, records)
                 if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds or reached):
                     checkpoint = {**self.state.state_dict(rnd), "elapsed_seconds": row["elapsed_seconds"],
-                                  "config": run_identity(cfg)}
+                                  "config": run_identity(cfg), "file_rows": {"metrics.csv": len(self.rows),
+                                                                             "clients.csv": len(self.client_rows)}}
                     self.run_dir.save_checkpoint(checkpoint)
                     self.state.saved_round = rnd
                 self.log.round_end(row, cfg.rounds)  # once printed, the round is on disk
