@@ -198,7 +198,7 @@ CASES = [
      ["exp.yaml: eval_per_client: needs data.test_partition: true"]),
     # client sampling and simulated system heterogeneity
     ("availability above 1", with_change("system.availability", 1.5), [],
-     ["exp.yaml: system.availability: must be a probability in [0, 1], got 1.5"]),
+     ["exp.yaml: system.availability: must be a probability in (0, 1], got 1.5"]),
     ("negative deadline", yaml.safe_dump(GOOD), ["--set", "system.deadline=-1"],
      ["--set system.deadline: must be > 0 simulated seconds, or null for none, got -1.0"]),
     ("power of choice without candidates", with_change("client_sampling", "power_of_choice"), [],
