@@ -282,6 +282,16 @@ def _add_sweep_parser(sub) -> None:
     swp.set_defaults(func=cmd_sweep)
 
 
+def _output_fails() -> bool:
+    """Whether it is the command's output that cannot be written: only that is reported as
+    such here (fedsim's own files are named by their own errors, code of the user's as its)."""
+    try:
+        sys.stdout.flush()
+        return False
+    except OSError:
+        return True
+
+
 def main(argv=None) -> None:
     from .errors import FedsimError
 
@@ -303,7 +313,7 @@ def main(argv=None) -> None:
         write_or_silence(sys.stdout, "")
         code = 0
     except OSError as e:  # the output itself failed (fedsim list > /dev/full)
-        if args.debug:
+        if args.debug or not _output_fails():
             raise
         from .progress import write_or_silence
 

@@ -146,7 +146,7 @@ def agree_on_config(ranks: Ranks, load) -> Config | None:
     return load_config(values) if kind == "run" else None
 
 
-def _check_same_run(path: Path, state: dict, cfg: Config, asked: set[str]) -> None:
+def _check_same_run(path: Path, state: dict, cfg: Config, asked=frozenset()) -> None:
     """The config to resume with must be the one that wrote the checkpoint, but for the keys a
     resume may change; ``asked``: the keys the user set for this resume (the others come from
     config.yaml)."""

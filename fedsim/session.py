@@ -25,7 +25,7 @@ from .client_eval import ClientEvaluation
 from .config import Config, groups_per_round
 from .distributed import RankStopped, Ranks, rank_device
 from .engine import AggregateUpdates, Engine, GlobalState, RoundBuffers
-from .errors import ConfigError, FedsimError, OutputError, explain_resource_error
+from .errors import ConfigError, FedsimError, OutputError, exception_text, explain_resource_error, user_code
 from .execution import Restarting, new_pool
 from .execution.hogwild import AdoptSharedWeights, HogwildRunner
 from .execution.ranks import RanksExecutor
@@ -190,7 +190,8 @@ class Session:
         if privacy:
             privacy.check_model(components.describe(cfg.model), model.num_params, len(model))
         algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
-        algorithm.setup(cfg)
+        with user_code(f"algorithm: {components.describe(cfg.algorithm)} failed in setup", ConfigError):
+            algorithm.setup(cfg)
         names = {"algorithm": components.describe(cfg.algorithm), "aggregator": components.describe(cfg.aggregator),
                  "server_optimizer": cfg.server_optimizer}
         self.state = GlobalState(model, make_server_optimizer(cfg, model.num_params, device), algorithm,
@@ -245,12 +246,11 @@ class Session:
                                 f"clients, {ranks}{self.workers} workers on {self.device}; writing {run_dir.path}")
                     self._notify("on_run_start", RunStart(cfg, run_dir.path, self.first_round, self.state.model.module))
                     self._rounds()
-        except FedsimError:
+        except Exception as e:  # a signal leaves the run "interrupted"; anything else is a failure
             self.status = "failed"
+            if isinstance(e, (RuntimeError, OSError)) and not isinstance(e, FedsimError):
+                raise explain_resource_error(e) or e
             raise
-        except (RuntimeError, OSError) as e:
-            self.status = "failed"
-            raise explain_resource_error(e) or e
         finally:
             self._finish(self.status, ended_by=sys.exc_info()[1])
         return self.history()
@@ -311,14 +311,9 @@ class Session:
             method = getattr(callback, event, None)
             if method is None:
                 continue
-            try:
+            where = f" in round {args[0]['round']}" if event == "on_round_end" else ""
+            with user_code(f"callback {type(callback).__name__}.{event} failed{where}"):
                 method(*args)
-            except FedsimError:
-                raise
-            except Exception as e:
-                where = f" in round {args[0]['round']}" if event == "on_round_end" else ""
-                raise FedsimError(f"callback {type(callback).__name__}.{event} failed{where}: "
-                                  f"{type(e).__name__}: {e}") from None
 
     def _finish(self, status: str, ended_by: BaseException | None) -> None:
         """Stop the workers, write the summary and plot, tell the callbacks; whatever happens."""
@@ -338,7 +333,7 @@ class Session:
                 self.log.close()
                 return
             try:
-                self._write_summary(status)
+                self._write_summary(status, ended_by)
                 self._notify("on_run_end", self.history())
             except FedsimError as e:
                 if status == "finished":
@@ -349,7 +344,7 @@ class Session:
                 self.run_dir.unlock()
                 self.log.close()  # an error or interrupt message starts on a line of its own
 
-    def _write_summary(self, status: str) -> None:
+    def _write_summary(self, status: str, ended_by: BaseException | None) -> None:
         accuracies = [r["test_accuracy"] for r in self.rows]
         target = self.cfg.stop_at_accuracy
         self.summary = {
@@ -370,6 +365,9 @@ class Session:
             "server_peak_memory_mb": peak_memory_mb(self.device),
             **({"ranks": self.executor.rank_memory} if self.ranks.world > 1 else {}),
             "torch": torch.__version__,
+            # what ended a failed run, in the words of its one line
+            **({"error": str(ended_by) if isinstance(ended_by, FedsimError) else exception_text(ended_by)}
+               if status == "failed" and ended_by is not None else {}),
         }
         self.run_dir.write_summary(self.summary)
         if self.rows:

@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 
 from ..config import vmap_group_size
 from ..engine.buffers import RoundBuffers
-from ..errors import WorkerError, resource_hint
+from ..errors import WorkerError, exception_text, resource_hint, user_code
 from .resources import (STOP_SIGNALS, born_ignoring_stop_signals, check_descriptors, die_with_parent, exit_cause,
                         raise_descriptor_limit, stop_resource_sharer)
 from .runner import ClientRunner
@@ -75,7 +75,7 @@ def _worker_main(rank: int, num_workers: int, config, device: str, conn: Connect
         return  # the server is gone or stopping the pool
     except BaseException as e:  # report, so the server can name the cause; then die
         try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            conn.send(("error", exception_text(e)))
         finally:
             sys.exit(1)
 
@@ -284,11 +284,8 @@ class InlinePool:
         started = time.perf_counter()
         try:
             for slots in slot_groups(self.config, k) if groups is None else groups:
-                try:
+                with user_code(f"training client {int(b.assignment[slots[0]])} in round {rnd} failed", WorkerError):
                     self.runner.train_group(slots, rnd)
-                except Exception as e:
-                    raise WorkerError(f"training client {int(b.assignment[slots[0]])} in round {rnd} failed: "
-                                      f"{type(e).__name__}: {e}") from None
             self.runner.synchronize()
         finally:
             torch.set_num_threads(threads)
