@@ -167,18 +167,21 @@ def cmd_plot(args) -> int:
 def cmd_sweep(args) -> int:
     from .errors import FedsimError
     from .execution import kill_all_pools
-    from .sweep import sweep
+    from .sweep import prepare
 
     if not args.grid and args.seeds is None:
         raise FedsimError("give at least one --grid KEY=V1,V2,... or --seeds S1,S2,..., e.g. "
                           "--grid aggregator=fedavg,median or --seeds 0,1,2")
     install_handlers(kill_all_pools)
+    planned = None
     try:
-        sweep(args.config, args.grid, args.set, out=args.out, overwrite=args.overwrite, quiet=args.quiet,
-              seeds=args.seeds, target=args.target)
+        planned = prepare(args.config, args.grid, args.set, out=args.out, overwrite=args.overwrite, seeds=args.seeds,
+                          target=args.target)
+        planned.run(quiet=args.quiet)
     except (KeyboardInterrupt, Terminated) as e:
-        print("fedsim: sweep interrupted; the finished runs and their sweep.csv are in the directory named above",
-              file=sys.stderr)
+        message = planned.interrupted_message() if planned else "sweep interrupted while it was checked; nothing " \
+                                                                "was written"
+        print(f"fedsim: {message}", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 143
     return 0
 
@@ -276,20 +279,12 @@ def _add_sweep_parser(sub) -> None:
     swp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key in every run, e.g. --set rounds=5 (repeatable)")
     swp.add_argument("--out", metavar="DIR", help="where the runs go, one folder each "
-                                                  "(default runs/<name>-sweep-<timestamp>)")
-    swp.add_argument("--overwrite", action="store_true", help="replace the run files in an existing --out DIR")
+                                                  "(default runs/<name>-sweep-<timestamp>); the same sweep into "
+                                                  "the same DIR again continues it")
+    swp.add_argument("--overwrite", action="store_true", help="replace the run files in an existing --out DIR, "
+                                                              "starting the sweep again")
     swp.add_argument("--quiet", action="store_true", help="print no per-round lines")
     swp.set_defaults(func=cmd_sweep)
-
-
-def _output_fails() -> bool:
-    """Whether it is the command's output that cannot be written: only that is reported as
-    such here (fedsim's own files are named by their own errors, code of the user's as its)."""
-    try:
-        sys.stdout.flush()
-        return False
-    except OSError:
-        return True
 
 
 def main(argv=None) -> None:
@@ -313,7 +308,9 @@ def main(argv=None) -> None:
         write_or_silence(sys.stdout, "")
         code = 0
     except OSError as e:  # the output itself failed (fedsim list > /dev/full)
-        if args.debug or not _output_fails():
+        # only that: a failed write to the output names no file, fedsim's own files are named by
+        # their own errors, and an OSError of the user's code by its component (errors.user_code)
+        if args.debug or e.filename is not None:
             raise
         from .progress import write_or_silence
 

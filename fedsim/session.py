@@ -22,7 +22,7 @@ from . import components
 from .attacks import attacker_mask, make_attack
 from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart
 from .client_eval import ClientEvaluation
-from .config import Config, groups_per_round
+from .config import Config, groups_per_round, locate
 from .distributed import RankStopped, Ranks, rank_device
 from .engine import AggregateUpdates, Engine, GlobalState, RoundBuffers
 from .errors import ConfigError, FedsimError, OutputError, exception_text, explain_resource_error, user_code
@@ -44,10 +44,11 @@ from .validation import unused_settings
 
 logger = logging.getLogger("fedsim")
 
-# Keys a resumed run may change: how long it runs, where and how fast, how often it reports.
-RESUMABLE_KEYS = {"rounds", "workers", "worker_timeout", "checkpoint_every", "stop_at_accuracy",
-                  "on_worker_failure", "eval_every", "eval_batch_size", "device", "sharing_strategy",
-                  "data.root", "data.download", "data.placement"}
+# Keys that say where and how fast a run goes, not what it computes.
+PLACEMENT_KEYS = {"workers", "worker_timeout", "checkpoint_every", "on_worker_failure", "eval_batch_size", "device",
+                  "sharing_strategy", "data.root", "data.download", "data.placement"}
+# Keys a resumed run may change: those, how long it runs and how often it reports.
+RESUMABLE_KEYS = PLACEMENT_KEYS | {"rounds", "stop_at_accuracy", "eval_every"}
 # Each worker process on a GPU holds a CUDA context (about 0.5 GiB) plus its model, gradients
 # and activations; this budget per worker keeps the default from over-subscribing the card.
 _GPU_BYTES_PER_WORKER = 1 << 30
@@ -135,6 +136,38 @@ def allocate_buffers(cfg: Config, state: GlobalState, data, parts, data_device: 
     ).share_cpu_tensors()
 
 
+def build_parts(cfg: Config, device: torch.device, datasets: dict | None = None):
+    """What a run is made of, each part checked as far as it can be before any worker is handed
+    anything: the data split among the clients, the initial model (probed), privacy (or None) and
+    the algorithm (set up). ``datasets``: loaded datasets to reuse (see load_federation)."""
+    federation = load_federation(cfg, datasets)
+    sizes = [len(p) for p in federation.parts]
+    if 0 in sizes:
+        raise ConfigError(f"data.partition: client {sizes.index(0)} gets no samples; "
+                          f"use fewer clients or more data")
+    model = FlatModel(initial_model(cfg, federation.data), device)
+    if cfg.backend == "vmap" and len(model) != model.num_params:
+        raise ConfigError(f"backend: vmap cannot train {components.describe(cfg.model)}, whose batch-norm "
+                          f"statistics are not parameters; use backend: process")
+    privacy = Privacy.from_config(cfg)  # DP-FedAvg in place of the rule (privacy.py), or None
+    if privacy:
+        privacy.check_model(components.describe(cfg.model), model.num_params, len(model))
+    algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
+    with user_code(f"algorithm: {components.describe(cfg.algorithm)} failed in setup", ConfigError):
+        algorithm.setup(cfg)
+    return (federation.data, federation.parts), model, privacy, algorithm
+
+
+def check_run(cfg: Config, datasets: dict | None = None) -> None:
+    """Everything a run checks before its workers start, without starting them (a sweep checks
+    every run so before the first trains); the model is built on the CPU."""
+    try:
+        resolve_device(cfg.device)
+        build_parts(cfg, torch.device("cpu"), datasets)
+    except FedsimError as e:
+        raise locate(cfg, e) from None
+
+
 class Session:
     """One run: the data on the device, the global state, the executor, the round loop, the files.
 
@@ -173,25 +206,10 @@ class Session:
     def _assemble(self) -> None:
         """The data on its device, the global state, the round's buffers and the engine."""
         cfg, device = self.cfg, self.device
-        federation = load_federation(cfg)
-        data, parts = federation.data, federation.parts
-        sizes = [len(p) for p in parts]
-        if 0 in sizes:
-            raise ConfigError(f"data.partition: client {sizes.index(0)} gets no samples; "
-                              f"use fewer clients or more data")
-        model = FlatModel(initial_model(cfg, data), device)
-        if cfg.backend == "vmap" and len(model) != model.num_params:
-            raise ConfigError(f"backend: vmap cannot train {components.describe(cfg.model)}, whose batch-norm "
-                              f"statistics are not parameters; use backend: process")
+        (data, parts), model, privacy, algorithm = build_parts(cfg, device)
         data_device = data_placement(cfg.data.placement, data, device)
         if data_device != device:
             logger.info(f"{data.name} is kept in host memory (data.placement); batches are copied to {device}")
-        privacy = Privacy.from_config(cfg)  # DP-FedAvg in place of the rule (privacy.py), or None
-        if privacy:
-            privacy.check_model(components.describe(cfg.model), model.num_params, len(model))
-        algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
-        with user_code(f"algorithm: {components.describe(cfg.algorithm)} failed in setup", ConfigError):
-            algorithm.setup(cfg)
         names = {"algorithm": components.describe(cfg.algorithm), "aggregator": components.describe(cfg.aggregator),
                  "server_optimizer": cfg.server_optimizer}
         self.state = GlobalState(model, make_server_optimizer(cfg, model.num_params, device), algorithm,
