@@ -5,7 +5,8 @@ experiments into ``<out>/<name>-aggregator=fedavg-seed=0/`` and so on, and write
 ``<out>/sweep.csv`` with one row per run. Grid values are read as YAML scalars, like
 ``--set`` values; dotted keys reach into sections and option mappings
 (``data.alpha=0.1,1.0``, ``aggregator_options.beta=0.1,0.2``). Every configuration is built
-and validated before the first run starts, so a bad value fails at once.
+and checked as a run checks itself before its workers start, before the first run starts, so
+a bad value fails at once; the same sweep into the same ``out`` again continues it (``Sweep``).
 
 Seeds are an axis of their own: ``sweep(..., seeds=[0, 1, 2])`` (``fedsim sweep --seeds 0,1,2``)
 runs every grid point under every seed into ``<name>-<point>-seed=S/``, like ``--grid seed=...``,

@@ -350,7 +350,8 @@ def test_the_command_repeats_over_seeds_and_plots_them_as_one_band(config_file, 
          "--out", str(out), "--quiet"],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.getcwd()))
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["runs.csv", "small-seed=0", "small-seed=1", "sweep.csv"]
+    assert sorted(p.name for p in out.iterdir()) == ["runs.csv", "small-seed=0", "small-seed=1", "sweep.csv",
+                                                     "sweep.json"]
 
     histories = [fedsim.load_run(out / f"small-seed={seed}") for seed in (0, 1)]
     assert [h.config["seed"] for h in histories] == [0, 1] and {h.name for h in histories} == {"small"}
