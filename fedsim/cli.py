@@ -22,6 +22,9 @@ def cmd_run(args) -> int:
         code = _run(args, ranks)
         ending = "was interrupted" if code in (130, 143) else "finished"
         return code
+    except (KeyboardInterrupt, Terminated):  # while the config was shared, before the run began
+        ending = "was interrupted"
+        raise
     finally:
         ranks.close(ending)
 
@@ -302,6 +305,8 @@ def main(argv=None) -> None:
         code = e.exit_code
     except KeyboardInterrupt:
         code = 130
+    except Terminated:
+        code = 143
     except BrokenPipeError:  # `fedsim list | head`: the reader has all it wanted
         from .progress import write_or_silence
 
