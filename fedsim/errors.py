@@ -49,7 +49,7 @@ def user_code(what: str, error: type = UserCodeError):
     """Run code the user brought. Whatever it raises, an OSError or a sys.exit() included, becomes
     ``error``: one line, ``what`` followed by the exception, never taken for a failure of fedsim's
     own (a write, a worker) nor a reason to exit quietly. fedsim's own errors raised from inside
-    it, and KeyboardInterrupt (a signal), pass unchanged."""
+    it, and the exceptions of signals (KeyboardInterrupt, SIGTERM's), pass unchanged."""
     try:
         yield
     except FedsimError:

@@ -164,7 +164,6 @@ class RunDirectory:
             raise FedsimError(f"{path}: not a fedsim checkpoint (its round is {state['round']!r})")
         return state
 
-
     def check_in_step(self, state: dict) -> None:
         """Before a round is added, the files must hold what they held when the checkpoint
         ``state`` was saved: as many rows up to its round as it counted (a checkpoint of an older
@@ -174,7 +173,8 @@ class RunDirectory:
             if not isinstance(counted, dict) or not isinstance(counted.get(name), int):
                 continue
             path = self.path / name
-            rows = sum(row["round"] <= rnd for row in read(path)) if path.is_file() or name == "metrics.csv" else 0
+            missing = not path.is_file() and name == "clients.csv"  # a missing metrics.csv is named by its reader
+            rows = 0 if missing else sum(row["round"] <= rnd for row in read(path))
             if rows != counted[name]:
                 raise FedsimError(f"{path}: holds {rows} rows up to round {rnd}, but checkpoint.pt was saved when it "
                                   f"held {counted[name]}; the run directory's files disagree, so the run cannot be "
