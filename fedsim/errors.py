@@ -54,8 +54,8 @@ def user_code(what: str, error: type = UserCodeError):
         yield
     except FedsimError:
         raise
-    except (Exception, SystemExit) as e:
-        raise error(f"{what} ({exception_text(e)})") from None
+    except (Exception, SystemExit) as e:  # the machine running out (of GPU memory, say) is the machine's
+        raise explain_resource_error(e) or error(f"{what} ({exception_text(e)})") from None
 
 
 def exception_text(error: BaseException) -> str:

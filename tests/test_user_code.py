@@ -30,6 +30,17 @@ class UpdateFails(fedsim.Algorithm):
         raise ZeroDivisionError("the clients' weights sum to zero")
 
 
+class FailsInEvaluation(torch.nn.Module):
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), num_classes))
+
+    def forward(self, x):
+        if not self.training and len(x) > 2:  # passes the probe's two inputs, then meets the test set
+            raise ValueError("no kernel for this batch")
+        return self.net(x)
+
+
 def exits(input_shape, num_classes):
     sys.exit(3)
 
@@ -59,10 +70,13 @@ def cli(capsys, tmp_path, *settings) -> tuple[int, str]:
     ("algorithm=test_user_code:UpdateFails",
      "algorithm test_user_code:UpdateFails: server_update failed in round 1 (ZeroDivisionError: the clients' "
      "weights sum to zero)"),
+    ("model=test_user_code:FailsInEvaluation",
+     "model test_user_code:FailsInEvaluation failed in the evaluation of round 1 (ValueError: no kernel for this "
+     "batch)"),
     ("local.lr=1e30",  # every client's weights overflow
      "round 1: every client's update (3) is non-finite (NaN/Inf); nothing of this round was saved and no "
      "checkpoint was written; lower local.lr, or check the model's output"),
-], ids=["a rule's OSError", "server_update", "every update non-finite"])
+], ids=["a rule's OSError", "server_update", "evaluation", "every update non-finite"])
 def test_code_that_fails_during_the_run_fails_it_in_one_line(tmp_path, capsys, setting, message):
     code, err = cli(capsys, tmp_path, setting)
     lines = [line for line in err.splitlines() if not line.startswith("fedsim: warning")]
