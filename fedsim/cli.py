@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .interrupts import Terminated, install_handlers
+from .interrupts import Terminated, exiting, install_handlers
 
 
 def cmd_run(args) -> int:
@@ -322,4 +322,6 @@ def main(argv=None) -> None:
         write_or_silence(sys.stdout, "")
         print(f"fedsim: error: cannot write the output: {e.strerror or e}", file=sys.stderr)
         code = 1
+    if argv is None:  # the process's own command line (not a call from Python): its signals are its own
+        exiting()
     sys.exit(code)
