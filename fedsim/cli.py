@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .interrupts import Terminated, install_handlers
+from .interrupts import Terminated, exiting, install_handlers
 
 
 def cmd_run(args) -> int:
@@ -17,16 +17,21 @@ def cmd_run(args) -> int:
     from .distributed import Ranks, launched
 
     ranks = Ranks.join() if launched() else Ranks()
+    ending = "failed"
     try:
-        return _run(args, ranks)
+        code = _run(args, ranks)
+        ending = "was interrupted" if code in (130, 143) else "finished"
+        return code
+    except (KeyboardInterrupt, Terminated):  # while the config was shared, before the run began
+        ending = "was interrupted"
+        raise
     finally:
-        ranks.close()
+        ranks.close(ending)
 
 
 def _run(args, ranks) -> int:
     from .callbacks import TensorBoard
     from .validation import load_config
-    from .distributed import ranks_named
     from .errors import DataError, FedsimError
     from .progress import write_or_silence
     from .execution import kill_all_pools
@@ -59,17 +64,9 @@ def _run(args, ranks) -> int:
     try:
         history = runner()
     except (KeyboardInterrupt, Terminated) as e:
-        # under torchrun a SIGTERM most often comes from the agent stopping the job because
-        # another rank died: say which, when that can be seen from this machine
-        lost = ranks.lost() if ranks.world > 1 else []
-        if ranks.is_root:
-            message = _interrupted_message(path)
-            if lost:
-                message = message.replace("interrupted", f"stopped because {ranks_named(lost)} died", 1)
+        message = _stopped_message(ranks, path)
+        if message:
             print(f"fedsim: {message}", file=sys.stderr)
-        elif 0 in lost:  # rank 0 cannot say it any more
-            print("fedsim: rank 0 died; the job stopped (rank 0's run directory holds what it wrote)",
-                  file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 143
     except DataError as e:
         if e.missing and not args.resume:  # offer what works at once, without the files
@@ -83,6 +80,24 @@ def _run(args, ranks) -> int:
                                      f"{summary['rounds']} ({summary['wall_seconds']:.1f} s); results in "
                                      f"{history.run_dir}\n")
     return 0
+
+
+def _stopped_message(ranks, path) -> str | None:
+    """What a rank stopped by a signal says, if anything. Under torchrun a SIGTERM most often
+    comes from the agent stopping the job because another rank died: say which, when that can
+    be seen from this machine; or this rank stopped itself because its launcher is gone."""
+    from .distributed import launcher_gone, ranks_named
+
+    lost = ranks.lost() if ranks.world > 1 else []
+    if not ranks.is_root:
+        return "rank 0 died; the job stopped (rank 0's run directory holds what it wrote)" \
+            if 0 in lost and not launcher_gone() else None  # rank 0 cannot say it any more
+    message = _interrupted_message(path)
+    if launcher_gone():
+        return message.replace("interrupted", "stopped because its launcher (torchrun) is gone", 1)
+    if lost:
+        return message.replace("interrupted", f"stopped because {ranks_named(lost)} died", 1)
+    return message
 
 
 def _interrupted_message(path) -> str:
@@ -155,18 +170,21 @@ def cmd_plot(args) -> int:
 def cmd_sweep(args) -> int:
     from .errors import FedsimError
     from .execution import kill_all_pools
-    from .sweep import sweep
+    from .sweep import prepare
 
     if not args.grid and args.seeds is None:
         raise FedsimError("give at least one --grid KEY=V1,V2,... or --seeds S1,S2,..., e.g. "
                           "--grid aggregator=fedavg,median or --seeds 0,1,2")
     install_handlers(kill_all_pools)
+    planned = None
     try:
-        sweep(args.config, args.grid, args.set, out=args.out, overwrite=args.overwrite, quiet=args.quiet,
-              seeds=args.seeds, target=args.target)
+        planned = prepare(args.config, args.grid, args.set, out=args.out, overwrite=args.overwrite, seeds=args.seeds,
+                          target=args.target)
+        planned.run(quiet=args.quiet)
     except (KeyboardInterrupt, Terminated) as e:
-        print("fedsim: sweep interrupted; the finished runs and their sweep.csv are in the directory named above",
-              file=sys.stderr)
+        message = planned.interrupted_message() if planned else "sweep interrupted while it was checked; nothing " \
+                                                                "was written"
+        print(f"fedsim: {message}", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 143
     return 0
 
@@ -265,8 +283,10 @@ def _add_sweep_parser(sub) -> None:
     swp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key in every run, e.g. --set rounds=5 (repeatable)")
     swp.add_argument("--out", metavar="DIR", help="where the runs go, one folder each "
-                                                  "(default runs/<name>-sweep-<timestamp>)")
-    swp.add_argument("--overwrite", action="store_true", help="replace the run files in an existing --out DIR")
+                                                  "(default runs/<name>-sweep-<timestamp>); the same sweep into "
+                                                  "the same DIR again continues it")
+    swp.add_argument("--overwrite", action="store_true", help="replace the run files in an existing --out DIR, "
+                                                              "starting the sweep again")
     swp.add_argument("--quiet", action="store_true", help="print no per-round lines")
     swp.set_defaults(func=cmd_sweep)
 
@@ -286,17 +306,23 @@ def main(argv=None) -> None:
         code = e.exit_code
     except KeyboardInterrupt:
         code = 130
+    except Terminated:
+        code = 143
     except BrokenPipeError:  # `fedsim list | head`: the reader has all it wanted
         from .progress import write_or_silence
 
         write_or_silence(sys.stdout, "")
         code = 0
     except OSError as e:  # the output itself failed (fedsim list > /dev/full)
-        if args.debug:
+        # only that: a failed write to the output names no file, fedsim's own files are named by
+        # their own errors, and an OSError of the user's code by its component (errors.user_code)
+        if args.debug or e.filename is not None:
             raise
         from .progress import write_or_silence
 
         write_or_silence(sys.stdout, "")
         print(f"fedsim: error: cannot write the output: {e.strerror or e}", file=sys.stderr)
         code = 1
+    if argv is None:  # the process's own command line (not a call from Python): its signals are its own
+        exiting()
     sys.exit(code)

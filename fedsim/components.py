@@ -29,7 +29,7 @@ from .algorithms import ALGORITHMS, Algorithm
 from .attacks import ATTACKS
 from .compression import COMPRESSORS
 from .data import DATASETS, PARTITIONS, Dataset, check_dataset_spec
-from .errors import ConfigError
+from .errors import ConfigError, user_code
 from .models import MODELS
 from .registry import is_import_path, load_attr, registered
 from .server_opt import SERVER_OPTIMIZERS
@@ -102,13 +102,9 @@ def model_builder(spec):
 
 
 def build_model(spec, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
-    try:
-        module = model_builder(spec)(input_shape, num_classes)
-    except ConfigError:
-        raise
-    except Exception as e:  # the user's code: say whose, in one line
-        raise ConfigError(f"model: {describe(spec)} failed when it was built ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    builder = model_builder(spec)
+    with user_code(f"model: {describe(spec)} failed when it was built", ConfigError):
+        module = builder(input_shape, num_classes)
     if not isinstance(module, torch.nn.Module):
         raise ConfigError(f"model: {describe(spec)} returned a {type(module).__name__}, not a torch.nn.Module")
     if not any(True for _ in module.parameters()):
@@ -117,15 +113,13 @@ def build_model(spec, input_shape: tuple[int, ...], num_classes: int) -> torch.n
 
 
 def probe_model(spec, module: torch.nn.Module, sample: torch.Tensor, num_classes: int) -> None:
-    """Call the model once on two samples: it must return [2, num_classes] class scores."""
+    """Call the model once on two samples: it must return [2, num_classes] finite class scores."""
     was_training = module.training
     module.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), user_code(f"model: {describe(spec)} fails on a batch of inputs of shape "
+                                        f"{tuple(sample.shape[1:])}", ConfigError):
             out = module(sample[:2])
-    except Exception as e:
-        raise ConfigError(f"model: {describe(spec)} fails on a batch of inputs of shape {tuple(sample.shape[1:])} "
-                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     finally:
         module.train(was_training)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (len(sample[:2]), num_classes) \
@@ -133,6 +127,9 @@ def probe_model(spec, module: torch.nn.Module, sample: torch.Tensor, num_classes
         got = f"shape {tuple(out.shape)} ({out.dtype})" if isinstance(out, torch.Tensor) else type(out).__name__
         raise ConfigError(f"model: {describe(spec)} returns {got} for {len(sample[:2])} inputs; expected class "
                           f"scores of shape ({len(sample[:2])}, {num_classes})")
+    if not torch.isfinite(out).all():  # its clients' updates would all be non-finite, round after round
+        raise ConfigError(f"model: {describe(spec)} returns non-finite class scores (NaN/Inf) for {len(sample[:2])} "
+                          f"inputs with its initial weights")
 
 
 # ----------------------------------------------------------------------------- aggregation rules
@@ -155,13 +152,8 @@ def probe_aggregator(spec, rule, k: int) -> None:
     """Call the rule once on a small stack of ``k`` rows: a rule that cannot work with that many
     clients (Krum with f >= k/2, say) says so now, and a rule of one's own must return [P]."""
     updates = torch.randn(k, 3, generator=torch.Generator().manual_seed(0))
-    try:
+    with user_code(f"aggregator: {describe(spec)} fails on a stack of {k} updates of 3 values", ConfigError):
         out = rule(updates, torch.ones(k))
-    except ConfigError:
-        raise
-    except Exception as e:
-        raise ConfigError(f"aggregator: {describe(spec)} fails on a stack of {k} updates of 3 values "
-                          f"({type(e).__name__}: {e})") from None
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (3,):
         got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise ConfigError(f"aggregator: {describe(spec)} returns {got} for {k} updates of 3 values; expected "
@@ -182,7 +174,8 @@ def algorithm(spec, options: dict):
         if unknown:
             takes = f"it takes: {', '.join(accepted)}" if accepted else "it takes no options"
             raise ConfigError(f"algorithm_options: {describe(spec)} takes no option {unknown[0]!r}; {takes}")
-        return target(**options)
+        with user_code(f"algorithm: {describe(spec)} failed when it was built", ConfigError):
+            return target(**options)
     if isinstance(target, Algorithm):
         if options:
             raise ConfigError(f"algorithm_options: {describe(spec)} is an algorithm object, built already; "

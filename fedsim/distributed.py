@@ -15,16 +15,28 @@ Rank 0 then does what the single process does (update, evaluate, record, checkpo
 the new global weights, the algorithm's server state and the round's rows of its client state
 back to every rank. Objects (the config, errors) travel over a gloo group; tensors over NCCL
 when every rank has a GPU of its own, else over gloo through host memory.
+
+Besides the collectives, the ranks share the rendezvous store: there each rank says that it
+joined (where it runs) and, as it leaves, how it ended. A signal stops each rank wherever it is,
+so after one the ranks are no longer at the same collective and none is started; a rank whose
+collective fails because a peer left reads from the store whether that peer ended or died.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
+import sys
+import threading
+import time
 
 import torch
 
 from .errors import FedsimError
+from .interrupts import Terminated
+
+RENDEZVOUS_SECONDS = 600.0  # as torchrun's own rendezvous waits for its nodes (join_timeout)
 
 
 class RankStopped(FedsimError):
@@ -34,8 +46,39 @@ class RankStopped(FedsimError):
 
 
 def launched() -> bool:
-    """Whether this process is one of several ranks that torchrun started."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ
+    """Whether this process is one of several ranks (started by torchrun, or by hand)."""
+    return os.environ.get("WORLD_SIZE", "1").strip() != "1" and "MASTER_ADDR" in os.environ
+
+
+def launch_numbers() -> tuple[int, int]:
+    """RANK and WORLD_SIZE, refused at once when no job can have them."""
+    numbers = []
+    for name in ("RANK", "WORLD_SIZE"):
+        text = os.environ.get(name, "")
+        try:
+            numbers.append(int(text))
+        except ValueError:
+            raise FedsimError(f"{name}={text!r}: expected a whole number (torchrun sets it; by hand, set it for "
+                              f"each rank)") from None
+    rank, world = numbers
+    if world < 1:
+        raise FedsimError(f"WORLD_SIZE={world}: expected the number of ranks, at least 1")
+    if not 0 <= rank < world:
+        raise FedsimError(f"RANK={rank} with WORLD_SIZE={world}: no such rank; the ranks of this job are 0 to "
+                          f"{world - 1}")
+    return rank, world
+
+
+def rendezvous_seconds() -> float:
+    """How long a rank waits for the others to join: FEDSIM_RENDEZVOUS_TIMEOUT, in seconds."""
+    text = os.environ.get("FEDSIM_RENDEZVOUS_TIMEOUT", str(RENDEZVOUS_SECONDS))
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise FedsimError(f"FEDSIM_RENDEZVOUS_TIMEOUT={text!r}: expected a number of seconds above 0")
+    return seconds
 
 
 def rank_device(name: str) -> str:
@@ -61,13 +104,20 @@ class Ranks:
 
     @classmethod
     def join(cls, timeout_seconds: float = 1800.0) -> "Ranks":
-        """Join the job torchrun started (env:// rendezvous); a gloo group for everything at first."""
+        """Join the job (torchrun's, or ranks started by hand with RANK, WORLD_SIZE, MASTER_ADDR and
+        MASTER_PORT): meet the other ranks within the rendezvous bound, then a gloo group for
+        everything at first, whose collectives wait at most ``timeout_seconds``."""
         import torch.distributed as dist
 
         ranks = cls()
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
-        ranks.rank, ranks.world = dist.get_rank(), dist.get_world_size()
-        ranks._store_identity()
+        ranks.rank, ranks.world = launch_numbers()
+        ranks.agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it
+        ranks.store = _meet(ranks.rank, ranks.world, rendezvous_seconds(), ranks.agent_store)
+        ranks.identities = [_read(ranks.store, _key("joined", r)).split() for r in range(ranks.world)]
+        ranks.identities = [(host, int(pid)) for host, pid in ranks.identities]
+        dist.init_process_group("gloo", store=ranks.store, rank=ranks.rank, world_size=ranks.world,
+                                timeout=datetime.timedelta(seconds=timeout_seconds))
+        watch_launcher()
         return ranks
 
     def use_device(self, device: torch.device) -> None:
@@ -176,10 +226,18 @@ class Ranks:
         self._collective(lambda: dist.gather_object(value, values, dst=0), what)
         return values
 
-    def close(self) -> None:
+    def close(self, ending: str = "finished") -> None:
+        """Leave the job, first saying how this rank ended ("finished", "was interrupted",
+        "failed"): the others' collectives fail once it is gone, and they read this to tell a rank
+        that ended from one that died."""
         if self.world > 1:
             import torch.distributed as dist
 
+            if self._store_up():
+                try:
+                    self.store.set(_key("ended", self.rank), ending)
+                except RuntimeError:
+                    pass  # its host went in between
             if dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -189,25 +247,48 @@ class Ranks:
         return tensor.cpu() if self.via_host else tensor
 
     def _collective(self, call, what: str) -> None:
-        """Run a collective; if a peer is gone, stop with one line naming it."""
+        """Run a collective; if a peer is gone, stop with one line naming it. A signal that came
+        while this rank waited in the collective is handled by the first call made here (Python
+        runs pending handlers then), so a peer that left on the same signal reads as the signal."""
         try:
             call()
         except RuntimeError as e:  # gloo and NCCL report a lost peer as RuntimeError (or a subclass)
+            if launcher_gone():
+                raise Terminated from None  # the same stop that watch_launcher is about to signal
+            ended = self.ended()
+            if ended:
+                rank, how = min(ended.items())
+                raise RankStopped(f"rank {rank} {how}; the job stopped" if self.is_root and rank else "") from None
             raise FedsimError(self._gone(what, e)) from None
 
-    def _store_identity(self) -> None:
-        """Where each rank runs, so that a lost one can be named."""
-        import torch.distributed as dist
+    def ended(self) -> dict[int, str]:
+        """The other ranks that left the job saying how they ended (see ``close``)."""
+        found = {}
+        if not self._store_up():
+            return found
+        for rank in range(self.world):
+            key = _key("ended", rank)
+            try:
+                if rank != self.rank and self.store.check([key]):
+                    found[rank] = _read(self.store, key)
+            except RuntimeError:
+                break  # the store went with its host: nothing more to read
+        return found
 
-        self.identities = [None] * self.world
-        dist.all_gather_object(self.identities, (socket.gethostname(), os.getpid()))
+    def _store_up(self) -> bool:
+        """Whether the store's host (torchrun's agent, or rank 0) is still there, as far as this
+        machine can tell: c10d logs every failed store call on stderr."""
+        if self.agent_store:
+            return not launcher_gone()
+        host, pid = self.identities[0]
+        return self.is_root or host != socket.gethostname() or _alive(pid)
 
     def lost(self) -> list[int]:
-        """The other ranks on this machine that are no longer alive (ranks on other machines
-        cannot be looked at from here)."""
-        here = socket.gethostname()
+        """The other ranks on this machine that are gone without saying how they ended: they died
+        (ranks on other machines cannot be looked at from here)."""
+        here, ended = socket.gethostname(), self.ended()
         return [rank for rank, (host, pid) in enumerate(getattr(self, "identities", ()))
-                if rank != self.rank and host == here and not _alive(pid)]
+                if rank != self.rank and rank not in ended and host == here and not _alive(pid)]
 
     def _gone(self, what: str, error: Exception) -> str:
         cause = str(error).split("]")[-1].strip().split(". ")[0] or type(error).__name__
@@ -230,3 +311,88 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# ----------------------------------------------------------------------------- joining and leaving
+
+
+def _key(what: str, rank: int) -> str:
+    # torchrun restarts a failed job under the same store: keep each attempt's keys apart
+    return f"fedsim/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{what}/{rank}"
+
+
+def _read(store, key: str) -> str:
+    return store.get(key).decode()
+
+
+def _meet(rank: int, world: int, seconds: float, agent_store: bool):
+    """The job's store, once every rank has said there that it joined; a rank that cannot be
+    reached, or that does not come, within ``seconds`` is named in one line."""
+    from torch.distributed import TCPStore
+
+    host, port_text = os.environ["MASTER_ADDR"], os.environ.get("MASTER_PORT", "")
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise FedsimError(f"MASTER_PORT={port_text!r}: expected a port number (1 to 65535)")
+    port, deadline = int(port_text), time.monotonic() + seconds
+    bound = f"within {seconds:g} s (FEDSIM_RENDEZVOUS_TIMEOUT)"
+    hosts = rank == 0 and not agent_store
+    if not hosts and not _reachable(host, port, deadline):
+        raise FedsimError(f"rank {rank}: nothing answers at MASTER_ADDR={host} MASTER_PORT={port} {bound}; "
+                          f"start rank 0 there, or correct the address")
+    try:
+        store = TCPStore(host, port, world, is_master=hosts, wait_for_workers=False, multi_tenant=True,
+                         timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+        store.set(_key("joined", rank), f"{socket.gethostname()} {os.getpid()}")
+    except RuntimeError as e:
+        raise FedsimError(f"rank {rank}: cannot {'open' if hosts else 'use'} the job's store at {host}:{port} "
+                          f"({str(e).splitlines()[0]})") from None
+    keys, told = [_key("joined", r) for r in range(world)], time.monotonic() + 10.0
+    # polled rather than store.wait, whose time-out c10d also logs on stderr
+    while not store.check(keys):
+        missing = [r for r in range(world) if not store.check([keys[r]])]
+        if time.monotonic() >= deadline:
+            raise FedsimError(f"rank {rank}: {ranks_named(missing)} of {world} (WORLD_SIZE) did not join {bound}; "
+                              f"start every rank, or give them longer")
+        if time.monotonic() >= told:  # say once what it waits for, when that takes a while
+            print(f"fedsim: rank {rank}: waiting for {ranks_named(missing)} of {world} to join (at most {seconds:g} "
+                  f"s: FEDSIM_RENDEZVOUS_TIMEOUT)", file=sys.stderr, flush=True)
+            told = float("inf")
+        time.sleep(0.1)
+    return store
+
+
+def _reachable(host: str, port: int, deadline: float) -> bool:
+    """Whether something accepts connections at host:port before ``deadline``."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(min(deadline - time.monotonic(), 1.0), 0.1)):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+
+_launcher_pid: int | None = None  # the process that started this rank, once watched
+
+
+def watch_launcher(interval: float = 0.5) -> None:
+    """Stop this rank, as SIGTERM does, when the process that started it (torchrun) is gone:
+    ranks run in sessions of their own, so a launcher killed with SIGKILL signals nobody.
+    A thread polls the parent pid. It is plain and portable, where PR_SET_PDEATHSIG is Linux
+    only, fires when the parent *thread* ends, and would need its own check for a launcher that
+    died before it was set."""
+    global _launcher_pid
+    _launcher_pid = os.getppid()
+
+    def watch():
+        while not launcher_gone():
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="fedsim-launcher", daemon=True).start()
+
+
+def launcher_gone() -> bool:
+    """Whether the launcher this rank watches has ended (its orphans get a new parent)."""
+    return _launcher_pid is not None and os.getppid() != _launcher_pid

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+from contextlib import contextmanager
 
 
 class FedsimError(Exception):
@@ -35,6 +36,34 @@ class NonFiniteError(FedsimError):
     """A client update held NaN or Inf and the run was told to stop (on_nonfinite: fail)."""
 
     exit_code = 1
+
+
+class UserCodeError(FedsimError):
+    """Code the user brought (a rule, an algorithm, a callback) raised while the run went on."""
+
+    exit_code = 1
+
+
+@contextmanager
+def user_code(what: str, error: type = UserCodeError):
+    """Run code the user brought. Whatever it raises, an OSError or a sys.exit() included, becomes
+    ``error``: one line, ``what`` followed by the exception, never taken for a failure of fedsim's
+    own (a write, a worker) nor a reason to exit quietly. fedsim's own errors raised from inside
+    it, and the exceptions of signals (KeyboardInterrupt, SIGTERM's), pass unchanged."""
+    try:
+        yield
+    except FedsimError:
+        raise
+    except (Exception, SystemExit) as e:  # the machine running out (of GPU memory, say) is the machine's
+        raise explain_resource_error(e) or error(f"{what} ({exception_text(e)})") from None
+
+
+def exception_text(error: BaseException) -> str:
+    """An exception in a few words: its type and the first line of its message."""
+    if isinstance(error, SystemExit):
+        return f"it called sys.exit({'' if error.code is None else repr(error.code)})"
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 class ResourceError(FedsimError):

@@ -20,9 +20,16 @@ class Federation:
     parts: list[torch.Tensor]  # one index tensor per client into data.train_x
 
 
-def load_federation(cfg) -> Federation:
+def load_federation(cfg, datasets: dict | None = None) -> Federation:
+    """``datasets``: those loaded already, kept by what was loaded; runs that differ in other
+    keys (a sweep's, checked one after another) then read the files once."""
     d = cfg.data
-    data = load_dataset(d.dataset, d.root, d.limit, d.download)
+    key = (d.dataset if isinstance(d.dataset, str) else id(d.dataset), str(d.root), d.limit)
+    data = datasets.get(key) if datasets is not None else None
+    if data is None:
+        data = load_dataset(d.dataset, d.root, d.limit, d.download)
+        if datasets is not None:
+            datasets[key] = data
     return Federation(data, partition(data.train_y, d.partition, d.num_clients, cfg.seed,
                                       **options_for(d.partition, d)))
 

@@ -6,6 +6,7 @@ ends, so an interrupt never leaves those files half-written or out of step with 
 """
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import threading
@@ -16,21 +17,47 @@ class Terminated(BaseException):
     """SIGTERM, raised in the main thread so that the run unwinds and cleans up."""
 
 
+_exiting = False  # the command has its exit status: a signal has nothing left to stop
+
+
 def install_handlers(kill_workers) -> None:
     """The command line's handlers: the first SIGINT or SIGTERM raises KeyboardInterrupt or
-    Terminated in the main thread; a second calls ``kill_workers()`` and exits at once."""
+    Terminated in the main thread; a second calls ``kill_workers()`` and exits at once. Once
+    the command has its exit status (``exiting``), both are ignored: a signal then (torchrun
+    stops the ranks that are left once one has ended) must not change that status."""
+    global _exiting
+    _exiting = False
 
     def at_once(signum, frame):
-        kill_workers()
-        os._exit(128 + signum)
+        if not _exiting:
+            kill_workers()
+            os._exit(128 + signum)
 
     def first(signum, frame):
+        if _exiting:
+            return
         signal.signal(signal.SIGINT, at_once)
         signal.signal(signal.SIGTERM, at_once)
         raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
 
     signal.signal(signal.SIGINT, first)
     signal.signal(signal.SIGTERM, first)
+    # the interpreter's shut-down runs no Python handler, and restores the default action (death
+    # by the signal) for every signal that had one; an ignored signal stays ignored
+    atexit.unregister(_ignore_stop_signals)
+    atexit.register(_ignore_stop_signals)
+
+
+def exiting() -> None:
+    """The command has its exit status; from here on a signal changes nothing."""
+    global _exiting
+    _exiting = True
+
+
+def _ignore_stop_signals() -> None:
+    if _exiting:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 @contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from .errors import ConfigError
+from .errors import ConfigError, user_code
 
 
 class Registry:
@@ -48,10 +48,8 @@ def load_attr(key: str, path: str):
     if attr.endswith("()"):  # how config.yaml names an object given from Python (see describe)
         raise ConfigError(f"{key}: {path} was an object given from Python; give it again, e.g. "
                           f"fedsim.resume(run_dir, {key.rpartition('.')[2]}=...)")
-    try:
+    with user_code(f"{key}: cannot import {module_name!r}", ConfigError):  # ImportError, or what the module raised
         target = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or whatever the module raised while importing
-        raise ConfigError(f"{key}: cannot import {module_name!r} ({type(e).__name__}: {e})") from None
     for part in attr.split("."):
         if not hasattr(target, part):
             raise ConfigError(f"{key}: module {module_name!r} has no attribute {attr!r}")

@@ -166,6 +166,22 @@ class RunDirectory:
             raise FedsimError(f"{path}: not a fedsim checkpoint (its round is {state['round']!r})")
         return state
 
+    def check_in_step(self, state: dict) -> None:
+        """Before a round is added, the files must hold what they held when the checkpoint
+        ``state`` was saved: as many rows up to its round as it counted (a checkpoint of an older
+        version counted none). A file cut back, replaced or copied from elsewhere is named."""
+        counted, rnd = state.get("file_rows"), state["round"]
+        for name, read in (("metrics.csv", read_metrics), ("clients.csv", read_clients)):
+            if not isinstance(counted, dict) or not isinstance(counted.get(name), int):
+                continue
+            path = self.path / name
+            missing = not path.is_file() and name == "clients.csv"  # a missing metrics.csv is named by its reader
+            rows = 0 if missing else sum(row["round"] <= rnd for row in read(path))
+            if rows != counted[name]:
+                raise FedsimError(f"{path}: holds {rows} rows up to round {rnd}, but checkpoint.pt was saved when it "
+                                  f"held {counted[name]}; the run directory's files disagree, so the run cannot be "
+                                  f"continued (restore the file, or start a new run)")
+
 
 class RunInUseError(FedsimError):
     """Another process holds the run directory's lock."""

@@ -82,7 +82,8 @@ def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None, call
     def load() -> Config | None:
         if not (path / "config.yaml").is_file():
             raise FedsimError(f"--resume {path}: not a run directory (no config.yaml)")
-        bad = sorted(apply_overrides({}, overrides or {}) - RESUMABLE_KEYS - set(components.KEYS))
+        asked = apply_overrides({}, overrides or {})
+        bad = sorted(asked - RESUMABLE_KEYS - set(components.KEYS))
         if bad:
             raise ConfigError(f"--set {bad[0]}: cannot change when resuming (the rounds before and after would not "
                               f"be one run); allowed: {', '.join(sorted(RESUMABLE_KEYS))}")
@@ -90,7 +91,8 @@ def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None, call
         try:
             state = directory.load_checkpoint()
             cfg = load_config(path / "config.yaml", overrides)
-            _check_same_run(path, state, cfg)
+            _check_same_run(path, state, cfg, asked)
+            directory.check_in_step(state)
             loaded.update(state=state, rows=directory.rows(), cfg=cfg)
         except BaseException:
             directory.unlock()
@@ -144,7 +146,10 @@ def agree_on_config(ranks: Ranks, load) -> Config | None:
     return load_config(values) if kind == "run" else None
 
 
-def _check_same_run(path: Path, state: dict, cfg: Config) -> None:
+def _check_same_run(path: Path, state: dict, cfg: Config, asked=frozenset()) -> None:
+    """The config to resume with must be the one that wrote the checkpoint, but for the keys a
+    resume may change; ``asked``: the keys the user set for this resume (the others come from
+    config.yaml)."""
     identity = state.get("config")
     if not isinstance(identity, str):
         return  # a checkpoint from before runs recorded their identity
@@ -153,16 +158,19 @@ def _check_same_run(path: Path, state: dict, cfg: Config) -> None:
     # a key added since ran at its default. Mapping values are flattened (aggregator_options.beta,
     # system.speed.lognormal), so a key counts as recorded when the checkpoint holds it, a part of
     # its mapping, or the mapping it is part of.
-    def recorded(key: str) -> bool:
-        return any(r == key or r.startswith(key + ".") or key.startswith(r + ".") for r in before)
+    def part_of(key: str, keys) -> bool:
+        return any(r == key or r.startswith(key + ".") or key.startswith(r + ".") for r in keys)
 
-    before = {**{k: v for k, v in yaml.safe_load(run_identity(Config())).items() if not recorded(k)}, **before}
+    before = {**{k: v for k, v in yaml.safe_load(run_identity(Config())).items() if not part_of(k, before)}, **before}
     changed = sorted(k for k in set(before) | set(now) if before.get(k, "(unset)") != now.get(k, "(unset)"))
-    if changed:
-        key = changed[0]
-        raise ConfigError(f"{path}: config.yaml says {key}: {now.get(key)!r} but checkpoint.pt was written by a run "
-                          f"with {before.get(key)!r}; they are not one run (restore the matching file, or start "
-                          f"a new run)")
+    if not changed:
+        return
+    key = changed[0]
+    if part_of(key, asked):
+        raise ConfigError(f"--set {key}={now.get(key)!r}: cannot change when resuming; {path} ran with {key}: "
+                          f"{before.get(key)!r}, and the rounds before and after would not be one run")
+    raise ConfigError(f"{path}: config.yaml says {key}: {now.get(key)!r} but checkpoint.pt was written by a run "
+                      f"with {before.get(key)!r}; they are not one run (restore the matching file, or start a new run)")
 
 
 def _setup(cfg: Config, quiet: bool, progress: bool | None, callbacks=(), ranks: Ranks | None = None) -> Session:

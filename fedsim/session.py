@@ -23,10 +23,10 @@ from .attacks import attacker_mask, make_attack
 from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart
 from .client_eval import ClientEvaluation
 from .compression import Compression
-from .config import Config, groups_per_round
+from .config import Config, groups_per_round, locate
 from .distributed import RankStopped, Ranks, rank_device
 from .engine import AggregateUpdates, Engine, GlobalState, RoundBuffers
-from .errors import ConfigError, FedsimError, OutputError, explain_resource_error
+from .errors import ConfigError, FedsimError, OutputError, exception_text, explain_resource_error, user_code
 from .execution import Restarting, new_pool
 from .execution.hogwild import AdoptSharedWeights, HogwildRunner
 from .execution.ranks import RanksExecutor
@@ -34,7 +34,7 @@ from .execution.resources import peak_rss_bytes
 from .execution.runner import ClientRunner
 from .federation import initial_model, load_federation
 from .flat import FlatModel
-from .interrupts import shielded
+from .interrupts import Terminated, shielded
 from .privacy import Privacy
 from .progress import RoundLog, console_logging
 from .results import History, flatten_config
@@ -46,10 +46,11 @@ from .validation import unused_settings
 
 logger = logging.getLogger("fedsim")
 
-# Keys a resumed run may change: how long it runs, where and how fast, how often it reports.
-RESUMABLE_KEYS = {"rounds", "workers", "worker_timeout", "checkpoint_every", "stop_at_accuracy",
-                  "on_worker_failure", "eval_every", "eval_batch_size", "device", "sharing_strategy",
-                  "data.root", "data.download", "data.placement"}
+# Keys that say where and how fast a run goes, not what it computes.
+PLACEMENT_KEYS = {"workers", "worker_timeout", "checkpoint_every", "on_worker_failure", "eval_batch_size", "device",
+                  "sharing_strategy", "data.root", "data.download", "data.placement"}
+# Keys a resumed run may change: those, how long it runs and how often it reports.
+RESUMABLE_KEYS = PLACEMENT_KEYS | {"rounds", "stop_at_accuracy", "eval_every"}
 # Each worker process on a GPU holds a CUDA context (about 0.5 GiB) plus its model, gradients
 # and activations; this budget per worker keeps the default from over-subscribing the card.
 _GPU_BYTES_PER_WORKER = 1 << 30
@@ -140,6 +141,38 @@ def allocate_buffers(cfg: Config, state: GlobalState, data, parts, data_device: 
     ).share_cpu_tensors()
 
 
+def build_parts(cfg: Config, device: torch.device, datasets: dict | None = None):
+    """What a run is made of, each part checked as far as it can be before any worker is handed
+    anything: the data split among the clients, the initial model (probed), privacy (or None) and
+    the algorithm (set up). ``datasets``: loaded datasets to reuse (see load_federation)."""
+    federation = load_federation(cfg, datasets)
+    sizes = [len(p) for p in federation.parts]
+    if 0 in sizes:
+        raise ConfigError(f"data.partition: client {sizes.index(0)} gets no samples; "
+                          f"use fewer clients or more data")
+    model = FlatModel(initial_model(cfg, federation.data), device)
+    if cfg.backend == "vmap" and len(model) != model.num_params:
+        raise ConfigError(f"backend: vmap cannot train {components.describe(cfg.model)}, whose batch-norm "
+                          f"statistics are not parameters; use backend: process")
+    privacy = Privacy.from_config(cfg)  # DP-FedAvg in place of the rule (privacy.py), or None
+    if privacy:
+        privacy.check_model(components.describe(cfg.model), model.num_params, len(model))
+    algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
+    with user_code(f"algorithm: {components.describe(cfg.algorithm)} failed in setup", ConfigError):
+        algorithm.setup(cfg)
+    return (federation.data, federation.parts), model, privacy, algorithm
+
+
+def check_run(cfg: Config, datasets: dict | None = None) -> None:
+    """Everything a run checks before its workers start, without starting them (a sweep checks
+    every run so before the first trains); the model is built on the CPU."""
+    try:
+        resolve_device(cfg.device)
+        build_parts(cfg, torch.device("cpu"), datasets)
+    except FedsimError as e:
+        raise locate(cfg, e) from None
+
+
 class Session:
     """One run: the data on the device, the global state, the executor, the round loop, the files.
 
@@ -178,24 +211,10 @@ class Session:
     def _assemble(self) -> None:
         """The data on its device, the global state, the round's buffers and the engine."""
         cfg, device = self.cfg, self.device
-        federation = load_federation(cfg)
-        data, parts = federation.data, federation.parts
-        sizes = [len(p) for p in parts]
-        if 0 in sizes:
-            raise ConfigError(f"data.partition: client {sizes.index(0)} gets no samples; "
-                              f"use fewer clients or more data")
-        model = FlatModel(initial_model(cfg, data), device)
-        if cfg.backend == "vmap" and len(model) != model.num_params:
-            raise ConfigError(f"backend: vmap cannot train {components.describe(cfg.model)}, whose batch-norm "
-                              f"statistics are not parameters; use backend: process")
+        (data, parts), model, privacy, algorithm = build_parts(cfg, device)
         data_device = data_placement(cfg.data.placement, data, device)
         if data_device != device:
             logger.info(f"{data.name} is kept in host memory (data.placement); batches are copied to {device}")
-        privacy = Privacy.from_config(cfg)  # DP-FedAvg in place of the rule (privacy.py), or None
-        if privacy:
-            privacy.check_model(components.describe(cfg.model), model.num_params, len(model))
-        algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
-        algorithm.setup(cfg)
         self.compression = Compression.from_config(cfg)  # None: updates travel whole
         feedback = self.compression.memory if self.compression and self.compression.error_feedback else None
         names = {"algorithm": components.describe(cfg.algorithm), "aggregator": components.describe(cfg.aggregator),
@@ -254,12 +273,11 @@ class Session:
                                 f"clients, {ranks}{self.workers} workers on {self.device}; writing {run_dir.path}")
                     self._notify("on_run_start", RunStart(cfg, run_dir.path, self.first_round, self.state.model.module))
                     self._rounds()
-        except FedsimError:
+        except Exception as e:  # a signal leaves the run "interrupted"; anything else is a failure
             self.status = "failed"
+            if isinstance(e, (RuntimeError, OSError)) and not isinstance(e, FedsimError):
+                raise explain_resource_error(e) or e
             raise
-        except (RuntimeError, OSError) as e:
-            self.status = "failed"
-            raise explain_resource_error(e) or e
         finally:
             self._finish(self.status, ended_by=sys.exc_info()[1])
         return self.history()
@@ -299,7 +317,8 @@ class Session:
                 self._notify("on_round_end", row, records)
                 if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds or reached):
                     checkpoint = {**self.state.state_dict(rnd), "elapsed_seconds": row["elapsed_seconds"],
-                                  "config": run_identity(cfg)}
+                                  "config": run_identity(cfg), "file_rows": {"metrics.csv": len(self.rows),
+                                                                             "clients.csv": len(self.client_rows)}}
                     self.run_dir.save_checkpoint(checkpoint)
                     self.state.saved_round = rnd
                 self.log.round_end(row, cfg.rounds)  # once printed, the round is on disk
@@ -321,14 +340,9 @@ class Session:
             method = getattr(callback, event, None)
             if method is None:
                 continue
-            try:
+            where = f" in round {args[0]['round']}" if event == "on_round_end" else ""
+            with user_code(f"callback {type(callback).__name__}.{event} failed{where}"):
                 method(*args)
-            except FedsimError:
-                raise
-            except Exception as e:
-                where = f" in round {args[0]['round']}" if event == "on_round_end" else ""
-                raise FedsimError(f"callback {type(callback).__name__}.{event} failed{where}: "
-                                  f"{type(e).__name__}: {e}") from None
 
     def _finish(self, status: str, ended_by: BaseException | None) -> None:
         """Stop the workers, write the summary and plot, tell the callbacks; whatever happens."""
@@ -339,14 +353,16 @@ class Session:
                           "server_peak_memory_mb": peak_memory_mb(self.device),
                           "worker_peak_memory_mb": self.worker_peak_memory_mb}
                 early = status != "finished" and not isinstance(ended_by, RankStopped)
-                self.executor.close(stopped_early=early, memory=memory)
+                # a signal stops each rank wherever it is, not at the same collective: none is started
+                in_step = not isinstance(ended_by, (KeyboardInterrupt, Terminated))
+                self.executor.close(stopped_early=early, memory=memory, in_step=in_step)
             else:
                 self.executor.close()
             if not self.ranks.is_root:
                 self.log.close()
                 return
             try:
-                self._write_summary(status)
+                self._write_summary(status, ended_by)
                 self._notify("on_run_end", self.history())
             except FedsimError as e:
                 if status == "finished":
@@ -357,7 +373,7 @@ class Session:
                 self.run_dir.unlock()
                 self.log.close()  # an error or interrupt message starts on a line of its own
 
-    def _write_summary(self, status: str) -> None:
+    def _write_summary(self, status: str, ended_by: BaseException | None) -> None:
         accuracies = [r["test_accuracy"] for r in self.rows]
         target = self.cfg.stop_at_accuracy
         self.summary = {
@@ -380,6 +396,9 @@ class Session:
             "server_peak_memory_mb": peak_memory_mb(self.device),
             **({"ranks": self.executor.rank_memory} if self.ranks.world > 1 else {}),
             "torch": torch.__version__,
+            # what ended a failed run, in the words of its one line
+            **({"error": str(ended_by) if isinstance(ended_by, FedsimError) else exception_text(ended_by)}
+               if status == "failed" and ended_by is not None else {}),
         }
         self.run_dir.write_summary(self.summary)
         if self.rows:

@@ -5,7 +5,8 @@ experiments into ``<out>/<name>-aggregator=fedavg-seed=0/`` and so on, and write
 ``<out>/sweep.csv`` with one row per run. Grid values are read as YAML scalars, like
 ``--set`` values; dotted keys reach into sections and option mappings
 (``data.alpha=0.1,1.0``, ``aggregator_options.beta=0.1,0.2``). Every configuration is built
-and validated before the first run starts, so a bad value fails at once.
+and checked as a run checks itself before its workers start, before the first run starts, so
+a bad value fails at once; the same sweep into the same ``out`` again continues it (``Sweep``).
 
 Seeds are an axis of their own: ``sweep(..., seeds=[0, 1, 2])`` (``fedsim sweep --seeds 0,1,2``)
 runs every grid point under every seed into ``<name>-<point>-seed=S/``, like ``--grid seed=...``,
@@ -19,16 +20,20 @@ from __future__ import annotations
 
 import csv
 import itertools
+import json
 import math
 import sys
 from dataclasses import dataclass
 from statistics import fmean
 from pathlib import Path
 
+import yaml
+
 from .config import Config
 from .errors import ConfigError, FedsimError, write_error
-from .results import History, check_target, format_rounds_to_target, mean_and_sd, rounds_to_target, target_stats
-from .rundir import RunDirectory, safe_dir_name, write_atomically
+from .results import (History, check_target, flatten_config, format_rounds_to_target, load_run, mean_and_sd,
+                      rounds_to_target, target_stats)
+from .rundir import RunDirectory, atomic_write_text, read_mapping, safe_dir_name, write_atomically
 from .validation import load_config
 
 
@@ -40,6 +45,7 @@ class SweepRun:
     history: History | None = None
     seed: int | None = None  # the repeat's seed under --seeds, else None
     configuration: str = ""  # the grid point's label, which the seeds of a point share as their name
+    todo: str = "start"  # what is left to do of it: start, resume (an interrupted run) or finished
 
     def __post_init__(self):
         self.configuration = self.configuration or self.label
@@ -130,36 +136,161 @@ def sweep(config, grid: list[str], overrides: list[str] = (), out=None, overwrit
     ``runs/<name>-sweep-<timestamp>``); return the runs with their histories and write
     ``out/sweep.csv`` (with ``seeds``, one row per configuration, and ``out/runs.csv``, one per
     run). ``target``: report the rounds to this test accuracy (a fraction; the runs go on),
-    instead of each configuration's ``stop_at_accuracy``."""
-    from .progress import RoundLog
-    from .runs import start_run
+    instead of each configuration's ``stop_at_accuracy``. The same sweep into the same ``out``
+    again continues it (see ``Sweep``)."""
+    return prepare(config, grid, overrides, out, overwrite, seeds, target).run(quiet, log)
 
-    log = log or RoundLog(progress=False)
+
+def prepare(config, grid: list[str], overrides: list[str] = (), out=None, overwrite: bool = False, seeds=None,
+            target: float | None = None) -> "Sweep":
+    """The sweep planned and checked whole before any run trains: every configuration as a run
+    checks it before its workers start (the data and its limit, the model's probe, ...), and
+    what is left to do of a sweep interrupted earlier in ``out``. Writes nothing."""
+    from .session import check_run
+
     target = check_target(target, "--target")
     runs = plan(config, grid, overrides, seeds)
-    base = load_config(config, list(overrides)).name
-    root = RunDirectory.target(out, f"{base}-sweep", overwrite)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise write_error(root, e) from None
-    log(f"sweep of {len(runs)} runs into {root}")
-    try:
-        for index, run in enumerate(runs, 1):
-            log(f"[{index}/{len(runs)}] {run.label}")
+    root = _root(out, load_config(config, list(overrides)).name, overwrite, runs)
+    for run in runs:
+        run.todo = "start" if overwrite else _left_to_do(root / run.label, run.config)
+    datasets = {}  # each dataset read once
+    for run in runs:
+        if run.todo != "finished":
             try:
-                run.history = start_run(run.config, out=root / run.label, overwrite=overwrite, quiet=quiet)
+                check_run(run.config, datasets)
             except FedsimError as e:
                 raise type(e)(f"sweep run {run.label}: {e}") from None
-    finally:  # an interrupted or failed sweep still tables the runs that finished
-        finished = [run for run in runs if run.history is not None]
-        if finished:
-            write_table(finished, root / "sweep.csv", target)
-            if seeds is not None:
-                write_csv(root / "runs.csv", [_row(run, target, finished) for run in finished])
-    log(_printable(format_table(runs, target)))
-    log(f"runs, sweep.csv{' and runs.csv' if seeds is not None else ''} in {root}")
-    return runs
+    return Sweep(runs, root, seeds, target, named=out is not None)
+
+
+@dataclass
+class Sweep:
+    """A planned sweep: its runs, its directory, and what is left to do of each run.
+
+    ``sweep.json`` records what every run of the sweep is; the same sweep into the same
+    directory again (the same command, with the same ``--out``) continues it: finished runs are
+    kept, an interrupted one resumes from its checkpoint, the others start. ``sweep.csv`` (and
+    ``runs.csv``) are rewritten after every run from the runs finished so far, so they never
+    list a run that is not finished on disk."""
+
+    runs: list[SweepRun]
+    root: Path
+    seeds: list[int] | None
+    target: float | None
+    named: bool  # the directory was given (--out): the same command continues the sweep
+
+    def run(self, quiet: bool = False, log=None) -> list[SweepRun]:
+        from .progress import RoundLog
+        from .runs import resume_run, start_run
+
+        log, root, n = log or RoundLog(progress=False), self.root, len(self.runs)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise write_error(root, e) from None
+        kept = [run for run in self.runs if run.todo == "finished"]
+        resumes = any(run.todo == "resume" for run in self.runs)
+        log(f"continuing the sweep in {root}: {len(kept)} of {n} runs finished" if kept or resumes
+            else f"sweep of {n} runs into {root}")
+        atomic_write_text(root / SWEEP_FILE, json.dumps({"runs": {run.label: _identity(run.config)
+                                                                  for run in self.runs}}, indent=1) + "\n")
+        for run in kept:
+            run.history = load_run(root / run.label)
+        self._write_tables()
+        for index, run in enumerate(self.runs, 1):
+            if run.history is not None:
+                continue
+            log(f"[{index}/{n}] {run.label}" + (" (resuming from its checkpoint)" if run.todo == "resume" else ""))
+            try:
+                run.history = resume_run(root / run.label, _placement(run.config), quiet=quiet) \
+                    if run.todo == "resume" else start_run(run.config, out=root / run.label, overwrite=True,
+                                                           quiet=quiet)
+            except FedsimError as e:
+                raise type(e)(f"sweep run {run.label}: {e}") from None
+            self._write_tables()
+        log(_printable(format_table(self.runs, self.target)))
+        log(f"runs, sweep.csv{' and runs.csv' if self.seeds is not None else ''} in {root}")
+        return self.runs
+
+    def _write_tables(self) -> None:
+        """sweep.csv (and runs.csv) of the runs finished so far; none while no run is finished."""
+        finished = [run for run in self.runs if run.history is not None]
+        if not finished:
+            for name in TABLES:
+                try:
+                    (self.root / name).unlink(missing_ok=True)
+                except OSError as e:
+                    raise write_error(self.root / name, e) from None
+            return
+        write_table(finished, self.root / "sweep.csv", self.target)
+        if self.seeds is not None:
+            write_csv(self.root / "runs.csv", [_row(run, self.target, finished) for run in finished])
+
+    def interrupted_message(self) -> str:
+        """What an interrupted sweep left, read from the disk, and how to continue it."""
+        finished = sum(run.history is not None for run in self.runs)
+        again = "run the same command again" if self.named else f"run the same command with --out {self.root}"
+        tables = [name for name in TABLES if (self.root / name).is_file()]
+        if not finished or not tables:
+            return f"sweep interrupted before any run finished; {again} to continue it"
+        return (f"sweep interrupted; {finished} of {len(self.runs)} runs finished, tabled in "
+                f"{' and '.join(str(self.root / name) for name in tables)}; {again} to continue it")
+
+
+SWEEP_FILE = "sweep.json"  # what each run of the sweep is, so that the same sweep continues it
+TABLES = ("sweep.csv", "runs.csv")
+
+
+def _identity(cfg: Config) -> str:
+    """What a run computes: its config but for where and how fast it runs."""
+    from .session import PLACEMENT_KEYS
+
+    return yaml.safe_dump({k: v for k, v in flatten_config(cfg.to_dict()) if k not in PLACEMENT_KEYS},
+                          sort_keys=True)
+
+
+def _placement(cfg: Config) -> dict:
+    """The keys of where and how fast ``cfg`` runs, for a resumed run to take from the sweep."""
+    from .session import PLACEMENT_KEYS
+
+    return {k: v for k, v in flatten_config(cfg.to_dict()) if k in PLACEMENT_KEYS}
+
+
+def _root(out, name: str, overwrite: bool, runs: list[SweepRun]) -> Path:
+    """The sweep's directory: a new one, or ``out``, which must be empty (or replaced, with
+    ``overwrite``) or hold this same sweep, to be continued."""
+    if out is not None and not overwrite and (Path(out) / SWEEP_FILE).is_file():
+        recorded = read_mapping(Path(out) / SWEEP_FILE, json.loads).get("runs")
+        planned = {run.label: _identity(run.config) for run in runs}
+        if recorded != planned:
+            raise FedsimError(f"--out {out}: holds another sweep ({_difference(recorded, planned)}); give the "
+                              f"command that started it to continue it, --overwrite to replace it, or another --out")
+        return Path(out)
+    return RunDirectory.target(out, f"{name}-sweep", overwrite)
+
+
+def _difference(recorded, planned: dict) -> str:
+    recorded = recorded if isinstance(recorded, dict) else {}
+    label = next(label for label in [*planned, *recorded] if recorded.get(label) != planned.get(label))
+    if label not in recorded or label not in planned:
+        return f"{label} is a run of {'this sweep' if label in planned else 'that sweep'} only"
+    before, now = yaml.safe_load(recorded[label]), yaml.safe_load(planned[label])
+    key = next(k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k))
+    return f"its run {label} has {key}: {before.get(key)!r}, this one {now.get(key)!r}"
+
+
+def _left_to_do(path: Path, cfg: Config) -> str:
+    """What the run of ``cfg`` in ``path`` needs: ``finished`` (kept as it is), ``resume`` (from
+    its checkpoint) or ``start`` (nothing of this configuration is there)."""
+    try:
+        if _identity(load_config(path / "config.yaml")) != _identity(cfg):
+            return "start"  # left by the sweep that --overwrite replaced
+        summary = read_mapping(path / "summary.json", json.loads)
+    except FedsimError:
+        return "start"  # none yet, or unreadable
+    if summary.get("status") == "finished":
+        return "finished"
+    return "resume" if (path / "checkpoint.pt").is_file() else "start"
 
 
 def configurations(runs: list[SweepRun]) -> list[list[SweepRun]]:

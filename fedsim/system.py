@@ -16,9 +16,9 @@ is sampling.py's.
 Experiment file (every key optional; shown with its default unless marked as an example)::
 
     system:
-      availability: 1.0           # p in [0, 1]: every client online with probability p each round;
+      availability: 1.0           # p in (0, 1]: every client online with probability p each round;
                                   #   or per-client probabilities, drawn once per client:
-                                  #   {uniform: [low, high]} (0 <= low <= high <= 1) or {beta: [a, b]} (a, b > 0)
+                                  #   {uniform: [low, high]} (0 <= low <= high <= 1, high > 0) or {beta: [a, b]} (a, b > 0)
       dropout: 0.0                # in [0, 1): a sampled client fails before reporting
       speed: null                 # null: every client 1; {lognormal: sigma} (median 1, 0 <= sigma <= 10)
                                   #   or {uniform: [low, high]} (0 < low <= high), drawn once per client
@@ -125,17 +125,20 @@ def _pair(key: str, name: str, params, what: str) -> tuple[float, float]:
 
 
 def _availability(value) -> tuple:
-    key, forms = "availability", "a probability in [0, 1], {uniform: [low, high]} or {beta: [a, b]}"
+    # as dropout 1 loses every client's work, availability 0 would put every client offline
+    key, forms = "availability", "a probability in (0, 1], {uniform: [low, high]} or {beta: [a, b]}"
+    offline = " (0 would keep every client offline, and no round would train anyone)"
     if not isinstance(value, Mapping):
         p = _CHECKS.number(key, value, f"must be {forms}")
-        if not 0 <= p <= 1:
-            _CHECKS.fail(key, f"must be a probability in [0, 1], got {p}")
+        if not 0 < p <= 1:
+            _CHECKS.fail(key, f"must be a probability in (0, 1], got {p}{offline if p == 0 else ''}")
         return ("constant", p)
     name, params = _one_key(key, value, AVAILABILITY_DISTRIBUTIONS, forms)
     if name == "uniform":
         low, high = _pair(key, name, params, "low, high")
-        if not 0 <= low <= high <= 1:
-            _CHECKS.fail(key, f"uniform [low, high] needs 0 <= low <= high <= 1 (probabilities), got [{low}, {high}]")
+        if not (0 <= low <= high <= 1 and high > 0):
+            _CHECKS.fail(key, f"uniform [low, high] needs 0 <= low <= high <= 1 (probabilities) and high above 0, "
+                              f"got [{low}, {high}]{offline if high == 0 else ''}")
         return ("uniform", low, high)
     a, b = _pair(key, name, params, "a, b")
     if not (a > 0 and b > 0):

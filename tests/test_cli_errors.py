@@ -1,8 +1,10 @@
 """Bad input: one line on stderr naming the file and key and what is allowed, exit status 2."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -196,7 +198,7 @@ CASES = [
      ["exp.yaml: eval_per_client: needs data.test_partition: true"]),
     # client sampling and simulated system heterogeneity
     ("availability above 1", with_change("system.availability", 1.5), [],
-     ["exp.yaml: system.availability: must be a probability in [0, 1], got 1.5"]),
+     ["exp.yaml: system.availability: must be a probability in (0, 1], got 1.5"]),
     ("negative deadline", yaml.safe_dump(GOOD), ["--set", "system.deadline=-1"],
      ["--set system.deadline: must be > 0 simulated seconds, or null for none, got -1.0"]),
     ("power of choice without candidates", with_change("client_sampling", "power_of_choice"), [],
@@ -261,3 +263,38 @@ def test_the_real_command_prints_no_traceback_and_debug_does(tmp_path):
     debug = subprocess.run([sys.executable, "-m", "fedsim", "--debug", "run", str(path)], capture_output=True,
                            text=True)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+# ----------------------------------------------------------------------------- ranks started by hand
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("env, fragment", [
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 with WORLD_SIZE=2: no such rank; the ranks of this job are 0 to 1"),
+    ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK='one': expected a whole number"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "FEDSIM_RENDEZVOUS_TIMEOUT": "soon"},
+     "FEDSIM_RENDEZVOUS_TIMEOUT='soon': expected a number of seconds above 0"),
+    ({"RANK": "0", "WORLD_SIZE": "3", "FEDSIM_RENDEZVOUS_TIMEOUT": "0.3"},
+     "rank 0: ranks 1, 2 of 3 (WORLD_SIZE) did not join within 0.3 s (FEDSIM_RENDEZVOUS_TIMEOUT)"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "FEDSIM_RENDEZVOUS_TIMEOUT": "0.3"},
+     "rank 1: nothing answers at MASTER_ADDR=127.0.0.1 MASTER_PORT={port} within 0.3 s"),
+], ids=["rank beyond the world", "rank not a number", "bad bound", "missing ranks", "no rank 0"])
+def test_a_rank_that_cannot_join_is_one_line_at_once_or_within_the_bound(tmp_path, capsys, monkeypatch, env,
+                                                                         fragment):
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(GOOD))
+    port = free_port()
+    for name, value in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(path), "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2 and time.monotonic() - t0 < 0.9
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and fragment.format(port=port) in err, err
+    assert not (tmp_path / "run").exists()

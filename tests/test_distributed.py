@@ -1,5 +1,6 @@
 """Several ranks under torchrun (gloo on CPU, on this machine): the numbers of one process,
-whatever the number of ranks or "machines"; a rank that dies ends the job, naming it."""
+whatever the number of ranks or "machines"; a rank that dies ends the job, naming it; a signal,
+or the launcher's death, stops every rank within seconds, as a single process stops."""
 from __future__ import annotations
 
 import csv
@@ -108,8 +109,7 @@ def test_a_killed_rank_ends_the_job_naming_it(tmp_path, victim):
     proc = start(["run", str(config), "--out", str(tmp_path / "run"), "--no-progress"], tag,
                  launcher=torchrun(2, free_port()), **LOOPBACK)
     wait_for_round(proc, 2)
-    ranks = {int(_environment(pid)["LOCAL_RANK"]): pid for pid in tagged_processes(tag)
-             if "LOCAL_RANK" in _environment(pid) and b"multiprocessing" not in _cmdline(pid)}
+    ranks = _ranks(tag)
     assert sorted(ranks) == [0, 1]
     t0 = time.monotonic()
     os.kill(ranks[victim], signal.SIGKILL)
@@ -117,10 +117,69 @@ def test_a_killed_rank_ends_the_job_naming_it(tmp_path, victim):
     assert proc.returncode != 0 and time.monotonic() - t0 < 60
     ours = [line for line in err.splitlines() if line.startswith("fedsim:")]
     assert len(ours) == 1 and f"rank {victim} died" in ours[0], err
-    deadline = time.monotonic() + 10
-    while tagged_processes(tag) and time.monotonic() < deadline:  # the agent reaps what it started
+    assert _all_gone(tag)  # the agent reaps what it started
+
+
+def _ranks(tag: str) -> dict[int, int]:
+    """The job's rank processes (not their workers), by rank."""
+    return {int(_environment(pid)["LOCAL_RANK"]): pid for pid in tagged_processes(tag)
+            if "LOCAL_RANK" in _environment(pid) and b"multiprocessing" not in _cmdline(pid)}
+
+
+def _all_gone(tag: str, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while tagged_processes(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert tagged_processes(tag) == []
+    return tagged_processes(tag) == []
+
+
+def _interrupted_run(run_dir: Path, err: str, stopped: str = "interrupted") -> None:
+    """What a stopped job left: one line from fedsim with the way to continue, and rank 0's files
+    in step with each other."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = fedsim.load_run(run_dir).rows
+    assert summary["status"] == "interrupted" and summary["rounds"] == len(rows) == summary["checkpoint_round"] >= 2
+    ours = [line for line in err.splitlines() if line.startswith("fedsim:")]
+    assert ours == [f"fedsim: {stopped}; metrics so far and the checkpoint of round {len(rows)} are in {run_dir}; "
+                    f"continue with: fedsim run --resume {run_dir}"], err
+
+
+@pytest.mark.parametrize("target, signum, code", [("launcher", signal.SIGINT, 130), ("ranks", signal.SIGTERM, 143)])
+def test_a_signal_stops_every_rank_within_seconds(tmp_path, target, signum, code):
+    """Ctrl-C reaches torchrun, which sends it on to every rank's process group; a scheduler's
+    SIGTERM reaches every rank's group itself. Either way each rank stops where it is, at once."""
+    tag, run_dir = uuid.uuid4().hex, tmp_path / "run"
+    proc = start(["run", str(write_config(tmp_path, rounds=500)), "--out", str(run_dir), "--no-progress"], tag,
+                 launcher=torchrun(2, free_port()), **LOOPBACK)
+    wait_for_round(proc, 2)
+    ranks = _ranks(tag)
+    assert sorted(ranks) == [0, 1]
+    t0 = time.monotonic()
+    if target == "launcher":
+        proc.send_signal(signum)
+    else:
+        for pid in ranks.values():
+            os.killpg(pid, signum)  # the rank and its workers, as torchrun does
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 10, err
+    _interrupted_run(run_dir, err)
+    if target == "ranks":  # torchrun's report gives each rank's exit status
+        assert sorted(re.findall(r"exitcode\s+: (-?\d+)", err)) == [str(code)] * 2, err
+    assert _all_gone(tag)
+
+
+def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
+    tag, run_dir = uuid.uuid4().hex, tmp_path / "run"
+    proc = start(["run", str(write_config(tmp_path, rounds=500)), "--out", str(run_dir), "--no-progress"], tag,
+                 launcher=torchrun(2, free_port()), **LOOPBACK)
+    wait_for_round(proc, 2)
+    assert sorted(_ranks(tag)) == [0, 1]
+    t0 = time.monotonic()
+    proc.kill()  # the ranks run in sessions of their own: nothing reaches them
+    _, err = proc.communicate(timeout=60)  # the ranks hold its output pipes until they end
+    assert time.monotonic() - t0 < 10, err
+    _interrupted_run(run_dir, err, "stopped because its launcher (torchrun) is gone")
+    assert _all_gone(tag)
 
 
 def _environment(pid: int) -> dict:

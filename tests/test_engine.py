@@ -113,7 +113,7 @@ def test_a_failing_model_is_one_line_with_or_without_workers(small_config, tmp_p
 
     with pytest.raises(WorkerError) as info:
         fedsim.run(dict(small_config, workers=0), out=tmp_path / "inline", quiet=True, model=TrainsBadly)
-    assert str(info.value).endswith("in round 1 failed: RuntimeError: no such layer")
+    assert str(info.value).endswith("in round 1 failed (RuntimeError: no such layer)")
     with pytest.raises(WorkerError) as info:
         fedsim.run(dict(small_config, workers=1), out=tmp_path / "worker", quiet=True, model=TrainsBadly)
     assert "worker 0 failed while training client" in str(info.value) and "no such layer" in str(info.value)

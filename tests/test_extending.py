@@ -175,7 +175,7 @@ def test_a_failing_callback_stops_the_run_in_one_line(tmp_path, capsys):
 
     with pytest.raises(FedsimError) as info:
         fedsim.run(TINY, out=tmp_path / "run", quiet=True, callbacks=[Broken()])
-    assert str(info.value) == "callback Broken.on_round_end failed in round 1: ValueError: no room"
+    assert str(info.value) == "callback Broken.on_round_end failed in round 1 (ValueError: no room)"
 
 
 @pytest.mark.slow

@@ -337,6 +337,45 @@ def test_resume_refuses_a_checkpoint_torn_by_hand(tmp_path, capsys, finished, ch
     assert code == 2 and err.count("\n") == 1 and words in err, err
 
 
+def _cut_to_header(path: Path) -> None:
+    path.write_text(path.read_text().splitlines(keepends=True)[0])
+
+
+def _nan_in_the_weights(run: Path) -> None:
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    state["global"][0] = float("nan")
+    torch.save(state, run / "checkpoint.pt")
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda run: _cut_to_header(run / "metrics.csv"),
+     "metrics.csv: holds 0 rows up to round 1, but checkpoint.pt was saved when it held 1; the run directory's "
+     "files disagree"),
+    (lambda run: (run / "metrics.csv").write_text((run / "metrics.csv").read_text() +
+                                                  (run / "metrics.csv").read_text().splitlines(keepends=True)[1]),
+     "metrics.csv: holds 2 rows up to round 1, but checkpoint.pt was saved when it held 1"),
+    (lambda run: (run / "clients.csv").unlink(), "clients.csv: holds 0 rows up to round 1, but checkpoint.pt was "
+                                                 "saved when it held 2"),
+    (lambda run: (run / "clients.csv").write_text((run / "clients.csv").read_text() + "1,3,16,2.0,0.5,0,0,1\n"),
+     "clients.csv: holds 3 rows up to round 1"),
+    (_nan_in_the_weights, "checkpoint.pt: global holds NaN or Inf; the checkpoint is damaged"),
+], ids=["metrics cut to its header", "a metrics row twice", "clients gone", "a client row added", "NaN weights"])
+def test_resume_refuses_a_directory_whose_files_disagree(tmp_path, capsys, finished, damage, words):
+    run = copy_of(finished, tmp_path)
+    damage(run)
+    files = {path.name: path.read_bytes() for path in run.iterdir()}
+    code, err = cli(capsys, "run", "--resume", run, "--set", "rounds=2")
+    assert code == 2 and err.count("\n") == 1 and words in err, err
+    assert {path.name: path.read_bytes() for path in run.iterdir()} == files  # nothing was changed
+
+
+def test_resume_says_that_a_key_asked_for_cannot_change(tmp_path, capsys, finished):
+    run = copy_of(finished, tmp_path)
+    code, err = cli(capsys, "run", "--resume", run, "--set", "model=mnist_2nn")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--set model='mnist_2nn': cannot change when resuming; {run} ran with model: 'mnist_cnn'" in err
+
+
 def test_resume_takes_no_out_and_no_overwrite(tmp_path, capsys):
     for extra in (["--out", tmp_path / "elsewhere"], ["--overwrite"]):
         code, err = cli(capsys, "run", "--resume", tmp_path / "run", *extra)

@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import csv
 import os
+import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from matplotlib.collections import PolyCollection
 
 import fedsim
 import fedsim.runs
-from fedsim.errors import ConfigError
+import fedsim.session
+from fedsim.errors import ConfigError, FedsimError
 from fedsim.results import History
 from fedsim.rundir import COLUMNS
+from fedsim.session import check_run
 from fedsim.sweep import parse_grid, plan, sweep
 
-from support import documented_commands
+from support import documented_commands, start, wait_for_round
 
 
 @pytest.fixture
@@ -27,6 +32,15 @@ def config_file(small_config, tmp_path):
     path = tmp_path / "base.yaml"
     path.write_text(yaml.safe_dump(small_config))
     return path
+
+
+def replace_engine(monkeypatch, start_run) -> list:
+    """Runs made by ``start_run`` instead of the engine, without the checks a run makes before
+    its workers start (tested with the engine below); returns the configs those checks got."""
+    checked = []
+    monkeypatch.setattr(fedsim.runs, "start_run", start_run)
+    monkeypatch.setattr(fedsim.session, "check_run", lambda cfg, datasets=None: checked.append(cfg))
+    return checked
 
 
 @pytest.fixture
@@ -40,7 +54,7 @@ def fake_runs(monkeypatch):
                 for r, acc, s in [(1, 0.5, 9.0), (2, cfg.seed / 10, 2.0)]]
         return History(rows, cfg.to_dict(), out)
 
-    monkeypatch.setattr(fedsim.runs, "start_run", start_run)
+    replace_engine(monkeypatch, start_run)
     return calls
 
 
@@ -99,6 +113,90 @@ def test_sweep_runs_every_point_into_its_folder_and_tables_them(config_file, fak
     table = lines[-2].splitlines()
     assert table[0].split() == ["run", "final", "acc", "best", "acc", "s/round"]
     assert table[2].split() == ["small-aggregator=mean-seed=7", "0.7000", "0.7000", "2.00"]
+
+
+def for_colour_images():
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 30 * 30, 10))
+
+
+def test_every_combination_is_checked_whole_before_the_first_run(config_file, fake_runs, monkeypatch, tmp_path):
+    checked = []
+    monkeypatch.setattr(fedsim.session, "check_run", lambda cfg, datasets=None: (checked.append(cfg),
+                                                                               check_run(cfg, datasets)))
+    with pytest.raises(FedsimError) as info:  # the data holds fewer samples than the second run's limit
+        sweep(config_file, ["data.limit=200,100000000"], out=tmp_path / "out")
+    assert str(info.value).startswith("sweep run small-data.limit=100000000: --set data.limit: 100000000 is more "
+                                      "than the ")
+    with pytest.raises(ConfigError) as info:  # a model for 3 x 32 x 32 images, on 1 x 28 x 28
+        sweep(config_file, ["model=mnist_cnn,test_sweep:for_colour_images"], out=tmp_path / "out")
+    assert str(info.value).startswith("sweep run small-model=test_sweep_for_colour_images: --set model: "
+                                      "test_sweep:for_colour_images fails on a batch of inputs of shape (1, 28, 28)")
+    assert [cfg.name for cfg in checked] == ["small-data.limit=200", "small-data.limit=100000000",
+                                             "small-model=mnist_cnn", "small-model=test_sweep_for_colour_images"]
+    assert fake_runs == [] and not (tmp_path / "out").exists()
+
+
+def test_another_sweep_in_the_directory_of_one_is_refused(config_file, fake_runs, tmp_path):
+    sweep(config_file, ["aggregator=mean,median"], out=tmp_path / "out", log=lambda line: None)
+    with pytest.raises(FedsimError) as info:
+        sweep(config_file, ["aggregator=mean,median"], ["local.lr=0.5"], out=tmp_path / "out")
+    assert str(info.value) == (f"--out {tmp_path / 'out'}: holds another sweep (its run small-aggregator=mean has "
+                               f"local.lr: {yaml.safe_load(config_file.read_text())['local']['lr']!r}, this one 0.5); "
+                               f"give the command that started it to continue it, --overwrite to replace it, or "
+                               f"another --out")
+    sweep(config_file, ["aggregator=mean,median"], ["local.lr=0.5"], out=tmp_path / "out", overwrite=True,
+          log=lambda line: None)
+    assert len(fake_runs) == 4
+
+
+@pytest.mark.slow
+def test_an_interrupted_sweep_continues_where_it_stopped(tmp_path):
+    """Ctrl-C during the first run, again during the second, then to the end: each time the same
+    command continues, sweep.csv lists the finished runs only, and the message names only files
+    that are there."""
+    tiny = {"name": "tiny", "device": "cpu", "rounds": 8, "workers": 0, "clients_per_round": 2, "model": "mnist_2nn",
+            "data": {"dataset": "synthetic", "num_clients": 4, "limit": 400}, "local": {"batch_size": 50}}
+    config, out = tmp_path / "tiny.yaml", tmp_path / "sweep"
+    config.write_text(yaml.safe_dump(tiny))
+    command = ["sweep", str(config), "--grid", "seed=1,2,3", "--out", str(out)]
+    again = "run the same command again to continue it"
+
+    def interrupted_in(run: int) -> tuple[str, str]:
+        proc = start(command, uuid.uuid4().hex)
+        seen = []
+        while not any(f"[{run}/3]" in line for line in seen):  # the run's first line
+            seen.append(proc.stdout.readline())
+            assert seen[-1], seen
+        seen += wait_for_round(proc, 2)
+        proc.send_signal(signal.SIGINT)
+        stdout, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        return "".join(seen) + stdout, err
+
+    _, err = interrupted_in(1)
+    assert err.splitlines() == [f"fedsim: sweep interrupted before any run finished; {again}"]
+    assert not (out / "sweep.csv").exists()
+    stdout, err = interrupted_in(2)
+    assert f"continuing the sweep in {out}: 0 of 3 runs finished" in stdout
+    assert "[1/3] tiny-seed=1 (resuming from its checkpoint)" in stdout
+    assert err.splitlines() == [f"fedsim: sweep interrupted; 1 of 3 runs finished, tabled in {out / 'sweep.csv'}; "
+                                f"{again}"]
+    assert [row["run"] for row in _rows(out / "sweep.csv")] == ["tiny-seed=1"]
+    first = (out / "tiny-seed=1" / "metrics.csv").read_bytes()
+    lines = []  # the same sweep once more, from Python this time
+    sweep(config, ["seed=1,2,3"], out=out, quiet=True, log=lines.append)
+    assert lines[:2] == [f"continuing the sweep in {out}: 1 of 3 runs finished",
+                         "[2/3] tiny-seed=2 (resuming from its checkpoint)"] and lines[2] == "[3/3] tiny-seed=3"
+    assert (out / "tiny-seed=1" / "metrics.csv").read_bytes() == first
+    assert [(row["run"], row["rounds"]) for row in _rows(out / "sweep.csv")] == [
+        ("tiny-seed=1", "8"), ("tiny-seed=2", "8"), ("tiny-seed=3", "8")]
+    whole = fedsim.run(tiny, seed=2, out=tmp_path / "whole", quiet=True)  # the resumed run, never interrupted
+    assert fedsim.load_run(out / "tiny-seed=2").test_accuracy == whole.test_accuracy
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
 
 
 @pytest.mark.slow
@@ -182,7 +280,7 @@ def curve_runs(monkeypatch):
                 for r, acc in enumerate(CURVES[cfg.aggregator, cfg.seed], start=1)]
         return History(rows, cfg.to_dict(), out)
 
-    monkeypatch.setattr(fedsim.runs, "start_run", start_run)
+    replace_engine(monkeypatch, start_run)
 
 
 @pytest.mark.parametrize("how", [{"target": 0.7}, {"overrides": ["stop_at_accuracy=0.7"]}])
@@ -252,7 +350,8 @@ def test_the_command_repeats_over_seeds_and_plots_them_as_one_band(config_file, 
          "--out", str(out), "--quiet"],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.getcwd()))
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["runs.csv", "small-seed=0", "small-seed=1", "sweep.csv"]
+    assert sorted(p.name for p in out.iterdir()) == ["runs.csv", "small-seed=0", "small-seed=1", "sweep.csv",
+                                                     "sweep.json"]
 
     histories = [fedsim.load_run(out / f"small-seed={seed}") for seed in (0, 1)]
     assert [h.config["seed"] for h in histories] == [0, 1] and {h.name for h in histories} == {"small"}
@@ -360,7 +459,7 @@ def test_a_sweep_of_private_runs_tables_the_epsilon_they_spent(config_file, monk
                 for r in (1, 2)]
         return History(rows, cfg.to_dict(), out)
 
-    monkeypatch.setattr(fedsim.runs, "start_run", start_run)
+    replace_engine(monkeypatch, start_run)
     lines = []
     sweep(config_file, ["privacy.noise_multiplier=0.5,4"], ["privacy.clip=1.0", "privacy.noise_multiplier=1.0",
                                                         "privacy.delta=1e-5", "client_sampling=poisson"],

@@ -146,7 +146,6 @@ def test_availability_rate_over_rounds_and_clients():
     assert all(within(c, rounds, p, 5.5) for c in online.sum(axis=0))  # not the same clients each round
     plan = system.round(5, 3, n, 10, np.full(n, 20))
     assert plan.unavailable == n - online[2].sum() and set(plan.sampled) <= set(np.flatnonzero(online[2]))
-    assert not System({"availability": 0.0}).online(0, 1, 50).any()
     assert System({"availability": 1.0}).online(0, 1, 50).all()
 
 
@@ -336,6 +335,8 @@ def test_local_steps_count_the_last_short_batch():
 @pytest.mark.parametrize("section, top, key", [
     ({"availability": 1.5}, {}, "system.availability"),
     ({"availability": -0.1}, {}, "system.availability"),
+    ({"availability": 0.0}, {}, "system.availability"),  # no one would ever train, as with dropout 1
+    ({"availability": {"uniform": [0, 0]}}, {}, "system.availability"),
     ({"availability": True}, {}, "system.availability"),
     ({"availability": "often"}, {}, "system.availability"),
     ({"availability": {"uniform": [0.6, 0.2]}}, {}, "system.availability"),

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, user_code
 from ..registry import Registry, is_import_path, load_attr, registered
 
 DATASETS = Registry("dataset")
@@ -128,7 +128,9 @@ def load_dataset(spec, root: str | Path, limit: int | None = None, download: boo
     elif spec.endswith((".pt", ".npz")):
         data = _from_file(Path(spec))
     elif is_import_path(spec):
-        data = load_attr("data.dataset", spec)()
+        load = load_attr("data.dataset", spec)
+        with user_code(f"data.dataset: {spec} failed", DataError):
+            data = load()
         if not isinstance(data, Dataset):
             raise DataError(f"data.dataset: {spec} returned a {type(data).__name__}, not a Dataset "
                             f"(build one with fedsim.data.from_tensors)")

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from ..client_eval import METRIC_COLUMNS
+from ..components import describe
+from ..errors import user_code
 from ..system import RoundPlan
 from .buffers import RoundBuffers
 from .records import ClientRecord
@@ -97,7 +99,9 @@ class Engine:
         t_updated = time.perf_counter()
         # 5. evaluate (with eval_per_client, also on every client's test split)
         evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
-        row = {"round": rnd, **self._evaluate(rnd, evaluated), **self._train_metrics(round_, records),
+        with user_code(f"model {describe(cfg.model)} failed in the evaluation of round {rnd}"):
+            scores = self._evaluate(rnd, evaluated)
+        row = {"round": rnd, **scores, **self._train_metrics(round_, records),
                "seconds": round(time.perf_counter() - t0, 4), "clients": len(records),
                "attackers": sum(r.attacker for r in records),
                "train_seconds": round(t_trained - t0, 4),
@@ -113,7 +117,11 @@ class Engine:
     def plan(self, rnd: int) -> RoundPlan:
         """The round's plan (see system.py), its step limits written where the workers read them."""
         cfg = self.cfg
-        losses = self.executor.agree(lambda: self._candidate_losses(rnd)) if self.system.needs_losses else None
+        if self.system.needs_losses:
+            with user_code(f"model {describe(cfg.model)} failed on the candidates' data in round {rnd}"):
+                losses = self.executor.agree(lambda: self._candidate_losses(rnd))
+        else:
+            losses = None
         plan = self.system.round(cfg.seed, rnd, cfg.data.num_clients, cfg.clients_per_round, self.sizes, losses)
         limits = [-1 if limit is None else limit for limit in plan.step_limits]
         self.buffers.step_limits[:len(limits)] = torch.tensor(limits, dtype=torch.int64)

@@ -71,8 +71,8 @@ class GlobalState:
         self.saved_round = state["round"]
 
     def _check(self, state: dict, source: Path) -> None:
-        """Every tensor the run restores must be there with this run's shape, and nothing else:
-        a checkpoint copied from another run (or torn by hand) is refused in one line."""
+        """Every tensor the run restores must be there with this run's shape, finite, and nothing
+        else: a checkpoint copied from another run (or torn by hand) is refused in one line."""
         expected = {"global": self.model.flat, "torch_rng": torch.get_rng_state(),
                     **{f"server_optimizer.{k}": v for k, v in self.server_optimizer.state_dict().items()},
                     **{f"algorithm.server.{k}": v for k, v in self.server_state.items()},
@@ -91,6 +91,9 @@ class GlobalState:
                 got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "nothing"
                 raise FedsimError(f"{source}: holds {got} for {key} where this run ({self.description}) needs "
                                   f"{tuple(like.shape)}; it is not this run's checkpoint")
+            if value.is_floating_point() and not torch.isfinite(value).all():  # a run never saves one
+                raise FedsimError(f"{source}: {key} holds NaN or Inf; the checkpoint is damaged and cannot be "
+                                  f"resumed from")
         sent = state.get("bytes_sent")
         if sent is not None and not (is_integer(sent) and sent >= 0):
             raise FedsimError(f"{source}: holds {sent!r} for bytes_sent where a count of bytes belongs; it is not "

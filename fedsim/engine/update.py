@@ -18,7 +18,7 @@ import torch
 
 from ..aggregation import row_norms
 from ..algorithms import Round
-from ..errors import NonFiniteError
+from ..errors import NonFiniteError, user_code
 from ..streams import attack_generator
 from .buffers import RoundBuffers
 from .records import ClientRecord
@@ -84,20 +84,32 @@ class AggregateUpdates:
         records = [ClientRecord(rnd, int(c), int(stats[i, 0]), float(stats[i, 1]), float(norms[i]),
                                 0 if finite[i] else "nonfinite", int(attacking[i]), int(stats[i, 2]))
                    for i, c in enumerate(clients.tolist())]
+        if k and not len(keep):  # no update to learn from, and none would come in the next rounds
+            raise NonFiniteError(f"round {rnd}: every client's update ({k}) is non-finite (NaN/Inf); nothing of "
+                                 f"this round was saved and {self.state.kept()}; lower local.lr, or check the "
+                                 f"model's output")
         round_ = Round(updates=updates[keep], weights=b.stats[keep, 0],
                        clients=clients[keep.cpu()].to(b.global_flat.device),
                        reports={name: report[keep] for name, report in b.reports.items()},
-                       aggregate=self.privacy.rule(cfg.seed, rnd) if self.privacy else self.aggregate,
+                       aggregate=self.privacy.rule(cfg.seed, rnd) if self.privacy else self._rule(rnd),
                        global_weights=self.state.model.flat, num_params=self.state.model.num_params,
                        num_clients=cfg.data.num_clients)
         return round_, records
+
+    def _rule(self, rnd: int):
+        """The run's rule, named in one line if it raises (it may be the user's)."""
+        def aggregate(updates, weights):
+            with user_code(f"aggregator {self.names['aggregator']} failed in round {rnd}"):
+                return self.aggregate(updates, weights)
+        return aggregate
 
     def update(self, rnd: int, round_: Round) -> None:
         """The new global model; a non-finite one is never kept. The global state can become
         non-finite although every client update is finite (a rule or a server optimizer can
         overflow)."""
         state, n, names = self.state, self.state.model.num_params, self.names
-        delta = self.algorithm.server_update(round_, state.server_state, state.client_state)
+        with user_code(f"algorithm {names['algorithm']}: server_update failed in round {rnd}"):
+            delta = self.algorithm.server_update(round_, state.server_state, state.client_state)
         why = " although every client update used was finite"
         advice = "lower server_lr or attack.scale, or bound updates with aggregator: norm_clip"
         check_finite(state, delta, rnd, f"the update of {names['algorithm']} with the rule {names['aggregator']} "

@@ -26,6 +26,7 @@ message naming worker, client and round.
 """
 from __future__ import annotations
 
+import atexit
 import signal
 import sys
 import time
@@ -36,8 +37,8 @@ import torch.multiprocessing as mp
 
 from ..config import vmap_group_size
 from ..engine.buffers import RoundBuffers
-from ..errors import WorkerError, resource_hint
-from .resources import (born_ignoring_sigint, check_descriptors, die_with_parent, exit_cause,
+from ..errors import WorkerError, exception_text, resource_hint, user_code
+from .resources import (STOP_SIGNALS, born_ignoring_stop_signals, check_descriptors, die_with_parent, exit_cause,
                         raise_descriptor_limit, stop_resource_sharer)
 from .runner import ClientRunner
 
@@ -48,7 +49,8 @@ FIRST_ROUND_TIMEOUT = 900.0  # the first round also pays for cuDNN set-up and fi
 
 def _worker_main(rank: int, num_workers: int, config, device: str, conn: Connection, runner: type) -> None:
     die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the server decides
+    for signum in STOP_SIGNALS:  # Ctrl-C, and torchrun's or systemd's SIGTERM, reach the whole process
+        signal.signal(signum, signal.SIG_IGN)  # group; the server decides, and stops its workers itself
     try:
         torch.multiprocessing.set_sharing_strategy(config.sharing_strategy)
         torch.set_num_threads(1)  # one thread per worker: no oversubscription, and the same float
@@ -73,7 +75,7 @@ def _worker_main(rank: int, num_workers: int, config, device: str, conn: Connect
         return  # the server is gone or stopping the pool
     except BaseException as e:  # report, so the server can name the cause; then die
         try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            conn.send(("error", exception_text(e)))
         finally:
             sys.exit(1)
 
@@ -112,7 +114,7 @@ class WorkerPool:
                 parent_end, child_end = ctx.Pipe()
                 process = ctx.Process(target=_worker_main, name=f"fedsim-worker-{rank}", daemon=True,
                                       args=(rank, num_workers, config, str(device), child_end, runner))
-                with born_ignoring_sigint():
+                with born_ignoring_stop_signals():
                     process.start()
                 child_end.close()
                 self.processes.append(process)
@@ -245,15 +247,13 @@ class WorkerPool:
         _LIVE_POOLS.discard(self)
 
     def kill(self) -> None:
-        """Terminate, then kill, whatever is still alive; wait for each to be gone."""
+        """Kill whatever is still alive (SIGKILL: a worker ignores SIGTERM, and has nothing to save);
+        wait for each to be gone."""
         for p in self.processes:
-            if p.is_alive():
-                p.terminate()
-        for p in self.processes:
-            p.join(3)
             if p.is_alive():
                 p.kill()
-                p.join()
+        for p in self.processes:
+            p.join()
 
 
 _LIVE_POOLS: set[WorkerPool] = set()
@@ -284,11 +284,8 @@ class InlinePool:
         started = time.perf_counter()
         try:
             for slots in slot_groups(self.config, k) if groups is None else groups:
-                try:
+                with user_code(f"training client {int(b.assignment[slots[0]])} in round {rnd} failed", WorkerError):
                     self.runner.train_group(slots, rnd)
-                except Exception as e:
-                    raise WorkerError(f"training client {int(b.assignment[slots[0]])} in round {rnd} failed: "
-                                      f"{type(e).__name__}: {e}") from None
             self.runner.synchronize()
         finally:
             torch.set_num_threads(threads)
@@ -324,3 +321,9 @@ def kill_all_pools() -> None:
     """For a second Ctrl-C: end every worker at once, without the polite protocol."""
     for pool in list(_LIVE_POOLS):
         pool.kill()
+
+
+# Before multiprocessing's own exit handler (registered earlier, so run later), whose SIGTERM a
+# worker ignores: a pool left open by an error ends with the process, also where no parent-death
+# signal exists.
+atexit.register(kill_all_pools)

@@ -71,11 +71,14 @@ class RanksExecutor(Wrapper):
             for tensor, row in zip(state.client_state.values(), rows):
                 tensor[ids] = row
 
-    def close(self, stopped_early: bool = False, memory: dict | None = None) -> None:
-        """Stop this rank's workers. The leader tells the others when it stops early; every rank
-        reports its memory to the leader. A rank that is gone makes these fail: then there is
-        nothing to tell or collect."""
+    def close(self, stopped_early: bool = False, memory: dict | None = None, in_step: bool = True) -> None:
+        """Stop this rank's workers. Ranks still in step (not stopped by a signal) then talk once
+        more: the leader tells the others when it stops early, and every rank reports its memory
+        to the leader. A rank that is gone makes these fail: then there is nothing to tell or
+        collect."""
         self.inner.close()
+        if not in_step:
+            return
         try:
             if self.ranks.is_root and stopped_early:
                 self.ranks.decide("failed", "stopping")

@@ -19,7 +19,7 @@ def die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass  # not Linux: the server's atexit handler still terminates daemonic workers
+        pass  # not Linux: the server's atexit handler still kills the workers (see pool.py)
 
 
 def peak_rss_bytes() -> int:
@@ -45,22 +45,27 @@ def exit_cause(code: int | None) -> str:
     return f"exited with status {code}"
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextlib.contextmanager
-def born_ignoring_sigint():
-    """Ctrl-C reaches every process of the terminal's group, and the server decides what it
-    means; a worker still importing torch would print a traceback. An ignored signal stays
-    ignored across exec, so the worker is started while SIGINT is ignored here; meanwhile
-    SIGINT is also blocked, which on Linux keeps one that arrives pending for the server's own
-    handler instead of discarding it."""
+def born_ignoring_stop_signals():
+    """Ctrl-C reaches every process of the terminal's group, torchrun's SIGTERM every process of
+    a rank's group, and the server decides what they mean; a worker still importing torch would
+    print a traceback, or die before the server could stop it. An ignored signal stays ignored
+    across exec, so the worker is started while both are ignored here; meanwhile they are also
+    blocked, which on Linux keeps one that arrives pending for the server's own handler instead
+    of discarding it."""
     if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may change handlers; the worker ignores SIGINT once it runs
+        yield  # only the main thread may change handlers; the worker ignores them once it runs
         return
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+    handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, handler)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
