@@ -1,9 +1,9 @@
 """fedsim: a synchronous federated-learning simulator for one machine and one accelerator.
 
     import fedsim
-    history = fedsim.run("experiments/mnist_seed.yaml", rounds=5, **{"local.lr": 0.05})
+    history = fedsim.run("mnist_seed", rounds=5, **{"local.lr": 0.05})
     history.test_accuracy        # one entry per evaluated round
-    fedsim.run("experiments/mnist_seed.yaml", aggregator=my_rule, model=MyNet)   # your own parts
+    fedsim.run("mnist_seed", aggregator=my_rule, model=MyNet)   # your own parts
 
 Imports are lazy so that worker processes, which import this package, start quickly.
 """

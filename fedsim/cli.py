@@ -112,11 +112,15 @@ def _interrupted_message(path) -> str:
 
 def cmd_list(args) -> int:
     from .components import tables
+    from .yamlfile import shipped_experiments
 
-    for kind, table in tables().items():
+    experiments = shipped_experiments()
+    sections = {"experiments (fedsim run NAME)": list(experiments.items()),
+                **{kind: list(table.describe()) for kind, table in tables().items()}}
+    for kind, entries in sections.items():
         print(f"{kind}:")
-        width = max(len(name) for name in table.names())
-        for name, description in table.describe():
+        width = max(len(name) for name, _ in entries)
+        for name, description in entries:
             print(f"  {name:<{width}}  {description}")
     return 0
 
@@ -181,9 +185,16 @@ def _width(text: str):
         raise argparse.ArgumentTypeError(f"{text!r} is not single, double or a number of inches") from None
 
 
+def _version() -> str:
+    from . import __version__
+
+    return f"fedsim {__version__}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedsim", description="Synchronous federated-learning simulator.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _add_run_parser(sub)
@@ -198,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_run_parser(sub) -> None:
     """``fedsim run``: an experiment file, or --resume of a run directory."""
     run = sub.add_parser("run", help="run an experiment file")
-    run.add_argument("config", nargs="?", metavar="FILE", help="YAML experiment file")
+    run.add_argument("config", nargs="?", metavar="FILE",
+                     help="YAML experiment file, or the name of a shipped one (fedsim list), e.g. mnist_seed")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. --set local.lr=0.05 (repeatable)")
     run.add_argument("--out", metavar="DIR", help="run directory (default runs/<name>-<timestamp>)")

@@ -17,11 +17,12 @@ from .session import RESUMABLE_KEYS, Session, run_identity
 from .validation import load_config
 
 
-def run(config="experiments/mnist_seed.yaml", *, out=None, overwrite: bool = False, quiet: bool = False,
+def run(config="mnist_seed", *, out=None, overwrite: bool = False, quiet: bool = False,
         progress: bool | None = None, callbacks=(), **overrides) -> History:
     """Run an experiment and return its History.
 
-    ``config`` is a YAML path, a dict or a Config; ``overrides`` set keys, dotted ones via
+    ``config`` is a YAML path, the name of a shipped experiment (``fedsim list``), a dict or
+    a Config; ``overrides`` set keys, dotted ones via
     ``**{"local.lr": 0.05}`` or whole sections as dicts (``data={"limit": 2000}``); ``model``,
     ``aggregator``, ``algorithm`` and ``dataset`` may be objects of your own (see
     components.py). Files go to ``out`` (default ``runs/<name>-<timestamp>``). ``progress``:

@@ -9,7 +9,6 @@ import copy
 import dataclasses
 import os
 import re
-from pathlib import Path
 
 from . import components
 from .checks import Checks, cut, shown
@@ -18,14 +17,15 @@ from .data import options_for
 from .errors import ConfigError
 from .privacy import Privacy
 from .system import System, SystemConfig
-from .yamlfile import read_yaml
+from .yamlfile import experiment_file, read_yaml
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _PARTITION_KEYS = ("alpha", "min_samples", "shards_per_client", "classes_per_client", "sigma", "quantity_skew")
 
 
 def load_config(source: "str | os.PathLike | dict | Config" = None, overrides=None) -> Config:
-    """Build a validated Config from a YAML path, a dict or a Config, plus overrides.
+    """Build a validated Config from a YAML path (or the name of a shipped experiment,
+    ``"mnist_seed"``), a dict or a Config, plus overrides.
 
     ``overrides`` is a list of ``"dotted.key=value"`` strings (values parsed as YAML
     scalars, as on the command line) or a dict of ``{"dotted.key": value}``; nested dicts
@@ -40,7 +40,7 @@ def load_config(source: "str | os.PathLike | dict | Config" = None, overrides=No
         raw = copy.deepcopy(source)
     else:
         origin = str(source)
-        raw = read_yaml(Path(source))
+        raw = read_yaml(experiment_file(source))
     from_overrides = apply_overrides(raw, overrides or {}, origin)
     cfg = build(Config, raw, "", origin, from_overrides)
     try:
