@@ -14,6 +14,9 @@ from .interrupts import Terminated, install_handlers
 
 def cmd_run(args) -> int:
     """Run or resume; under torchrun, as one of several ranks (see distributed.py)."""
+    from .processes import start_fork_server
+
+    start_fork_server()  # the workers' torch is imported in the fork server while this process imports its own
     from .distributed import Ranks, launched
 
     ranks = Ranks.join() if launched() else Ranks()
@@ -157,6 +160,9 @@ def cmd_plot(args) -> int:
 
 
 def cmd_sweep(args) -> int:
+    from .processes import start_fork_server
+
+    start_fork_server()
     from .errors import FedsimError
     from .execution import kill_all_pools
     from .sweep import sweep
@@ -295,7 +301,8 @@ def main(argv=None) -> None:
         if str(e):  # a rank stopped by another has nothing to add: that one says why
             print(f"fedsim: error: {e}", file=sys.stderr)
         code = e.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before a command's own handling began (fedsim run while importing torch)
+        print("fedsim: interrupted", file=sys.stderr)
         code = 130
     except BrokenPipeError:  # `fedsim list | head`: the reader has all it wanted
         from .progress import write_or_silence

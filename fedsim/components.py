@@ -9,7 +9,7 @@ it), or, from Python, the object itself:
     algorithm    an Algorithm instance, or a subclass built with algorithm_options
     data.dataset a Dataset (fedsim.data.from_tensors), or a .pt / .npz file of its tensors
 
-Objects reach the spawned workers by value, serialized with cloudpickle, so a function or
+Objects reach the worker processes by value, serialized with cloudpickle, so a function or
 class defined in a notebook cell or a script's ``__main__`` works there too. Whatever cannot
 be used is refused in one line, before any worker is handed anything: not importable, the
 wrong kind of object, the wrong signature, the wrong output on a probe call.
@@ -217,7 +217,7 @@ class Shipped:
 
 
 def for_workers(cfg):
-    """A copy of ``cfg`` that the spawned workers can unpickle: the model and algorithm they
+    """A copy of ``cfg`` that the worker processes can unpickle: the model and algorithm they
     need travel by value; the aggregator and dataset, which they do not use, by name only."""
     import cloudpickle
 

@@ -31,6 +31,16 @@ class WorkerError(FedsimError):
     exit_code = 1
 
 
+class UnguardedScript(WorkerError):
+    """The script that called fedsim.run did so outside ``if __name__ == "__main__":``, so each
+    worker, which imports the script, would start the run again (see processes.py)."""
+
+    def __init__(self):
+        super().__init__('this script calls fedsim.run outside an `if __name__ == "__main__":` block, so every '
+                         'worker process, which imports the script, would start the run again; put the call '
+                         'under that guard')
+
+
 class NonFiniteError(FedsimError):
     """A client update held NaN or Inf and the run was told to stop (on_nonfinite: fail)."""
 

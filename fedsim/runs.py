@@ -2,6 +2,7 @@
 ``run`` calls, on every rank."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -9,8 +10,9 @@ import yaml
 from . import components
 from .config import Config, apply_overrides, locate, save_config
 from .distributed import RankStopped, Ranks
-from .errors import ConfigError, FedsimError, explain_resource_error
-from .progress import RoundLog
+from .errors import ConfigError, FedsimError, UnguardedScript, explain_resource_error
+from .processes import UNGUARDED_SCRIPT, in_worker_start, start_fork_server
+from .progress import RoundLog, console_logging
 from .results import History
 from .rundir import RunDirectory
 from .session import RESUMABLE_KEYS, Session, run_identity
@@ -29,14 +31,30 @@ def run(config="mnist_seed", *, out=None, overwrite: bool = False, quiet: bool =
     show the rounds as one updating line (None: only on a terminal); ``quiet``: print no
     per-round lines; ``callbacks``: observers of the run (see callbacks.py).
     """
+    _refuse_in_a_worker()
     cfg = load_config(config, _with_dataset_key(overrides))
-    return start_run(cfg, out=out, overwrite=overwrite, quiet=quiet, progress=progress, callbacks=callbacks)
+    try:
+        return start_run(cfg, out=out, overwrite=overwrite, quiet=quiet, progress=progress, callbacks=callbacks)
+    except UnguardedScript as e:
+        raise SystemExit(f"fedsim: error: {e}") from None  # one line: the script cannot work as it is
 
 
 def resume(run_dir, *, quiet: bool = False, progress: bool | None = None, callbacks=(), **overrides) -> History:
     """Continue a run from its last checkpoint; ``rounds=N`` extends it. A component that was
     given as an object (defined in a notebook, say) is given again the same way."""
-    return resume_run(run_dir, _with_dataset_key(overrides), quiet=quiet, progress=progress, callbacks=callbacks)
+    _refuse_in_a_worker()
+    try:
+        return resume_run(run_dir, _with_dataset_key(overrides), quiet=quiet, progress=progress, callbacks=callbacks)
+    except UnguardedScript as e:
+        raise SystemExit(f"fedsim: error: {e}") from None
+
+
+def _refuse_in_a_worker() -> None:
+    """A worker starting up imports the script that started the run; if the script calls
+    fedsim.run at its top level, the call comes here in the worker, which then ends at once and
+    quietly, with a status that the server turns into one line naming the guard."""
+    if in_worker_start():
+        os._exit(UNGUARDED_SCRIPT)
 
 
 def _with_dataset_key(overrides: dict) -> dict:
@@ -48,12 +66,13 @@ def _with_dataset_key(overrides: dict) -> dict:
 
 
 def start_run(cfg: Config, out=None, overwrite: bool = False, quiet: bool = False, progress=None,
-              callbacks=(), ranks: Ranks | None = None) -> History:
+              callbacks=(), ranks: Ranks | None = None, pools=None) -> History:
     """Run ``cfg`` into ``out`` (default ``runs/<name>-<timestamp>``); on ranks other than 0
-    (see distributed.py) only train."""
+    (see distributed.py) only train. ``pools``: a PoolKeeper whose workers the run may use
+    (execution/pool.py)."""
     ranks = ranks or Ranks()
     path = RunDirectory.target(out, cfg.name, overwrite) if ranks.is_root else None  # before loading anything
-    session = _setup(cfg, quiet, progress, callbacks, ranks)
+    session = _setup(cfg, quiet, progress, callbacks, ranks, pools)
     if not ranks.is_root:
         return session.run(None)
     try:
@@ -166,11 +185,15 @@ def _check_same_run(path: Path, state: dict, cfg: Config) -> None:
                           f"a new run)")
 
 
-def _setup(cfg: Config, quiet: bool, progress: bool | None, callbacks=(), ranks: Ranks | None = None) -> Session:
+def _setup(cfg: Config, quiet: bool, progress: bool | None, callbacks=(), ranks: Ranks | None = None,
+           pools=None) -> Session:
     ranks = ranks or Ranks()
+    log = RoundLog(progress, quiet=quiet or not ranks.is_root)
+    if cfg.workers != 0:
+        start_fork_server()  # the workers' imports, while the session loads the data
     try:
-        session = Session(cfg, log=RoundLog(progress, quiet=quiet or not ranks.is_root), callbacks=callbacks,
-                          ranks=ranks)
+        with console_logging(log):  # the session says what it loads and starts, as it starts
+            session = Session(cfg, log=log, callbacks=callbacks, ranks=ranks, pools=pools)
     except FedsimError as e:
         raise locate(cfg, e) from None
     except (RuntimeError, OSError) as e:

@@ -142,7 +142,7 @@ class Session:
     ``callbacks`` observe the run (see callbacks.py).
     """
 
-    def __init__(self, cfg: Config, log=None, callbacks=(), ranks: Ranks | None = None):
+    def __init__(self, cfg: Config, log=None, callbacks=(), ranks: Ranks | None = None, pools=None):
         self.cfg, self.ranks = cfg, ranks or Ranks()
         self.log = log if isinstance(log, RoundLog) else RoundLog(progress=False, write=log or print)
         self.user_callbacks = list(callbacks)
@@ -156,9 +156,11 @@ class Session:
         self.workers = resolve_workers(cfg, self.device)
         runner = HogwildRunner if cfg.mode == "hogwild" else ClientRunner
         shipped = components.for_workers(cfg)
-        make_pool = lambda: new_pool(shipped, self.workers, self.device, runner)  # noqa: E731
-        # the workers import torch while the data loads
+        make_pool = lambda: new_pool(shipped, self.workers, self.device, runner, pools)  # noqa: E731
         self.executor = Restarting(make_pool) if cfg.on_worker_failure == "restart" else make_pool()
+        if self.ranks.is_root:  # what the next seconds are spent on, before they are spent
+            starting = f" and starting {self.workers} workers" if self.workers else ""
+            logger.info(f"{cfg.name}: loading {components.describe(cfg.data.dataset)}{starting} on {self.device}")
         try:
             self._assemble()
         except BaseException:
@@ -242,7 +244,8 @@ class Session:
                 else:
                     ranks = f"{self.ranks.world} ranks x " if self.ranks.world > 1 else ""
                     logger.info(f"{cfg.name}: {cfg.rounds} rounds of {cfg.clients_per_round}/{cfg.data.num_clients} "
-                                f"clients, {ranks}{self.workers} workers on {self.device}; writing {run_dir.path}")
+                                f"clients, {ranks}{self.workers} workers on {self.device}, ready in "
+                                f"{self.startup_seconds:.1f} s; writing {run_dir.path}")
                     self._notify("on_run_start", RunStart(cfg, run_dir.path, self.first_round, self.state.model.module))
                     self._rounds()
         except FedsimError:

@@ -131,6 +131,7 @@ def sweep(config, grid: list[str], overrides: list[str] = (), out=None, overwrit
     ``out/sweep.csv`` (with ``seeds``, one row per configuration, and ``out/runs.csv``, one per
     run). ``target``: report the rounds to this test accuracy (a fraction; the runs go on),
     instead of each configuration's ``stop_at_accuracy``."""
+    from .execution import PoolKeeper
     from .progress import RoundLog
     from .runs import start_run
 
@@ -145,12 +146,14 @@ def sweep(config, grid: list[str], overrides: list[str] = (), out=None, overwrit
         raise write_error(root, e) from None
     log(f"sweep of {len(runs)} runs into {root}")
     try:
-        for index, run in enumerate(runs, 1):
-            log(f"[{index}/{len(runs)}] {run.label}")
-            try:
-                run.history = start_run(run.config, out=root / run.label, overwrite=overwrite, quiet=quiet)
-            except FedsimError as e:
-                raise type(e)(f"sweep run {run.label}: {e}") from None
+        with PoolKeeper() as pools:  # runs on the same device with as many workers share the workers
+            for index, run in enumerate(runs, 1):
+                log(f"[{index}/{len(runs)}] {run.label}")
+                try:
+                    run.history = start_run(run.config, out=root / run.label, overwrite=overwrite, quiet=quiet,
+                                            pools=pools)
+                except FedsimError as e:
+                    raise type(e)(f"sweep run {run.label}: {e}") from None
     finally:  # an interrupted or failed sweep still tables the runs that finished
         finished = [run for run in runs if run.history is not None]
         if finished:

@@ -8,7 +8,6 @@ import os
 import signal
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,8 @@ from fedsim.errors import ConfigError
 from fedsim.federation import initial_model, load_federation
 from fedsim.streams import client_seed
 
-from support import assert_one_line_error, child_pids, shm_entries, start, tagged_processes, wait_for_round
+from support import (assert_one_line_error, child_pids, shm_entries, start, tagged_processes, wait_for_round,
+                     worker_pids)
 
 
 @pytest.fixture
@@ -115,8 +115,7 @@ def test_a_killed_hogwild_worker_ends_the_run_with_one_line(hogwild, tmp_path):
     tag = uuid.uuid4().hex
     proc = start(["run", str(config), "--out", str(tmp_path / "run")], tag)
     wait_for_round(proc, 1)
-    workers = [pid for pid in tagged_processes(tag) if pid != proc.pid and
-               b"multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    workers = worker_pids(tagged_processes(tag))
     assert len(workers) == 2
     t0 = time.monotonic()
     os.kill(workers[1], signal.SIGKILL)

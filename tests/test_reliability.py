@@ -11,14 +11,13 @@ import re
 import signal
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
 import fedsim
 
 from support import (BASE, assert_one_line_error, run_cli, shm_entries, start, tagged_processes, wait_for_round,
-                     write_config, write_faulty_config)
+                     write_config, write_faulty_config, worker_pids)
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +46,7 @@ def test_a_worker_killed_from_outside_ends_the_run(tmp_path):
     tag = uuid.uuid4().hex
     proc = start(["run", str(write_config(tmp_path, rounds=50)), "--out", str(tmp_path / "run")], tag)
     wait_for_round(proc, 2)
-    workers = [pid for pid in tagged_processes(tag) if pid != proc.pid and
-               b"multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    workers = worker_pids(tagged_processes(tag))
     assert len(workers) == 2
     t0 = time.monotonic()
     os.kill(workers[0], signal.SIGKILL)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing.forkserver
 import multiprocessing.resource_sharer
 import os
 import resource
@@ -15,11 +16,39 @@ import torch
 from ..errors import ResourceError
 
 def die_with_parent() -> None:
-    """Ask Linux to kill this worker if the server dies (even by SIGKILL): no orphans."""
+    """Ask Linux to kill this worker if its parent dies (even by SIGKILL): no orphans. A worker's
+    parent is the fork server (see processes.py), which exits as soon as the server does, once
+    no worker holds the "alive" pipe that the server holds: a forked worker inherits an end of
+    it, and lets it go here."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: the server's atexit handler still terminates daemonic workers
+    fork_server = multiprocessing.forkserver._forkserver
+    if getattr(fork_server, "_forkserver_alive_fd", None) is not None:
+        os.close(fork_server._forkserver_alive_fd)
+        fork_server._forkserver_alive_fd = None
+
+
+def name_this_process(name: str) -> None:
+    """The name that ps and top show (Linux keeps 15 bytes of it): fedsim-worker0, ..."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15])  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start this process's peak memory afresh: the allocator's peak on a GPU, the peak resident
+    set size (VmHWM, which Linux resets to the current size) on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def peak_rss_bytes() -> int:
@@ -43,25 +72,6 @@ def exit_cause(code: int | None) -> str:
         hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if name == "SIGKILL" else ""
         return f"killed by {name}{hint}"
     return f"exited with status {code}"
-
-
-@contextlib.contextmanager
-def born_ignoring_sigint():
-    """Ctrl-C reaches every process of the terminal's group, and the server decides what it
-    means; a worker still importing torch would print a traceback. An ignored signal stays
-    ignored across exec, so the worker is started while SIGINT is ignored here; meanwhile
-    SIGINT is also blocked, which on Linux keeps one that arrives pending for the server's own
-    handler instead of discarding it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may change handlers; the worker ignores SIGINT once it runs
-        return
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def stop_resource_sharer() -> None:
