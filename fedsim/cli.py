@@ -28,8 +28,8 @@ def cmd_run(args) -> int:
 
 def _run(args, ranks) -> int:
     from .callbacks import TensorBoard
+    from .config import directory_name
     from .validation import load_config
-    from .distributed import ranks_named
     from .errors import DataError, FedsimError
     from .progress import write_or_silence
     from .execution import kill_all_pools
@@ -51,28 +51,18 @@ def _run(args, ranks) -> int:
             if not args.config:
                 raise FedsimError("missing the experiment FILE (or --resume RUN_DIR)")
             loaded = load_config(args.config, args.set)
-            RunDirectory.target(args.out, loaded.name, args.overwrite)  # refuse a taken --out at once
+            RunDirectory.target(args.out, directory_name(loaded), args.overwrite)  # refuse a taken --out at once
             return loaded
 
         cfg = agree_on_config(ranks, load)
-        path = RunDirectory.target(args.out, cfg.name, args.overwrite) if ranks.is_root else None
+        path = RunDirectory.target(args.out, directory_name(cfg), args.overwrite) if ranks.is_root else None
         runner = lambda: start_run(cfg, out=path, overwrite=args.overwrite, quiet=args.quiet,  # noqa: E731
                                    progress=args.progress, callbacks=callbacks, ranks=ranks)
     install_handlers(kill_all_pools)
     try:
         history = runner()
     except (KeyboardInterrupt, Terminated) as e:
-        # under torchrun a SIGTERM most often comes from the agent stopping the job because
-        # another rank died: say which, when that can be seen from this machine
-        lost = ranks.lost() if ranks.world > 1 else []
-        if ranks.is_root:
-            message = _interrupted_message(path)
-            if lost:
-                message = message.replace("interrupted", f"stopped because {ranks_named(lost)} died", 1)
-            print(f"fedsim: {message}", file=sys.stderr)
-        elif 0 in lost:  # rank 0 cannot say it any more
-            print("fedsim: rank 0 died; the job stopped (rank 0's run directory holds what it wrote)",
-                  file=sys.stderr)
+        _say_interrupted(ranks, path)
         return 130 if isinstance(e, KeyboardInterrupt) else 143
     except DataError as e:
         if e.missing and not args.resume:  # offer what works at once, without the files
@@ -86,6 +76,21 @@ def _run(args, ranks) -> int:
                                      f"{summary['rounds']} ({summary['wall_seconds']:.1f} s); results in "
                                      f"{history.run_dir}\n")
     return 0
+
+
+def _say_interrupted(ranks, path) -> None:
+    """What an interrupted run left, in one line. Under torchrun a SIGTERM most often comes from
+    the agent stopping the job because another rank died: say which, when this machine can see it."""
+    from .distributed import ranks_named
+
+    lost = ranks.lost() if ranks.world > 1 else []
+    if ranks.is_root:
+        message = _interrupted_message(path)
+        if lost:
+            message = message.replace("interrupted", f"stopped because {ranks_named(lost)} died", 1)
+        print(f"fedsim: {message}", file=sys.stderr)
+    elif 0 in lost:  # rank 0 cannot say it any more
+        print("fedsim: rank 0 died; the job stopped (rank 0's run directory holds what it wrote)", file=sys.stderr)
 
 
 def _interrupted_message(path) -> str:

@@ -25,6 +25,7 @@ import torch
 
 from . import aggregation
 from .aggregation import AGGREGATORS
+from .checks import cut
 from .algorithms import ALGORITHMS, Algorithm
 from .attacks import ATTACKS
 from .data import DATASETS, PARTITIONS, Dataset, check_dataset_spec
@@ -48,7 +49,8 @@ def _set(cfg, key: str, value) -> None:
 
 
 def describe(value) -> str:
-    """How config.yaml names a component: its name, import path or where it was defined."""
+    """How config.yaml names a component: its name, import path or where it was defined; an
+    object with its arguments, ``__main__:ServerStep(step=0.5)``."""
     if isinstance(value, str):
         return value
 
@@ -56,7 +58,20 @@ def describe(value) -> str:
         return value.name
     target = value if inspect.isroutine(value) or inspect.isclass(value) else type(value)
     where = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__name__)}"
-    return where if target is value else f"{where}()"
+    return where if target is value else f"{where}({_arguments(value)})"
+
+
+def _arguments(obj) -> str:
+    """An object's constructor arguments, as far as it keeps them: every parameter of its
+    ``__init__`` that it stores under the same name (``self.step = step``), as scikit-learn's
+    get_params reads them."""
+    try:
+        parameters = inspect.signature(type(obj).__init__).parameters.values()
+    except (TypeError, ValueError):
+        return ""
+    kept = [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            and p.name in getattr(obj, "__dict__", {})]
+    return ", ".join(f"{name}={cut(repr(getattr(obj, name)), 40)}" for name in kept)
 
 
 def _resolve(key: str, spec, table):

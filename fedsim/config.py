@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import hashlib
 import math
 import os
 import types
@@ -286,6 +287,37 @@ def groups_per_round(cfg: Config) -> int:
     if cfg.backend == "vmap":
         return -(-cfg.clients_per_round // vmap_group_size(cfg))
     return cfg.clients_per_round
+
+
+def overrides_of(cfg: Config) -> dict:
+    """The keys set on top of the experiment (``--set``, or ``fedsim.run``'s keywords), dotted,
+    with the values the run has for them: ``{"data.dataset": "synthetic", "aggregator_options.bound": 0.5}``."""
+    from .results import flatten_config
+
+    _, keys = getattr(cfg, "origin", ("config", frozenset()))
+    values = dict(flatten_config(cfg.to_dict()))
+    return {key: value for key, value in sorted(values.items())
+            if any(key == k or key.startswith(k + ".") for k in keys)}
+
+
+def directory_name(cfg: Config) -> str:
+    """What a run directory is called before its timestamp: the run's name, then the overrides
+    that change what it computes (not where or how fast it runs), or a hash of them where they
+    would be long: ``mnist_seed-dataset=synthetic-lr=0.05``."""
+    from .results import defining
+
+    changes = [f"{key.rpartition('.')[2]}={_short(value)}" for key, value in defining(overrides_of(cfg)).items()]
+    suffix = "-".join(changes)
+    if len(suffix) > 48:
+        suffix = "set-" + hashlib.sha1(suffix.encode()).hexdigest()[:8]
+    return f"{cfg.name}-{suffix}" if suffix else cfg.name
+
+
+def _short(value) -> str:
+    """A value in a directory name: a component by its own name, without its module."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value).rpartition(":")[2]
 
 
 def save_config(cfg: Config, path: Path) -> None:

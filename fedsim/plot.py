@@ -17,7 +17,8 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from .errors import FedsimError, write_error
-from .results import RUN_SPECIFIC_KEYS, History, flatten_config, group_repeats, load_run, load_runs
+from .results import (RUN_SPECIFIC_KEYS, History, defining, describe_run, flatten_config, group_repeats, load_run,
+                      load_runs)
 from .rundir import COLUMNS, check_output_path, write_atomically
 
 # Okabe & Ito's palette, which stays distinct under the common colour-vision deficiencies;
@@ -145,9 +146,29 @@ def save_figure(fig: Figure, path, pdf: bool = False) -> list[Path]:
 
 
 def save_accuracy_plot(history, path: Path) -> None:
-    """The accuracy.png of a run directory."""
+    """The accuracy.png of a run directory (see accuracy_figure), at 300 dpi as ``fedsim plot``."""
+    figure = accuracy_figure(history)
+    write_atomically(path, lambda tmp: figure.savefig(tmp, dpi=300, format="png"))
+
+
+def accuracy_figure(history) -> Figure:
+    """A run's test accuracy per round. The title says what ran (see _default_title), and the y
+    axis reaches down to chance, 1 / num_classes (from summary.json), marked by a dotted line,
+    and spans at least 20 points: a run that learns nothing reads as flat, not as a zoomed-in
+    wiggle."""
     figure = plot_runs([history], width=5.0)
-    write_atomically(path, lambda tmp: figure.savefig(tmp, dpi=150, format="png"))
+    classes = history.summary.get("num_classes")
+    if classes:
+        ax, chance = figure.axes[0], 100.0 / classes
+        ax.axhline(chance, color="0.45", linestyle=":", linewidth=1)
+        ax.annotate(f"chance ({chance:.3g} %)", (0, chance), xycoords=("axes fraction", "data"),
+                    xytext=(3, 2), textcoords="offset points", fontsize="x-small", color="0.45")
+        values = [100 * v for v in history.test_accuracy]
+        low = min(chance, *values)
+        high = max(max(values), low + 20)  # at least 20 points high: a flat line stays flat
+        margin = 0.04 * (high - low)
+        ax.set_ylim(max(0.0, low - margin), high + margin)
+    return figure
 
 
 # ----------------------------------------------------------------------------- drawing
@@ -263,11 +284,21 @@ def _legend_height(texts: list[str], columns: int, title: str | None) -> float:
 
 
 def _default_title(histories: list[History], metric: str, x: str) -> str:
+    """The runs' name, and below it what they ran (dataset, split, model, rule, algorithm and the
+    keys set on top of the experiment, see describe_run) when they all ran the same; otherwise
+    the metric."""
     names = {h.name for h in histories}
     if len(names) == 1:
-        return names.pop()
+        described = {describe_run(h.config, defining(h.summary.get("overrides") or {})) for h in histories if h.config}
+        return "\n".join([names.pop(), *_wrapped(described.pop(), 60)]) if len(described) == 1 else names.pop()
     what = _axis_label(metric).split(" (")[0].capitalize()
     return {"round": f"{what} per round", "seconds": f"{what} over wall time", "epsilon": f"{what} against ε"}[x]
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width, break_on_hyphens=False)
 
 
 def _axis_label(column: str) -> str:

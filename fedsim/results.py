@@ -145,6 +145,32 @@ def _experiment_key(config: dict, distinguish: set) -> tuple:
                         if k not in RUN_SPECIFIC_KEYS or k in distinguish))
 
 
+def defining(overrides: dict) -> dict:
+    """The overrides that change what a run computes: all but where and how it ran (the
+    ``RUN_SPECIFIC_KEYS``), though the seed counts."""
+    return {key: value for key, value in overrides.items() if key == "seed" or key not in RUN_SPECIFIC_KEYS}
+
+
+def describe_run(config: dict, overrides: dict | None = None) -> str:
+    """What a run computed, in one line: dataset and split, model, aggregation rule, algorithm (as
+    config.yaml names them), then the keys set on top of its experiment (``overrides``, as
+    summary.json keeps them), cut short where long."""
+    data = config.get("data") or {}
+    text = (f"{data.get('dataset')} ({data.get('partition')}, {data.get('num_clients')} clients), "
+            f"model {config.get('model')}, aggregator {config.get('aggregator')}, algorithm {config.get('algorithm')}")
+    if overrides:
+        text += "; with " + _cut(", ".join(f"{key}={_plain(value)}" for key, value in overrides.items()), 120)
+    return text
+
+
+def _plain(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def flatten_config(config: dict, prefix: str = ""):
     """(dotted key, value) pairs of a nested config dict."""
     for key, value in config.items():

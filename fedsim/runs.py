@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from . import components
-from .config import Config, apply_overrides, locate, save_config
+from .config import Config, apply_overrides, directory_name, locate, save_config
 from .distributed import RankStopped, Ranks
 from .errors import ConfigError, FedsimError, UnguardedScript, explain_resource_error
 from .processes import UNGUARDED_SCRIPT, in_worker_start, start_fork_server
@@ -67,11 +67,13 @@ def _with_dataset_key(overrides: dict) -> dict:
 
 def start_run(cfg: Config, out=None, overwrite: bool = False, quiet: bool = False, progress=None,
               callbacks=(), ranks: Ranks | None = None, pools=None) -> History:
-    """Run ``cfg`` into ``out`` (default ``runs/<name>-<timestamp>``); on ranks other than 0
+    """Run ``cfg`` into ``out`` (default ``runs/<name>[-<overrides>]-<timestamp>``, see
+    config.directory_name); on ranks other than 0
     (see distributed.py) only train. ``pools``: a PoolKeeper whose workers the run may use
     (execution/pool.py)."""
     ranks = ranks or Ranks()
-    path = RunDirectory.target(out, cfg.name, overwrite) if ranks.is_root else None  # before loading anything
+    # before loading anything
+    path = RunDirectory.target(out, directory_name(cfg), overwrite) if ranks.is_root else None
     session = _setup(cfg, quiet, progress, callbacks, ranks, pools)
     if not ranks.is_root:
         return session.run(None)

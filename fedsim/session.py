@@ -8,6 +8,7 @@ line, whether to go on, and, under torchrun, what the other ranks are told (exec
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import socket
@@ -22,7 +23,7 @@ from . import components
 from .attacks import attacker_mask, make_attack
 from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart
 from .client_eval import ClientEvaluation
-from .config import Config, groups_per_round
+from .config import Config, groups_per_round, overrides_of
 from .distributed import RankStopped, Ranks, rank_device
 from .engine import AggregateUpdates, Engine, GlobalState, RoundBuffers
 from .errors import ConfigError, FedsimError, OutputError, explain_resource_error
@@ -36,8 +37,8 @@ from .flat import FlatModel
 from .interrupts import shielded
 from .privacy import Privacy
 from .progress import RoundLog, console_logging
-from .results import History, flatten_config
-from .rundir import read_clients
+from .results import History, describe_run, flatten_config
+from .rundir import read_clients, read_mapping
 from .server_opt import make_server_optimizer
 from .system import System
 from .validation import unused_settings
@@ -135,6 +136,25 @@ def allocate_buffers(cfg: Config, state: GlobalState, data, parts, data_device: 
     ).share_cpu_tensors()
 
 
+def ready_message(cfg: Config, first_round: int, ranks: int, workers: int, device, seconds: float, path) -> str:
+    """The line that says the workers are ready: which rounds (a resumed run's from its
+    checkpoint on), how, after how long, and where the files go."""
+    rounds = f"{cfg.rounds} rounds" if first_round == 1 else \
+        f"rounds {first_round} to {cfg.rounds} (resumed from the checkpoint of round {first_round - 1})"
+    ranks_text = f"{ranks} ranks x " if ranks > 1 else ""
+    return (f"{cfg.name}: {rounds} of {cfg.clients_per_round}/{cfg.data.num_clients} clients, {ranks_text}{workers} "
+            f"workers on {device}, ready in {seconds:.1f} s; writing {path}")
+
+
+def what_ran(config: dict, num_classes: int, overrides: dict, first_round: int) -> dict:
+    """summary.json's account of what ran: the experiment's parts, the keys set on top of its
+    file, and the round a resumed run went on from."""
+    return {**{key: config[key] for key in ("model", "aggregator", "algorithm")},
+            "dataset": config["data"]["dataset"], "partition": config["data"]["partition"],
+            "num_classes": num_classes, "overrides": overrides,
+            "resumed_at_round": first_round if first_round > 1 else None}
+
+
 class Session:
     """One run: the data on the device, the global state, the executor, the round loop, the files.
 
@@ -158,9 +178,11 @@ class Session:
         shipped = components.for_workers(cfg)
         make_pool = lambda: new_pool(shipped, self.workers, self.device, runner, pools)  # noqa: E731
         self.executor = Restarting(make_pool) if cfg.on_worker_failure == "restart" else make_pool()
-        if self.ranks.is_root:  # what the next seconds are spent on, before they are spent
+        self.overrides = overrides_of(cfg)  # a resumed run's are its first start's (see restore)
+        if self.ranks.is_root:  # what ran, and what the next seconds are spent on, before they are spent
             starting = f" and starting {self.workers} workers" if self.workers else ""
-            logger.info(f"{cfg.name}: loading {components.describe(cfg.data.dataset)}{starting} on {self.device}")
+            logger.info(f"{cfg.name}: {describe_run(cfg.to_dict(), self.overrides)}")
+            logger.info(f"loading {components.describe(cfg.data.dataset)}{starting} on {self.device}")
         try:
             self._assemble()
         except BaseException:
@@ -177,6 +199,7 @@ class Session:
         cfg, device = self.cfg, self.device
         federation = load_federation(cfg)
         data, parts = federation.data, federation.parts
+        self.num_classes = data.num_classes
         sizes = [len(p) for p in parts]
         if 0 in sizes:
             raise ConfigError(f"data.partition: client {sizes.index(0)} gets no samples; "
@@ -221,6 +244,7 @@ class Session:
         self.state.load_state_dict(state, source)
         self.first_round, self.elapsed_before = state["round"] + 1, state["elapsed_seconds"]
         self.rows = rows
+        self.overrides = read_mapping(source.parent / "summary.json", json.loads).get("overrides", self.overrides)
         records = source.parent / "clients.csv"
         if records.is_file():
             self.client_rows = [r for r in read_clients(records) if r["round"] <= state["round"]]
@@ -242,10 +266,8 @@ class Session:
                     self.executor.follow(self.engine, self.first_round)
                     self.status = "finished"
                 else:
-                    ranks = f"{self.ranks.world} ranks x " if self.ranks.world > 1 else ""
-                    logger.info(f"{cfg.name}: {cfg.rounds} rounds of {cfg.clients_per_round}/{cfg.data.num_clients} "
-                                f"clients, {ranks}{self.workers} workers on {self.device}, ready in "
-                                f"{self.startup_seconds:.1f} s; writing {run_dir.path}")
+                    logger.info(ready_message(cfg, self.first_round, self.ranks.world, self.workers, self.device,
+                                              self.startup_seconds, run_dir.path))
                     self._notify("on_run_start", RunStart(cfg, run_dir.path, self.first_round, self.state.model.module))
                     self._rounds()
         except FedsimError:
@@ -352,9 +374,11 @@ class Session:
     def _write_summary(self, status: str) -> None:
         accuracies = [r["test_accuracy"] for r in self.rows]
         target = self.cfg.stop_at_accuracy
+        config = self.cfg.to_dict()
         self.summary = {
             "name": self.cfg.name,
             "status": status,
+            **what_ran(config, self.num_classes, self.overrides, self.first_round),
             "rounds": self.rows[-1]["round"] if self.rows else 0,
             "final_test_accuracy": accuracies[-1] if accuracies else None,
             "best_test_accuracy": max(accuracies) if accuracies else None,
@@ -375,5 +399,5 @@ class Session:
         if self.rows:
             from .plot import save_accuracy_plot  # matplotlib: imported while the workers started
 
-            save_accuracy_plot(History(self.rows, self.cfg.to_dict(), self.run_dir.path),
+            save_accuracy_plot(History(self.rows, config, self.run_dir.path, self.summary),
                                self.run_dir.path / "accuracy.png")

@@ -31,17 +31,18 @@ def load_config(source: "str | os.PathLike | dict | Config" = None, overrides=No
     scalars, as on the command line) or a dict of ``{"dotted.key": value}``; nested dicts
     such as ``{"local": {"lr": 0.1}}`` work too.
     """
-    origin = "config"
+    origin, earlier = "config", frozenset()
     if source is None:
         raw: dict = {}
     elif isinstance(source, Config):
         raw = source.to_dict()
+        origin, earlier = getattr(source, "origin", (origin, earlier))  # its overrides stay overrides
     elif isinstance(source, dict):
         raw = copy.deepcopy(source)
     else:
         origin = str(source)
         raw = read_yaml(experiment_file(source))
-    from_overrides = apply_overrides(raw, overrides or {}, origin)
+    from_overrides = apply_overrides(raw, overrides or {}, origin) | earlier
     cfg = build(Config, raw, "", origin, from_overrides)
     try:
         validate(cfg)

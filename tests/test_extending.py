@@ -79,7 +79,7 @@ def test_a_model_rule_algorithm_and_dataset_from_a_scripts_main_run_in_the_worke
     assert len(result["accuracy"]) == 3 and result["accuracy"][-1] > 0.3, result  # chance is 0.1
     config = (tmp_path / "run" / "config.yaml").read_text()
     assert "model: __main__:Net" in config and "aggregator: __main__:clipped_mean" in config
-    assert "algorithm: __main__:ServerStep()" in config and "dataset: my data" in config
+    assert "algorithm: __main__:ServerStep(step=1.0)" in config and "dataset: my data" in config
 
 
 @pytest.mark.slow

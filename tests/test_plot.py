@@ -115,7 +115,9 @@ def test_runs_from_directories_and_patterns(tmp_path):
     fig = plot_runs([tmp_path / "run0", str(tmp_path / "run[12]")])
     assert legend_texts(fig) == ["fedavg", "median", "krum"]
     single = plot_runs(tmp_path / "run0")
-    assert single.legends == [] and single.axes[0].get_title() == "fedavg"
+    name, *described = single.axes[0].get_title().split("\n")
+    assert single.legends == [] and name == "fedavg"  # the run's name, then what it ran
+    assert " ".join(described) == "mnist (iid, 10 clients), model mnist_cnn, aggregator fedavg, algorithm fedavg"
 
 
 @pytest.mark.parametrize("kwargs, message", [
