@@ -156,9 +156,11 @@ def cmd_partition(args) -> int:
 
 def cmd_plot(args) -> int:
     from .plot import plot_runs, save_figure
+    from .progress import RoundLog, console_logging
 
-    fig = plot_runs(args.runs, metric=args.metric, x=args.x, label=args.label, loss=args.loss,
-                    band=args.band, width=args.width, title=args.title, spread=args.spread)
+    with console_logging(RoundLog(progress=False)):  # runs left out are said as warnings
+        fig = plot_runs(args.runs, metric=args.metric, x=args.x, label=args.label, loss=args.loss,
+                        band=args.band, width=args.width, title=args.title, spread=args.spread)
     for path in save_figure(fig, args.output, pdf=args.pdf):
         print(f"wrote {path}")
     return 0

@@ -4,6 +4,14 @@ from __future__ import annotations
 import errno
 
 
+def did_you_mean(name, choices) -> str:
+    """``" (did you mean 'median'?)"`` for a name close to one of ``choices``, else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 class FedsimError(Exception):
     """A problem the user can fix (bad config, missing data, failed worker).
 

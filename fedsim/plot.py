@@ -17,8 +17,8 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from .errors import FedsimError, write_error
-from .results import (RUN_SPECIFIC_KEYS, History, defining, describe_run, flatten_config, group_repeats, load_run,
-                      load_runs)
+from .results import (RUN_SPECIFIC_KEYS, History, defining, describe_run, finished, flatten_config, group_repeats,
+                      load_run, load_runs)
 from .rundir import COLUMNS, check_output_path, write_atomically
 
 # Okabe & Ito's palette, which stays distinct under the common colour-vision deficiencies;
@@ -107,7 +107,8 @@ def _checked_options(histories, metric: str, x: str, band: str, spread: bool, wi
 
 
 def as_histories(runs) -> list[History]:
-    """History objects from a mix of Histories, run directories and glob patterns."""
+    """History objects from a mix of Histories, run directories and glob patterns; among
+    several, runs that failed or have no evaluated round are left out with a warning."""
     if isinstance(runs, (str, Path, History)):
         runs = [runs]
     histories = []
@@ -120,10 +121,14 @@ def as_histories(runs) -> list[History]:
             histories.append(load_run(run))
     if not histories:
         raise FedsimError("no runs to plot")
-    empty = next((h for h in histories if not h.rows), None)
-    if empty is not None:
-        raise FedsimError(f"{empty.run_dir or empty.name}: no evaluated rounds to plot yet")
-    return histories
+    if len(histories) == 1:  # a run on its own is drawn as far as it got, whatever became of it
+        if not histories[0].rows:
+            raise FedsimError(f"{histories[0].run_dir or histories[0].name}: no evaluated rounds to plot yet")
+        return histories
+    kept = finished(histories)  # among several (a pattern, or the shell's expansion of one): those with results
+    if not kept:
+        raise FedsimError("no runs to plot: every run given failed or has no evaluated round")
+    return kept
 
 
 def save_figure(fig: Figure, path, pdf: bool = False) -> list[Path]:

@@ -104,10 +104,11 @@ def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None, call
     def load() -> Config | None:
         if not (path / "config.yaml").is_file():
             raise FedsimError(f"--resume {path}: not a run directory (no config.yaml)")
-        bad = sorted(apply_overrides({}, overrides or {}) - RESUMABLE_KEYS - set(components.KEYS))
+        spelled = apply_overrides({}, overrides or {})
+        bad = sorted(set(spelled) - RESUMABLE_KEYS - set(components.KEYS))
         if bad:
-            raise ConfigError(f"--set {bad[0]}: cannot change when resuming (the rounds before and after would not "
-                              f"be one run); allowed: {', '.join(sorted(RESUMABLE_KEYS))}")
+            raise ConfigError(f"{spelled[bad[0]]} {bad[0]}: cannot change when resuming (the rounds before and after "
+                              f"would not be one run); allowed: {', '.join(sorted(RESUMABLE_KEYS))}")
         directory.lock()  # a second resume of the same directory is refused, not interleaved
         try:
             state = directory.load_checkpoint()

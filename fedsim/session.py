@@ -146,12 +146,18 @@ def ready_message(cfg: Config, first_round: int, ranks: int, workers: int, devic
             f"workers on {device}, ready in {seconds:.1f} s; writing {path}")
 
 
-def what_ran(config: dict, num_classes: int, overrides: dict, first_round: int) -> dict:
-    """summary.json's account of what ran: the experiment's parts, the keys set on top of its
-    file, and the round a resumed run went on from."""
+def _one_line(error: BaseException) -> str:
+    text = str(error).splitlines()[0] if str(error) else ""
+    return text if isinstance(error, FedsimError) else f"{type(error).__name__}: {text}"
+
+
+def what_ran(config: dict, input_shape: tuple, num_classes: int, overrides: dict, first_round: int) -> dict:
+    """summary.json's account of what ran: the experiment's parts, the shape of its data (what
+    load_model builds the model for), the keys set on top of its file, and the round a resumed
+    run went on from."""
     return {**{key: config[key] for key in ("model", "aggregator", "algorithm")},
             "dataset": config["data"]["dataset"], "partition": config["data"]["partition"],
-            "num_classes": num_classes, "overrides": overrides,
+            "input_shape": list(input_shape), "num_classes": num_classes, "overrides": overrides,
             "resumed_at_round": first_round if first_round > 1 else None}
 
 
@@ -199,7 +205,7 @@ class Session:
         cfg, device = self.cfg, self.device
         federation = load_federation(cfg)
         data, parts = federation.data, federation.parts
-        self.num_classes = data.num_classes
+        self.input_shape, self.num_classes = data.input_shape, data.num_classes
         sizes = [len(p) for p in parts]
         if 0 in sizes:
             raise ConfigError(f"data.partition: client {sizes.index(0)} gets no samples; "
@@ -360,7 +366,7 @@ class Session:
                 self.log.close()
                 return
             try:
-                self._write_summary(status)
+                self._write_summary(status, ended_by)
                 self._notify("on_run_end", self.history())
             except FedsimError as e:
                 if status == "finished":
@@ -371,14 +377,15 @@ class Session:
                 self.run_dir.unlock()
                 self.log.close()  # an error or interrupt message starts on a line of its own
 
-    def _write_summary(self, status: str) -> None:
+    def _write_summary(self, status: str, ended_by: BaseException | None = None) -> None:
         accuracies = [r["test_accuracy"] for r in self.rows]
         target = self.cfg.stop_at_accuracy
         config = self.cfg.to_dict()
         self.summary = {
             "name": self.cfg.name,
             "status": status,
-            **what_ran(config, self.num_classes, self.overrides, self.first_round),
+            **({"error": _one_line(ended_by)} if status == "failed" and ended_by is not None else {}),
+            **what_ran(config, self.input_shape, self.num_classes, self.overrides, self.first_round),
             "rounds": self.rows[-1]["round"] if self.rows else 0,
             "final_test_accuracy": accuracies[-1] if accuracies else None,
             "best_test_accuracy": max(accuracies) if accuracies else None,

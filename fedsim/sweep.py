@@ -100,7 +100,10 @@ def plan(config, grid: list[str], overrides: list[str] = (), seeds=None) -> list
         configuration = run_label(name, point)
         for seed in seeds if seeds is not None else [None]:
             repeat = [] if seed is None else [f"seed={seed}"]
-            cfg = load_config(config, [*overrides, *(f"{key}={value}" for key, value in point), *repeat])
+            try:
+                cfg = load_config(config, [*overrides, *(f"{key}={value}" for key, value in point), *repeat])
+            except ConfigError as e:
+                raise _as_given(e, point, seed) from None
             same = seen.setdefault(repr(cfg.to_dict()), point)  # 0.1 and 0.10 are one value
             if same is not point:
                 raise ConfigError(f"--grid: {_spelled(same)} and {_spelled(point)} are the same experiment; "
@@ -112,6 +115,18 @@ def plan(config, grid: list[str], overrides: list[str] = (), seeds=None) -> list
     if len(set(labels)) < len(labels):
         raise ConfigError("--grid: two grid points give the same run name; make the values distinct")
     return runs
+
+
+def _as_given(error: ConfigError, point: list[tuple[str, str]], seed: int | None) -> ConfigError:
+    """An error about a grid value (or a seed of --seeds) names it as the user gave it: ``--grid
+    key=value`` (``--seeds``), not ``--set key``."""
+    named = str(error).removeprefix("--set ").partition(":")[0]
+    flags = {key: f"--grid {key}={value}" for key, value in point} | ({"seed": f"--seeds {seed}"} if seed is not None
+                                                                        else {})
+    key = next((key for key in flags if key == named or key.startswith(named + ".")), None)
+    if not str(error).startswith("--set ") or key is None:
+        return error
+    return ConfigError(f"{flags[key]}{'' if key == named else f' ({named})'}{str(error)[len('--set ') + len(named):]}")
 
 
 def _spelled(point: list[tuple[str, str]]) -> str:

@@ -31,7 +31,7 @@ def load_config(source: "str | os.PathLike | dict | Config" = None, overrides=No
     scalars, as on the command line) or a dict of ``{"dotted.key": value}``; nested dicts
     such as ``{"local": {"lr": 0.1}}`` work too.
     """
-    origin, earlier = "config", frozenset()
+    origin, earlier = "config", {}
     if source is None:
         raw: dict = {}
     elif isinstance(source, Config):
@@ -42,14 +42,14 @@ def load_config(source: "str | os.PathLike | dict | Config" = None, overrides=No
     else:
         origin = str(source)
         raw = read_yaml(experiment_file(source))
-    from_overrides = apply_overrides(raw, overrides or {}, origin) | earlier
+    from_overrides = {**earlier, **apply_overrides(raw, overrides or {}, origin)}
     cfg = build(Config, raw, "", origin, from_overrides)
     try:
         validate(cfg)
     except ConfigError as e:  # the message starts with the key it is about
         key, _, message = str(e).partition(": ")
         raise ConfigError(f"{where(origin, key, from_overrides)}: {message}") from None
-    cfg.origin = (origin, frozenset(from_overrides))  # for errors found later (see config.locate)
+    cfg.origin = (origin, from_overrides)  # for errors found later (see config.locate), and overrides_of
     return cfg
 
 

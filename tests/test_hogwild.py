@@ -101,7 +101,7 @@ def test_a_hogwild_run_resumes_and_mode_cannot_change(hogwild, tmp_path):
     one = dict(hogwild, workers=0)  # no worker process: deterministic, so resuming must give the same numbers
     full = fedsim.run(one, out=tmp_path / "full", quiet=True)
     fedsim.run(one, out=tmp_path / "part", quiet=True, rounds=2)
-    with pytest.raises(ConfigError, match="--set mode: cannot change when resuming"):
+    with pytest.raises(ConfigError, match="keyword mode: cannot change when resuming"):
         fedsim.resume(tmp_path / "part", quiet=True, mode="sync")
     resumed = fedsim.resume(tmp_path / "part", quiet=True, rounds=3)
     assert resumed.test_accuracy == full.test_accuracy and resumed.train_loss == full.train_loss

@@ -120,6 +120,21 @@ def test_runs_from_directories_and_patterns(tmp_path):
     assert " ".join(described) == "mnist (iid, 10 clients), model mnist_cnn, aggregator fedavg, algorithm fedavg"
 
 
+def test_among_several_runs_a_failed_or_empty_one_is_left_out(tmp_path, caplog):
+    three_runs(tmp_path)
+    write_run(tmp_path / "run3", name="empty", accuracies=(), summary=False)
+    failed = write_run(tmp_path / "run4", name="failed", accuracies=(0.1,))
+    (failed / "summary.json").write_text('{"status": "failed", "error": "the disk is full"}')
+    fig = plot_runs([str(tmp_path / "run*")])
+    assert legend_texts(fig) == ["fedavg", "median", "krum"]
+    assert f"{tmp_path / 'run3'}: left out; it has no evaluated round" in caplog.messages
+    assert f"{failed}: left out; the run failed (the disk is full)" in caplog.messages
+    alone = plot_runs(failed)  # on its own, a run is drawn as far as it got
+    assert list(alone.axes[0].lines[0].get_ydata()) == [10.0]
+    with pytest.raises(FedsimError, match="no evaluated rounds to plot yet"):
+        plot_runs(tmp_path / "run3")
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"metric": "accuracy"}, "metric: 'accuracy' is not one of"),
     ({"x": "time"}, "x: 'time' is not one of round, seconds"),

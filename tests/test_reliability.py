@@ -40,6 +40,7 @@ def test_a_failing_worker_ends_the_run_with_one_line(tmp_path, kind, worker, cau
     assert re.search(r"^round\s+1/3", out, re.M)  # the rounds before the failure were kept
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["rounds"] == 1
+    assert summary["error"] == f"worker {worker} failed while training client {client} in round 2: {cause}"
 
 
 def test_a_worker_killed_from_outside_ends_the_run(tmp_path):

@@ -44,6 +44,20 @@ def fake_runs(monkeypatch):
     return calls
 
 
+def test_a_bad_grid_value_is_named_as_the_grid_gave_it(tmp_path):
+    config = tmp_path / "base.yaml"
+    config.write_text("name: g\naggregator: trimmed_mean\n")
+    with pytest.raises(ConfigError, match=r"^--grid aggregator=medain: unknown aggregator 'medain' "
+                                          r"\(did you mean 'median'\?\)"):
+        plan(config, ["aggregator=median,medain"])
+    with pytest.raises(ConfigError, match=r"^--grid aggregator_options.beta=0.7 \(aggregator_options\): beta must"):
+        plan(config, ["aggregator_options.beta=0.1,0.7"])
+    with pytest.raises(ConfigError, match=r"^--seeds -1: must be >= 0"):
+        plan(config, ["aggregator=median"], seeds=[0, -1])
+    with pytest.raises(ConfigError, match=r"^--set local.lr: must be > 0"):  # what --set gave stays --set
+        plan(config, ["aggregator=median"], ["local.lr=0"])
+
+
 def test_grid_values_are_split_on_commas():
     assert parse_grid(["aggregator=fedavg,median", "seed = 0, 1"]) == [
         ("aggregator", ["fedavg", "median"]), ("seed", ["0", "1"])]
