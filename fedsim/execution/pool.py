@@ -247,7 +247,7 @@ class WorkerPool:
         otherwise. Never leaves one alive without a keeper that will stop it."""
         if self._closed:
             return
-        if self.buffers is not None and not self._in_round:  # started and idle
+        if self.processes and not self._in_round:  # started, and idle between rounds (or runs)
             if self.keeper is not None and self._send_all(("release",)) and self.alive():
                 self.keeper.keep(self)
                 return
