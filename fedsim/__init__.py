@@ -1,9 +1,10 @@
 """fedsim: a synchronous federated-learning simulator for one machine and one accelerator.
 
     import fedsim
-    history = fedsim.run("experiments/mnist_seed.yaml", rounds=5, **{"local.lr": 0.05})
+    history = fedsim.run("mnist_seed", rounds=5, **{"local.lr": 0.05})
     history.test_accuracy        # one entry per evaluated round
-    fedsim.run("experiments/mnist_seed.yaml", aggregator=my_rule, model=MyNet)   # your own parts
+    model = fedsim.load_model(history.run_dir)    # the trained nn.Module
+    fedsim.run("mnist_seed", aggregator=my_rule, model=MyNet)   # your own parts
 
 Imports are lazy so that worker processes, which import this package, start quickly.
 """
@@ -11,11 +12,16 @@ __version__ = "0.1.0"
 
 _API = {
     "run": "runs", "resume": "runs", "load_config": "validation", "Config": "config",
-    "History": "results", "load_run": "results", "load_runs": "results",
+    "History": "results", "load_run": "results", "load_runs": "results", "load_model": "trained",
     "results_table": "results", "plot_runs": "plot", "Algorithm": "algorithms", "Callback": "callbacks",
 }
 _MODULES = {"data", "algorithms", "callbacks", "aggregation", "attacks", "models"}
 __all__ = sorted(_API)
+
+
+def __dir__():
+    """The public names, for tab completion (they are imported when first used)."""
+    return sorted({*globals(), *_API, *_MODULES})
 
 
 def __getattr__(name):

@@ -16,7 +16,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, did_you_mean
 
 FLOAT32 = torch.finfo(torch.float32)
 
@@ -69,13 +69,14 @@ class Checks:
 
     def one_of(self, key: str, value, allowed):
         if value not in allowed:
-            self.fail(key, f"must be one of {', '.join(allowed)}, got {cut(repr(value))}")
+            self.fail(key, f"must be one of {', '.join(allowed)}, got {cut(repr(value))}{did_you_mean(value, allowed)}")
         return value
 
     def choice(self, key: str, value, table):
         """A name registered in ``table`` (a Registry)."""
         if value not in table:
-            self.fail(key, f"unknown {table.kind} {cut(repr(value))}; choose one of: {', '.join(table.names())}")
+            self.fail(key, f"unknown {table.kind} {cut(repr(value))}{did_you_mean(value, table.names())}; choose one "
+                           f"of: {', '.join(table.names())}")
         return value
 
     def number(self, key: str, value, what: str) -> float:

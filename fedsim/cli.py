@@ -14,6 +14,9 @@ from .interrupts import Terminated, exiting, install_handlers
 
 def cmd_run(args) -> int:
     """Run or resume; under torchrun, as one of several ranks (see distributed.py)."""
+    from .processes import start_fork_server
+
+    start_fork_server()  # the workers' torch is imported in the fork server while this process imports its own
     from .distributed import Ranks, launched
 
     ranks = Ranks.join() if launched() else Ranks()
@@ -31,6 +34,7 @@ def cmd_run(args) -> int:
 
 def _run(args, ranks) -> int:
     from .callbacks import TensorBoard
+    from .config import directory_name
     from .validation import load_config
     from .errors import DataError, FedsimError
     from .progress import write_or_silence
@@ -53,11 +57,11 @@ def _run(args, ranks) -> int:
             if not args.config:
                 raise FedsimError("missing the experiment FILE (or --resume RUN_DIR)")
             loaded = load_config(args.config, args.set)
-            RunDirectory.target(args.out, loaded.name, args.overwrite)  # refuse a taken --out at once
+            RunDirectory.target(args.out, directory_name(loaded), args.overwrite)  # refuse a taken --out at once
             return loaded
 
         cfg = agree_on_config(ranks, load)
-        path = RunDirectory.target(args.out, cfg.name, args.overwrite) if ranks.is_root else None
+        path = RunDirectory.target(args.out, directory_name(cfg), args.overwrite) if ranks.is_root else None
         runner = lambda: start_run(cfg, out=path, overwrite=args.overwrite, quiet=args.quiet,  # noqa: E731
                                    progress=args.progress, callbacks=callbacks, ranks=ranks)
     install_handlers(kill_all_pools)
@@ -127,11 +131,15 @@ def _interrupted_message(path) -> str:
 
 def cmd_list(args) -> int:
     from .components import tables
+    from .yamlfile import shipped_experiments
 
-    for kind, table in tables().items():
+    experiments = shipped_experiments()
+    sections = {"experiments (fedsim run NAME)": list(experiments.items()),
+                **{kind: list(table.describe()) for kind, table in tables().items()}}
+    for kind, entries in sections.items():
         print(f"{kind}:")
-        width = max(len(name) for name in table.names())
-        for name, description in table.describe():
+        width = max(len(name) for name, _ in entries)
+        for name, description in entries:
             print(f"  {name:<{width}}  {description}")
     return 0
 
@@ -159,15 +167,20 @@ def cmd_partition(args) -> int:
 
 def cmd_plot(args) -> int:
     from .plot import plot_runs, save_figure
+    from .progress import RoundLog, console_logging
 
-    fig = plot_runs(args.runs, metric=args.metric, x=args.x, label=args.label, loss=args.loss,
-                    band=args.band, width=args.width, title=args.title, spread=args.spread)
+    with console_logging(RoundLog(progress=False)):  # runs left out are said as warnings
+        fig = plot_runs(args.runs, metric=args.metric, x=args.x, label=args.label, loss=args.loss,
+                        band=args.band, width=args.width, title=args.title, spread=args.spread)
     for path in save_figure(fig, args.output, pdf=args.pdf):
         print(f"wrote {path}")
     return 0
 
 
 def cmd_sweep(args) -> int:
+    from .processes import start_fork_server
+
+    start_fork_server()
     from .errors import FedsimError
     from .execution import kill_all_pools
     from .sweep import prepare
@@ -199,9 +212,16 @@ def _width(text: str):
         raise argparse.ArgumentTypeError(f"{text!r} is not single, double or a number of inches") from None
 
 
+def _version() -> str:
+    from . import __version__
+
+    return f"fedsim {__version__}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedsim", description="Synchronous federated-learning simulator.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _add_run_parser(sub)
@@ -216,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_run_parser(sub) -> None:
     """``fedsim run``: an experiment file, or --resume of a run directory."""
     run = sub.add_parser("run", help="run an experiment file")
-    run.add_argument("config", nargs="?", metavar="FILE", help="YAML experiment file")
+    run.add_argument("config", nargs="?", metavar="FILE",
+                     help="YAML experiment file, or the name of a shipped one (fedsim list), e.g. mnist_seed")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. --set local.lr=0.05 (repeatable)")
     run.add_argument("--out", metavar="DIR", help="run directory (default runs/<name>-<timestamp>)")
@@ -304,7 +325,8 @@ def main(argv=None) -> None:
         if str(e):  # a rank stopped by another has nothing to add: that one says why
             print(f"fedsim: error: {e}", file=sys.stderr)
         code = e.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before a command's own handling began (fedsim run while importing torch)
+        print("fedsim: interrupted", file=sys.stderr)
         code = 130
     except Terminated:
         code = 143

@@ -9,7 +9,7 @@ it), or, from Python, the object itself:
     algorithm    an Algorithm instance, or a subclass built with algorithm_options
     data.dataset a Dataset (fedsim.data.from_tensors), or a .pt / .npz file of its tensors
 
-Objects reach the spawned workers by value, serialized with cloudpickle, so a function or
+Objects reach the worker processes by value, serialized with cloudpickle, so a function or
 class defined in a notebook cell or a script's ``__main__`` works there too. Whatever cannot
 be used is refused in one line, before any worker is handed anything: not importable, the
 wrong kind of object, the wrong signature, the wrong output on a probe call.
@@ -25,6 +25,7 @@ import torch
 
 from . import aggregation
 from .aggregation import AGGREGATORS
+from .checks import cut
 from .algorithms import ALGORITHMS, Algorithm
 from .attacks import ATTACKS
 from .compression import COMPRESSORS
@@ -49,7 +50,8 @@ def _set(cfg, key: str, value) -> None:
 
 
 def describe(value) -> str:
-    """How config.yaml names a component: its name, import path or where it was defined."""
+    """How config.yaml names a component: its name, import path or where it was defined; an
+    object with its arguments, ``__main__:ServerStep(step=0.5)``."""
     if isinstance(value, str):
         return value
 
@@ -57,7 +59,20 @@ def describe(value) -> str:
         return value.name
     target = value if inspect.isroutine(value) or inspect.isclass(value) else type(value)
     where = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__name__)}"
-    return where if target is value else f"{where}()"
+    return where if target is value else f"{where}({_arguments(value)})"
+
+
+def _arguments(obj) -> str:
+    """An object's constructor arguments, as far as it keeps them: every parameter of its
+    ``__init__`` that it stores under the same name (``self.step = step``), as scikit-learn's
+    get_params reads them."""
+    try:
+        parameters = inspect.signature(type(obj).__init__).parameters.values()
+    except (TypeError, ValueError):
+        return ""
+    kept = [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            and p.name in getattr(obj, "__dict__", {})]
+    return ", ".join(f"{name}={cut(repr(getattr(obj, name)), 40)}" for name in kept)
 
 
 def _resolve(key: str, spec, table):
@@ -230,7 +245,7 @@ class Shipped:
 
 
 def for_workers(cfg):
-    """A copy of ``cfg`` that the spawned workers can unpickle: the model and algorithm they
+    """A copy of ``cfg`` that the worker processes can unpickle: the model and algorithm they
     need travel by value; the aggregator and dataset, which they do not use, by name only."""
     import cloudpickle
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import hashlib
 import math
 import os
 import types
@@ -145,16 +146,19 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, parsed
 
 
-def apply_overrides(raw: dict, overrides, origin: str = "config") -> set[str]:
-    """Write overrides into the raw dict in place; return the dotted keys they set.
+def apply_overrides(raw: dict, overrides, origin: str = "config") -> dict[str, str]:
+    """Write overrides into the raw dict in place; return the dotted keys they set, each with how
+    its user spelled it: ``--set`` for the command line's "key=value" strings, ``keyword`` for a
+    dict (fedsim.run's keywords).
 
     A dotted key reaches into a section (``local.lr``) or an option mapping
     (``aggregator_options.beta``); a section that holds something other than a mapping is
     an error, never silently replaced (an empty one, ``local:``, counts as no keys)."""
     if isinstance(overrides, dict):
-        items = list(_flatten(overrides))
+        items, spelled = list(_flatten(overrides)), "keyword"
     else:
         items = [parse_override(o) for o in ([overrides] if isinstance(overrides, str) else overrides)]
+        spelled = "--set"
     for key, value in items:
         node = raw
         parts = key.split(".")
@@ -163,12 +167,12 @@ def apply_overrides(raw: dict, overrides, origin: str = "config") -> set[str]:
                 node[part] = {}
             elif not isinstance(node[part], dict):
                 section = ".".join(parts[:depth + 1])
-                where = "--set" if section in {k for k, _ in items} else f"{origin}:"
-                raise ConfigError(f"{where} {section}: expected a mapping of keys (for --set {key}), "
+                where = spelled if section in {k for k, _ in items} else f"{origin}:"
+                raise ConfigError(f"{where} {section}: expected a mapping of keys (for {spelled} {key}), "
                                   f"got {shown(node[part])}")
             node = node[part]
         node[parts[-1]] = value
-    return {key for key, _ in items}
+    return {key: spelled for key, _ in items}
 
 
 def _flatten(d: dict, prefix: str = ""):
@@ -190,17 +194,18 @@ _KEYS = {f.name for f in dataclasses.fields(Config)} | {
 # ----------------------------------------------------------------------------- typing
 
 
-def where(origin: str, key: str, from_overrides: set[str]) -> str:
-    """Where a key's value came from: ``--set key`` (also when --set gave one of its sub-keys,
-    such as aggregator_options.beta), or ``FILE: key``."""
-    overridden = key in from_overrides or any(k.startswith(key + ".") for k in from_overrides)
-    return f"--set {key}" if overridden else f"{origin}: {key}"
+def where(origin: str, key: str, from_overrides: dict[str, str]) -> str:
+    """Where a key's value came from: ``--set key`` or ``keyword key``, as its user spelled it
+    (also when that gave one of its sub-keys, such as aggregator_options.beta; see
+    apply_overrides), or ``FILE: key``."""
+    spelled = from_overrides.get(key) or next((s for k, s in from_overrides.items() if k.startswith(key + ".")), None)
+    return f"{spelled} {key}" if spelled else f"{origin}: {key}"
 
 
 def locate(cfg: Config, error: FedsimError) -> FedsimError:
     """An error found after loading (when the data is split, say) that names a key, named as
-    validation names it: with the file, or the --set, that gave the value."""
-    origin, overrides = getattr(cfg, "origin", ("config", frozenset()))
+    validation names it: with the file, or the --set (or keyword), that gave the value."""
+    origin, overrides = getattr(cfg, "origin", ("config", {}))
     key, sep, rest = str(error).partition(": ")
     if not sep or key not in _KEYS:
         return error
@@ -209,7 +214,7 @@ def locate(cfg: Config, error: FedsimError) -> FedsimError:
     return located
 
 
-def build(cls, raw: dict, prefix: str, origin: str, from_overrides: set[str]):
+def build(cls, raw: dict, prefix: str, origin: str, from_overrides: dict[str, str]):
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -289,6 +294,37 @@ def groups_per_round(cfg: Config) -> int:
     if cfg.backend == "vmap":
         return -(-cfg.clients_per_round // vmap_group_size(cfg))
     return cfg.clients_per_round
+
+
+def overrides_of(cfg: Config) -> dict:
+    """The keys set on top of the experiment (``--set``, or ``fedsim.run``'s keywords), dotted,
+    with the values the run has for them: ``{"data.dataset": "synthetic", "aggregator_options.bound": 0.5}``."""
+    from .results import flatten_config
+
+    _, keys = getattr(cfg, "origin", ("config", {}))
+    values = dict(flatten_config(cfg.to_dict()))
+    return {key: value for key, value in sorted(values.items())
+            if any(key == k or key.startswith(k + ".") for k in keys)}
+
+
+def directory_name(cfg: Config) -> str:
+    """What a run directory is called before its timestamp: the run's name, then the overrides
+    that change what it computes (not where or how fast it runs), or a hash of them where they
+    would be long: ``mnist_seed-dataset=synthetic-lr=0.05``."""
+    from .results import defining
+
+    changes = [f"{key.rpartition('.')[2]}={_short(value)}" for key, value in defining(overrides_of(cfg)).items()]
+    suffix = "-".join(changes)
+    if len(suffix) > 48:
+        suffix = "set-" + hashlib.sha1(suffix.encode()).hexdigest()[:8]
+    return f"{cfg.name}-{suffix}" if suffix else cfg.name
+
+
+def _short(value) -> str:
+    """A value in a directory name: a component by its own name, without its module."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value).rpartition(":")[2]
 
 
 def save_config(cfg: Config, path: Path) -> None:

@@ -5,6 +5,14 @@ import errno
 from contextlib import contextmanager
 
 
+def did_you_mean(name, choices) -> str:
+    """``" (did you mean 'median'?)"`` for a name close to one of ``choices``, else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 class FedsimError(Exception):
     """A problem the user can fix (bad config, missing data, failed worker).
 
@@ -30,6 +38,16 @@ class WorkerError(FedsimError):
     """A worker process raised, died or hung; the message names worker, client and round."""
 
     exit_code = 1
+
+
+class UnguardedScript(WorkerError):
+    """The script that called fedsim.run did so outside ``if __name__ == "__main__":``, so each
+    worker, which imports the script, would start the run again (see processes.py)."""
+
+    def __init__(self):
+        super().__init__('this script calls fedsim.run outside an `if __name__ == "__main__":` block, so every '
+                         'worker process, which imports the script, would start the run again; put the call '
+                         'under that guard')
 
 
 class NonFiniteError(FedsimError):

@@ -91,3 +91,23 @@ def _deliver(signum: int, handler) -> None:
         handler(signum, None)
     elif handler == signal.SIG_DFL:
         os.kill(os.getpid(), signum)  # the default action, now that it is back in place
+
+
+@contextmanager
+def born_ignoring_sigint():
+    """Ctrl-C reaches every process of the terminal's group, and the server decides what it
+    means; the fork server still importing torch (see processes.py) would print a traceback.
+    An ignored signal stays ignored across exec and fork, so the fork server is started while
+    SIGINT is ignored here, and the workers it forks inherit that; meanwhile SIGINT is also
+    blocked, which on Linux keeps one that arrives pending for the server's own handler instead
+    of discarding it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may change handlers; the worker ignores SIGINT once it runs
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)

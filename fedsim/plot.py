@@ -17,7 +17,8 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from .errors import FedsimError, write_error
-from .results import RUN_SPECIFIC_KEYS, History, flatten_config, group_repeats, load_run, load_runs
+from .results import (RUN_SPECIFIC_KEYS, History, defining, describe_run, finished, flatten_config, group_repeats,
+                      load_run, load_runs)
 from .rundir import COLUMNS, check_output_path, write_atomically
 
 # Okabe & Ito's palette, which stays distinct under the common colour-vision deficiencies;
@@ -112,7 +113,8 @@ def _checked_options(histories, metric: str, x: str, band: str, spread: bool, wi
 
 
 def as_histories(runs) -> list[History]:
-    """History objects from a mix of Histories, run directories and glob patterns."""
+    """History objects from a mix of Histories, run directories and glob patterns; among
+    several, runs that failed or have no evaluated round are left out with a warning."""
     if isinstance(runs, (str, Path, History)):
         runs = [runs]
     histories = []
@@ -125,10 +127,14 @@ def as_histories(runs) -> list[History]:
             histories.append(load_run(run))
     if not histories:
         raise FedsimError("no runs to plot")
-    empty = next((h for h in histories if not h.rows), None)
-    if empty is not None:
-        raise FedsimError(f"{empty.run_dir or empty.name}: no evaluated rounds to plot yet")
-    return histories
+    if len(histories) == 1:  # a run on its own is drawn as far as it got, whatever became of it
+        if not histories[0].rows:
+            raise FedsimError(f"{histories[0].run_dir or histories[0].name}: no evaluated rounds to plot yet")
+        return histories
+    kept = finished(histories)  # among several (a pattern, or the shell's expansion of one): those with results
+    if not kept:
+        raise FedsimError("no runs to plot: every run given failed or has no evaluated round")
+    return kept
 
 
 def save_figure(fig: Figure, path, pdf: bool = False) -> list[Path]:
@@ -151,9 +157,29 @@ def save_figure(fig: Figure, path, pdf: bool = False) -> list[Path]:
 
 
 def save_accuracy_plot(history, path: Path) -> None:
-    """The accuracy.png of a run directory."""
+    """The accuracy.png of a run directory (see accuracy_figure), at 300 dpi as ``fedsim plot``."""
+    figure = accuracy_figure(history)
+    write_atomically(path, lambda tmp: figure.savefig(tmp, dpi=300, format="png"))
+
+
+def accuracy_figure(history) -> Figure:
+    """A run's test accuracy per round. The title says what ran (see _default_title), and the y
+    axis reaches down to chance, 1 / num_classes (from summary.json), marked by a dotted line,
+    and spans at least 20 points: a run that learns nothing reads as flat, not as a zoomed-in
+    wiggle."""
     figure = plot_runs([history], width=5.0)
-    write_atomically(path, lambda tmp: figure.savefig(tmp, dpi=150, format="png"))
+    classes = history.summary.get("num_classes")
+    if classes:
+        ax, chance = figure.axes[0], 100.0 / classes
+        ax.axhline(chance, color="0.45", linestyle=":", linewidth=1)
+        ax.annotate(f"chance ({chance:.3g} %)", (0, chance), xycoords=("axes fraction", "data"),
+                    xytext=(3, 2), textcoords="offset points", fontsize="x-small", color="0.45")
+        values = [100 * v for v in history.test_accuracy]
+        low = min(chance, *values)
+        high = max(max(values), low + 20)  # at least 20 points high: a flat line stays flat
+        margin = 0.04 * (high - low)
+        ax.set_ylim(max(0.0, low - margin), high + margin)
+    return figure
 
 
 # ----------------------------------------------------------------------------- drawing
@@ -270,12 +296,22 @@ def _legend_height(texts: list[str], columns: int, title: str | None) -> float:
 
 
 def _default_title(histories: list[History], metric: str, x: str) -> str:
+    """The runs' name, and below it what they ran (dataset, split, model, rule, algorithm and the
+    keys set on top of the experiment, see describe_run) when they all ran the same; otherwise
+    the metric."""
     names = {h.name for h in histories}
     if len(names) == 1:
-        return names.pop()
+        described = {describe_run(h.config, defining(h.summary.get("overrides") or {})) for h in histories if h.config}
+        return "\n".join([names.pop(), *_wrapped(described.pop(), 60)]) if len(described) == 1 else names.pop()
     what = _axis_label(metric).split(" (")[0].capitalize()
     return {"round": f"{what} per round", "seconds": f"{what} over wall time", "epsilon": f"{what} against ε",
             "bytes": f"{what} against bytes sent"}[x]
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width, break_on_hyphens=False)
 
 
 def _axis_label(column: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from .errors import ConfigError, user_code
+from .errors import ConfigError, did_you_mean, user_code
 
 
 class Registry:
@@ -25,7 +25,8 @@ class Registry:
 
     def get(self, name: str):
         if name not in self._entries:
-            raise ConfigError(f"unknown {self.kind} {name!r}; choose one of: {', '.join(self.names())}")
+            raise ConfigError(f"unknown {self.kind} {name!r}{did_you_mean(name, self.names())}; choose one of: "
+                              f"{', '.join(self.names())}")
         return self._entries[name][0]
 
     def names(self) -> list[str]:
@@ -45,7 +46,7 @@ def is_import_path(text: str) -> bool:
 def load_attr(key: str, path: str):
     """The object an import path ``pkg.module:attr`` names; one line if it cannot be had."""
     module_name, _, attr = path.partition(":")
-    if attr.endswith("()"):  # how config.yaml names an object given from Python (see describe)
+    if attr.endswith(")"):  # how config.yaml names an object given from Python (see describe)
         raise ConfigError(f"{key}: {path} was an object given from Python; give it again, e.g. "
                           f"fedsim.resume(run_dir, {key.rpartition('.')[2]}=...)")
     with user_code(f"{key}: cannot import {module_name!r}", ConfigError):  # ImportError, or what the module raised
@@ -60,6 +61,6 @@ def load_attr(key: str, path: str):
 def registered(key: str, table, name: str):
     """``table``'s entry ``name``; an unknown name is refused naming the config key."""
     if name not in table:
-        raise ConfigError(f"{key}: unknown {table.kind} {name!r}; choose one of: {', '.join(table.names())}, "
-                          f"or give an import path (pkg.module:name)")
+        raise ConfigError(f"{key}: unknown {table.kind} {name!r}{did_you_mean(name, table.names())}; choose one "
+                          f"of: {', '.join(table.names())}, or give an import path (pkg.module:name)")
     return table.get(name)

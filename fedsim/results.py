@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import math
 import os
 import re
@@ -14,6 +15,8 @@ from statistics import fmean, stdev
 from .errors import ConfigError, FedsimError
 from .rundir import COLUMNS, read_client_accuracy, read_clients, read_mapping, read_metrics
 from .yamlfile import parse_yaml
+
+logger = logging.getLogger("fedsim")
 
 
 class History:
@@ -62,12 +65,14 @@ class History:
         return self._client_accuracy
 
     def to_pandas(self, clients: bool = False):
-        """The rows (or, with ``clients=True``, the per-client rows) as a pandas DataFrame."""
+        """The rows (or, with ``clients=True``, the per-client rows) as a pandas DataFrame; an
+        empty cell (a column of a feature the run had off) is NaN, so the columns stay numeric."""
         try:
             import pandas
         except ImportError:
             raise FedsimError("History.to_pandas needs pandas: pip install pandas") from None
-        return pandas.DataFrame(self.client_records if clients else self.rows)
+        rows = self.client_records if clients else self.rows
+        return pandas.DataFrame([{k: math.nan if v is None else v for k, v in row.items()} for row in rows])
 
     @property
     def name(self) -> str:
@@ -111,11 +116,31 @@ def load_run(run_dir: str | os.PathLike) -> History:
 
 
 def load_runs(pattern: str | os.PathLike) -> list[History]:
-    """Every run directory matching a glob pattern, e.g. ``runs/compare-*``, sorted by path."""
+    """Every run directory matching a glob pattern, e.g. ``runs/compare-*``, sorted by path; runs
+    that failed or have no evaluated round yet are left out, with a warning each."""
     paths = sorted(p for p in glob.glob(str(pattern), recursive=True) if (Path(p) / "metrics.csv").is_file())
     if not paths:
         raise FedsimError(f"{pattern}: no run directory (with a metrics.csv) matches")
-    return [load_run(p) for p in paths]
+    runs = finished([load_run(p) for p in paths])
+    if not runs:
+        raise FedsimError(f"{pattern}: every run directory that matches failed or has no evaluated round")
+    return runs
+
+
+def finished(histories) -> list[History]:
+    """The runs that have results: a run that failed, or has no evaluated round yet, is left out
+    with a warning naming it (and, for a failed one, why it failed)."""
+    kept = []
+    for history in histories:
+        where = history.run_dir or history.name
+        if history.summary.get("status") == "failed":
+            why = f" ({history.summary['error']})" if history.summary.get("error") else ""
+            logger.warning(f"{where}: left out; the run failed{why}")
+        elif not history.rows:
+            logger.warning(f"{where}: left out; it has no evaluated round")
+        else:
+            kept.append(history)
+    return kept
 
 
 # Keys that say where and how a run executed, not what it computed: runs whose configs differ
@@ -137,12 +162,52 @@ def group_repeats(histories, distinguish=()) -> list[list[History]]:
     for index, history in enumerate(histories):
         key = _experiment_key(history.config, set(distinguish)) if history.config else index
         groups.setdefault(key, []).append(history)
-    return list(groups.values())
+    return [_one_per_seed(group) for group in groups.values()]
+
+
+def _one_per_seed(group: list[History]) -> list[History]:
+    """A group's runs, one per seed: a run of an experiment under a seed it already ran under is
+    a copy, not another repeat (pooling the two would report a spread of 0 over "two seeds").
+    The later one in the group is kept, with a warning naming both."""
+    by_seed: dict = {}
+    for history in group:
+        seed = history.config.get("seed")
+        if seed in by_seed:
+            logger.warning(f"{by_seed[seed].run_dir or by_seed[seed].name} and {history.run_dir or history.name} ran "
+                           f"the same experiment with seed {seed}; counting it once, as the latter")
+        by_seed[seed] = history
+    return list(by_seed.values())
 
 
 def _experiment_key(config: dict, distinguish: set) -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in flatten_config(config)
                         if k not in RUN_SPECIFIC_KEYS or k in distinguish))
+
+
+def defining(overrides: dict) -> dict:
+    """The overrides that change what a run computes: all but where and how it ran (the
+    ``RUN_SPECIFIC_KEYS``), though the seed counts."""
+    return {key: value for key, value in overrides.items() if key == "seed" or key not in RUN_SPECIFIC_KEYS}
+
+
+def describe_run(config: dict, overrides: dict | None = None) -> str:
+    """What a run computed, in one line: dataset and split, model, aggregation rule, algorithm (as
+    config.yaml names them), then the keys set on top of its experiment (``overrides``, as
+    summary.json keeps them), cut short where long."""
+    data = config.get("data") or {}
+    text = (f"{data.get('dataset')} ({data.get('partition')}, {data.get('num_clients')} clients), "
+            f"model {config.get('model')}, aggregator {config.get('aggregator')}, algorithm {config.get('algorithm')}")
+    if overrides:
+        text += "; with " + _cut(", ".join(f"{key}={_plain(value)}" for key, value in overrides.items()), 120)
+    return text
+
+
+def _plain(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def flatten_config(config: dict, prefix: str = ""):
@@ -222,8 +287,8 @@ def rounds_to_target(history: History, target: float) -> int | None:
 def mean_and_sd(values) -> tuple[float, float]:
     """Mean and sample standard deviation (n - 1); the deviation of one value is 0, of none nan."""
     values = list(values)
-    if not values:
-        return math.nan, math.nan
+    if not values or any(math.isnan(v) for v in values):  # statistics.stdev raises on nan
+        return (fmean(values) if values else math.nan), math.nan
     return fmean(values), (stdev(values) if len(values) > 1 else 0.0)
 
 
@@ -262,7 +327,8 @@ def check_target(target, spelled: str = "target") -> float | None:
 
 
 def results_table(histories, keys=("name",), target: float | None = None) -> ResultsTable:
-    """One row per experiment (repeats over seeds pooled): the ``keys``' config values, the
+    """One row per experiment (repeats over seeds pooled; runs that failed or have no evaluated
+    round left out, with a warning): the ``keys``' config values, the
     number of runs, final accuracy (mean and sample standard deviation over the runs), best
     accuracy, rounds and wall seconds (means). Accuracies are fractions; the markdown shows %.
 
@@ -275,15 +341,15 @@ def results_table(histories, keys=("name",), target: float | None = None) -> Res
     """
     check_target(target)
     rows = []
-    for group in group_repeats(histories, distinguish=keys):
-        finals = [h.final_accuracy for h in group]
+    for group in group_repeats(finished(histories), distinguish=keys):
+        final, final_sd = mean_and_sd(h.final_accuracy for h in group)
         goal = target if target is not None else group[0].config.get("stop_at_accuracy")
         stats = target_stats(group, goal)
         rows.append({
             **{key: group[0].config_value(key) for key in keys},
             "runs": len(group),
-            "final_accuracy": fmean(finals),
-            "final_accuracy_std": stdev(finals) if len(finals) > 1 else 0.0,
+            "final_accuracy": final,
+            "final_accuracy_std": final_sd,
             "best_accuracy": fmean([h.best_accuracy for h in group]),
             "target": stats["target"],
             "rounds_to_target": stats["rounds_to_target"],

@@ -2,40 +2,59 @@
 ``run`` calls, on every rank."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
 
 from . import components
-from .config import Config, apply_overrides, locate, save_config
+from .config import Config, apply_overrides, directory_name, locate, save_config
 from .distributed import RankStopped, Ranks
-from .errors import ConfigError, FedsimError, explain_resource_error
-from .progress import RoundLog
+from .errors import ConfigError, FedsimError, UnguardedScript, explain_resource_error
+from .processes import UNGUARDED_SCRIPT, in_worker_start, start_fork_server
+from .progress import RoundLog, console_logging
 from .results import History
 from .rundir import RunDirectory
 from .session import RESUMABLE_KEYS, Session, run_identity
 from .validation import load_config
 
 
-def run(config="experiments/mnist_seed.yaml", *, out=None, overwrite: bool = False, quiet: bool = False,
+def run(config="mnist_seed", *, out=None, overwrite: bool = False, quiet: bool = False,
         progress: bool | None = None, callbacks=(), **overrides) -> History:
     """Run an experiment and return its History.
 
-    ``config`` is a YAML path, a dict or a Config; ``overrides`` set keys, dotted ones via
+    ``config`` is a YAML path, the name of a shipped experiment (``fedsim list``), a dict or
+    a Config; ``overrides`` set keys, dotted ones via
     ``**{"local.lr": 0.05}`` or whole sections as dicts (``data={"limit": 2000}``); ``model``,
     ``aggregator``, ``algorithm`` and ``dataset`` may be objects of your own (see
     components.py). Files go to ``out`` (default ``runs/<name>-<timestamp>``). ``progress``:
     show the rounds as one updating line (None: only on a terminal); ``quiet``: print no
     per-round lines; ``callbacks``: observers of the run (see callbacks.py).
     """
+    _refuse_in_a_worker()
     cfg = load_config(config, _with_dataset_key(overrides))
-    return start_run(cfg, out=out, overwrite=overwrite, quiet=quiet, progress=progress, callbacks=callbacks)
+    try:
+        return start_run(cfg, out=out, overwrite=overwrite, quiet=quiet, progress=progress, callbacks=callbacks)
+    except UnguardedScript as e:
+        raise SystemExit(f"fedsim: error: {e}") from None  # one line: the script cannot work as it is
 
 
 def resume(run_dir, *, quiet: bool = False, progress: bool | None = None, callbacks=(), **overrides) -> History:
     """Continue a run from its last checkpoint; ``rounds=N`` extends it. A component that was
     given as an object (defined in a notebook, say) is given again the same way."""
-    return resume_run(run_dir, _with_dataset_key(overrides), quiet=quiet, progress=progress, callbacks=callbacks)
+    _refuse_in_a_worker()
+    try:
+        return resume_run(run_dir, _with_dataset_key(overrides), quiet=quiet, progress=progress, callbacks=callbacks)
+    except UnguardedScript as e:
+        raise SystemExit(f"fedsim: error: {e}") from None
+
+
+def _refuse_in_a_worker() -> None:
+    """A worker starting up imports the script that started the run; if the script calls
+    fedsim.run at its top level, the call comes here in the worker, which then ends at once and
+    quietly, with a status that the server turns into one line naming the guard."""
+    if in_worker_start():
+        os._exit(UNGUARDED_SCRIPT)
 
 
 def _with_dataset_key(overrides: dict) -> dict:
@@ -47,12 +66,15 @@ def _with_dataset_key(overrides: dict) -> dict:
 
 
 def start_run(cfg: Config, out=None, overwrite: bool = False, quiet: bool = False, progress=None,
-              callbacks=(), ranks: Ranks | None = None) -> History:
-    """Run ``cfg`` into ``out`` (default ``runs/<name>-<timestamp>``); on ranks other than 0
-    (see distributed.py) only train."""
+              callbacks=(), ranks: Ranks | None = None, pools=None) -> History:
+    """Run ``cfg`` into ``out`` (default ``runs/<name>[-<overrides>]-<timestamp>``, see
+    config.directory_name); on ranks other than 0
+    (see distributed.py) only train. ``pools``: a PoolKeeper whose workers the run may use
+    (execution/pool.py)."""
     ranks = ranks or Ranks()
-    path = RunDirectory.target(out, cfg.name, overwrite) if ranks.is_root else None  # before loading anything
-    session = _setup(cfg, quiet, progress, callbacks, ranks)
+    # before loading anything
+    path = RunDirectory.target(out, directory_name(cfg), overwrite) if ranks.is_root else None
+    session = _setup(cfg, quiet, progress, callbacks, ranks, pools)
     if not ranks.is_root:
         return session.run(None)
     try:
@@ -69,11 +91,11 @@ def start_run(cfg: Config, out=None, overwrite: bool = False, quiet: bool = Fals
 
 
 def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None, callbacks=(),
-               ranks: Ranks | None = None) -> History | None:
+               ranks: Ranks | None = None, pools=None) -> History | None:
     """Continue ``run_dir`` from its checkpoint; ``overrides`` is a list of "key=value"
     strings (the CLI's --set) or a dict, limited to keys that keep it one run (and to the
     components of the run, given again as objects). Rank 0 reads the run directory; the other
-    ranks receive what they need from it."""
+    ranks receive what they need from it. ``pools``: as for start_run."""
     ranks = ranks or Ranks()
     path = Path(run_dir)
     directory = RunDirectory(path)
@@ -82,11 +104,12 @@ def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None, call
     def load() -> Config | None:
         if not (path / "config.yaml").is_file():
             raise FedsimError(f"--resume {path}: not a run directory (no config.yaml)")
-        asked = apply_overrides({}, overrides or {})
+        spelled = apply_overrides({}, overrides or {})
+        asked = set(spelled)
         bad = sorted(asked - RESUMABLE_KEYS - set(components.KEYS))
         if bad:
-            raise ConfigError(f"--set {bad[0]}: cannot change when resuming (the rounds before and after would not "
-                              f"be one run); allowed: {', '.join(sorted(RESUMABLE_KEYS))}")
+            raise ConfigError(f"{spelled[bad[0]]} {bad[0]}: cannot change when resuming (the rounds before and after "
+                              f"would not be one run); allowed: {', '.join(sorted(RESUMABLE_KEYS))}")
         directory.lock()  # a second resume of the same directory is refused, not interleaved
         try:
             state = directory.load_checkpoint()
@@ -108,7 +131,7 @@ def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None, call
     if cfg is None:
         return History(loaded["rows"], loaded["cfg"].to_dict(), path) if ranks.is_root else None
     try:
-        session = _setup(cfg, quiet, progress, callbacks, ranks)
+        session = _setup(cfg, quiet, progress, callbacks, ranks, pools)
     except BaseException:
         if ranks.is_root:
             directory.unlock()
@@ -173,11 +196,15 @@ def _check_same_run(path: Path, state: dict, cfg: Config, asked=frozenset()) -> 
                       f"with {before.get(key)!r}; they are not one run (restore the matching file, or start a new run)")
 
 
-def _setup(cfg: Config, quiet: bool, progress: bool | None, callbacks=(), ranks: Ranks | None = None) -> Session:
+def _setup(cfg: Config, quiet: bool, progress: bool | None, callbacks=(), ranks: Ranks | None = None,
+           pools=None) -> Session:
     ranks = ranks or Ranks()
+    log = RoundLog(progress, quiet=quiet or not ranks.is_root)
+    if cfg.workers != 0:
+        start_fork_server()  # the workers' imports, while the session loads the data
     try:
-        session = Session(cfg, log=RoundLog(progress, quiet=quiet or not ranks.is_root), callbacks=callbacks,
-                          ranks=ranks)
+        with console_logging(log):  # the session says what it loads and starts, as it starts
+            session = Session(cfg, log=log, callbacks=callbacks, ranks=ranks, pools=pools)
     except FedsimError as e:
         raise locate(cfg, e) from None
     except (RuntimeError, OSError) as e:

@@ -8,6 +8,7 @@ line, whether to go on, and, under torchrun, what the other ranks are told (exec
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import socket
@@ -23,7 +24,7 @@ from .attacks import attacker_mask, make_attack
 from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart
 from .client_eval import ClientEvaluation
 from .compression import Compression
-from .config import Config, groups_per_round, locate
+from .config import Config, groups_per_round, locate, overrides_of
 from .distributed import RankStopped, Ranks, rank_device
 from .engine import AggregateUpdates, Engine, GlobalState, RoundBuffers
 from .errors import ConfigError, FedsimError, OutputError, exception_text, explain_resource_error, user_code
@@ -37,8 +38,8 @@ from .flat import FlatModel
 from .interrupts import Terminated, shielded
 from .privacy import Privacy
 from .progress import RoundLog, console_logging
-from .results import History, flatten_config
-from .rundir import read_clients
+from .results import History, describe_run, flatten_config
+from .rundir import read_clients, read_mapping
 from .sampling import poisson_capacity
 from .server_opt import make_server_optimizer
 from .system import System
@@ -173,6 +174,26 @@ def check_run(cfg: Config, datasets: dict | None = None) -> None:
         raise locate(cfg, e) from None
 
 
+def ready_message(cfg: Config, first_round: int, ranks: int, workers: int, device, seconds: float, path) -> str:
+    """The line that says the workers are ready: which rounds (a resumed run's from its
+    checkpoint on), how, after how long, and where the files go."""
+    rounds = f"{cfg.rounds} rounds" if first_round == 1 else \
+        f"rounds {first_round} to {cfg.rounds} (resumed from the checkpoint of round {first_round - 1})"
+    ranks_text = f"{ranks} ranks x " if ranks > 1 else ""
+    return (f"{cfg.name}: {rounds} of {cfg.clients_per_round}/{cfg.data.num_clients} clients, {ranks_text}{workers} "
+            f"workers on {device}, ready in {seconds:.1f} s; writing {path}")
+
+
+def what_ran(config: dict, input_shape: tuple, num_classes: int, overrides: dict, first_round: int) -> dict:
+    """summary.json's account of what ran: the experiment's parts, the shape of its data (what
+    load_model builds the model for), the keys set on top of its file, and the round a resumed
+    run went on from."""
+    return {**{key: config[key] for key in ("model", "aggregator", "algorithm")},
+            "dataset": config["data"]["dataset"], "partition": config["data"]["partition"],
+            "input_shape": list(input_shape), "num_classes": num_classes, "overrides": overrides,
+            "resumed_at_round": first_round if first_round > 1 else None}
+
+
 class Session:
     """One run: the data on the device, the global state, the executor, the round loop, the files.
 
@@ -180,7 +201,7 @@ class Session:
     ``callbacks`` observe the run (see callbacks.py).
     """
 
-    def __init__(self, cfg: Config, log=None, callbacks=(), ranks: Ranks | None = None):
+    def __init__(self, cfg: Config, log=None, callbacks=(), ranks: Ranks | None = None, pools=None):
         self.cfg, self.ranks = cfg, ranks or Ranks()
         self.log = log if isinstance(log, RoundLog) else RoundLog(progress=False, write=log or print)
         self.user_callbacks = list(callbacks)
@@ -194,9 +215,13 @@ class Session:
         self.workers = resolve_workers(cfg, self.device)
         runner = HogwildRunner if cfg.mode == "hogwild" else ClientRunner
         shipped = components.for_workers(cfg)
-        make_pool = lambda: new_pool(shipped, self.workers, self.device, runner)  # noqa: E731
-        # the workers import torch while the data loads
+        make_pool = lambda: new_pool(shipped, self.workers, self.device, runner, pools)  # noqa: E731
         self.executor = Restarting(make_pool) if cfg.on_worker_failure == "restart" else make_pool()
+        self.overrides = overrides_of(cfg)  # a resumed run's are its first start's (see restore)
+        if self.ranks.is_root:  # what ran, and what the next seconds are spent on, before they are spent
+            starting = f" and starting {self.workers} workers" if self.workers else ""
+            logger.info(f"{cfg.name}: {describe_run(cfg.to_dict(), self.overrides)}")
+            logger.info(f"loading {components.describe(cfg.data.dataset)}{starting} on {self.device}")
         try:
             self._assemble()
         except BaseException:
@@ -212,6 +237,7 @@ class Session:
         """The data on its device, the global state, the round's buffers and the engine."""
         cfg, device = self.cfg, self.device
         (data, parts), model, privacy, algorithm = build_parts(cfg, device)
+        self.input_shape, self.num_classes = data.input_shape, data.num_classes
         data_device = data_placement(cfg.data.placement, data, device)
         if data_device != device:
             logger.info(f"{data.name} is kept in host memory (data.placement); batches are copied to {device}")
@@ -247,6 +273,7 @@ class Session:
         self.state.load_state_dict(state, source)
         self.first_round, self.elapsed_before = state["round"] + 1, state["elapsed_seconds"]
         self.rows = rows
+        self.overrides = read_mapping(source.parent / "summary.json", json.loads).get("overrides", self.overrides)
         records = source.parent / "clients.csv"
         if records.is_file():
             self.client_rows = [r for r in read_clients(records) if r["round"] <= state["round"]]
@@ -268,9 +295,8 @@ class Session:
                     self.executor.follow(self.engine, self.first_round)
                     self.status = "finished"
                 else:
-                    ranks = f"{self.ranks.world} ranks x " if self.ranks.world > 1 else ""
-                    logger.info(f"{cfg.name}: {cfg.rounds} rounds of {cfg.clients_per_round}/{cfg.data.num_clients} "
-                                f"clients, {ranks}{self.workers} workers on {self.device}; writing {run_dir.path}")
+                    logger.info(ready_message(cfg, self.first_round, self.ranks.world, self.workers, self.device,
+                                              self.startup_seconds, run_dir.path))
                     self._notify("on_run_start", RunStart(cfg, run_dir.path, self.first_round, self.state.model.module))
                     self._rounds()
         except Exception as e:  # a signal leaves the run "interrupted"; anything else is a failure
@@ -376,9 +402,14 @@ class Session:
     def _write_summary(self, status: str, ended_by: BaseException | None) -> None:
         accuracies = [r["test_accuracy"] for r in self.rows]
         target = self.cfg.stop_at_accuracy
+        config = self.cfg.to_dict()
         self.summary = {
             "name": self.cfg.name,
             "status": status,
+            # what ended a failed run, in the words of its one line
+            **({"error": str(ended_by) if isinstance(ended_by, FedsimError) else exception_text(ended_by)}
+               if status == "failed" and ended_by is not None else {}),
+            **what_ran(config, self.input_shape, self.num_classes, self.overrides, self.first_round),
             "rounds": self.rows[-1]["round"] if self.rows else 0,
             "final_test_accuracy": accuracies[-1] if accuracies else None,
             "best_test_accuracy": max(accuracies) if accuracies else None,
@@ -396,13 +427,10 @@ class Session:
             "server_peak_memory_mb": peak_memory_mb(self.device),
             **({"ranks": self.executor.rank_memory} if self.ranks.world > 1 else {}),
             "torch": torch.__version__,
-            # what ended a failed run, in the words of its one line
-            **({"error": str(ended_by) if isinstance(ended_by, FedsimError) else exception_text(ended_by)}
-               if status == "failed" and ended_by is not None else {}),
         }
         self.run_dir.write_summary(self.summary)
         if self.rows:
             from .plot import save_accuracy_plot  # matplotlib: imported while the workers started
 
-            save_accuracy_plot(History(self.rows, self.cfg.to_dict(), self.run_dir.path),
+            save_accuracy_plot(History(self.rows, config, self.run_dir.path, self.summary),
                                self.run_dir.path / "accuracy.png")

@@ -27,13 +27,12 @@ from dataclasses import dataclass
 from statistics import fmean
 from pathlib import Path
 
-import yaml
-
 from .config import Config
 from .errors import ConfigError, FedsimError, write_error
-from .results import (History, check_target, flatten_config, format_rounds_to_target, load_run, mean_and_sd,
-                      rounds_to_target, target_stats)
-from .rundir import RunDirectory, atomic_write_text, read_mapping, safe_dir_name, write_atomically
+from .results import (History, check_target, format_rounds_to_target, load_run, mean_and_sd, rounds_to_target,
+                      target_stats)
+from .rundir import atomic_write_text, safe_dir_name, write_atomically
+from .sweepdir import SWEEP_FILE, identity, left_to_do, placement, sweep_root
 from .validation import load_config
 
 
@@ -106,7 +105,10 @@ def plan(config, grid: list[str], overrides: list[str] = (), seeds=None) -> list
         configuration = run_label(name, point)
         for seed in seeds if seeds is not None else [None]:
             repeat = [] if seed is None else [f"seed={seed}"]
-            cfg = load_config(config, [*overrides, *(f"{key}={value}" for key, value in point), *repeat])
+            try:
+                cfg = load_config(config, [*overrides, *(f"{key}={value}" for key, value in point), *repeat])
+            except ConfigError as e:
+                raise _as_given(e, point, seed) from None
             same = seen.setdefault(repr(cfg.to_dict()), point)  # 0.1 and 0.10 are one value
             if same is not point:
                 raise ConfigError(f"--grid: {_spelled(same)} and {_spelled(point)} are the same experiment; "
@@ -118,6 +120,18 @@ def plan(config, grid: list[str], overrides: list[str] = (), seeds=None) -> list
     if len(set(labels)) < len(labels):
         raise ConfigError("--grid: two grid points give the same run name; make the values distinct")
     return runs
+
+
+def _as_given(error: ConfigError, point: list[tuple[str, str]], seed: int | None) -> ConfigError:
+    """An error about a grid value (or a seed of --seeds) names it as the user gave it: ``--grid
+    key=value`` (``--seeds``), not ``--set key``."""
+    named = str(error).removeprefix("--set ").partition(":")[0]
+    flags = {key: f"--grid {key}={value}" for key, value in point} | ({"seed": f"--seeds {seed}"} if seed is not None
+                                                                        else {})
+    key = next((key for key in flags if key == named or key.startswith(named + ".")), None)
+    if not str(error).startswith("--set ") or key is None:
+        return error
+    return ConfigError(f"{flags[key]}{'' if key == named else f' ({named})'}{str(error)[len('--set ') + len(named):]}")
 
 
 def _spelled(point: list[tuple[str, str]]) -> str:
@@ -150,9 +164,9 @@ def prepare(config, grid: list[str], overrides: list[str] = (), out=None, overwr
 
     target = check_target(target, "--target")
     runs = plan(config, grid, overrides, seeds)
-    root = _root(out, load_config(config, list(overrides)).name, overwrite, runs)
+    root = sweep_root(out, load_config(config, list(overrides)).name, overwrite, runs)
     for run in runs:
-        run.todo = "start" if overwrite else _left_to_do(root / run.label, run.config)
+        run.todo = "start" if overwrite else left_to_do(root / run.label, run.config)
     datasets = {}  # each dataset read once
     for run in runs:
         if run.todo != "finished":
@@ -180,6 +194,7 @@ class Sweep:
     named: bool  # the directory was given (--out): the same command continues the sweep
 
     def run(self, quiet: bool = False, log=None) -> list[SweepRun]:
+        from .execution import PoolKeeper
         from .progress import RoundLog
         from .runs import resume_run, start_run
 
@@ -192,22 +207,23 @@ class Sweep:
         resumes = any(run.todo == "resume" for run in self.runs)
         log(f"continuing the sweep in {root}: {len(kept)} of {n} runs finished" if kept or resumes
             else f"sweep of {n} runs into {root}")
-        atomic_write_text(root / SWEEP_FILE, json.dumps({"runs": {run.label: _identity(run.config)
+        atomic_write_text(root / SWEEP_FILE, json.dumps({"runs": {run.label: identity(run.config)
                                                                   for run in self.runs}}, indent=1) + "\n")
         for run in kept:
             run.history = load_run(root / run.label)
         self._write_tables()
-        for index, run in enumerate(self.runs, 1):
-            if run.history is not None:
-                continue
-            log(f"[{index}/{n}] {run.label}" + (" (resuming from its checkpoint)" if run.todo == "resume" else ""))
-            try:
-                run.history = resume_run(root / run.label, _placement(run.config), quiet=quiet) \
-                    if run.todo == "resume" else start_run(run.config, out=root / run.label, overwrite=True,
-                                                           quiet=quiet)
-            except FedsimError as e:
-                raise type(e)(f"sweep run {run.label}: {e}") from None
-            self._write_tables()
+        with PoolKeeper() as pools:  # runs on the same device with as many workers share the workers
+            for index, run in enumerate(self.runs, 1):
+                if run.history is not None:
+                    continue
+                log(f"[{index}/{n}] {run.label}" + (" (resuming from its checkpoint)" if run.todo == "resume" else ""))
+                try:
+                    run.history = resume_run(root / run.label, placement(run.config), quiet=quiet, pools=pools) \
+                        if run.todo == "resume" else start_run(run.config, out=root / run.label, overwrite=True,
+                                                               quiet=quiet, pools=pools)
+                except FedsimError as e:
+                    raise type(e)(f"sweep run {run.label}: {e}") from None
+                self._write_tables()
         log(_printable(format_table(self.runs, self.target)))
         log(f"runs, sweep.csv{' and runs.csv' if self.seeds is not None else ''} in {root}")
         return self.runs
@@ -237,60 +253,7 @@ class Sweep:
                 f"{' and '.join(str(self.root / name) for name in tables)}; {again} to continue it")
 
 
-SWEEP_FILE = "sweep.json"  # what each run of the sweep is, so that the same sweep continues it
 TABLES = ("sweep.csv", "runs.csv")
-
-
-def _identity(cfg: Config) -> str:
-    """What a run computes: its config but for where and how fast it runs."""
-    from .session import PLACEMENT_KEYS
-
-    return yaml.safe_dump({k: v for k, v in flatten_config(cfg.to_dict()) if k not in PLACEMENT_KEYS},
-                          sort_keys=True)
-
-
-def _placement(cfg: Config) -> dict:
-    """The keys of where and how fast ``cfg`` runs, for a resumed run to take from the sweep."""
-    from .session import PLACEMENT_KEYS
-
-    return {k: v for k, v in flatten_config(cfg.to_dict()) if k in PLACEMENT_KEYS}
-
-
-def _root(out, name: str, overwrite: bool, runs: list[SweepRun]) -> Path:
-    """The sweep's directory: a new one, or ``out``, which must be empty (or replaced, with
-    ``overwrite``) or hold this same sweep, to be continued."""
-    if out is not None and not overwrite and (Path(out) / SWEEP_FILE).is_file():
-        recorded = read_mapping(Path(out) / SWEEP_FILE, json.loads).get("runs")
-        planned = {run.label: _identity(run.config) for run in runs}
-        if recorded != planned:
-            raise FedsimError(f"--out {out}: holds another sweep ({_difference(recorded, planned)}); give the "
-                              f"command that started it to continue it, --overwrite to replace it, or another --out")
-        return Path(out)
-    return RunDirectory.target(out, f"{name}-sweep", overwrite)
-
-
-def _difference(recorded, planned: dict) -> str:
-    recorded = recorded if isinstance(recorded, dict) else {}
-    label = next(label for label in [*planned, *recorded] if recorded.get(label) != planned.get(label))
-    if label not in recorded or label not in planned:
-        return f"{label} is a run of {'this sweep' if label in planned else 'that sweep'} only"
-    before, now = yaml.safe_load(recorded[label]), yaml.safe_load(planned[label])
-    key = next(k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k))
-    return f"its run {label} has {key}: {before.get(key)!r}, this one {now.get(key)!r}"
-
-
-def _left_to_do(path: Path, cfg: Config) -> str:
-    """What the run of ``cfg`` in ``path`` needs: ``finished`` (kept as it is), ``resume`` (from
-    its checkpoint) or ``start`` (nothing of this configuration is there)."""
-    try:
-        if _identity(load_config(path / "config.yaml")) != _identity(cfg):
-            return "start"  # left by the sweep that --overwrite replaced
-        summary = read_mapping(path / "summary.json", json.loads)
-    except FedsimError:
-        return "start"  # none yet, or unreadable
-    if summary.get("status") == "finished":
-        return "finished"
-    return "resume" if (path / "checkpoint.pt").is_file() else "start"
 
 
 def configurations(runs: list[SweepRun]) -> list[list[SweepRun]]:

@@ -9,7 +9,6 @@ import copy
 import dataclasses
 import os
 import re
-from pathlib import Path
 
 from . import components, compression
 from .checks import Checks, cut, shown
@@ -18,7 +17,7 @@ from .data import options_for
 from .errors import ConfigError
 from .privacy import Privacy
 from .system import System, SystemConfig
-from .yamlfile import read_yaml
+from .yamlfile import experiment_file, read_yaml
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _PARTITION_KEYS = ("alpha", "min_samples", "balanced", "shards_per_client", "classes_per_client", "sigma",
@@ -26,23 +25,25 @@ _PARTITION_KEYS = ("alpha", "min_samples", "balanced", "shards_per_client", "cla
 
 
 def load_config(source: "str | os.PathLike | dict | Config" = None, overrides=None) -> Config:
-    """Build a validated Config from a YAML path, a dict or a Config, plus overrides.
+    """Build a validated Config from a YAML path (or the name of a shipped experiment,
+    ``"mnist_seed"``), a dict or a Config, plus overrides.
 
     ``overrides`` is a list of ``"dotted.key=value"`` strings (values parsed as YAML
     scalars, as on the command line) or a dict of ``{"dotted.key": value}``; nested dicts
     such as ``{"local": {"lr": 0.1}}`` work too.
     """
-    origin = "config"
+    origin, earlier = "config", {}
     if source is None:
         raw: dict = {}
     elif isinstance(source, Config):
         raw = source.to_dict()
+        origin, earlier = getattr(source, "origin", (origin, earlier))  # its overrides stay overrides
     elif isinstance(source, dict):
         raw = copy.deepcopy(source)
     else:
         origin = str(source)
-        raw = read_yaml(Path(source))
-    from_overrides = apply_overrides(raw, overrides or {}, origin)
+        raw = read_yaml(experiment_file(source))
+    from_overrides = {**earlier, **apply_overrides(raw, overrides or {}, origin)}
     rule_named = raw.get("aggregator") is not None
     if not rule_named:  # no aggregator, or null: the one the algorithm's paper fixes
         raw.pop("aggregator", None)
@@ -54,7 +55,7 @@ def load_config(source: "str | os.PathLike | dict | Config" = None, overrides=No
     except ConfigError as e:  # the message starts with the key it is about
         key, _, message = str(e).partition(": ")
         raise ConfigError(f"{where(origin, key, from_overrides)}: {message}") from None
-    cfg.origin = (origin, frozenset(from_overrides))  # for errors found later (see config.locate)
+    cfg.origin = (origin, from_overrides)  # for errors found later (see config.locate), and overrides_of
     return cfg
 
 

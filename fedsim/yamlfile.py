@@ -1,6 +1,7 @@
-"""Reading experiment files: PyYAML's safe loader, bounded."""
+"""Reading experiment files: PyYAML's safe loader, bounded; the shipped experiments by name."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -12,6 +13,9 @@ from .errors import ConfigError
 MAX_FILE_BYTES = 1 << 20  # an experiment file is a few hundred bytes; anything near this is not one
 MAX_NODES = 10_000  # values in a document once its aliases are expanded
 MAX_DEPTH = 32  # nesting of mappings and lists
+# The experiments that come with fedsim: package data (in a checkout, a link to experiments/),
+# so that `fedsim run mnist_seed` works from any directory once fedsim is installed.
+SHIPPED = Path(__file__).parent / "experiments"
 
 
 class RefusedYAML(yaml.MarkedYAMLError):
@@ -92,6 +96,37 @@ def parse_yaml(text: str):
     return yaml.load(text, Loader=_BoundedLoader)
 
 
+def shipped_experiments() -> dict[str, str]:
+    """Name (``mnist_seed``, ``compare/base``) -> the question its leading comment asks (its
+    first sentence)."""
+    found = {}
+    for path in sorted(SHIPPED.rglob("*.yaml")):
+        words = []
+        for line in path.read_text().splitlines():
+            text = line.lstrip("#").strip()
+            if not line.startswith("#") or not text:
+                break
+            words.append(text)
+        comment = " ".join(words)
+        end = re.search(r"\?|(?<! al)\.(\s|$)", comment)  # its question, or its first sentence
+        found[path.relative_to(SHIPPED).with_suffix("").as_posix()] = comment[:end.start() + 1] if end else comment
+    return found
+
+
+def experiment_file(spec: str | os.PathLike) -> Path:
+    """The file an experiment argument names: a path that exists, else a shipped experiment by
+    name (``mnist_seed``, ``mnist_seed.yaml``, ``compare/base``, or ``experiments/mnist_seed.yaml``
+    as the README spells it), else the path as given (reading it then says it is not found)."""
+    path = Path(spec)
+    if path.exists():
+        return path
+    name = path.as_posix().removeprefix("experiments/").removesuffix(".yaml")
+    shipped = SHIPPED / f"{name}.yaml"
+    if ".." not in Path(name).parts and shipped.is_file():
+        return shipped
+    return path
+
+
 def read_yaml(path: Path) -> dict:
     try:
         if path.is_file() and path.stat().st_size > MAX_FILE_BYTES:
@@ -99,7 +134,8 @@ def read_yaml(path: Path) -> dict:
                               f"(at most {MAX_FILE_BYTES:,})")
         text = path.read_text()
     except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
+        names = ", ".join(shipped_experiments())
+        raise ConfigError(f"{path}: file not found; the shipped experiments are {names} (fedsim list)") from None
     except IsADirectoryError:
         raise ConfigError(f"{path}: is a directory, expected a YAML experiment file") from None
     except (OSError, UnicodeDecodeError) as e:

@@ -26,23 +26,48 @@ from fedsim.streams import SAMPLING, words
 # ----------------------------------------------------------------------------- processes
 
 
-def child_pids() -> list[int]:
-    """Live (non-zombie) processes whose parent is this test process, leaving out
-    multiprocessing's resource tracker (one per parent, it exits with the parent and is
-    what unlinks semaphores if the parent is killed)."""
-    me, found = os.getpid(), []
+def _processes() -> dict[int, tuple[int, bytes]]:
+    """pid -> (parent pid, command line) of every live (non-zombie) process."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == me and fields[0] != "Z":
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-            if "resource_tracker" not in cmdline:
-                found.append(int(entry.name))
+        if fields[0] != "Z":
+            found[int(entry.name)] = (int(fields[1]), cmdline)
+    return found
+
+
+def child_pids() -> list[int]:
+    """Live processes that this test process started, directly or through multiprocessing's
+    helpers: the resource tracker (one per parent, it exits with the parent and is what unlinks
+    semaphores if the parent is killed) and the fork server (the parent of every worker, see
+    fedsim/processes.py) are left out, and so is nothing they started."""
+    processes = _processes()
+    found, parents = [], [os.getpid()]
+    while parents:
+        children = [pid for pid, (parent, _) in processes.items() if parent in parents]
+        helpers = [pid for pid in children if parents == [os.getpid()] and
+                   (b"resource_tracker" in processes[pid][1] or b"forkserver" in processes[pid][1])]
+        found += [pid for pid in children if pid not in helpers]
+        parents = children
+    return found
+
+
+def worker_pids(pids) -> list[int]:
+    """The fedsim workers among ``pids``, by the name they give themselves (fedsim-worker0, ...)."""
+    found = []
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().startswith("fedsim-worker"):
+                found.append(pid)
+        except OSError:
+            pass
     return found
 
 

@@ -86,3 +86,18 @@ def test_profile_round_breaks_a_client_down(tmp_path):
     assert parts["forward"]["host_ms"] > 0 and parts["backward"]["host_ms"] > 0
     assert entry["top_ops"]["worker"]["by_self_cpu"] and entry["top_ops"]["server"]["by_self_cpu"]
     assert "worker operators" in (tmp_path / "p.txt").read_text()
+
+
+def test_bench_startup_times_the_command_and_a_sweep(tmp_path):
+    output = tmp_path / "s.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "bench_startup.py"), "--repeats", "1", "--workers", "2",
+               "--data-root", str(tmp_path), "--output", str(output)]  # no MNIST there: generated data
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(output.read_text())
+    (run,), (sweep,) = result["runs"], result["sweeps"]
+    assert run["status"] == "ok" and run["workers"] == 2 and run["repeats"] == 1
+    assert_positive(run, "first_line_seconds", "ready_seconds", "startup_seconds", "exit_seconds")
+    assert sweep["status"] == "ok" and len(sweep["startup_seconds_each"]) == sweep["runs"] == 3
+    assert_positive(sweep, "seconds_per_run", "first_startup_seconds", "other_startup_seconds")
+    assert "Start-up of fedsim" in done.stdout and "A sweep of 3 one-round runs" in done.stdout

@@ -51,6 +51,11 @@ def test_unknown_key_is_named_with_a_suggestion(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match=r"--set roundz: unknown key; did you mean 'rounds'"):
         load_config({}, ["roundz=3"])
+    # from Python, the keyword the user passed
+    with pytest.raises(ConfigError, match=r"^keyword roundz: unknown key; did you mean 'rounds'"):
+        load_config({}, {"roundz": 3})
+    with pytest.raises(ConfigError, match=r"^keyword data.alpha: must be > 0, got 0.0"):
+        load_config({}, {"data": {"alpha": 0}})
 
 
 @pytest.mark.parametrize("text, message", [
@@ -58,7 +63,7 @@ def test_unknown_key_is_named_with_a_suggestion(tmp_path):
     ("rounds: 0\n", "rounds: must be >= 1"),
     ("local:\n  lr: -0.1\n", "local.lr: must be > 0"),
     ("clients_per_round: 50\n", "clients_per_round: must be <= data.num_clients"),
-    ("model: resnet9000\n", "model: unknown model 'resnet9000'; choose one of:"),
+    ("model: resnet9000\n", "model: unknown model 'resnet9000' (did you mean 'resnet18'?); choose one of:"),
     ("device: tpu\n", "device: must be auto, cpu, cuda or cuda:N"),
 ])
 def test_bad_values_are_rejected_in_one_line(tmp_path, text, message):

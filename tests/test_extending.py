@@ -24,7 +24,7 @@ TINY = {"name": "own", "seed": 4, "device": "cpu", "rounds": 2, "workers": 0, "c
 
 
 @pytest.mark.slow
-def test_a_model_rule_algorithm_and_dataset_from_a_scripts_main_run_in_spawned_workers(tmp_path):
+def test_a_model_rule_algorithm_and_dataset_from_a_scripts_main_run_in_the_workers(tmp_path):
     # everything defined in __main__: the workers get the model and the algorithm by value
     script = tmp_path / "mine.py"
     script.write_text(textwrap.dedent("""
@@ -79,7 +79,24 @@ def test_a_model_rule_algorithm_and_dataset_from_a_scripts_main_run_in_spawned_w
     assert len(result["accuracy"]) == 3 and result["accuracy"][-1] > 0.3, result  # chance is 0.1
     config = (tmp_path / "run" / "config.yaml").read_text()
     assert "model: __main__:Net" in config and "aggregator: __main__:clipped_mean" in config
-    assert "algorithm: __main__:ServerStep()" in config and "dataset: my data" in config
+    assert "algorithm: __main__:ServerStep(step=1.0)" in config and "dataset: my data" in config
+
+
+@pytest.mark.slow
+def test_a_script_without_the_main_guard_gets_one_line_naming_it(tmp_path):
+    # every worker imports the script that started the run, and would run it again
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        import fedsim
+
+        fedsim.run({dict(TINY, workers=2)!r}, out="run", quiet=True)
+        print("the run returned")
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.splitlines() == ['fedsim: error: this script calls fedsim.run outside an `if __name__ == '
+                                        '"__main__":` block, so every worker process, which imports the script, '
+                                        'would start the run again; put the call under that guard']
 
 
 @pytest.mark.slow

@@ -515,14 +515,15 @@ def test_a_run_directory_in_use_is_refused(tmp_path, finished):
     assert rounds == list(range(1, len(rounds) + 1))  # one run's rows, in order
 
 
-def _spawned_children(pid: int) -> list[int]:
+def _fork_server_of(pid: int) -> list[int]:
+    """The fork server that ``pid`` started (it imports torch for the workers; see processes.py)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
                 if int(stat[stat.rindex(")") + 2:].split()[1]) == pid and \
-                        b"multiprocessing.spawn" in (entry / "cmdline").read_bytes():
+                        b"multiprocessing.forkserver" in (entry / "cmdline").read_bytes():
                     found.append(int(entry.name))
             except OSError:
                 pass
@@ -535,9 +536,9 @@ def test_ctrl_c_while_the_workers_import_torch_is_one_line(tmp_path):
     proc = start(["run", str(config), "--out", str(tmp_path / "run")], uuid.uuid4().hex,
                  popen_options={"start_new_session": True})
     deadline = time.monotonic() + 60
-    while not _spawned_children(proc.pid) and time.monotonic() < deadline:
+    while not _fork_server_of(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.2)  # the workers are importing torch now
+    time.sleep(0.2)  # the fork server is importing torch for the workers now, and so is the command
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to every process of the group
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130

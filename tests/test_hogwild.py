@@ -8,7 +8,6 @@ import os
 import signal
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,8 @@ from fedsim.errors import ConfigError
 from fedsim.federation import initial_model, load_federation
 from fedsim.streams import client_seed
 
-from support import assert_one_line_error, child_pids, shm_entries, start, tagged_processes, wait_for_round
+from support import (assert_one_line_error, child_pids, shm_entries, start, tagged_processes, wait_for_round,
+                     worker_pids)
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_a_hogwild_run_resumes_and_mode_cannot_change(hogwild, tmp_path):
     one = dict(hogwild, workers=0)  # no worker process: deterministic, so resuming must give the same numbers
     full = fedsim.run(one, out=tmp_path / "full", quiet=True)
     fedsim.run(one, out=tmp_path / "part", quiet=True, rounds=2)
-    with pytest.raises(ConfigError, match="--set mode: cannot change when resuming"):
+    with pytest.raises(ConfigError, match="keyword mode: cannot change when resuming"):
         fedsim.resume(tmp_path / "part", quiet=True, mode="sync")
     resumed = fedsim.resume(tmp_path / "part", quiet=True, rounds=3)
     assert resumed.test_accuracy == full.test_accuracy and resumed.train_loss == full.train_loss
@@ -115,8 +115,7 @@ def test_a_killed_hogwild_worker_ends_the_run_with_one_line(hogwild, tmp_path):
     tag = uuid.uuid4().hex
     proc = start(["run", str(config), "--out", str(tmp_path / "run")], tag)
     wait_for_round(proc, 1)
-    workers = [pid for pid in tagged_processes(tag) if pid != proc.pid and
-               b"multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    workers = worker_pids(tagged_processes(tag))
     assert len(workers) == 2
     t0 = time.monotonic()
     os.kill(workers[1], signal.SIGKILL)

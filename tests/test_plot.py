@@ -115,7 +115,24 @@ def test_runs_from_directories_and_patterns(tmp_path):
     fig = plot_runs([tmp_path / "run0", str(tmp_path / "run[12]")])
     assert legend_texts(fig) == ["fedavg", "median", "krum"]
     single = plot_runs(tmp_path / "run0")
-    assert single.legends == [] and single.axes[0].get_title() == "fedavg"
+    name, *described = single.axes[0].get_title().split("\n")
+    assert single.legends == [] and name == "fedavg"  # the run's name, then what it ran
+    assert " ".join(described) == "mnist (iid, 10 clients), model mnist_cnn, aggregator fedavg, algorithm fedavg"
+
+
+def test_among_several_runs_a_failed_or_empty_one_is_left_out(tmp_path, caplog):
+    three_runs(tmp_path)
+    write_run(tmp_path / "run3", name="empty", accuracies=(), summary=False)
+    failed = write_run(tmp_path / "run4", name="failed", accuracies=(0.1,))
+    (failed / "summary.json").write_text('{"status": "failed", "error": "the disk is full"}')
+    fig = plot_runs([str(tmp_path / "run*")])
+    assert legend_texts(fig) == ["fedavg", "median", "krum"]
+    assert f"{tmp_path / 'run3'}: left out; it has no evaluated round" in caplog.messages
+    assert f"{failed}: left out; the run failed (the disk is full)" in caplog.messages
+    alone = plot_runs(failed)  # on its own, a run is drawn as far as it got
+    assert list(alone.axes[0].lines[0].get_ydata()) == [10.0]
+    with pytest.raises(FedsimError, match="no evaluated rounds to plot yet"):
+        plot_runs(tmp_path / "run3")
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -128,6 +128,8 @@ def test_a_run_with_progress_shows_one_line(tmp_path, capsys, monkeypatch):
            "data": {"dataset": "synthetic", "limit": 600, "num_clients": 4}}
     fedsim.run(cfg, out=tmp_path / "run", progress=True)
     out = capsys.readouterr().out
-    header, rounds, rest = out.split("\n", 2)
+    what, starting, header, rounds, rest = out.split("\n", 4)
+    assert what == "p: synthetic (iid, 4 clients), model mnist_cnn, aggregator fedavg, algorithm fedavg"
+    assert starting == "loading synthetic on cpu"  # said before the data loads
     assert header.startswith("p: 3 rounds") and rest == ""
     assert rounds.count("\r") == 3 and rounds.rstrip().split("\r")[-1].startswith("[####################] round 3/3")

@@ -11,14 +11,13 @@ import re
 import signal
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
 import fedsim
 
 from support import (BASE, assert_one_line_error, run_cli, shm_entries, start, tagged_processes, wait_for_round,
-                     write_config, write_faulty_config)
+                     write_config, write_faulty_config, worker_pids)
 
 pytestmark = pytest.mark.slow
 
@@ -41,14 +40,14 @@ def test_a_failing_worker_ends_the_run_with_one_line(tmp_path, kind, worker, cau
     assert re.search(r"^round\s+1/3", out, re.M)  # the rounds before the failure were kept
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["rounds"] == 1
+    assert summary["error"] == f"worker {worker} failed while training client {client} in round 2: {cause}"
 
 
 def test_a_worker_killed_from_outside_ends_the_run(tmp_path):
     tag = uuid.uuid4().hex
     proc = start(["run", str(write_config(tmp_path, rounds=50)), "--out", str(tmp_path / "run")], tag)
     wait_for_round(proc, 2)
-    workers = [pid for pid in tagged_processes(tag) if pid != proc.pid and
-               b"multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    workers = worker_pids(tagged_processes(tag))
     assert len(workers) == 2
     t0 = time.monotonic()
     os.kill(workers[0], signal.SIGKILL)

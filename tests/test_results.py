@@ -7,7 +7,7 @@ import pytest
 
 import fedsim
 from fedsim.errors import FedsimError
-from fedsim.results import History, group_repeats, results_table, rounds_to_target
+from fedsim.results import History, group_repeats, mean_and_sd, results_table, rounds_to_target
 
 from support import write_run
 
@@ -191,3 +191,68 @@ def test_results_table_takes_the_target_from_stop_at_accuracy(tmp_path):
 
     with pytest.raises(FedsimError, match="target: must be a test accuracy"):
         results_table(runs, target=99)
+
+
+# ----------------------------------------------------------------------------- getting results out
+
+
+def test_a_failed_or_empty_run_is_left_out_with_a_warning(tmp_path, caplog):
+    write_run(tmp_path / "runs-a", seed=0, accuracies=(0.5, 0.7))
+    write_run(tmp_path / "runs-b", seed=1, accuracies=(0.6, 0.9))
+    empty = write_run(tmp_path / "runs-c", seed=2, accuracies=(), summary=False)  # started, no round evaluated yet
+    failed = write_run(tmp_path / "runs-d", seed=3, accuracies=(0.1,))
+    (failed / "summary.json").write_text('{"status": "failed", "error": "worker 1 failed while starting"}')
+    runs = fedsim.load_runs(tmp_path / "runs-*")
+    assert [h.run_dir.name for h in runs] == ["runs-a", "runs-b"]
+    assert f"{empty}: left out; it has no evaluated round" in caplog.messages
+    assert f"{failed}: left out; the run failed (worker 1 failed while starting)" in caplog.messages
+    (row,) = results_table([fedsim.load_run(p) for p in (tmp_path / "runs-a", empty, tmp_path / "runs-b")])
+    assert row["runs"] == 2 and row["final_accuracy"] == pytest.approx(0.8)  # (0.7 + 0.9) / 2
+    assert row["final_accuracy_std"] == pytest.approx(math.sqrt(0.02))  # sample s.d. of 0.7, 0.9
+    with pytest.raises(FedsimError, match="every run directory that matches failed or has no evaluated round"):
+        fedsim.load_runs(tmp_path / "runs-[cd]")
+
+
+def test_two_runs_with_the_same_seed_count_as_one(tmp_path, caplog):
+    first = write_run(tmp_path / "first", seed=0, accuracies=(0.5, 0.7))
+    again = write_run(tmp_path / "again", seed=0, accuracies=(0.5, 0.7), settings={"workers": 4})
+    other = write_run(tmp_path / "other", seed=1, accuracies=(0.6, 0.8))
+    (row,) = results_table([fedsim.load_run(p) for p in (first, again, other)])
+    assert row["runs"] == 2 and row["final_accuracy_std"] == pytest.approx(math.sqrt(0.005))  # 0.7, 0.8
+    assert f"{first} and {again} ran the same experiment with seed 0; counting it once, as the latter" \
+        in caplog.messages
+
+
+def test_an_empty_accuracy_cannot_break_the_spread():
+    assert all(math.isnan(v) for v in mean_and_sd([math.nan, 0.5]))  # statistics.stdev would raise
+
+
+def test_to_pandas_gives_nan_for_a_feature_the_run_had_off():
+    pandas = pytest.importorskip("pandas")
+    rows = [{"round": r, "test_accuracy": 0.5, "epsilon": None} for r in (1, 2)]
+    frame = History(rows).to_pandas()
+    assert frame["epsilon"].dtype == "float64" and frame["epsilon"].isna().all()
+    assert pandas.api.types.is_integer_dtype(frame["round"])
+
+
+def test_the_package_lists_its_public_names():
+    assert {"run", "resume", "load_model", "load_runs", "results_table", "plot_runs", "data"} <= set(dir(fedsim))
+
+
+@pytest.mark.slow
+def test_load_model_gives_the_trained_module(tmp_path):
+    import torch
+
+    from fedsim.data import load_dataset
+
+    history = fedsim.run({"name": "m", "seed": 2, "device": "cpu", "rounds": 2, "workers": 0,
+                          "clients_per_round": 2, "data": {"dataset": "synthetic", "num_clients": 4}},
+                         out=tmp_path / "run", quiet=True)
+    model = fedsim.load_model(history.run_dir)
+    assert isinstance(model, torch.nn.Module) and not model.training
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.equal(weights, torch.load(history.run_dir / "checkpoint.pt", weights_only=True)["global"])
+    test = load_dataset("synthetic", "unused")
+    with torch.no_grad():
+        accuracy = (model(test.test_x).argmax(1) == test.test_y).float().mean().item()
+    assert accuracy == pytest.approx(history.final_accuracy, abs=1e-6)  # what the run measured

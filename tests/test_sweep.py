@@ -24,7 +24,7 @@ from fedsim.rundir import COLUMNS
 from fedsim.session import check_run
 from fedsim.sweep import parse_grid, plan, sweep
 
-from support import documented_commands, start, wait_for_round
+from support import child_pids, documented_commands, start, wait_for_round, worker_pids
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def fake_runs(monkeypatch):
     """Replace the engine: each run 'reaches' an accuracy of seed / 10 in two rounds."""
     calls = []
 
-    def start_run(cfg, out=None, overwrite=False, quiet=False):
+    def start_run(cfg, out=None, overwrite=False, quiet=False, pools=None):
         calls.append((cfg, out))
         rows = [dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": acc, "seconds": s}
                 for r, acc, s in [(1, 0.5, 9.0), (2, cfg.seed / 10, 2.0)]]
@@ -56,6 +56,20 @@ def fake_runs(monkeypatch):
 
     replace_engine(monkeypatch, start_run)
     return calls
+
+
+def test_a_bad_grid_value_is_named_as_the_grid_gave_it(tmp_path):
+    config = tmp_path / "base.yaml"
+    config.write_text("name: g\naggregator: trimmed_mean\n")
+    with pytest.raises(ConfigError, match=r"^--grid aggregator=medain: unknown aggregator 'medain' "
+                                          r"\(did you mean 'median'\?\)"):
+        plan(config, ["aggregator=median,medain"])
+    with pytest.raises(ConfigError, match=r"^--grid aggregator_options.beta=0.7 \(aggregator_options\): beta must"):
+        plan(config, ["aggregator_options.beta=0.1,0.7"])
+    with pytest.raises(ConfigError, match=r"^--seeds -1: must be >= 0"):
+        plan(config, ["aggregator=median"], seeds=[0, -1])
+    with pytest.raises(ConfigError, match=r"^--set local.lr: must be > 0"):  # what --set gave stays --set
+        plan(config, ["aggregator=median"], ["local.lr=0"])
 
 
 def test_grid_values_are_split_on_commas():
@@ -217,6 +231,33 @@ def test_the_command_runs_a_real_sweep(config_file, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_runs_of_a_sweep_share_one_pool_of_workers(tmp_path, monkeypatch):
+    """Runs with the same device and workers take the pool the run before left, whatever their
+    model; and they compute what each run computes on its own (bit for bit on a CPU)."""
+    config = tmp_path / "base.yaml"
+    config.write_text(yaml.safe_dump({"name": "shared", "seed": 2, "device": "cpu", "rounds": 2, "workers": 2,
+                                      "clients_per_round": 2, "data": {"dataset": "synthetic", "limit": 600,
+                                                                       "num_clients": 4}}))
+    seen = []  # the live worker processes, at the end of every round of every run
+
+    class Workers:
+        def on_round_end(self, row, clients):
+            seen.append(sorted(worker_pids(child_pids())))
+
+    real = fedsim.runs.start_run
+    monkeypatch.setattr(fedsim.runs, "start_run", lambda *a, **k: real(*a, callbacks=[Workers()], **k))
+    runs = sweep(config, ["model=mnist_cnn,mnist_2nn", "seed=2,3"], out=tmp_path / "sweep", quiet=True,
+                 log=lambda line: None)
+    assert len(seen) == 2 * len(runs) == 8
+    assert len(seen[0]) == 2 and all(pids == seen[0] for pids in seen)  # one pool of two workers for all
+    assert child_pids() == []  # and the sweep stopped it
+    monkeypatch.undo()
+    for run in runs:
+        alone = fedsim.run(run.config, out=tmp_path / "alone" / run.label, quiet=True)
+        assert alone.test_accuracy == run.history.test_accuracy and alone.train_loss == run.history.train_loss
+
+
+@pytest.mark.slow
 def test_the_command_needs_a_grid(config_file):
     result = subprocess.run([sys.executable, "-m", "fedsim", "sweep", str(config_file)],
                             capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=os.getcwd()))
@@ -275,7 +316,7 @@ CURVES = {
 
 @pytest.fixture
 def curve_runs(monkeypatch):
-    def start_run(cfg, out=None, overwrite=False, quiet=False):
+    def start_run(cfg, out=None, overwrite=False, quiet=False, pools=None):
         rows = [dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": acc, "seconds": 1.0 + cfg.seed}
                 for r, acc in enumerate(CURVES[cfg.aggregator, cfg.seed], start=1)]
         return History(rows, cfg.to_dict(), out)
@@ -453,7 +494,7 @@ def test_seed_article_file_is_the_articles_run_as_fedavg():
 def test_a_sweep_of_private_runs_tables_the_epsilon_they_spent(config_file, monkeypatch, tmp_path):
     """The column is there once a run has a privacy section: its last row's epsilon (over seeds,
     the mean, which is the same value unless a run stopped early)."""
-    def start_run(cfg, out=None, overwrite=False, quiet=False):
+    def start_run(cfg, out=None, overwrite=False, quiet=False, pools=None):
         z = cfg.privacy["noise_multiplier"]
         rows = [dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": 0.5, "seconds": 1.0, "epsilon": r / z}
                 for r in (1, 2)]

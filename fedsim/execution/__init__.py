@@ -12,15 +12,18 @@ import logging
 import torch
 
 from ..errors import WorkerError
-from .pool import InlinePool, WorkerPool, Wrapper, kill_all_pools, slot_groups
+from .pool import InlinePool, PoolKeeper, WorkerPool, Wrapper, kill_all_pools, slot_groups
 
 logger = logging.getLogger("fedsim")
 
 
-def new_pool(config, workers: int, device: torch.device, runner: type):
-    """``workers`` processes that train with ``runner``, or the server itself when 0.
-    ``config`` is the run's config as the workers get it (components.for_workers)."""
-    return InlinePool(config, device, runner) if workers == 0 else WorkerPool(config, workers, device, runner)
+def new_pool(config, workers: int, device: torch.device, runner: type, keeper: PoolKeeper | None = None):
+    """``workers`` processes that train with ``runner`` (a kept pool's, when ``keeper`` has one
+    that fits), or the server itself when 0. ``config`` is the run's config as the workers get
+    it (components.for_workers)."""
+    if workers == 0:
+        return InlinePool(config, device, runner)
+    return keeper.pool(config, workers, device, runner) if keeper else WorkerPool(config, workers, device, runner)
 
 
 class Restarting(Wrapper):
@@ -49,4 +52,4 @@ class Restarting(Wrapper):
         self.inner.close()
 
 
-__all__ = ["InlinePool", "Restarting", "WorkerPool", "kill_all_pools", "new_pool", "slot_groups"]
+__all__ = ["InlinePool", "PoolKeeper", "Restarting", "WorkerPool", "kill_all_pools", "new_pool", "slot_groups"]

@@ -33,36 +33,44 @@ import time
 from multiprocessing.connection import Connection, wait
 
 import torch
-import torch.multiprocessing as mp
 
 from ..config import vmap_group_size
 from ..engine.buffers import RoundBuffers
-from ..errors import WorkerError, exception_text, resource_hint, user_code
+from ..errors import UnguardedScript, WorkerError, exception_text, resource_hint, user_code
+from ..processes import UNGUARDED_SCRIPT, worker_context
 from .resources import (STOP_SIGNALS, born_ignoring_stop_signals, check_descriptors, die_with_parent, exit_cause,
-                        raise_descriptor_limit, stop_resource_sharer)
+                        name_this_process, raise_descriptor_limit, reset_peak_memory, stop_resource_sharer)
 from .runner import ClientRunner
 
 STARTING, IDLE = -2, -1  # RoundBuffers.progress values besides a client id
-START_TIMEOUT = 300.0  # seconds for workers to start (spawn, imports, CUDA context, model)
+START_TIMEOUT = 300.0  # seconds for workers to start (the fork server's imports, CUDA context, model)
 FIRST_ROUND_TIMEOUT = 900.0  # the first round also pays for cuDNN set-up and first kernels
 
 
-def _worker_main(rank: int, num_workers: int, config, device: str, conn: Connection, runner: type) -> None:
+def _worker_main(rank: int, device: str, sharing_strategy: str, conn: Connection) -> None:
     die_with_parent()
+    name_this_process(f"fedsim-worker{rank}")
     for signum in STOP_SIGNALS:  # Ctrl-C, and torchrun's or systemd's SIGTERM, reach the whole process
         signal.signal(signum, signal.SIG_IGN)  # group; the server decides, and stops its workers itself
     try:
-        torch.multiprocessing.set_sharing_strategy(config.sharing_strategy)
+        torch.multiprocessing.set_sharing_strategy(sharing_strategy)
         torch.set_num_threads(1)  # one thread per worker: no oversubscription, and the same float
         # reductions in every worker (and in InlinePool), so results do not depend on `workers`
-        buffers: RoundBuffers = conn.recv()
-        trainer = runner(config, buffers, torch.device(device))
-        buffers.progress[rank] = IDLE
-        conn.send(("ready",))
+        trainer = buffers = None
         while True:
-            command = conn.recv()  # blocks until the server opens the next round
+            command = conn.recv()  # blocks until the server starts a run or opens its next round
             if command[0] == "stop":
                 return
+            if command[0] == "setup":  # a run: its config, its routine and its shared buffers
+                _, config, runner, buffers = command
+                trainer = runner(config, buffers, torch.device(device))
+                reset_peak_memory(torch.device(device))  # a kept worker's peaks are its new run's
+                buffers.progress[rank] = IDLE
+                conn.send(("ready",))
+                continue
+            if command[0] == "release":  # the run is over; the pool is kept for another (PoolKeeper)
+                trainer = buffers = None
+                continue
             _, rnd, groups = command
             started = time.perf_counter()
             for slots in groups:
@@ -90,49 +98,58 @@ def slot_groups(config, k: int) -> list[list[int]]:
 
 
 class WorkerPool:
-    """``W`` spawned worker processes sharing the server's buffers; each trains its clients with
-    a ``runner`` (a ClientRunner, or a subclass such as Hogwild's), built once in the worker.
+    """``W`` worker processes sharing the server's buffers; each trains its clients with a
+    ``runner`` (a ClientRunner, or a subclass such as Hogwild's), built in the worker for the run.
 
-    Creating the pool spawns the processes, which import torch (the bulk of a worker's
-    start-up) while the server loads the data; ``start`` then hands them the buffers.
+    ``start`` forks the processes from the fork server (see processes.py), which has imported
+    torch meanwhile, and hands them the run's config and buffers. A pool made by a PoolKeeper
+    outlives its run: ``close`` hands it back to the keeper, and its processes serve the next run.
     """
 
-    def __init__(self, config, num_workers: int, device: torch.device, runner: type = ClientRunner):
-        ctx = mp.get_context("spawn")
-        self.buffers: RoundBuffers | None = None  # set by start()
-        self.num_workers, self.config = num_workers, config
-        self.round, self.slowest = 0, 0.0  # the longest round so far, in seconds (for the timeout)
+    def __init__(self, config, num_workers: int, device: torch.device, runner: type = ClientRunner,
+                 keeper: PoolKeeper | None = None):
+        self.num_workers, self.device, self.keeper = num_workers, device, keeper
+        self.sharing_strategy = config.sharing_strategy  # set once in each worker, so one per pool
         self._closed = False
-        self._in_round = False
         self.processes, self.conns = [], []
-        self.peak_memory = [0] * num_workers  # bytes, as last reported by each worker
-        self.busy_seconds = [0.0] * num_workers  # each worker's training time in the last round
         _LIVE_POOLS.add(self)
         raise_descriptor_limit()
-        try:
-            for rank in range(num_workers):
-                parent_end, child_end = ctx.Pipe()
-                process = ctx.Process(target=_worker_main, name=f"fedsim-worker-{rank}", daemon=True,
-                                      args=(rank, num_workers, config, str(device), child_end, runner))
-                with born_ignoring_stop_signals():
-                    process.start()
-                child_end.close()
-                self.processes.append(process)
-                self.conns.append(parent_end)
-        except BaseException:
-            self._release()
-            raise
+        self.begin_run(config, runner)
+
+    def begin_run(self, config, runner: type) -> None:
+        """Settings of the run the pool serves next: ``start`` hands them to the workers."""
+        self.config, self.runner = config, runner
+        self.buffers: RoundBuffers | None = None  # set by start()
+        self.round, self.slowest = 0, 0.0  # the longest round so far, in seconds (for the timeout)
+        self._in_round = False
+        self.peak_memory = [0] * self.num_workers  # bytes, as last reported by each worker
+        self.busy_seconds = [0.0] * self.num_workers  # each worker's training time in the last round
+
+    def _fork_workers(self) -> None:
+        context = worker_context()
+        for rank in range(self.num_workers):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(target=_worker_main, name=f"fedsim-worker-{rank}", daemon=True,
+                                      args=(rank, str(self.device), self.sharing_strategy, child_end))
+            with born_ignoring_stop_signals():
+                process.start()
+            child_end.close()
+            self.processes.append(process)
+            self.conns.append(parent_end)
 
     def start(self, buffers: RoundBuffers) -> None:
-        """Hand every worker the shared buffers, once, and wait until all are ready to train."""
+        """Hand every worker the run's config and shared buffers, once, and wait until all are
+        ready to train; the first run forks the workers."""
         self.buffers = buffers
         timeout = max(self.config.worker_timeout or 0, START_TIMEOUT)
         buffers.progress.fill_(STARTING)
         try:
             check_descriptors(buffers, self.num_workers)
+            if not self.processes:
+                self._fork_workers()
             for conn in self.conns:
                 try:
-                    conn.send(buffers)
+                    conn.send(("setup", self.config, self.runner, buffers))
                 except BrokenPipeError:
                     pass  # that worker died while starting; waiting below names it
             self._await_all("ready", timeout)
@@ -194,6 +211,8 @@ class WorkerPool:
                 else:
                     rank = owner[obj]
                     self.processes[rank].join(1)
+                    if self.processes[rank].exitcode == UNGUARDED_SCRIPT:
+                        raise UnguardedScript()
                     raise WorkerError(self._failure(rank, exit_cause(self.processes[rank].exitcode)))
 
     def _progress(self, rank: int) -> int:
@@ -224,19 +243,33 @@ class WorkerPool:
                 f"raise worker_timeout if rounds are really this slow")
 
     def close(self) -> None:
-        """Stop every worker: politely between rounds, by signal otherwise. Never leaves one alive."""
+        """End the run. A pool with a keeper whose workers are idle and alive goes back to the
+        keeper for its next run; otherwise every worker stops, politely between rounds, by signal
+        otherwise. Never leaves one alive without a keeper that will stop it."""
         if self._closed:
             return
-        if self.buffers is not None and not self._in_round:  # started and idle: ask them to stop
-            for conn in self.conns:
-                try:
-                    conn.send(("stop",))
-                except (BrokenPipeError, OSError):
-                    pass
-            deadline = time.monotonic() + 10
-            for p in self.processes:
-                p.join(max(0.0, deadline - time.monotonic()))
+        if self.processes and not self._in_round:  # started, and idle between rounds (or runs)
+            if self.keeper is not None and self._send_all(("release",)) and self.alive():
+                self.keeper.keep(self)
+                return
+            if self._send_all(("stop",)):
+                deadline = time.monotonic() + 10
+                for p in self.processes:
+                    p.join(max(0.0, deadline - time.monotonic()))
         self._release()
+
+    def alive(self) -> bool:
+        return not self._closed and all(p.is_alive() for p in self.processes)
+
+    def _send_all(self, message: tuple) -> bool:
+        """Send ``message`` to every worker; False if one could not take it (it died)."""
+        sent = True
+        for conn in self.conns:
+            try:
+                conn.send(message)
+            except (BrokenPipeError, OSError):
+                sent = False
+        return sent
 
     def _release(self) -> None:
         self._closed = True
@@ -315,6 +348,49 @@ class Wrapper:
 
     def agree(self, compute):
         return self.inner.agree(compute)
+
+
+class PoolKeeper:
+    """Worker pools kept from one run to the next, for the runs of a sweep: a run whose workers
+    run on the same device, in the same number and with the same sharing strategy takes the
+    pool the run before it left, instead of starting its own. Everything else may differ
+    (model, algorithm, data, mode, backend): each run hands the workers its own config and
+    buffers when it starts. A pool comes back only when its run ended between rounds with every
+    worker alive; a pool that failed is stopped, and the next run starts a fresh one. Use it as
+    a context manager: leaving it stops the pools it keeps."""
+
+    def __init__(self):
+        self._idle: dict[tuple, WorkerPool] = {}
+
+    def pool(self, config, num_workers: int, device: torch.device, runner: type) -> WorkerPool:
+        kept = self._idle.pop((num_workers, str(device), config.sharing_strategy), None)
+        if kept is not None and kept.alive():
+            kept.begin_run(config, runner)
+            return kept
+        if kept is not None:
+            kept.keeper = None
+            kept.close()
+        return WorkerPool(config, num_workers, device, runner, keeper=self)
+
+    def keep(self, pool: WorkerPool) -> None:
+        key = (pool.num_workers, str(pool.device), pool.sharing_strategy)
+        previous = self._idle.pop(key, None)
+        if previous is not None:  # two pools alike: one is enough
+            previous.keeper = None
+            previous.close()
+        self._idle[key] = pool
+
+    def close(self) -> None:
+        while self._idle:
+            _, pool = self._idle.popitem()
+            pool.keeper = None
+            pool.close()
+
+    def __enter__(self) -> "PoolKeeper":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def kill_all_pools() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing.forkserver
 import multiprocessing.resource_sharer
 import os
 import resource
@@ -15,11 +16,39 @@ import torch
 from ..errors import ResourceError
 
 def die_with_parent() -> None:
-    """Ask Linux to kill this worker if the server dies (even by SIGKILL): no orphans."""
+    """Ask Linux to kill this worker if its parent dies (even by SIGKILL): no orphans. A worker's
+    parent is the fork server (see processes.py), which exits as soon as the server does, once
+    no worker holds the "alive" pipe that the server holds: a forked worker inherits an end of
+    it, and lets it go here."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: the server's atexit handler still kills the workers (see pool.py)
+    fork_server = multiprocessing.forkserver._forkserver
+    if getattr(fork_server, "_forkserver_alive_fd", None) is not None:
+        os.close(fork_server._forkserver_alive_fd)
+        fork_server._forkserver_alive_fd = None
+
+
+def name_this_process(name: str) -> None:
+    """The name that ps and top show (Linux keeps 15 bytes of it): fedsim-worker0, ..."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15])  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start this process's peak memory afresh: the allocator's peak on a GPU, the peak resident
+    set size (VmHWM, which Linux resets to the current size) on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def peak_rss_bytes() -> int:

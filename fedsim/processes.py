@@ -1,0 +1,60 @@
+"""Where worker processes come from: forks of a server process that imported torch once.
+
+Starting a Python process and importing torch costs a second or two of CPU; a pool of spawned
+workers pays it once per worker (four workers on two cores: several seconds before the first
+round). Here multiprocessing's fork server imports torch and fedsim's worker code once, and
+every worker is a fork of it, ready in milliseconds. It is as safe with CUDA as spawning: the
+fork server imports torch but never initializes CUDA, so each worker creates its own CUDA
+context, as a spawned one does, and the server process's own CUDA state is never copied.
+
+``fedsim run`` starts the fork server first thing, so that it imports torch while the command
+imports torch itself and loads the data; ``fedsim.run`` starts it before loading the data. It
+lives as long as the process that started it: a restarted pool and the runs of a sweep fork
+from it at once. Its environment is the one it started with (CUDA_VISIBLE_DEVICES, say), and
+so is every worker's.
+
+A worker, like a spawned one, imports the script that started the run, so that the functions
+and classes the script defines exist there too; a script that calls ``fedsim.run`` outside an
+``if __name__ == "__main__":`` block would run again in every worker. ``in_worker_start`` tells
+such a call apart, and the worker then ends with ``UNGUARDED_SCRIPT`` as its status, which the
+server reports in one line naming the guard.
+
+This module imports no torch: the command line uses it before anything else.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+
+from .interrupts import born_ignoring_sigint
+
+# What every worker needs, imported once in the fork server (an import that fails there is
+# retried in the worker, where it reports its error)
+PRELOAD = ["torch", "cloudpickle", "fedsim.execution.pool", "fedsim.execution.hogwild"]
+UNGUARDED_SCRIPT = 87  # the exit status of a worker that found the script calling fedsim.run unguarded
+
+
+def worker_context():
+    """The multiprocessing context of worker processes: forks of the fork server, or spawned
+    processes where a platform has no fork server."""
+    try:
+        context = multiprocessing.get_context("forkserver")
+    except ValueError:
+        return multiprocessing.get_context("spawn")
+    context.set_forkserver_preload(PRELOAD)  # read when the fork server starts, and only then
+    return context
+
+
+def start_fork_server() -> None:
+    """Start the fork server, if it is not running, and return at once: it imports torch and
+    fedsim in its own process while this one goes on."""
+    if worker_context().get_start_method() == "forkserver":
+        with born_ignoring_sigint():
+            multiprocessing.forkserver.ensure_running()
+
+
+def in_worker_start() -> bool:
+    """Whether this process is a worker still starting: importing the script that started the
+    run, as multiprocessing does before a worker runs (the call that got here is then a
+    script's top-level ``fedsim.run``, outside ``if __name__ == "__main__":``)."""
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))

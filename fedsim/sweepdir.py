@@ -1,0 +1,68 @@
+"""A sweep's directory: what each of its runs is (``sweep.json``), and what is left to do of a
+sweep interrupted earlier, so that the same sweep into the same directory continues it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from .config import Config
+from .errors import FedsimError
+from .results import flatten_config
+from .rundir import RunDirectory, read_mapping
+from .validation import load_config
+
+SWEEP_FILE = "sweep.json"  # what each run of the sweep is, so that the same sweep continues it
+
+
+def identity(cfg: Config) -> str:
+    """What a run computes: its config but for where and how fast it runs."""
+    from .session import PLACEMENT_KEYS
+
+    return yaml.safe_dump({k: v for k, v in flatten_config(cfg.to_dict()) if k not in PLACEMENT_KEYS},
+                          sort_keys=True)
+
+
+def placement(cfg: Config) -> dict:
+    """The keys of where and how fast ``cfg`` runs, for a resumed run to take from the sweep."""
+    from .session import PLACEMENT_KEYS
+
+    return {k: v for k, v in flatten_config(cfg.to_dict()) if k in PLACEMENT_KEYS}
+
+
+def sweep_root(out, name: str, overwrite: bool, runs: list) -> Path:
+    """The sweep's directory: a new one, or ``out``, which must be empty (or replaced, with
+    ``overwrite``) or hold this same sweep, to be continued."""
+    if out is not None and not overwrite and (Path(out) / SWEEP_FILE).is_file():
+        recorded = read_mapping(Path(out) / SWEEP_FILE, json.loads).get("runs")
+        planned = {run.label: identity(run.config) for run in runs}
+        if recorded != planned:
+            raise FedsimError(f"--out {out}: holds another sweep ({_difference(recorded, planned)}); give the "
+                              f"command that started it to continue it, --overwrite to replace it, or another --out")
+        return Path(out)
+    return RunDirectory.target(out, f"{name}-sweep", overwrite)
+
+
+def _difference(recorded, planned: dict) -> str:
+    recorded = recorded if isinstance(recorded, dict) else {}
+    label = next(label for label in [*planned, *recorded] if recorded.get(label) != planned.get(label))
+    if label not in recorded or label not in planned:
+        return f"{label} is a run of {'this sweep' if label in planned else 'that sweep'} only"
+    before, now = yaml.safe_load(recorded[label]), yaml.safe_load(planned[label])
+    key = next(k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k))
+    return f"its run {label} has {key}: {before.get(key)!r}, this one {now.get(key)!r}"
+
+
+def left_to_do(path: Path, cfg: Config) -> str:
+    """What the run of ``cfg`` in ``path`` needs: ``finished`` (kept as it is), ``resume`` (from
+    its checkpoint) or ``start`` (nothing of this configuration is there)."""
+    try:
+        if identity(load_config(path / "config.yaml")) != identity(cfg):
+            return "start"  # left by the sweep that --overwrite replaced
+        summary = read_mapping(path / "summary.json", json.loads)
+    except FedsimError:
+        return "start"  # none yet, or unreadable
+    if summary.get("status") == "finished":
+        return "finished"
+    return "resume" if (path / "checkpoint.pt").is_file() else "start"

@@ -1,0 +1,40 @@
+"""A run's trained model, back from its run directory: ``fedsim.load_model(run_dir)``."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from . import components
+from .errors import FedsimError
+from .flat import FlatModel
+from .results import load_run
+from .rundir import RunDirectory
+
+
+def load_model(run_dir: str | os.PathLike, model=None) -> torch.nn.Module:
+    """The global model of a run as its checkpoint holds it (the last round's, unless
+    ``checkpoint_every`` says otherwise), an ``nn.Module`` on the CPU in eval mode.
+
+    The model is built again as the run built it: config.yaml's ``model`` for the shape of its
+    data (summary.json). A model given to the run as an object is given again, ``model=TwoLayer``,
+    as fedsim.resume takes it.
+    """
+    path = Path(run_dir)
+    history = load_run(path)
+    shape, classes = history.summary.get("input_shape"), history.summary.get("num_classes")
+    if not shape or not classes:
+        raise FedsimError(f"{path}: summary.json does not say the shape of the run's data (a run of an older "
+                          f"fedsim, or one that did not start); its model cannot be built again")
+    spec = model if model is not None else history.config.get("model")
+    if isinstance(spec, str) and spec.startswith("__main__:"):
+        raise FedsimError(f"{path}: its model, {spec}, was an object given from Python; give it again: "
+                          f"fedsim.load_model(run_dir, model=...)")
+    state = RunDirectory(path).load_checkpoint()
+    flat = FlatModel(components.build_model(spec, tuple(shape), classes), "cpu")
+    if len(flat) != state["global"].numel():
+        raise FedsimError(f"{path}: checkpoint.pt holds {state['global'].numel():,} weights where the model "
+                          f"{components.describe(spec)} has {len(flat):,}; it is not this model's checkpoint")
+    flat.flat.copy_(state["global"])
+    return flat.module.eval()
