@@ -180,4 +180,4 @@ def test_the_offline_quick_start_visibly_learns(tmp_path):
 
     history = fedsim.run("mnist_seed", dataset="synthetic", device="cpu", workers=0, out=tmp_path / "run",
                          quiet=True)
-    assert history.test_accuracy == [0.278, 0.819, 0.978]  # the numbers the README quotes
+    assert history.test_accuracy == [0.575, 0.851, 0.954]  # the numbers the README quotes

@@ -60,7 +60,7 @@ def test_write_report_splits_the_data_as_a_run_does(tmp_path, small_config):
     parts = partition(data.train_y, "dirichlet", cfg.data.num_clients, cfg.seed, **options_for("dirichlet", cfg.data))
     assert report["samples"] == [len(p) for p in parts]
     written = json.loads((tmp_path / "out" / "partition.json").read_text())
-    assert written["class_counts"] == report["class_counts"] and written["options"] == {"alpha": 0.2, "min_samples": 1}
+    assert written["class_counts"] == report["class_counts"] and written["options"] == {"alpha": 0.2, "min_samples": 1, "balanced": False}
     assert sum(written["test_samples"]) == len(data.test_y)
     assert (tmp_path / "out" / "partition.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
