@@ -1,8 +1,8 @@
 """Every code block of README.md and docs/ works as it is written, every link of theirs leads
-somewhere, and the pages build as a site. A Python block is a whole
-program (imports, data, the ``__main__`` guard) and runs; a YAML block is a config section that
-loads; the fedsim commands of a bash block parse, and the experiment, keys and values they name
-load (running them is the experiments themselves: hours); a text block is a diagram."""
+somewhere, and the pages build as a site. A Python block is a whole program (imports, data, the
+``__main__`` guard) and runs; a YAML block is a config section that loads; the fedsim commands
+of a bash block parse, and the experiment, keys and values they name load (running them is the
+experiments themselves: hours); a text block is a diagram."""
 from __future__ import annotations
 
 import importlib.util
@@ -159,6 +159,14 @@ def _links(path: Path) -> list[str]:
 
 
 def test_the_slugs_are_those_of_mkdocs():
+    """On examples, and on every heading of the pages, against Python-Markdown's own toc."""
+    import markdown
+
+    headings = [m.group(1) for path in DOCS for line in _prose(path) if (m := re.match(r"#{1,6}\s+(.*)", line))]
+    assert len(headings) > 40
+    for heading in headings:
+        made = re.search(r'id="([^"]*)"', markdown.markdown(f"## {heading}", extensions=["toc"])).group(1)
+        assert _slug(heading) == made, heading
     assert _slug("Aggregation rules") == "aggregation-rules"
     assert _slug("System heterogeneity and client sampling") == "system-heterogeneity-and-client-sampling"
     assert _slug("Per-client evaluation (`eval_per_client`, `data.test_partition`)") == \
