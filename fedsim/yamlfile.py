@@ -116,7 +116,7 @@ def shipped_experiments() -> dict[str, str]:
 def experiment_file(spec: str | os.PathLike) -> Path:
     """The file an experiment argument names: a path that exists, else a shipped experiment by
     name (``mnist_seed``, ``mnist_seed.yaml``, ``compare/base``, or ``experiments/mnist_seed.yaml``
-    as the README spells it), else the path as given (reading it then says it is not found)."""
+    as the documentation spells it), else the path as given (reading it then says it is not found)."""
     path = Path(spec)
     if path.exists():
         return path

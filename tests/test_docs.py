@@ -1,7 +1,8 @@
-"""Every code block of README.md and docs/ works as it is written. A Python block is a whole
-program (imports, data, the ``__main__`` guard) and runs; a YAML block is a config section that
-loads; the fedsim commands of a bash block parse, and the experiment, keys and values they name
-load (running them is the experiments themselves: hours); a text block is a diagram."""
+"""Every code block of README.md and docs/ works as it is written, every link of theirs leads
+somewhere, and the pages build as a site. A Python block is a whole program (imports, data, the
+``__main__`` guard) and runs; a YAML block is a config section that loads; the fedsim commands
+of a bash block parse, and the experiment, keys and values they name load (running them is the
+experiments themselves: hours); a text block is a diagram."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -52,15 +54,15 @@ def test_a_python_block_runs_as_a_program(program, tmp_path):  # the rule's exam
 
 @pytest.mark.slow
 def test_the_rule_example_shows_its_effect(tmp_path):
-    """The README's own rule, paired with its experiment, prints what the README says it prints,
-    and that differs from FedAvg's numbers."""
-    readme = (REPO / "README.md").read_text()
+    """The rule of docs/extending.md, paired with its experiment, prints what the page says it
+    prints, and that differs from FedAvg's numbers."""
+    page = (REPO / "docs" / "extending.md").read_text()
     (program,) = [text for text in (p.values[0] for p in blocks("python")) if "def clipped_mean" in text]
     done = _run_program(program, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     fedavg, clipped = done.stdout.strip().splitlines()[-2:]
     said = f"It prints `{fedavg}` and `{clipped}`"
-    assert " ".join(said.split()) in " ".join(readme.split())
+    assert " ".join(said.split()) in " ".join(page.split())
     assert fedavg.split(None, 1)[1] != clipped.split(None, 1)[1]
 
 
@@ -117,3 +119,114 @@ def _check_benchmark(script: str, flags: list[str]) -> None:
         module.parse_args(flags)
     finally:
         sys.path.remove(str(path.parent))
+
+
+def _prose(path: Path) -> list[str]:
+    """The lines of a markdown file outside its fenced code blocks."""
+    lines, fenced = [], False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as mkdocs makes it (Python-Markdown's toc): the text without markup,
+    ASCII only, lower case, punctuation dropped, spaces and hyphens joined into one hyphen."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").replace("*", "")
+    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def _anchors(path: Path) -> set[str]:
+    found: set[str] = set()
+    for line in _prose(path):
+        if heading := re.match(r"#{1,6}\s+(.*?)\s*#*$", line):
+            slug, n = _slug(heading.group(1)), 0
+            while (slug if n == 0 else f"{slug}_{n}") in found:  # a repeated heading gets _1, _2, ...
+                n += 1
+            found.add(slug if n == 0 else f"{slug}_{n}")
+    return found
+
+
+def _links(path: Path) -> list[str]:
+    """The targets of the markdown links of a file, outside code."""
+    return [target for line in _prose(path) for target in
+            re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", line))]
+
+
+def test_the_slugs_are_those_of_mkdocs():
+    """On examples, and on every heading of the pages, against Python-Markdown's own toc."""
+    import markdown
+
+    headings = [m.group(1) for path in DOCS for line in _prose(path) if (m := re.match(r"#{1,6}\s+(.*)", line))]
+    assert len(headings) > 40
+    for heading in headings:
+        made = re.search(r'id="([^"]*)"', markdown.markdown(f"## {heading}", extensions=["toc"])).group(1)
+        assert _slug(heading) == made, heading
+    assert _slug("Aggregation rules") == "aggregation-rules"
+    assert _slug("System heterogeneity and client sampling") == "system-heterogeneity-and-client-sampling"
+    assert _slug("Per-client evaluation (`eval_per_client`, `data.test_partition`)") == \
+        "per-client-evaluation-eval_per_client-datatest_partition"
+    assert _slug("Scaling: GPUs / machines — «fast»") == "scaling-gpus-machines-fast"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(REPO)) for p in DOCS])
+def test_every_relative_link_and_anchor_resolves(path):
+    """A link to a file of the checkout names one that exists, and its #anchor a heading there;
+    links stay inside docs/ so that they work on GitHub and on the site alike (the README's
+    links into docs/ become the site home page's)."""
+    links = [link for link in _links(path) if not re.match(r"[a-z]+:", link)]
+    for link in links:
+        file, _, anchor = link.partition("#")
+        target = (path.parent / file).resolve() if file else path
+        assert target.is_file(), f"{path.relative_to(REPO)}: {link}: no such file"
+        assert target.is_relative_to(REPO / "docs"), f"{path.relative_to(REPO)}: {link}: outside docs/"
+        if anchor:
+            assert target.suffix == ".md" and anchor in _anchors(target), \
+                f"{path.relative_to(REPO)}: {link}: no heading with that anchor in {target.name}"
+
+
+def test_the_readme_indexes_every_page():
+    linked = {link.partition("#")[0] for link in _links(REPO / "README.md")}
+    assert {f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")} <= linked
+
+
+def test_every_page_is_in_the_site_navigation():
+    def pages(nav):
+        for entry in nav:
+            for value in (entry.values() if isinstance(entry, dict) else [entry]):
+                yield from pages(value) if isinstance(value, list) else [value]
+
+    listed = list(pages(yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"]))
+    on_disk = {p.relative_to(REPO / "docs").as_posix() for p in (REPO / "docs").rglob("*.md")}
+    assert sorted(listed) == sorted(on_disk | {"index.md"})  # index.md: the README, made the home page
+
+
+def test_the_readme_sets_up_as_ci_does():
+    """The Set-up section's one shell block is exactly the two commands CI runs."""
+    readme = (REPO / "README.md").read_text()
+    setup = readme.split("\n## Set-up\n", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^```(\w*)\n(.*?)^```", setup, re.M | re.S) == \
+        [("bash", 'pip install -e ".[dev]"\npython -m pytest\n')]
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert 'pip install -e ".[dev]"' in ci and "python -m pytest" in ci
+
+
+@pytest.mark.slow
+def test_the_site_builds_in_strict_mode(tmp_path):
+    """mkdocs builds the pages with the README as home page and the API reference from the
+    docstrings; strict mode fails on any warning: a broken link or anchor, a page left out of
+    the navigation, a docstring it cannot read."""
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                           str(REPO / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+                          cwd=REPO, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    home = (tmp_path / "site" / "index.html").read_text()
+    assert "Quick start" in home and 'href="getting-started/#set-up"' in home
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    assert "Run an experiment and return its History" in api and "load_model" in api
