@@ -16,8 +16,8 @@ CHECKS = Checks("algorithm_options", options=True)
                                "body averaged by the server (Arivazhagan et al. 2019)")
 class FedPer(Algorithm):
     """A sampled client trains the whole model by local SGD from the global body and its own head
-    (the layers named in ``personal_layers``, by module name as in ``named_parameters``; None:
-    the model's last layer), keeps the head it trained, and sends the body: the head's part of
+    (the layers named in ``personal_layers``, by module or parameter name as in
+    ``named_parameters``; None: the model's last layer), keeps the head it trained, and sends the body: the head's part of
     its update is zero, so the server averages the bodies alone and the global model's head stays
     where it started. A client's head starts as the global one (the same initialization for
     every client, as in the paper); ``eval_per_client`` scores the global body with the client's
@@ -39,15 +39,17 @@ class FedPer(Algorithm):
         layers = sorted({name.rpartition(".")[0] for name in names})
         chosen = self.personal_layers or [names[-1].rpartition(".")[0]]
 
-        def personal(name):
-            return any(name == layer or name.startswith(layer + ".") for layer in chosen)
+        def within(name, layer):  # a layer's own parameters, or those of the modules it holds ("": the model)
+            return layer == "" or name == layer or name.startswith(layer + ".")
         for layer in chosen:
-            if not any(name == layer or name.startswith(layer + ".") for name in names):
-                CHECKS.fail("personal_layers", f"the model has no layer {layer!r}{did_you_mean(layer, layers)}; its "
-                                               f"layers: {', '.join(layers)}")
-        self.head = torch.cat([torch.full((p.numel(),), personal(name)) for name, p in module.named_parameters()])
+            if not any(within(name, layer) for name in names):
+                CHECKS.fail("personal_layers", f"names {layer!r}, which is no layer of the model"
+                                               f"{did_you_mean(layer, layers)}; its layers: {', '.join(layers)}")
+        self.head = torch.cat([torch.full((p.numel(),), any(within(name, layer) for layer in chosen))
+                               for name, p in module.named_parameters()])
         if self.head.all():
-            CHECKS.fail("personal_layers", f"{', '.join(chosen)} would leave no layer to share; name fewer layers")
+            CHECKS.fail("personal_layers", f"names {', '.join(map(repr, chosen))}, which would leave nothing of the "
+                                           f"model to share; name fewer layers (or parameters, such as a layer's bias)")
 
     def mask(self, like: torch.Tensor) -> torch.Tensor:
         return self.head.to(like.device)
