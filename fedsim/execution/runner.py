@@ -47,7 +47,7 @@ class ClientRunner:
         rows = slice(slots[0], slots[-1] + 1)
         ids = torch.tensor(clients, device=b.global_flat.device)
         local_state = self.algorithm.start_client(Clients(
-            ids, rnd, b.server_state, {name: state[rows] for name, state in b.client_state.items()}))
+            ids, rnd, b.server_state, {name: state[rows].clone() for name, state in b.client_state.items()}))
         indices = [b.client_samples(c) for c in clients]
         attacked = b.attackers[clients]
         relabel = self.attack.relabel if self.attack.relabels and bool(attacked.any()) else None
