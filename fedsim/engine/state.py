@@ -1,6 +1,7 @@
 """What the server keeps between rounds: the global model, the server optimizer's state, the
 algorithm's server state, privacy's (the adaptive clip), every client's own state (the
-algorithm's and compression's residuals, see client_state.py) and the bytes sent so far. All of it, and nothing else, is what a checkpoint holds."""
+algorithm's rows and compression's residuals, see client_state.py) and the bytes sent so far.
+All of it, and nothing else, is what a checkpoint holds."""
 from __future__ import annotations
 
 from pathlib import Path
