@@ -25,7 +25,7 @@ from .engine.records import CLIENT_COLUMNS
 from .errors import write_error
 from .rundir import read_client_accuracy, write_atomically
 
-CLIENT_ACCURACY_COLUMNS = ("round", "client", "samples", "accuracy")
+CLIENT_ACCURACY_COLUMNS = ("round", "client", "model", "samples", "accuracy")
 
 
 @dataclass

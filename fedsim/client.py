@@ -26,6 +26,7 @@ class Trained:
     loss: torch.Tensor  # [c] mean training loss over the samples trained on (on the device: no host sync per step)
     steps: torch.Tensor  # [c] SGD steps taken
     mean_gradient: torch.Tensor | None  # [c, n] mean raw gradient, when the algorithm keeps it
+    weights: torch.Tensor | None = None  # [P] LocalTrainer: its model's weights after training (its own tensor)
 
 
 def _autocast(local, device: torch.device) -> torch.autocast:
@@ -56,14 +57,16 @@ class LocalTrainer:
         self.autocast = _autocast(local, model.flat.device)
 
     def train(self, indices: torch.Tensor, start: torch.Tensor | None, seed: int, *, local_state=None,
-              relabel=None, max_steps: int | None = None) -> Trained:
+              relabel=None, max_steps: int | None = None, epochs: int | None = None,
+              trainable: torch.Tensor | None = None, term=None) -> Trained:
         """Train from ``start`` on the samples ``indices``; the result is left in ``model.flat``.
         ``max_steps``: stop after that many SGD steps (a partial straggler's work, see system.py);
         None: all ``local.epochs`` epochs.
         ``start`` None trains the weights the model holds as they are (Hogwild: the shared weights,
         which other workers change meanwhile; a copy onto them would undo their steps).
         ``local_state`` is what the algorithm's ``start_client`` returned for this client;
-        ``relabel(labels, num_classes)`` replaces the labels it trains on (a label attack)."""
+        ``relabel(labels, num_classes)`` replaces the labels it trains on (a label attack).
+        ``epochs``, ``trainable`` and ``term``: see ``Algorithm.train_client``."""
         model, local, algorithm = self.model, self.local, self.algorithm
         torch.manual_seed(seed)  # shuffling, dropout and augmentation of this client, this round
         if start is not None:
@@ -74,12 +77,13 @@ class LocalTrainer:
         if self.momentum is not None:
             self.momentum.zero_()
         self.loss_sum.zero_()
-        adjusts = algorithm.has_gradient_term
+        if term is None and algorithm.has_gradient_term:
+            term = lambda g, w: algorithm.adjust_gradient(g, w, start_params, local_state)  # noqa: E731
         gradient_sum = torch.zeros_like(params) if algorithm.keeps_mean_gradient else None
         steps = seen = 0
 
         def batches():  # an epoch is shuffled when it starts: a client stopped early draws no more
-            for _ in range(local.epochs):
+            for _ in range(local.epochs if epochs is None else epochs):
                 yield from indices[torch.randperm(len(indices), device=indices.device)].split(local.batch_size)
 
         for batch in itertools.islice(batches(), max_steps):
@@ -96,8 +100,10 @@ class LocalTrainer:
                 grad.add_(params, alpha=local.weight_decay)
             if gradient_sum is not None:
                 gradient_sum.add_(grad)
-            if adjusts:
-                algorithm.adjust_gradient(grad[None], params[None], start_params, local_state)
+            if term is not None:
+                term(grad[None], params[None])
+            if trainable is not None:  # frozen coordinates keep their values exactly
+                grad.mul_(trainable)
             step = grad
             if self.momentum is not None:
                 step = self.momentum.mul_(local.momentum).add_(grad)
@@ -107,7 +113,7 @@ class LocalTrainer:
             seen += len(batch)
         mean_gradient = None if gradient_sum is None else (gradient_sum / steps)[None]
         return Trained((self.loss_sum / seen)[None],
-                       torch.tensor([steps], device=model.flat.device), mean_gradient)
+                       torch.tensor([steps], device=model.flat.device), mean_gradient, model.flat)
 
 
 class VmapTrainer:

@@ -18,6 +18,12 @@ once whatever its size (``spread``):
                           clients are the whole federation, not a sample of it)
     client_accuracy_p10   their 10th percentile, how the worst tenth of the clients fare
 
+Under an algorithm with personal models (Ditto, FedPer, FedRep: ``Algorithm.personal_weights``)
+each client is scored with its own model instead, one pass over its split per client; the
+``model`` column of ``client_accuracy.csv`` and ``client_eval_model`` in ``summary.json`` say
+which (``global`` or ``personal``). ``test_accuracy`` stays the global model's on the whole test
+set.
+
 A client whose split is empty (a class mix so small that rounding leaves it no test sample) has
 no accuracy: it is left out of the three numbers, and its rows in ``client_accuracy.csv`` say
 0 samples and accuracy nan.
@@ -81,7 +87,25 @@ class ClientEvaluation:
         for index, who in zip(self.index.split(batch_size), owner.split(batch_size)):
             xb, yb = x[index].to(device, non_blocking=True), y[index].to(device, non_blocking=True)
             correct.index_add_(0, who, (module(xb).argmax(dim=1) == yb).to(torch.int64))
+        return self._spread(correct, rnd, "global")
+
+    @torch.inference_mode()
+    def score_personal(self, module: torch.nn.Module, load, x: torch.Tensor, y: torch.Tensor, batch_size: int,
+                       rnd: int) -> dict:
+        """The three columns for every client's own model: ``load(c)`` puts client c's weights into
+        ``module``, which then scores c's split."""
+        module.eval()
+        device = next(module.parameters()).device
+        correct = torch.zeros(len(self.samples), dtype=torch.int64, device=device)
+        for client, index in enumerate(self.index.split(self.samples.tolist())):
+            load(client)
+            for part in index.split(batch_size):
+                xb, yb = x[part].to(device, non_blocking=True), y[part].to(device, non_blocking=True)
+                correct[client] += (module(xb).argmax(dim=1) == yb).sum()
+        return self._spread(correct, rnd, "personal")
+
+    def _spread(self, correct: torch.Tensor, rnd: int, model: str) -> dict:
         accuracies = correct.cpu().double() / self.samples  # 0 / 0: NaN, a client without samples
-        self.last = [{"round": rnd, "client": c, "samples": int(n), "accuracy": float(a)}
+        self.last = [{"round": rnd, "client": c, "model": model, "samples": int(n), "accuracy": float(a)}
                      for c, (n, a) in enumerate(zip(self.samples.tolist(), accuracies.tolist()))]
         return spread(accuracies.numpy())

@@ -19,9 +19,9 @@ floor(r), else floor(r); the server reads ||v|| sign(v_i) xi_i / s, whose expect
 
 Error feedback (Stich et al.'s memory, and the same for qsgd when asked): a client compresses
 its update plus its residual, what it has not sent before, and keeps the difference as its new
-residual, so sent + new residual = update + old residual. The residuals are per client, in host
-memory, only for the clients that have sent an update (at most ``data.num_clients`` x n float32
-values), and part of the checkpoint.
+residual, so sent + new residual = update + old residual. The residuals are per client, kept with the rest of
+the clients' state (client_state.py: host memory, only for the clients that have sent an update,
+bounded by ``client_state_limit_mb``, part of the checkpoint).
 
 What is compressed: the trainable parameters' part of the update (n values). Buffers (batch-norm
 statistics) and an algorithm's reports (SCAFFOLD's control change) travel whole, as float32:
@@ -53,12 +53,14 @@ from typing import Optional
 import torch
 
 from .checks import Checks
+from .client_state import ClientStates
 from .registry import Registry
 from .streams import compression_generator
 
 COMPRESSORS = Registry("compressor")
 MAX_LEVELS = 2**16 - 1  # a level in 16 bits; with more, a coordinate costs over half of its float32
 _CHECKS = Checks("compression")
+RESIDUAL = "error_feedback"  # its name among the clients' state
 
 
 @dataclass
@@ -167,20 +169,29 @@ def unused_options(section: CompressionConfig) -> list[str]:
             if key not in reads and getattr(section, key) != getattr(default, key)]
 
 
+def client_shapes(section: CompressionConfig, n: int) -> dict[str, tuple[int, ...]]:
+    """The rows each client keeps (see client_state.py): with error feedback, a residual of the n
+    trainable values."""
+    return {RESIDUAL: (n,)} if section.type != "none" and feeds_back(section) else {}
+
+
 class Compression:
-    """A run's compressor and, with error feedback, every client's residual (``memory``: client id
-    -> [n] float32 on the CPU, only for the clients that have sent an update)."""
+    """A run's compressor and, with error feedback, every client's residual: the row
+    ``error_feedback`` of the run's ClientStates (see ``client_shapes``)."""
 
     def __init__(self, section: CompressionConfig, seed: int):
         self.compressor = COMPRESSORS.get(section.type)(section)
         self.error_feedback = feeds_back(section)
         self.seed = seed
-        self.memory: dict[int, torch.Tensor] = {}
+        self.states: ClientStates | None = None  # set by use_states
 
     @classmethod
     def from_config(cls, cfg) -> "Compression | None":
         """The run's Compression, or None when every update is sent whole."""
         return None if cfg.compression.type == "none" else cls(cfg.compression, cfg.seed)
+
+    def use_states(self, states: ClientStates) -> None:
+        self.states = states
 
     def compress(self, updates: torch.Tensor, clients: list[int], usable: torch.Tensor, rnd: int) -> None:
         """Replace each usable row of ``updates`` ([k, n], in place) by what client ``clients[i]``
@@ -191,7 +202,8 @@ class Compression:
             if not usable[i]:
                 continue
             row = updates[i]
-            target = row + self.memory[client].to(row.device) if client in self.memory else row
+            old = self.states.get(RESIDUAL, client) if self.error_feedback else None
+            target = row + old.to(row.device) if old is not None else row
             generator = compression_generator(self.seed, rnd, client) if self.compressor.random else None
             sent = self.compressor(target, generator)
             residual = target - sent if self.error_feedback else None
@@ -199,17 +211,5 @@ class Compression:
                 usable[i] = False
                 continue
             if self.error_feedback:
-                self.memory[client] = residual.cpu()
+                self.states.put(RESIDUAL, client, residual)
             row.copy_(sent)
-
-    def memory_bound(self, n: int, num_clients: int) -> str:
-        """The most error feedback can hold, for the run's log."""
-        return (f"error feedback keeps {4 * n / 2**20:.2f} MiB per client that has sent an update, in host memory: "
-                f"at most {num_clients:,} clients, {4 * n * num_clients / 2**20:,.1f} MiB")
-
-    def summary(self) -> dict:
-        """What error feedback holds now: how many clients' residuals, in MiB."""
-        if not self.error_feedback:
-            return {}
-        size = sum(t.numel() * t.element_size() for t in self.memory.values())
-        return {"error_feedback_clients": len(self.memory), "error_feedback_mb": round(size / 2**20, 2)}

@@ -103,6 +103,7 @@ class Config:
     on_worker_failure: str = "stop"  # stop | restart
     on_nonfinite: str = "drop"  # drop | fail
     sharing_strategy: str = "file_descriptor"  # file_descriptor | file_system (CPU runs)
+    client_state_limit_mb: Optional[float] = None  # the most the clients' state may take; None: half the host's memory
     privacy: Optional[dict] = None  # DP-FedAvg: {clip, noise_multiplier, delta} (see privacy.py); null: off
     data: DataConfig = field(default_factory=DataConfig)
     local: LocalConfig = field(default_factory=LocalConfig)

@@ -288,7 +288,8 @@ def read_client_accuracy(path: Path) -> list[dict]:
     """The rows of a client_accuracy.csv, numbers as numbers (accuracy nan: no test samples)."""
     try:
         with open(path, newline="") as f:
-            return [{k: (float(v) if k == "accuracy" else int(v)) for k, v in row.items()} for row in csv.DictReader(f)]
+            return [{k: (float(v) if k == "accuracy" else v if k == "model" else int(v)) for k, v in row.items()}
+                    for row in csv.DictReader(f)]
     except (OSError, UnicodeDecodeError, csv.Error, TypeError, ValueError) as e:
         raise FedsimError(f"{path}: not a fedsim client accuracy file ({type(e).__name__})") from None
 

@@ -23,7 +23,8 @@ from . import components
 from .attacks import attacker_mask, make_attack
 from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart
 from .client_eval import ClientEvaluation
-from .compression import Compression
+from .client_state import ClientStates
+from .compression import Compression, client_shapes
 from .config import Config, groups_per_round, locate, overrides_of
 from .distributed import RankStopped, Ranks, rank_device
 from .engine import AggregateUpdates, Engine, GlobalState, RoundBuffers
@@ -49,6 +50,7 @@ logger = logging.getLogger("fedsim")
 
 # Keys that say where and how fast a run goes, not what it computes.
 PLACEMENT_KEYS = {"workers", "worker_timeout", "checkpoint_every", "on_worker_failure", "eval_batch_size", "device",
+                  "client_state_limit_mb",
                   "sharing_strategy", "data.root", "data.download", "data.placement"}
 # Keys a resumed run may change: those, how long it runs and how often it reports.
 RESUMABLE_KEYS = PLACEMENT_KEYS | {"rounds", "stop_at_accuracy", "eval_every"}
@@ -137,15 +139,17 @@ def allocate_buffers(cfg: Config, state: GlobalState, data, parts, data_device: 
         step_limits=torch.full((k,), -1, dtype=torch.int64),
         progress=torch.zeros(max(workers, 1), dtype=torch.int64),
         attackers=attacker_mask(cfg.seed, cfg.data.num_clients, cfg.attack),
-        server_state=state.server_state, client_state=state.client_state,
+        server_state=state.server_state,
+        client_state={name: torch.zeros(k, *shape, device=dev) for name, shape in algorithm.client_state(n).items()},
         reports={name: torch.zeros(k, *shape, device=dev) for name, shape in algorithm.report_shapes(n).items()},
     ).share_cpu_tensors()
 
 
 def build_parts(cfg: Config, device: torch.device, datasets: dict | None = None):
     """What a run is made of, each part checked as far as it can be before any worker is handed
-    anything: the data split among the clients, the initial model (probed), privacy (or None) and
-    the algorithm (set up). ``datasets``: loaded datasets to reuse (see load_federation)."""
+    anything: the data split among the clients, the initial model (probed), privacy (or None), the
+    algorithm (set up and bound to the model) and the clients' state (its bound checked).
+    ``datasets``: loaded datasets to reuse (see load_federation)."""
     federation = load_federation(cfg, datasets)
     sizes = [len(p) for p in federation.parts]
     if 0 in sizes:
@@ -161,7 +165,12 @@ def build_parts(cfg: Config, device: torch.device, datasets: dict | None = None)
     algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
     with user_code(f"algorithm: {components.describe(cfg.algorithm)} failed in setup", ConfigError):
         algorithm.setup(cfg)
-    return (federation.data, federation.parts), model, privacy, algorithm
+        algorithm.bind(model.module)
+    n = model.num_params
+    clients = ClientStates.of({f"algorithm {components.describe(cfg.algorithm)}": algorithm.client_state(n),
+                               "compression.error_feedback": client_shapes(cfg.compression, n)},
+                              cfg.data.num_clients, cfg.client_state_limit_mb)
+    return (federation.data, federation.parts), model, privacy, algorithm, clients
 
 
 def check_run(cfg: Config, datasets: dict | None = None) -> None:
@@ -236,19 +245,19 @@ class Session:
     def _assemble(self) -> None:
         """The data on its device, the global state, the round's buffers and the engine."""
         cfg, device = self.cfg, self.device
-        (data, parts), model, privacy, algorithm = build_parts(cfg, device)
+        (data, parts), model, privacy, algorithm, clients = build_parts(cfg, device)
         self.input_shape, self.num_classes = data.input_shape, data.num_classes
         data_device = data_placement(cfg.data.placement, data, device)
         if data_device != device:
             logger.info(f"{data.name} is kept in host memory (data.placement); batches are copied to {device}")
         self.compression = Compression.from_config(cfg)  # None: updates travel whole
-        feedback = self.compression.memory if self.compression and self.compression.error_feedback else None
+        if self.compression:
+            self.compression.use_states(clients)
         names = {"algorithm": components.describe(cfg.algorithm), "aggregator": components.describe(cfg.aggregator),
                  "server_optimizer": cfg.server_optimizer}
-        self.state = GlobalState(model, make_server_optimizer(cfg, model.num_params, device), algorithm,
-                                 cfg.data.num_clients, f"{components.describe(cfg.model)}, {names['algorithm']}, "
-                                                       f"{names['server_optimizer']}",
-                                 privacy_state=privacy.state if privacy else None, error_feedback=feedback)
+        self.state = GlobalState(model, make_server_optimizer(cfg, model.num_params, device), algorithm, clients,
+                                 f"{components.describe(cfg.model)}, {names['algorithm']}, "
+                                 f"{names['server_optimizer']}", privacy_state=privacy.state if privacy else None)
         keeps_copies = cfg.mode != "hogwild"
         self.buffers = allocate_buffers(cfg, self.state, data, parts, data_device, algorithm, keeps_copies,
                                         self.workers)
@@ -315,8 +324,8 @@ class Session:
         for message in [*unused_settings(self.cfg), self.client_eval and self.client_eval.warning()]:
             if message:
                 logger.warning(message)
-        if self.compression and self.compression.error_feedback:
-            logger.info(self.compression.memory_bound(self.state.model.num_params, self.cfg.data.num_clients))
+        if self.state.clients.shapes:
+            logger.info(self.state.clients.describe())
 
     def _start(self) -> None:
         self.executor.start(self.buffers)
@@ -416,7 +425,9 @@ class Session:
             "final_test_loss": self.rows[-1]["test_loss"] if self.rows else None,
             "checkpoint_round": self.state.saved_round,
             "bytes_sent": self.state.bytes_sent,
-            **(self.compression.summary() if self.compression else {}),
+            **self.state.clients.summary(),
+            **({"client_eval_model": "personal" if self.state.algorithm.has_personal_model else "global"}
+               if self.client_eval else {}),
             "rounds_to_target": next((r["round"] for r in self.rows if target and r["test_accuracy"] >= target), None),
             "startup_seconds": self.startup_seconds,
             "wall_seconds": round(self.elapsed_before + time.perf_counter() - self.t_start, 3),

@@ -74,6 +74,10 @@ def validate(cfg: Config) -> None:
     if cfg.eval_per_client and not cfg.data.test_partition:
         checks.fail("eval_per_client", "needs data.test_partition: true, which gives every client its own test split")
     components.check(cfg)
+    if cfg.backend == "vmap" and components.algorithm(cfg.algorithm, cfg.algorithm_options).trains_own_way:
+        checks.fail("backend", f"vmap trains a group's clients in lockstep by one local SGD; algorithm "
+                               f"{components.describe(cfg.algorithm)} trains each client its own way: use backend: "
+                               f"process")
     compression.check(cfg.compression)
     if cfg.mode == "hogwild":  # first: it refuses whole sections that the checks below detail
         check_hogwild(cfg, checks)
@@ -118,6 +122,8 @@ def _check_run(cfg: Config, checks: Checks) -> None:
     checks.one_of("on_worker_failure", cfg.on_worker_failure, ("stop", "restart"))
     checks.one_of("on_nonfinite", cfg.on_nonfinite, ("drop", "fail"))
     checks.one_of("sharing_strategy", cfg.sharing_strategy, ("file_descriptor", "file_system"))
+    if cfg.client_state_limit_mb is not None:
+        checks.positive("client_state_limit_mb", cfg.client_state_limit_mb)
 
 
 def _check_data(d: DataConfig, checks: Checks) -> None:

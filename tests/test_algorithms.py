@@ -38,6 +38,13 @@ def checkpoint(run_dir):
     return torch.load(run_dir / "checkpoint.pt", weights_only=True)
 
 
+def client_rows(state, name, clients):
+    """The rows ``name`` of ``clients`` in a checkpoint: zeros for a client that has none yet."""
+    held = state["client_state"][name]
+    like = next(iter(held.values()))
+    return torch.stack([held.get(c, torch.zeros_like(like)) for c in clients])
+
+
 def start_client(algorithm, num_params, *, server=None, state=None, client=0, rnd=1):
     """``local_state`` for one client, as a worker gets it (workers.ClientRunner.train_group): the
     algorithm's declared state, zeros unless given, and this client's rows of the client state."""
@@ -142,7 +149,7 @@ def test_scaffold_control_variates_follow_option_two_and_it_learns_a_non_iid_spl
         # the same deltas (|delta| <= 0.3) summed in other orders: 18 roundings over 3 rounds (4 a round
         # for c, 1 for each c_i, 3 for this mean); atol twice that
         torch.testing.assert_close(state["algorithm"]["server"]["control"],
-                                   state["algorithm"]["clients"]["control"].mean(dim=0),
+                                   client_rows(state, "control", range(4)).mean(dim=0),
                                    rtol=0, atol=2 * 18 * U32 * 0.3)
     assert history.round == [1, 2, 3]
     assert history.test_accuracy[-1] > 0.5, history.test_accuracy  # chance is 0.1
@@ -194,8 +201,10 @@ def test_scaffold_server_update_with_the_rule_a_run_gets_is_the_papers():
     counts, clients = torch.tensor([3.0, 60.0, 7.0]), torch.tensor([4, 0, 2])
     server, own = {"control": torch.randn(p, generator=g)}, {"control": torch.randn(n, p, generator=g)}
     c, c_i = server["control"].double(), own["control"].double()
+    rows = {"control": own["control"][clients].clone()}  # the round's clients' rows, as the server passes them
     delta = Scaffold().server_update(Round(updates, counts, clients, {"control_change": changes}, rule,
-                                           torch.zeros(p), p, n), server, own)
+                                           torch.zeros(p), p, n), server, rows)
+    own["control"][clients] = rows["control"]
     u, d = updates.double(), changes.double()
     # the mean: 1 / k rounds once, each product once, k - 1 additions; c: k - 1 additions, the product
     # with 1 / N (2 roundings) and the addition to c; c_i: one addition. atol twice that
@@ -446,7 +455,7 @@ def test_feddyn_rounds_follow_the_papers_algorithm(tiny_runs):
     # measured are <= 1e-7)
     state = run.state["algorithm"]
     torch.testing.assert_close(run.state["global"].double(), ref.x, rtol=0, atol=2 * ref.error["x"])
-    torch.testing.assert_close(state["clients"]["gradient"][run.holder].double(), ref.g,
+    torch.testing.assert_close(client_rows(run.state, "gradient", run.holder).double(), ref.g,
                                rtol=0, atol=2 * ref.error["g"])
     torch.testing.assert_close(state["server"]["h"].double(), ref.h, rtol=0, atol=2 * ref.error["h"])
     # the state and the rule matter: without g_k in the clients' objective, without h in the server's

@@ -12,7 +12,8 @@ import torch
 import fedsim
 from fedsim import compression
 from fedsim.algorithms import Algorithm
-from fedsim.compression import COMPRESSORS, Compression, CompressionConfig
+from fedsim.client_state import ClientStates
+from fedsim.compression import COMPRESSORS, Compression, CompressionConfig, client_shapes
 from fedsim.components import tables
 from fedsim.engine import GlobalState
 from fedsim.errors import ConfigError, FedsimError
@@ -121,21 +122,32 @@ def test_qsgd_draws_from_the_stream_of_seed_round_and_client():
 # ----------------------------------------------------------------------------- error feedback
 
 
+def with_residuals(section, n, seed=0, num_clients=10):
+    """A Compression keeping its residuals where a run keeps them, among the clients' state."""
+    unit = Compression(section, seed=seed)
+    unit.use_states(ClientStates.of({"compression.error_feedback": client_shapes(section, n)}, num_clients, None))
+    return unit
+
+
+def memory(unit):
+    return unit.states.rows["error_feedback"]
+
+
 def rounds_of_error_feedback(type_, rounds=4, **options):
     """Three clients' updates over a few rounds through Compression; yields, per round and
     client, (update, old residual, what was sent, new residual)."""
     section = CompressionConfig(type=type_, error_feedback=True, **options)
-    unit = Compression(section, seed=7)
+    unit = with_residuals(section, 200, seed=7)
     clients = [3, 0, 9]
     for rnd in range(1, rounds + 1):
         updates = torch.stack([vector(200, seed=100 * rnd + c) for c in clients])
-        before = {c: unit.memory.get(c, torch.zeros(200)).clone() for c in clients}
+        before = {c: memory(unit).get(c, torch.zeros(200)).clone() for c in clients}
         sent = updates.clone()
         usable = torch.ones(len(clients), dtype=torch.bool)
         unit.compress(sent, clients, usable, rnd)
         assert usable.all()
         for i, c in enumerate(clients):
-            yield updates[i], before[c], sent[i], unit.memory[c]
+            yield updates[i], before[c], sent[i], memory(unit)[c]
 
 
 def test_topk_error_feedback_sends_plus_keeps_exactly_the_update_plus_the_old_residual():
@@ -159,17 +171,19 @@ def test_qsgd_error_feedback_invariant_holds_to_one_float32_rounding():
 
 
 def test_residuals_only_for_clients_that_sent_and_unusable_rows_keep_theirs():
-    unit = Compression(CompressionConfig(type="topk", ratio=0.1), seed=0)
+    unit = with_residuals(CompressionConfig(type="topk", ratio=0.1), 20)
     assert unit.error_feedback  # topk's default
     rows = torch.stack([vector(20, seed=1), vector(20, seed=2)])
     unit.compress(rows, [4, 5], torch.tensor([True, False]), rnd=1)
-    assert sorted(unit.memory) == [4]
+    assert sorted(memory(unit)) == [4]
     huge = torch.full((1, 20), 3e38)
-    unit.memory[4] = torch.full((20,), 3e38)  # update + residual overflows float32
+    memory(unit)[4] = torch.full((20,), 3e38)  # update + residual overflows float32
     usable = torch.tensor([True])
     unit.compress(huge, [4], usable, rnd=2)
-    assert not usable[0] and torch.equal(unit.memory[4], torch.full((20,), 3e38))
-    assert unit.summary() == {"error_feedback_clients": 1, "error_feedback_mb": round(80 / 2**20, 2)}
+    assert not usable[0] and torch.equal(memory(unit)[4], torch.full((20,), 3e38))
+    assert unit.states.summary() == {"client_state_clients": {"error_feedback": 1},
+                                     "client_state_mb": round(80 / 2**20, 2),
+                                     "client_state_bound_mb": round(10 * 80 / 2**20, 2)}
     assert not Compression(CompressionConfig(type="qsgd"), seed=0).error_feedback  # qsgd's default
 
 
@@ -247,26 +261,29 @@ def test_residuals_and_the_byte_count_are_restored_and_a_checkpoint_this_run_can
     model = FlatModel(torch.nn.Linear(3, 2), "cpu")  # n = 8
 
     def state(feedback):
-        return GlobalState(model, make_server_optimizer(cfg, 8, "cpu"), Algorithm(), 5, "linear",
-                           error_feedback=feedback)
+        rows = {"error_feedback": (8,)} if feedback else {}
+        return GlobalState(model, make_server_optimizer(cfg, 8, "cpu"), Algorithm(),
+                           ClientStates.of({"compression.error_feedback": rows}, 5, None), "linear")
 
-    saved = {**state({}).state_dict(1), "error_feedback": {2: torch.ones(8)}}
-    keeper = state({})
+    saved = {**state(True).state_dict(1), "client_state": {"error_feedback": {2: torch.ones(8)}}}
+    keeper = state(True)
     keeper.load_state_dict(saved, tmp_path / "checkpoint.pt")
-    assert list(keeper.error_feedback) == [2] and torch.equal(keeper.error_feedback[2], torch.ones(8))
-    with pytest.raises(FedsimError, match="holds error-feedback residuals, which this run does not keep"):
-        state(None).load_state_dict(saved, tmp_path / "checkpoint.pt")
-    for bad in ({7: torch.ones(8)}, {2: torch.ones(9)}, {2: torch.ones(8, dtype=torch.float64)}):
-        with pytest.raises(FedsimError, match="holds an error-feedback residual for client .* it needs float32 of "
-                                              r"shape \(8,\)"):
-            state({}).load_state_dict({**saved, "error_feedback": bad}, tmp_path / "checkpoint.pt")
-    with pytest.raises(FedsimError, match="holds a list for error_feedback where residuals by client belong"):
-        state({}).load_state_dict({**saved, "error_feedback": [torch.ones(8)]}, tmp_path / "checkpoint.pt")
+    held = keeper.clients.rows["error_feedback"]
+    assert list(held) == [2] and torch.equal(held[2], torch.ones(8))
+    with pytest.raises(FedsimError, match="holds client state 'error_feedback', which this run does not keep"):
+        state(False).load_state_dict(saved, tmp_path / "checkpoint.pt")
+    for bad in ({7: torch.ones(8)}, {2: torch.ones(9)}, {2: torch.ones(8, dtype=torch.float64)},
+                {2: torch.full((8,), math.nan)}):
+        with pytest.raises(FedsimError, match="holds client state 'error_feedback' for client .* it needs finite "
+                                              r"float32 of shape \(8,\)"):
+            state(True).load_state_dict({**saved, "client_state": {"error_feedback": bad}}, tmp_path / "checkpoint.pt")
+    with pytest.raises(FedsimError, match="holds a list for client_state where rows by name and client belong"):
+        state(True).load_state_dict({**saved, "client_state": [torch.ones(8)]}, tmp_path / "checkpoint.pt")
     with pytest.raises(FedsimError, match="holds -1 for bytes_sent where a count of bytes belongs"):
-        state({}).load_state_dict({**saved, "bytes_sent": -1}, tmp_path / "checkpoint.pt")
-    older = {k: v for k, v in saved.items() if k not in ("error_feedback", "bytes_sent")}  # before compression
+        state(True).load_state_dict({**saved, "bytes_sent": -1}, tmp_path / "checkpoint.pt")
+    older = {k: v for k, v in saved.items() if k not in ("client_state", "bytes_sent")}  # before compression
     keeper.load_state_dict(older, tmp_path / "checkpoint.pt")
-    assert keeper.error_feedback == {} and keeper.bytes_sent is None  # its bytes were not counted
+    assert keeper.clients.rows["error_feedback"] == {} and keeper.bytes_sent is None  # its bytes were not counted
 
 
 # ----------------------------------------------------------------------------- in a run
@@ -297,9 +314,9 @@ def test_bytes_follow_who_receives_and_who_reports(tmp_path):
         assert row["cumulative_bytes"] == total
     assert any(r["dropped"] == "dropout" for r in records)  # the dropouts are there to leave out
     assert history.summary["bytes_sent"] == total
-    residuals = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["error_feedback"]
+    residuals = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["client_state"]["error_feedback"]
     assert sorted(residuals) == sorted({r["client"] for r in records if r["dropped"] == 0})
-    assert history.summary["error_feedback_clients"] == len(residuals)
+    assert history.summary["client_state_clients"]["error_feedback"] == len(residuals)
 
 
 @pytest.mark.slow
@@ -314,12 +331,12 @@ def test_a_compressed_run_is_the_same_for_any_workers_and_resumes_exactly(tmp_pa
     ends = {name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=True) for name in ("w0", "w2", "resumed")}
     for name in ("w2", "resumed"):
         assert torch.equal(ends["w0"]["global"], ends[name]["global"]), name
-        assert ends["w0"]["error_feedback"].keys() == ends[name]["error_feedback"].keys()
-        for client, residual in ends["w0"]["error_feedback"].items():
-            assert torch.equal(residual, ends[name]["error_feedback"][client]), (name, client)
+        assert ends["w0"]["client_state"]["error_feedback"].keys() == ends[name]["client_state"]["error_feedback"].keys()
+        for client, residual in ends["w0"]["client_state"]["error_feedback"].items():
+            assert torch.equal(residual, ends[name]["client_state"]["error_feedback"][client]), (name, client)
     for column in ("test_accuracy", "test_loss", "train_loss", "bytes_down", "bytes_up", "cumulative_bytes"):
         assert getattr(zero, column) == getattr(two, column) == getattr(again, column), column
-    assert len(ends["w0"]["error_feedback"]) > 4  # residuals of more clients than one round's
+    assert len(ends["w0"]["client_state"]["error_feedback"]) > 4  # residuals of more clients than one round's
 
 
 def test_the_experiment_file_plans_its_sweep_and_plot_and_its_message_sizes_are_right():

@@ -7,14 +7,22 @@ object serves the server and every worker alike:
 
     on a worker, for each client (or vmap group of c clients):
         local = start_client(clients)                            once, before the first step
+        trained = train_client(fit, start, local)                local SGD: fit(start) by default
         adjust_gradient(grad, weights, start, local)             every step, before momentum
         reports = client_report(result, local)                  once, after the last step
     on the server, after the round:
-        delta = server_update(round, server_state, client_state)
+        delta = server_update(round, server_state, client_rows)
 
 Client-side tensors have a leading client dimension (1 for the process backend, the group's
 size for vmap). Workers only read the state; the server changes it, after the round, in
 ``server_update``: a round that is re-run after a worker failure therefore changes nothing twice.
+
+A client's state (``client_state``) lives in host memory with the rest of what clients keep
+(client_state.py); the round's rows reach the workers as ``Clients.state`` and the server's
+update as ``client_rows``, whose changes are kept. A personal model is such a state: the client
+trains it itself and keeps it (``personal_state``: the report of that name is its new value, and
+never travels to the server), ``personal_weights`` says which weights the client uses, and
+``eval_per_client`` scores those.
 """
 from __future__ import annotations
 
@@ -58,6 +66,7 @@ class Round:
     global_weights: torch.Tensor  # [L] the weights the round started from (read only)
     num_params: int  # n: weights[:n] are trainable, the rest are buffers (batch-norm statistics)
     num_clients: int  # N, the whole federation
+    slots: torch.Tensor | None = None  # [k] the rows of the round's buffers these clients were trained in
 
 
 class Algorithm:
@@ -72,11 +81,18 @@ class Algorithm:
     # the aggregation rule the algorithm's paper fixes: a run that sets no aggregator gets it, one
     # that sets another is warned (None: the paper fixes none, and such a run gets fedavg)
     paper_aggregator: str | None = None
+    # client states each client updates itself: its report of that name is its new row, kept on the
+    # client in a deployment (no traffic), committed before server_update sees the rows
+    personal_state: tuple[str, ...] = ()
 
     def setup(self, config) -> None:
         """Called once in the server and once in every worker with the run's Config, before any
         other method: the place to read settings such as ``config.local.momentum``."""
         self.config = config
+
+    def bind(self, module: torch.nn.Module) -> None:
+        """Called with the run's model (in the server and in every worker) after ``setup``: the
+        place to find the layers an algorithm treats apart. Raise ConfigError for bad options."""
 
     # ----------------------------------------------------------------- state
 
@@ -85,15 +101,35 @@ class Algorithm:
         return {}
 
     def client_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
-        """Tensors kept for every client, by name and the shape of one client's row; zeros at
-        the start, allocated as ``[num_clients, *shape]``."""
+        """Tensors kept for every client, by name and the shape of one client's row, in host
+        memory; a client starts from ``new_client_state``."""
         return {}
+
+    def new_client_state(self, global_weights: torch.Tensor, num_params: int) -> dict[str, torch.Tensor]:
+        """The rows of a client that has none yet (before its first round), from the global weights
+        ([P], of which the first ``num_params`` are trainable) as they are then: zeros by default."""
+        return {name: global_weights.new_zeros(shape) for name, shape in self.client_state(num_params).items()}
+
+    def personal_weights(self, global_weights: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The weights ([P]) a client with state ``rows`` uses as its own model; None: it uses the
+        global model (no personal model)."""
+        return None
 
     def report_shapes(self, num_params: int) -> dict[str, tuple[int, ...]]:
         """What a client reports besides its weights, by name and shape."""
         return {}
 
     # ----------------------------------------------------------------- a client (in a worker)
+
+    def train_client(self, fit, start: torch.Tensor, local) -> Any:
+        """A client's local training. ``fit(start, epochs=None, trainable=None, term=None)`` runs
+        local SGD from the weights ``start`` ([P]) for ``epochs`` (None: local.epochs), changing
+        only the coordinates where the [n] mask ``trainable`` is 1 (None: all), with the gradient
+        term ``term(grad, weights)`` (None: ``adjust_gradient``), and returns what it did (its
+        ``weights`` [P]: the trainer's own, changed by the next fit). What the last fit leaves in
+        ``weights`` is what the client sends; return the fit that counts as the client's training.
+        Only the process backend runs an algorithm that overrides this."""
+        return fit(start)
 
     def start_client(self, clients: Clients) -> Any:
         """Before the first step. What is returned comes back as ``local`` in the two methods
@@ -113,8 +149,17 @@ class Algorithm:
     def server_update(self, round: Round, server: dict[str, torch.Tensor],
                       clients: dict[str, torch.Tensor]) -> torch.Tensor:
         """The update Δ ([L]) of the global weights, which the server optimizer then applies (the
-        global weights become x + Δ without one). Change the state here, in place."""
+        global weights become x + Δ without one). Change the state here, in place: ``server`` the
+        server's, ``clients`` the rows ([k, ...]) of the round's clients, ``round.clients``."""
         return round.aggregate(round.updates, round.weights)
+
+    @property
+    def has_personal_model(self) -> bool:
+        return type(self).personal_weights is not Algorithm.personal_weights
+
+    @property
+    def trains_own_way(self) -> bool:
+        return type(self).train_client is not Algorithm.train_client
 
     @property
     def has_gradient_term(self) -> bool:

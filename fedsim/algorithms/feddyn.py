@@ -36,7 +36,7 @@ class FedDyn(Algorithm):
     def server_update(self, round, server, clients):
         n, alpha = round.num_params, self.alpha
         moved = round.updates[:, :n]
-        clients["gradient"][round.clients] -= alpha * moved
+        clients["gradient"] -= alpha * moved
         server["h"].sub_(moved.sum(dim=0), alpha=alpha / round.num_clients)
         delta = round.aggregate(round.updates, round.weights)
         delta[:n] -= server["h"] / alpha

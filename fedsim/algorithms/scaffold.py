@@ -44,5 +44,5 @@ class Scaffold(Algorithm):
     def server_update(self, round, server, clients):
         changes = round.reports["control_change"]
         server["control"].add_(changes.sum(dim=0), alpha=1 / round.num_clients)
-        clients["control"][round.clients] += changes
+        clients["control"] += changes
         return round.aggregate(round.updates, round.weights)

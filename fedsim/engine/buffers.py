@@ -25,7 +25,7 @@ class RoundBuffers:
     progress: torch.Tensor  # CPU [W]: client each worker is training (or IDLE / STARTING)
     attackers: torch.Tensor  # CPU bool [num_clients]
     server_state: dict[str, torch.Tensor]  # the algorithm's state (see algorithms/base.py)
-    client_state: dict[str, torch.Tensor]  # [num_clients, ...] each
+    client_state: dict[str, torch.Tensor]  # [k, ...] each: the algorithm's rows of each slot's client
     reports: dict[str, torch.Tensor]  # [k, ...] each: what each slot's client reported
 
     def tensors(self):

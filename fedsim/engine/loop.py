@@ -9,6 +9,7 @@ clients (an ``Executor``) or of updating the global model (an update strategy, u
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from ..client_eval import METRIC_COLUMNS
 from ..components import describe
 from ..errors import user_code
+from ..flat import FlatModel
 from ..system import RoundPlan
 from .buffers import RoundBuffers
 from .records import ClientRecord
@@ -78,6 +80,7 @@ class Engine:
         self.cfg, self.state, self.buffers, self.executor, self.strategy = cfg, state, buffers, executor, strategy
         self.system, self.test, self.client_eval, self.privacy = system, test, client_eval, privacy
         self.sizes = np.diff(buffers.client_offsets.numpy())  # the clients' sample counts
+        self.personal_model: FlatModel | None = None  # where eval_per_client loads each client's own model
 
     def run_round(self, rnd: int) -> RoundResult:
         cfg, t0 = self.cfg, time.perf_counter()
@@ -85,7 +88,9 @@ class Engine:
         #    trained, partial stragglers for fewer steps
         plan = self.plan(rnd)
         clients = torch.from_numpy(plan.clients)
-        # 2. train them from the global weights
+        # 2. train them from the global weights, their own state in the round's rows
+        for name, rows in self.state.client_rows(plan.clients.tolist()).items():
+            self.buffers.client_state[name][:len(rows)].copy_(rows)
         self.executor.train(rnd, clients, self.state.model.flat)
         t_trained = time.perf_counter()
         # 3. their updates as the server sees them, and one record per sampled client
@@ -160,8 +165,16 @@ class Engine:
         if not evaluated:
             return {"test_accuracy": math.nan, "test_loss": math.nan, **dict.fromkeys(METRIC_COLUMNS)}
         accuracy, loss = evaluate(module, *self.test, cfg.eval_batch_size)
-        per_client = self.client_eval.score(module, *self.test, cfg.eval_batch_size, rnd) if self.client_eval \
-            else dict.fromkeys(METRIC_COLUMNS)
+        if not self.client_eval:
+            per_client = dict.fromkeys(METRIC_COLUMNS)
+        elif not self.state.algorithm.has_personal_model:
+            per_client = self.client_eval.score(module, *self.test, cfg.eval_batch_size, rnd)
+        else:  # every client's own model, in a copy of the global one
+            personal = self.personal_model or FlatModel(copy.deepcopy(module), self.state.model.flat.device)
+            self.personal_model = personal
+            per_client = self.client_eval.score_personal(
+                personal.module, lambda c: personal.flat.copy_(self.state.personal_weights(c)), *self.test,
+                cfg.eval_batch_size, rnd)
         return {"test_accuracy": accuracy, "test_loss": loss, **per_client}
 
     def _train_metrics(self, round_, records: list[ClientRecord]) -> dict:

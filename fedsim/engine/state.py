@@ -1,6 +1,7 @@
 """What the server keeps between rounds: the global model, the server optimizer's state, the
-algorithm's state, privacy's (the adaptive clip), the clients' error-feedback residuals
-(compression) and the bytes sent so far. All of it, and nothing else, is what a checkpoint holds."""
+algorithm's server state, privacy's (the adaptive clip), every client's own state (the
+algorithm's rows and compression's residuals, see client_state.py) and the bytes sent so far.
+All of it, and nothing else, is what a checkpoint holds."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..checks import is_integer
+from ..client_state import ClientStates
 from ..errors import FedsimError
 from ..flat import FlatModel
 from ..results import flatten_config
@@ -15,39 +17,47 @@ from ..results import flatten_config
 
 class GlobalState:
     """``description`` names the run's model, algorithm and server optimizer for the message
-    that refuses another run's checkpoint. The algorithm's state tensors are allocated here and
-    shared with the workers through the round's buffers (they read them, the server changes them)."""
+    that refuses another run's checkpoint. The algorithm's server state is allocated here and
+    shared with the workers through the round's buffers (they read it, the server changes it);
+    ``clients`` holds every client's rows, which reach the workers as the round's rows."""
 
-    def __init__(self, model: FlatModel, server_optimizer, algorithm, num_clients: int, description: str,
-                 privacy_state: dict[str, torch.Tensor] | None = None,
-                 error_feedback: dict[int, torch.Tensor] | None = None):
+    def __init__(self, model: FlatModel, server_optimizer, algorithm, clients: ClientStates, description: str,
+                 privacy_state: dict[str, torch.Tensor] | None = None):
         n, device = model.num_params, model.flat.device
         self.model, self.server_optimizer, self.description = model, server_optimizer, description
-        self.num_clients = num_clients
+        self.algorithm, self.clients = algorithm, clients
         self.privacy_state = privacy_state or {}  # privacy's own tensors, changed in place by it
-        # compression's residuals, client id -> [n] float32 in host memory (None: no error feedback)
-        self.error_feedback = error_feedback
         # bytes up and down since round 1; None where nothing is counted (hogwild, or a resumed
         # checkpoint of an earlier version, which did not count them)
         self.bytes_sent: int | None = 0
         self.server_state = {name: torch.zeros(*shape, device=device)
                              for name, shape in algorithm.server_state(n).items()}
-        self.client_state = {name: torch.zeros(num_clients, *shape, device=device)
-                             for name, shape in algorithm.client_state(n).items()}
+        self.algorithm_rows = tuple(algorithm.client_state(n))  # the names of the algorithm's rows in clients
         self.saved_round = 0  # the round of the last state saved (or resumed from); 0: none
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.model.flat, *self.server_state.values(), *self.client_state.values()]
+        return [self.model.flat, *self.server_state.values()]
+
+    def client_rows(self, clients: list[int]) -> dict[str, torch.Tensor]:
+        """The algorithm's rows of ``clients`` ([k, ...] each, on the model's device); a client
+        without one gets what the algorithm starts a client from."""
+        start = self.algorithm.new_client_state(self.model.flat, self.model.num_params)
+        return {name: self.clients.gather(name, clients, start[name]) for name in self.algorithm_rows}
+
+    def personal_weights(self, client: int) -> torch.Tensor | None:
+        """The weights client ``client`` uses as its own model ([P]), or None when the algorithm
+        keeps no personal model."""
+        rows = {name: row[0] for name, row in self.client_rows([client]).items()}
+        return self.algorithm.personal_weights(self.model.flat, rows)
 
     def state_dict(self, rnd: int) -> dict:
         return {
             "round": rnd,
             "global": self.model.flat.cpu(),
             "server_optimizer": {k: v.cpu() for k, v in self.server_optimizer.state_dict().items()},
-            "algorithm": {"server": {k: v.cpu() for k, v in self.server_state.items()},
-                          "clients": {k: v.cpu() for k, v in self.client_state.items()}},
+            "algorithm": {"server": {k: v.cpu() for k, v in self.server_state.items()}},
             "privacy": {k: v.cpu() for k, v in self.privacy_state.items()},
-            "error_feedback": dict(self.error_feedback or {}),
+            "client_state": self.clients.state_dict(),
             "bytes_sent": self.bytes_sent,
             "torch_rng": torch.get_rng_state(),
         }
@@ -55,17 +65,13 @@ class GlobalState:
     def load_state_dict(self, state: dict, source: Path) -> None:
         """Continue from ``state``, the checkpoint read from the file ``source``."""
         self._check(state, source)
+        self.clients.load_state_dict(state.get("client_state", {}), source)
         self.model.flat.copy_(state["global"])
         self.server_optimizer.load_state_dict(state["server_optimizer"])
         for name, value in state["algorithm"]["server"].items():
             self.server_state[name].copy_(value)
-        for name, value in state["algorithm"]["clients"].items():
-            self.client_state[name].copy_(value)
         for name, value in state.get("privacy", {}).items():
             self.privacy_state[name].copy_(value)
-        if self.error_feedback is not None:
-            self.error_feedback.clear()
-            self.error_feedback.update(state.get("error_feedback", {}))
         self.bytes_sent = state.get("bytes_sent")  # a checkpoint of an earlier version did not count them
         torch.set_rng_state(state["torch_rng"])
         self.saved_round = state["round"]
@@ -76,7 +82,6 @@ class GlobalState:
         expected = {"global": self.model.flat, "torch_rng": torch.get_rng_state(),
                     **{f"server_optimizer.{k}": v for k, v in self.server_optimizer.state_dict().items()},
                     **{f"algorithm.server.{k}": v for k, v in self.server_state.items()},
-                    **{f"algorithm.clients.{k}": v for k, v in self.client_state.items()},
                     **{f"privacy.{k}": v for k, v in self.privacy_state.items()}}
         saved = dict(flatten_config({key: state.get(key) for key in ("server_optimizer", "algorithm", "privacy")}))
         unexpected = sorted(k for k, v in saved.items() if isinstance(v, torch.Tensor) and k not in expected)
@@ -98,23 +103,6 @@ class GlobalState:
         if sent is not None and not (is_integer(sent) and sent >= 0):
             raise FedsimError(f"{source}: holds {sent!r} for bytes_sent where a count of bytes belongs; it is not "
                               f"this run's checkpoint")
-        self._check_error_feedback(state.get("error_feedback") or {}, source)
-
-    def _check_error_feedback(self, saved: dict, source: Path) -> None:
-        """Residuals only where this run keeps them: a float32 [n] for a client of the federation."""
-        if not isinstance(saved, dict):
-            raise FedsimError(f"{source}: holds a {type(saved).__name__} for error_feedback where residuals by client "
-                              f"belong; it is not this run's checkpoint")
-        if saved and self.error_feedback is None:
-            raise FedsimError(f"{source}: holds error-feedback residuals, which this run does not keep; it is not "
-                              f"this run's checkpoint")
-        n = self.model.num_params
-        for client, value in saved.items():
-            if not (is_integer(client) and 0 <= client < self.num_clients and isinstance(value, torch.Tensor)
-                    and value.shape == (n,) and value.dtype == torch.float32):
-                raise FedsimError(f"{source}: holds an error-feedback residual for client {client!r} that this run "
-                                  f"({self.description}, {self.num_clients} clients) cannot use: it needs float32 of "
-                                  f"shape ({n},); it is not this run's checkpoint")
 
     def kept(self) -> str:
         """What a run that stops now still has on disk, for its error message."""

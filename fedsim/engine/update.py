@@ -48,14 +48,16 @@ class AggregateUpdates:
 
     def message_bytes(self) -> tuple[int, int]:
         """Bytes each client receives (the global weights, and the server state its algorithm reads)
-        and sends (its update, compressed or whole, and its reports); float32 unless compressed.
-        Only the trainable parameters' part of an update is compressed: buffers travel whole."""
+        and sends (its update, compressed or whole, and its reports but the personal states it keeps);
+        float32 unless compressed. Only the trainable parameters' part of an update is compressed:
+        buffers travel whole."""
         state, n = self.state, self.state.model.num_params
         length, size = len(state.model), state.model.flat.element_size()
         down = size * (length + sum(state.server_state[name].numel() for name in self.algorithm.sent_to_clients))
         update = self.compression.compressor.message_bytes(n) + size * (length - n) if self.compression \
             else size * length
-        reports = sum(r[0].numel() * r.element_size() for r in self.buffers.reports.values())
+        reports = sum(r[0].numel() * r.element_size() for name, r in self.buffers.reports.items()
+                      if name not in self.algorithm.personal_state)
         return down, update + reports
 
     def collect(self, rnd: int, clients: torch.Tensor) -> tuple[Round, list[ClientRecord]]:
@@ -93,7 +95,7 @@ class AggregateUpdates:
                        reports={name: report[keep] for name, report in b.reports.items()},
                        aggregate=self.privacy.rule(cfg.seed, rnd) if self.privacy else self._rule(rnd),
                        global_weights=self.state.model.flat, num_params=self.state.model.num_params,
-                       num_clients=cfg.data.num_clients)
+                       num_clients=cfg.data.num_clients, slots=keep)
         return round_, records
 
     def _rule(self, rnd: int):
@@ -108,8 +110,9 @@ class AggregateUpdates:
         non-finite although every client update is finite (a rule or a server optimizer can
         overflow)."""
         state, n, names = self.state, self.state.model.num_params, self.names
+        rows = self._client_rows(round_)
         with user_code(f"algorithm {names['algorithm']}: server_update failed in round {rnd}"):
-            delta = self.algorithm.server_update(round_, state.server_state, state.client_state)
+            delta = self.algorithm.server_update(round_, state.server_state, rows)
         why = " although every client update used was finite"
         advice = "lower server_lr or attack.scale, or bound updates with aggregator: norm_clip"
         check_finite(state, delta, rnd, f"the update of {names['algorithm']} with the rule {names['aggregator']} "
@@ -120,3 +123,15 @@ class AggregateUpdates:
                                                    f"global weights non-finite", why, advice)
         for name, tensor in state.server_state.items():
             check_finite(state, tensor, rnd, f"the algorithm's state {name!r} became non-finite", why, advice)
+        clients = round_.clients.tolist()
+        for name, tensor in rows.items():  # kept only once the whole round is
+            check_finite(state, tensor, rnd, f"the algorithm's client state {name!r} became non-finite", why, advice)
+            state.clients.scatter(name, clients, tensor)
+
+    def _client_rows(self, round_: Round) -> dict[str, torch.Tensor]:
+        """The algorithm's rows of the round's kept clients as they started the round (copies), the
+        personal states the clients trained replaced by their new values."""
+        rows = {name: tensor[round_.slots] for name, tensor in self.buffers.client_state.items()}
+        for name in self.algorithm.personal_state:
+            rows[name].copy_(round_.reports[name])
+        return rows

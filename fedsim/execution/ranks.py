@@ -28,6 +28,9 @@ class RanksExecutor(Wrapper):
         """This rank's share of the slot groups, then every rank's rows on the leader. A rank that
         fails says so to the others, and every rank stops."""
         groups = slot_groups(self.config, len(clients))
+        # the leader's rows of the clients' own state (the others keep none)
+        self.ranks.share([rows[:len(clients)] for rows in self.buffers.client_state.values()],
+                         f"round {rnd}'s client state")
         error = None
         try:
             self.inner.train(rnd, clients, start_from, groups=self.ranks.groups(groups))
@@ -45,7 +48,7 @@ class RanksExecutor(Wrapper):
         the state."""
         self.ranks.decide("next" if go_on else "done", f"ending round {rnd}")
         if go_on:
-            self._exchange_state(rnd, clients)
+            self._exchange_state(rnd)
 
     def follow(self, engine, first_round: int) -> None:
         """The rounds of a rank other than the leader: plan and train its share, then take the
@@ -58,18 +61,13 @@ class RanksExecutor(Wrapper):
                 raise RankStopped("")
             if decision == "done":
                 return
-            self._exchange_state(rnd, clients)
+            self._exchange_state(rnd)
 
-    def _exchange_state(self, rnd: int, clients: torch.Tensor) -> None:
-        """The leader's global weights, server state and the round's client-state rows on every
-        rank (server_update changes the client state of the round's clients only)."""
+    def _exchange_state(self, rnd: int) -> None:
+        """The leader's global weights and server state on every rank (the clients' own state stays
+        on the leader, which shares the rows of the next round's clients when it trains them)."""
         state = self.state
-        ids = clients.to(state.model.flat.device)
-        rows = [tensor[ids] for tensor in state.client_state.values()]
-        self.ranks.share([state.model.flat, *state.server_state.values(), *rows], f"sharing round {rnd}'s update")
-        if not self.ranks.is_root:
-            for tensor, row in zip(state.client_state.values(), rows):
-                tensor[ids] = row
+        self.ranks.share([state.model.flat, *state.server_state.values()], f"sharing round {rnd}'s update")
 
     def close(self, stopped_early: bool = False, memory: dict | None = None, in_step: bool = True) -> None:
         """Stop this rank's workers. Ranks still in step (not stopped by a signal) then talk once

@@ -27,6 +27,7 @@ class ClientRunner:
         module = components.build_model(config.model, input_shape, buffers.num_classes)
         self.algorithm = components.algorithm(config.algorithm, config.algorithm_options)
         self.algorithm.setup(config)
+        self.algorithm.bind(module)
         self.attack = make_attack(config.attack)
         options = dict(num_classes=buffers.num_classes, algorithm=self.algorithm,
                        augment=augmentation_for(config.data, input_shape))
@@ -46,7 +47,7 @@ class ClientRunner:
         rows = slice(slots[0], slots[-1] + 1)
         ids = torch.tensor(clients, device=b.global_flat.device)
         local_state = self.algorithm.start_client(Clients(
-            ids, rnd, b.server_state, {name: state[ids] for name, state in b.client_state.items()}))
+            ids, rnd, b.server_state, {name: state[rows].clone() for name, state in b.client_state.items()}))
         indices = [b.client_samples(c) for c in clients]
         attacked = b.attackers[clients]
         relabel = self.attack.relabel if self.attack.relabels and bool(attacked.any()) else None
@@ -58,8 +59,12 @@ class ClientRunner:
                 attacked=attacked.to(self.device), max_steps=limits)
             b.client_weights[rows].copy_(weights)
         else:
-            trained = self.trainer.train(indices[0], b.global_flat, client_seed(cfg.seed, rnd, clients[0]),
-                                         local_state=local_state, relabel=relabel, max_steps=limits[0])
+            seed = client_seed(cfg.seed, rnd, clients[0])
+
+            def fit(start, **phase):
+                return self.trainer.train(indices[0], start, seed, local_state=local_state, relabel=relabel,
+                                          max_steps=limits[0], **phase)
+            trained = self.algorithm.train_client(fit, b.global_flat, local_state)
             b.client_weights[rows].copy_(self.model.flat)
         sizes = torch.tensor([len(ix) for ix in indices], dtype=b.stats.dtype)
         b.stats[rows, 0] = sizes

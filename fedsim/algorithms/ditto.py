@@ -1,0 +1,57 @@
+"""Ditto (Li, Hu, Beirami, Smith 2021, "Ditto: fair and robust federated learning through
+personalization"): a personal model per client beside the global one."""
+from types import SimpleNamespace
+
+from ..checks import Checks
+from . import ALGORITHMS
+from .base import Algorithm
+
+_CHECKS = Checks("algorithm_options", options=True)
+
+
+@ALGORITHMS.register("ditto", "a personal model per client, trained toward the global one with "
+                              "lam/2 ||v_k - w||^2; the global model by plain local SGD (Li et al. 2021)")
+class Ditto(Algorithm):
+    """Each sampled client k trains two models from the round's global weights w (Algorithm 1 of
+    the paper). Its personal model v_k takes ``personal_epochs`` epochs (None: local.epochs) of
+    SGD on its loss plus lam/2 ||v_k - w||^2, that is steps v_k -= lr (grad + lam (v_k - w));
+    then its copy of w takes local.epochs of plain local SGD, which the server aggregates as
+    FedAvg does. Both see the same minibatches (the client's stream). v_k starts as the global
+    model of the round the client is first sampled in, stays on the client, and is what
+    ``eval_per_client`` scores; batch-norm statistics, not trained, are the global model's.
+    ``lam = 0`` trains v_k as a purely local model.
+    """
+
+    personal_state = ("personal",)
+
+    def __init__(self, lam: float = 0.1, personal_epochs: int | None = None):
+        self.lam = _CHECKS.non_negative("lam", lam)
+        self.personal_epochs = _CHECKS.count("personal_epochs", personal_epochs, 1, optional=True)
+
+    def client_state(self, num_params):
+        return {"personal": (num_params,)}
+
+    def report_shapes(self, num_params):
+        return {"personal": (num_params,)}
+
+    def new_client_state(self, global_weights, num_params):
+        return {"personal": global_weights[:num_params].clone()}
+
+    def personal_weights(self, global_weights, rows):
+        weights = global_weights.clone()
+        weights[:len(rows["personal"])] = rows["personal"]
+        return weights
+
+    def start_client(self, clients):
+        return SimpleNamespace(personal=clients.state["personal"][0], trained=None)
+
+    def train_client(self, fit, start, local):
+        n = len(local.personal)
+        anchor = start[:n]
+        personal = self.personal_weights(start, {"personal": local.personal})
+        local.trained = fit(personal, epochs=self.personal_epochs,
+                            term=lambda grad, weights: grad.add_(weights - anchor, alpha=self.lam)).weights[:n].clone()
+        return fit(start)
+
+    def client_report(self, result, local):
+        return {"personal": local.trained[None]}

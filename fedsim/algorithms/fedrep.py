@@ -1,0 +1,29 @@
+"""FedRep (Collins, Hassani, Mokhtari, Shakkottai 2021, "Exploiting shared representations for
+personalized federated learning"): each round, the personal head first, then the shared body."""
+import dataclasses
+
+from .fedper import CHECKS, FedPer
+from . import ALGORITHMS
+
+
+@ALGORITHMS.register("fedrep", "a personal head trained head_epochs with the body frozen, then the shared body "
+                               "local.epochs with the head frozen; only the body is averaged (Collins et al. 2021)")
+class FedRep(FedPer):
+    """A sampled client starts from the global body and its own head (``personal_layers``, as in
+    FedPer). It trains the head for ``head_epochs`` epochs with the body frozen, then the body for
+    local.epochs epochs with the head frozen (Algorithm 1 of the paper), keeps its new head and
+    sends the body, which the server averages. Its steps in clients.csv count both phases; its
+    training loss is the body phase's.
+    """
+
+    def __init__(self, personal_layers: list[str] | None = None, head_epochs: int = 1):
+        super().__init__(personal_layers)
+        self.head_epochs = CHECKS.count("head_epochs", head_epochs, 1)
+
+    def train_client(self, fit, start, local):
+        head = self.mask(start).to(start.dtype)
+        with_head = self.personal_weights(start, {"head": local.head})
+        head_phase = fit(with_head, epochs=self.head_epochs, trainable=head)
+        body_phase = fit(head_phase.weights.clone(), trainable=1 - head)
+        body_phase = dataclasses.replace(body_phase, steps=head_phase.steps + body_phase.steps)
+        return self.keep_head(body_phase, start, local)
