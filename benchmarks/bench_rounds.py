@@ -25,6 +25,7 @@ TIMING_COLUMNS = [
     ("workload", "workload", ""), ("model", "model", ""), ("backend", "backend", ""), ("W", "workers", "d"),
     ("round1 s", "round1_seconds", ".3f"), ("s/round", "round_seconds", ".3f"),
     ("interval s", "interval_seconds", ".3f"), ("samples/s", "samples_per_second", ",.0f"),
+    ("updates/s", "client_updates_per_second", ",.1f"),
     ("train s", "train_seconds", ".3f"), ("agg s", "aggregate_seconds", ".3f"), ("eval s", "eval_seconds", ".3f"),
     ("overhead", "overhead_fraction", ".1%"), ("speedup", "speedup", ".2f"), ("eff", "efficiency", ".0%"),
     ("startup s", "startup_seconds", ".2f"), ("run s", "run_call_seconds", ".2f"), ("acc", "final_test_accuracy", ".4f"),

@@ -39,13 +39,21 @@ MODELS = ("mnist_cnn", "fedavg_cnn")
 WORKLOADS = {
     "W1": {"config": REPO / "experiments" / "mnist_seed.yaml", "own_model": "mnist_cnn"},
     "W2": {"config": REPO / "experiments" / "mnist_fedavg_iid.yaml", "own_model": None},
+    "W3": {"config": REPO / "benchmarks" / "w3_cifar10.yaml", "own_model": "pfl_cnn"},
 }
+# W3 reads CIFAR-10 where the data root holds it, else these generated CIFAR-shaped tensors.
+# (benchmarks/w3data.py, importable as `w3data` from this folder and in the children, see child_env)
+W3_GENERATED = {"full": "w3data:cifar_shaped", "cpu": "w3data:cifar_shaped_small"}
 
 # Overrides per --size. `cpu` keeps each workload's shape (partition, E, B, lr) but trains on
-# 12,000 samples, and W2 samples 4 clients a round, so that 2 cores finish in minutes.
+# 12,000 samples, and W2 samples 4 clients a round, so that 2 cores finish in minutes; W3 keeps
+# clients of 50 images but has 100 of them (5,000 images), 10 a round, 4 rounds, evaluating every
+# 2nd on 1,000 test images.
 SIZES = {
-    "full": {"W1": {}, "W2": {"rounds": 5}},
-    "cpu": {"W1": {"data.limit": 12000}, "W2": {"data.limit": 12000, "clients_per_round": 4, "rounds": 3}},
+    "full": {"W1": {}, "W2": {"rounds": 5}, "W3": {}},
+    "cpu": {"W1": {"data.limit": 12000}, "W2": {"data.limit": 12000, "clients_per_round": 4, "rounds": 3},
+            "W3": {"data.limit": 5000, "data.num_clients": 100, "clients_per_round": 10, "rounds": 4,
+                   "eval_every": 2}},
 }
 DEFAULT_WORKERS = {"full": "1,2,4,8,10,16", "cpu": "1,2"}
 
@@ -55,7 +63,7 @@ DEFAULT_WORKERS = {"full": "1,2,4,8,10,16", "cpu": "1,2"}
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every script shares."""
-    parser.add_argument("--workload", default="W1,W2", help="comma-separated: W1, W2 (default both)")
+    parser.add_argument("--workload", default="W1,W2", help="comma-separated: W1, W2, W3 (default W1,W2)")
     parser.add_argument("--models", default=",".join(MODELS),
                         help="models for W2, comma-separated (W1 always runs its own mnist_cnn)")
     parser.add_argument("--rounds", type=int, help="rounds per run (default: 3 for W1, 5 for W2; 3 with --size cpu)")
@@ -91,10 +99,20 @@ def workload_runs(args) -> list[dict]:
                 overrides["rounds"] = args.rounds
             if args.data_root:
                 overrides["data.root"] = args.data_root
+            if workload == "W3":
+                overrides["data.dataset"] = w3_dataset(args.data_root, args.size)
             overrides.update(extra)
             runs.append({"workload": workload, "model": model, "config": str(spec["config"]),
                          "overrides": overrides})
     return runs
+
+
+def w3_dataset(data_root: str | None, size: str) -> str:
+    """cifar10 where the data root holds its files, else generated CIFAR-shaped tensors."""
+    from fedsim.config import default_data_root
+
+    root = Path(data_root or default_data_root())
+    return "cifar10" if (root / "cifar-10-batches-py" / "test_batch").is_file() else W3_GENERATED[size]
 
 
 def resolved_device(name: str) -> str:
@@ -107,6 +125,21 @@ def resolved_device(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------- isolated runs
+
+
+def report_entries(name: str, title: str, columns: list, args, device: str, machine: dict, entries: list[dict],
+                   what=lambda e: f"{e['workload']} {e['model']}") -> int:
+    """Print a script's entries as one table (and each failure in a line), write them as JSON
+    with ``machine`` (machine_info() from before the measurements); the script's exit status: 1
+    if any failed."""
+    print(f"\n{title}")
+    print(format_table(columns + memory_columns(device == "cuda"), [e for e in entries if e["status"] == "ok"]))
+    for e in entries:
+        if e["status"] != "ok":
+            print(f"{what(e)}: {e['status']}: {e.get('message')}")
+    path = write_results(name, args, machine, device, entries, {"entries": entries})
+    print(f"\nwrote {path}")
+    return 1 if any(e["status"] == "failed" for e in entries) else 0
 
 
 def child_main(args, measure) -> None:
@@ -146,9 +179,9 @@ def run_isolated(script: Path, spec: dict, device: str) -> dict:
 
 
 def child_env() -> dict:
-    """The environment of a child process: this one, with the repository importable."""
+    """The environment of a child process: this one, with the repository and this folder importable."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(REPO / "benchmarks"), env.get("PYTHONPATH")]))
     return env
 
 
@@ -318,7 +351,11 @@ def round_statistics(rows: list[dict], samples_per_round: float) -> dict:
         # round; the sequential baseline has no workers, so its whole training phase counts
         overhead_fraction=median([1 - r.get("worker_seconds", r["train_seconds"]) / r["seconds"]
                                   for r in later if r["seconds"] > 0]),
+        mean_round_seconds=sum(r["seconds"] for r in later) / len(later),
     )
+    if all(r.get("clients") for r in later):
+        # client updates over the rounds after the first, evaluation rounds included
+        stats["client_updates_per_second"] = sum(r["clients"] for r in later) / sum(r["seconds"] for r in later)
     if all("worker_seconds" in r for r in later):
         stats["worker_seconds"] = median([r["worker_seconds"] for r in later])
     return stats

@@ -29,8 +29,8 @@ SCRIPT = Path(__file__).resolve()
 COLUMNS = [
     ("workload", "workload", ""), ("model", "model", ""), ("data", "mode", ""), ("threads", "threads", "d"),
     ("round1 s", "round1_seconds", ".3f"), ("s/round", "round_seconds", ".3f"),
-    ("samples/s", "samples_per_second", ",.0f"), ("train s", "train_seconds", ".3f"),
-    ("agg s", "aggregate_seconds", ".3f"), ("eval s", "eval_seconds", ".3f"), ("overhead", "overhead_fraction", ".1%"),
+    ("samples/s", "samples_per_second", ",.0f"), ("updates/s", "client_updates_per_second", ",.1f"),
+    ("train s", "train_seconds", ".3f"), ("agg s", "aggregate_seconds", ".3f"), ("eval s", "eval_seconds", ".3f"), ("overhead", "overhead_fraction", ".1%"),
     ("startup s", "startup_seconds", ".2f"), ("run s", "run_call_seconds", ".2f"),
     ("acc", "final_test_accuracy", ".4f"), ("peak MB", "peak_mb", ".1f"),
 ]
@@ -178,13 +178,15 @@ def run_fedavg(cfg, use_dataloader: bool) -> dict:
         model.load_state_dict(global_state)
         train_loss = float(train_loss)  # the round's one host sync
         t_aggregated = time.perf_counter()
-        accuracy, test_loss = evaluate(model, test_x, test_y, cfg.eval_batch_size)
+        accuracy = test_loss = None
+        if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:  # when fedsim evaluates
+            accuracy, test_loss = evaluate(model, test_x, test_y, cfg.eval_batch_size)
         t_end = time.perf_counter()
         rows.append({"round": rnd, "test_accuracy": accuracy, "test_loss": test_loss, "train_loss": train_loss,
                      "seconds": t_end - t0, "elapsed_seconds": t_end - t_start,
                      "clients": cfg.clients_per_round, "train_seconds": t_trained - t0,
                      "aggregate_seconds": t_aggregated - t_trained, "eval_seconds": t_end - t_aggregated})
-        if cfg.stop_at_accuracy is not None and accuracy >= cfg.stop_at_accuracy:
+        if cfg.stop_at_accuracy is not None and accuracy is not None and accuracy >= cfg.stop_at_accuracy:
             break
     target = cfg.stop_at_accuracy
     summary = {
@@ -192,7 +194,8 @@ def run_fedavg(cfg, use_dataloader: bool) -> dict:
         "wall_seconds": time.perf_counter() - t_start,
         "final_test_accuracy": rows[-1]["test_accuracy"],
         "rounds": rows[-1]["round"],
-        "rounds_to_target": next((r["round"] for r in rows if target and r["test_accuracy"] >= target), None),
+        "rounds_to_target": next((r["round"] for r in rows
+                                  if target and r["test_accuracy"] is not None and r["test_accuracy"] >= target), None),
         "samples_per_round": harness.samples_per_round(cfg, train_size),
         "peak_memory_mb": peak_memory_mb(device),
         "device": str(device),
@@ -264,18 +267,10 @@ def main(argv=None) -> int:
     if args.child:
         harness.child_main(args, measure)
         return 0
-    device = harness.resolved_device(args.device)
-    machine = harness.machine_info()
-    entries = measure_all(args, device)
-    print("\nSequential FedAvg (medians over rounds 2.., see benchmarks/README.md)")
-    columns = COLUMNS + harness.memory_columns(device == "cuda")
-    print(harness.format_table(columns, [e for e in entries if e["status"] == "ok"]))
-    for e in entries:
-        if e["status"] != "ok":
-            print(f"{e['workload']} {e['model']}: {e['status']}: {e.get('message')}")
-    path = harness.write_results("sequential_baseline", args, machine, device, entries, {"entries": entries})
-    print(f"\nwrote {path}")
-    return 1 if any(e["status"] == "failed" for e in entries) else 0
+    device, machine = harness.resolved_device(args.device), harness.machine_info()
+    return harness.report_entries("sequential_baseline", "Sequential FedAvg (medians over rounds 2.., see "
+                                  "benchmarks/README.md)", COLUMNS, args, device, machine,
+                                  measure_all(args, device))
 
 
 if __name__ == "__main__":

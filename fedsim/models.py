@@ -121,6 +121,26 @@ class SimpleCNN(nn.Module):
         return self.fc3(x)
 
 
+class PflCNN(nn.Module):
+    """pfl-research's ``simple_cnn`` (benchmarks/model/pytorch/cnn.py), the CNN of its CIFAR-10
+    speed benchmark: conv 32 3x3, conv 64 3x3, max-pool 2, dropout .25, fc 128, dropout .5;
+    Glorot-uniform weights. Takes NCHW images (pfl's own takes NHWC and transposes first)."""
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 10, side: int = 32):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 32, 3)
+        self.conv2 = nn.Conv2d(32, 64, 3)
+        self.fc1 = nn.Linear(((side - 4) // 2) ** 2 * 64, 128)
+        self.fc2 = nn.Linear(128, num_classes)
+        for layer in (self.conv1, self.conv2, self.fc1, self.fc2):
+            nn.init.xavier_uniform_(layer.weight)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = F.dropout(torch.flatten(x, 1), 0.25, self.training)
+        return self.fc2(F.dropout(F.relu(self.fc1(x)), 0.5, self.training))
+
+
 def _group_norm(channels: int) -> nn.GroupNorm:
     return nn.GroupNorm(2, channels)
 
@@ -200,3 +220,9 @@ def simple_cnn(input_shape, num_classes):
 @MODELS.register("resnet18", "ResNet-18 for 32x32 inputs with GroupNorm (11,173,962 parameters)")
 def resnet18(input_shape, num_classes):
     return ResNet18(input_shape[0], num_classes)
+
+
+@MODELS.register("pfl_cnn", "pfl-research's CIFAR-10 benchmark CNN: conv 32, conv 64, fc 128 "
+                            "(1,626,442 parameters on 3x32x32)")
+def pfl_cnn(input_shape, num_classes):
+    return PflCNN(input_shape[0], num_classes, side=input_shape[-1])

@@ -101,3 +101,21 @@ def test_bench_startup_times_the_command_and_a_sweep(tmp_path):
     assert sweep["status"] == "ok" and len(sweep["startup_seconds_each"]) == sweep["runs"] == 3
     assert_positive(sweep, "seconds_per_run", "first_startup_seconds", "other_startup_seconds")
     assert "Start-up of fedsim" in done.stdout and "A sweep of 3 one-round runs" in done.stdout
+
+
+def test_w3_is_pfl_researchs_cifar10_benchmark(tmp_path, monkeypatch):
+    """W3 as its paper's Table 1 sets it, on generated CIFAR-shaped tensors without the files."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import harness
+
+    from fedsim.validation import load_config
+
+    parser = argparse.ArgumentParser()
+    harness.add_workload_arguments(parser)
+    (run,) = harness.workload_runs(parser.parse_args(["--workload", "W3", "--data-root", str(tmp_path)]))
+    cfg = load_config(run["config"], run["overrides"])
+    assert (cfg.data.num_clients, cfg.clients_per_round, cfg.local.epochs, cfg.local.batch_size) == (1000, 50, 1, 10)
+    assert (cfg.local.lr, cfg.server_optimizer, cfg.eval_every, cfg.model) == (0.1, "none", 10, "pfl_cnn")
+    assert cfg.data.dataset == "w3data:cifar_shaped" and cfg.data.augment is False

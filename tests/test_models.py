@@ -12,6 +12,7 @@ def count(model):
 def test_parameter_counts_match_the_papers():
     assert count(build_model("mnist_cnn", (1, 28, 28), 10)) == 21_840
     assert count(build_model("fedavg_cnn", (1, 28, 28), 10)) == 1_663_370
+    assert count(build_model("pfl_cnn", (3, 32, 32), 10)) == 1_626_442
 
 
 def test_every_model_maps_a_batch_to_class_scores():
@@ -54,3 +55,14 @@ def test_simple_cnn_is_niid_benchs_simple_cnn_layer_for_layer():
     cifar = build_model("simple_cnn", (3, 32, 32), 10)
     assert cifar.fc1.in_features == 400 and count(cifar) == 62_006
     assert cifar(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_pfl_cnn_is_pfl_researchs_simple_cnn_layer_for_layer():
+    """pfl-research benchmarks/model/pytorch/cnn.py simple_cnn on (32, 32, 3): conv 32 3x3,
+    conv 64 3x3, max-pool 2, fc 14*14*64 -> 128 -> 10."""
+    model = build_model("pfl_cnn", (3, 32, 32), 10)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    assert shapes == {"conv1.weight": (32, 3, 3, 3), "conv1.bias": (32,), "conv2.weight": (64, 32, 3, 3),
+                      "conv2.bias": (64,), "fc1.weight": (128, 12_544), "fc1.bias": (128,),
+                      "fc2.weight": (10, 128), "fc2.bias": (10,)}
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
