@@ -252,13 +252,17 @@ def squared_distances(updates: torch.Tensor) -> torch.Tensor:
 
 def _check_krum(k: int, f: int | None) -> int:
     """The number of attackers to assume for ``k`` clients; Krum needs k > 2f + 2."""
-    largest = (k - 3) // 2
+    return _assumed_attackers("Krum", "k > 2f + 2", k, f, (k - 3) // 2)
+
+
+def _assumed_attackers(rule: str, needs: str, k: int, f: int | None, largest: int) -> int:
+    """``f``, or the ``largest`` number of attackers that ``rule`` allows among ``k`` clients."""
     if largest < 0:
-        _fail(f"Krum needs k > 2f + 2 clients per round, so at least 3; got k = {k}")
+        _fail(f"{rule} needs {needs} clients per round, so at least 3; got k = {k}")
     if f is None:
         return largest
     if f > largest:
-        _fail(f"f = {f} is too large for k = {k} clients per round: Krum needs k > 2f + 2, "
+        _fail(f"f = {f} is too large for k = {k} clients per round: {rule} needs {needs}, "
               f"so aggregator_options.f must be in [0, {largest}]")
     return f
 
@@ -320,15 +324,7 @@ def multi_krum(f=None, m=None) -> Rule:
 
 def _check_bulyan(k: int, f: int | None) -> int:
     """The number of attackers to assume for ``k`` clients; Bulyan needs k >= 4f + 3."""
-    largest = (k - 3) // 4
-    if largest < 0:
-        _fail(f"Bulyan needs k >= 4f + 3 clients per round, so at least 3; got k = {k}")
-    if f is None:
-        return largest
-    if f > largest:
-        _fail(f"f = {f} is too large for k = {k} clients per round: Bulyan needs k >= 4f + 3, "
-              f"so aggregator_options.f must be in [0, {largest}]")
-    return f
+    return _assumed_attackers("Bulyan", "k >= 4f + 3", k, f, (k - 3) // 4)
 
 
 def _krum_picks(updates: torch.Tensor, f: int, count: int) -> torch.Tensor:
