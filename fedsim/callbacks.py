@@ -132,7 +132,7 @@ def _cells(records: list[dict], columns) -> list[list[str]]:
 
 
 def _cell(value) -> str:
-    return repr(value) if isinstance(value, float) else str(value)
+    return repr(value) if isinstance(value, float) else "" if value is None else str(value)
 
 
 class TensorBoard(Callback):

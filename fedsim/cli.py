@@ -271,9 +271,9 @@ def _add_plot_parser(sub) -> None:
                       help="the figure: FILE.png or FILE.pdf")
     plot.add_argument("--metric", default="test_accuracy",
                       help="column of metrics.csv to plot (default test_accuracy)")
-    plot.add_argument("--x", choices=("round", "seconds", "epsilon", "bytes"), default="round",
-                      help="x axis: round, seconds of wall time since the start, epsilon (privacy spent), or bytes "
-                           "(MB sent up and down since round 1)")
+    plot.add_argument("--x", choices=("round", "seconds", "epsilon", "bytes", "simulated_seconds"), default="round",
+                      help="x axis: round, seconds of wall time since the start, epsilon (privacy spent), bytes "
+                           "(MB sent up and down since round 1), or simulated_seconds (the simulated clock)")
     plot.add_argument("--label", metavar="KEY",
                       help="name lines by this config key (e.g. aggregator, data.alpha) instead of the run name")
     plot.add_argument("--loss", action="store_true", help="add a panel of test loss")

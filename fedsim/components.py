@@ -27,6 +27,7 @@ from . import aggregation
 from .aggregation import AGGREGATORS
 from .checks import cut
 from .algorithms import ALGORITHMS, Algorithm
+from .asynchronous import ASYNC_METHODS
 from .attacks import ATTACKS
 from .compression import COMPRESSORS
 from .data import DATASETS, PARTITIONS, Dataset, check_dataset_spec
@@ -279,4 +280,4 @@ def tables() -> dict:
     """Every name table, for validation and ``fedsim list``."""
     return {"datasets": DATASETS, "partitions": PARTITIONS, "models": MODELS, "algorithms": ALGORITHMS,
             "aggregators": AGGREGATORS, "server optimizers": SERVER_OPTIMIZERS, "attacks": ATTACKS,
-            "client samplings": CLIENT_SAMPLINGS, "compressors": COMPRESSORS}
+            "client samplings": CLIENT_SAMPLINGS, "compressors": COMPRESSORS, "async methods": ASYNC_METHODS}

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import yaml
 
+from .asynchronous import AsyncConfig
 from .checks import cut, shown
 from .compression import CompressionConfig
 from .errors import ConfigError, FedsimError
@@ -77,7 +78,7 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     rounds: int = 10
     workers: Optional[int] = None  # None: min(clients_per_round, CPU cores), capped on a GPU; 0: none
-    mode: str = "sync"  # sync | hogwild: the workers train one shared model lock-free (see hogwild.py)
+    mode: str = "sync"  # sync | async (see asynchronous.py) | hogwild: one shared model trained lock-free (hogwild.py)
     backend: str = "process"  # process | vmap
     vmap_group_size: int = 0  # vmap: clients trained together in one group; 0 = the whole round
     clients_per_round: int = 10
@@ -110,13 +111,15 @@ class Config:
     attack: AttackConfig = field(default_factory=AttackConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)  # see compression.py
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)  # mode: async (see asynchronous.py)
 
     def to_dict(self) -> dict:
         """Plain values only: a component given as an object is named by ``describe``."""
         from .components import describe
 
         def plain(value):
-            if isinstance(value, (Config, DataConfig, LocalConfig, AttackConfig, SystemConfig, CompressionConfig)):
+            if isinstance(value, (Config, DataConfig, LocalConfig, AttackConfig, SystemConfig, CompressionConfig,
+                                  AsyncConfig)):
                 return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
             if isinstance(value, dict):
                 return {k: plain(v) for k, v in value.items()}

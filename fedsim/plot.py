@@ -28,13 +28,16 @@ LINESTYLES = ("-", "--", ":", "-.")  # after the eight colours, lines differ by 
 WIDTHS = {"single": 3.5, "double": 7.0}  # inches: one and two columns of a two-column paper
 BANDS = {"minmax": "min–max", "std": "± 1 s.d."}
 X_AXES = {"round": "round", "seconds": "wall time (s)", "epsilon": "ε (privacy spent, at privacy.delta)",
-          "bytes": "MB sent, up and down, since round 1"}
-_X_COLUMNS = {"seconds": "elapsed_seconds", "bytes": "cumulative_bytes"}  # the column of an x axis, by name
+          "bytes": "MB sent, up and down, since round 1", "simulated_seconds": "simulated time (s)"}
+# the column of an x axis, by name
+_X_COLUMNS = {"seconds": "elapsed_seconds", "bytes": "cumulative_bytes", "simulated_seconds": "simulated_time"}
 _X_SCALES = {"bytes": 1e-6}  # the bytes axis reads in MB
 METRICS = tuple(c for c in COLUMNS if c != "round")
 SPREAD = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")  # what spread=True draws
 _HAS = {"epsilon": "a run with a privacy section has it",
-        "cumulative_bytes": "every run counts them except in mode: hogwild, where nothing travels", **dict.fromkeys(
+        "cumulative_bytes": "every run counts them except in mode: hogwild, where nothing travels",
+        "simulated_time": "every run keeps the simulated clock (runs resumed from an older version's checkpoint "
+                          "do not)", **dict.fromkeys(
     SPREAD, "a run with eval_per_client: true and data.test_partition: true has it")}
 
 
@@ -49,8 +52,9 @@ def plot_runs(runs, *, metric: str = "test_accuracy", x: str = "round", label: s
     in seed (and other run-specific keys such as workers and device) are drawn as their mean
     with a band: ``"minmax"`` shades min to max, ``"std"`` mean ± one sample standard
     deviation. ``x``: ``"round"``, ``"seconds"`` (wall time since the start of the run),
-    ``"epsilon"`` (the privacy spent, for runs with a privacy section) or ``"bytes"`` (the
-    megabytes sent up and down since round 1, ``cumulative_bytes``). ``loss``: add a panel of
+    ``"epsilon"`` (the privacy spent, for runs with a privacy section), ``"bytes"`` (the
+    megabytes sent up and down since round 1, ``cumulative_bytes``) or ``"simulated_seconds"``
+    (the simulated clock of system.py and mode: async, ``simulated_time``). ``loss``: add a panel of
     test loss below. ``width``: ``"single"`` (3.5 in), ``"double"`` (7 in) or inches.
 
     ``spread``: draw how the global model fares on each client's own test split (runs with
@@ -104,7 +108,7 @@ def _checked_options(histories, metric: str, x: str, band: str, spread: bool, wi
         if metric not in ("test_accuracy", SPREAD[0]):
             raise FedsimError(f"spread: draws the clients' accuracy; it does not combine with metric {metric}")
         metric = SPREAD[0]
-    axis = [_X_COLUMNS.get(x, x)] if x in ("epsilon", "bytes") else []
+    axis = [_X_COLUMNS.get(x, x)] if x in ("epsilon", "bytes", "simulated_seconds") else []
     _check_has(histories, [*(SPREAD if spread else [metric]), *axis])
     inches = WIDTHS.get(width, width)
     if not isinstance(inches, (int, float)) or not 0.5 <= inches <= 50:
@@ -305,7 +309,7 @@ def _default_title(histories: list[History], metric: str, x: str) -> str:
         return "\n".join([names.pop(), *_wrapped(described.pop(), 60)]) if len(described) == 1 else names.pop()
     what = _axis_label(metric).split(" (")[0].capitalize()
     return {"round": f"{what} per round", "seconds": f"{what} over wall time", "epsilon": f"{what} against ε",
-            "bytes": f"{what} against bytes sent"}[x]
+            "bytes": f"{what} against bytes sent", "simulated_seconds": f"{what} over simulated time"}[x]
 
 
 def _wrapped(text: str, width: int) -> list[str]:

@@ -195,8 +195,11 @@ def describe_run(config: dict, overrides: dict | None = None) -> str:
     config.yaml names them), then the keys set on top of its experiment (``overrides``, as
     summary.json keeps them), cut short where long."""
     data = config.get("data") or {}
+    # an async run weighs updates by staleness, not by its (refused) rule
+    server = f"async {(config.get('asynchronous') or {}).get('method')}" if config.get("mode") == "async" else \
+        f"aggregator {config.get('aggregator')}"
     text = (f"{data.get('dataset')} ({data.get('partition')}, {data.get('num_clients')} clients), "
-            f"model {config.get('model')}, aggregator {config.get('aggregator')}, algorithm {config.get('algorithm')}")
+            f"model {config.get('model')}, {server}, algorithm {config.get('algorithm')}")
     if overrides:
         text += "; with " + _cut(", ".join(f"{key}={_plain(value)}" for key, value in overrides.items()), 120)
     return text

@@ -20,14 +20,14 @@ import torch
 import yaml
 
 from . import components
-from .attacks import attacker_mask, make_attack
+from .attacks import make_attack
 from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart
 from .client_eval import ClientEvaluation
 from .client_state import ClientStates
 from .compression import Compression, client_shapes
 from .config import Config, groups_per_round, locate, overrides_of
 from .distributed import RankStopped, Ranks, rank_device
-from .engine import AggregateUpdates, Engine, GlobalState, RoundBuffers
+from .engine import AggregateUpdates, AsyncEngine, Engine, GlobalState, RoundBuffers
 from .errors import ConfigError, FedsimError, OutputError, exception_text, explain_resource_error, user_code
 from .execution import Restarting, new_pool
 from .execution.hogwild import AdoptSharedWeights, HogwildRunner
@@ -41,7 +41,6 @@ from .privacy import Privacy
 from .progress import RoundLog, console_logging
 from .results import History, describe_run, flatten_config
 from .rundir import read_clients, read_mapping
-from .sampling import poisson_capacity
 from .server_opt import make_server_optimizer
 from .system import System
 from .validation import unused_settings
@@ -119,32 +118,6 @@ def peak_memory_mb(device: torch.device) -> float:
     return round(peak_rss_bytes() / 2**20, 1)
 
 
-def allocate_buffers(cfg: Config, state: GlobalState, data, parts, data_device: torch.device, algorithm,
-                     keeps_copies: bool, workers: int) -> RoundBuffers:
-    """The round's buffers: the data where it lives, the rest on the state's device; the
-    algorithm's state is the global state's own tensors. A row per client a round can hold:
-    clients_per_round, or the largest sample of the run's rounds under poisson sampling."""
-    k = poisson_capacity(cfg.seed, cfg.rounds, cfg.data.num_clients, cfg.clients_per_round) \
-        if cfg.client_sampling == "poisson" else cfg.clients_per_round
-    n, dev = state.model.num_params, state.model.flat.device
-    return RoundBuffers(
-        train_x=data.train_x.to(data_device), train_y=data.train_y.to(data_device),
-        client_indices=torch.cat(parts).to(data_device),
-        client_offsets=torch.tensor([0] + torch.tensor([len(q) for q in parts]).cumsum(0).tolist()),
-        num_classes=data.num_classes,
-        global_flat=torch.zeros(len(state.model), device=dev),
-        client_weights=torch.zeros(k if keeps_copies else 0, len(state.model), device=dev),
-        stats=torch.zeros(k, 3, device=dev),
-        assignment=torch.zeros(k, dtype=torch.int64),
-        step_limits=torch.full((k,), -1, dtype=torch.int64),
-        progress=torch.zeros(max(workers, 1), dtype=torch.int64),
-        attackers=attacker_mask(cfg.seed, cfg.data.num_clients, cfg.attack),
-        server_state=state.server_state,
-        client_state={name: torch.zeros(k, *shape, device=dev) for name, shape in algorithm.client_state(n).items()},
-        reports={name: torch.zeros(k, *shape, device=dev) for name, shape in algorithm.report_shapes(n).items()},
-    ).share_cpu_tensors()
-
-
 def build_parts(cfg: Config, device: torch.device, datasets: dict | None = None):
     """What a run is made of, each part checked as far as it can be before any worker is handed
     anything: the data split among the clients, the initial model (probed), privacy (or None), the
@@ -217,6 +190,9 @@ class Session:
         self.t_start = time.perf_counter()
         torch.multiprocessing.set_sharing_strategy(cfg.sharing_strategy)
         self.device = resolve_device(rank_device(cfg.device) if self.ranks.world > 1 else cfg.device)
+        if cfg.mode == "async" and self.ranks.world > 1:
+            raise ConfigError("mode: async plays one simulated clock in one process; run it as a single process, "
+                              "without torchrun")
         if cfg.mode == "hogwild" and self.ranks.world > 1:
             raise ConfigError("mode: hogwild shares one model in one machine's memory; run it as a single "
                               "process, without torchrun")
@@ -259,7 +235,7 @@ class Session:
                                  f"{components.describe(cfg.model)}, {names['algorithm']}, "
                                  f"{names['server_optimizer']}", privacy_state=privacy.state if privacy else None)
         keeps_copies = cfg.mode != "hogwild"
-        self.buffers = allocate_buffers(cfg, self.state, data, parts, data_device, algorithm, keeps_copies,
+        self.buffers = RoundBuffers.allocate(cfg, self.state, data, parts, data_device, algorithm, keeps_copies,
                                         self.workers)
         if keeps_copies:
             strategy = AggregateUpdates(cfg, self.state, self.buffers, algorithm,
@@ -272,8 +248,12 @@ class Session:
             self.executor = RanksExecutor(self.executor, self.ranks, cfg, self.state)
         self.client_eval = ClientEvaluation.for_run(cfg, data, parts, data_device) if cfg.eval_per_client else None
         test = (data.test_x.to(data_device), data.test_y.to(data_device))
-        self.engine = Engine(cfg, self.state, self.buffers, self.executor, strategy, System.from_config(cfg), test,
-                             self.client_eval, privacy)
+        if cfg.mode == "async":  # the clock decides when the global model changes (validation refuses the rest)
+            self.engine = AsyncEngine(cfg, self.state, self.buffers, self.executor, System.from_config(cfg), test,
+                                      self.client_eval)
+        else:
+            self.engine = Engine(cfg, self.state, self.buffers, self.executor, strategy, System.from_config(cfg),
+                                 test, self.client_eval, privacy)
 
     # ------------------------------------------------------------------ the run
 

@@ -40,10 +40,11 @@ DROPOUT = 11  # (round): who fails before reporting (system.py)
 AVAILABILITY = 12  # (): each client's availability probability, drawn once (system.py)
 SPEED = 13  # (): each client's relative speed, drawn once (system.py)
 COMPRESSION = 14  # (round, client): the random rounding of a client's compressed update (compression.py)
+ASYNC_START = 15  # (start): which client an async run's j-th start trains, and whether it drops out
 
 _KEYS = {PARTITION: 0, TEST_SPLIT: 0, MODEL: 0, SAMPLING: 1, CLIENT: 2, VMAP_GROUP: 2, ATTACKERS: 0,
          ATTACK_NOISE: 1, PRIVACY_NOISE: 1, ONLINE: 1, DROPOUT: 1, AVAILABILITY: 0, SPEED: 0,
-         COMPRESSION: 2}
+         COMPRESSION: 2, ASYNC_START: 1}
 _WORD = 2**32
 
 
@@ -72,7 +73,8 @@ def torch_seed(tag: int, seed: int, *keys: int) -> int:
 
 
 def client_seed(seed: int, rnd: int, client: int) -> int:
-    """A client's shuffling, dropout and augmentation in one round."""
+    """A client's shuffling, dropout and augmentation in one round (an async run's ``rnd`` is the
+    client's start, see engine/asynchronous.py)."""
     return torch_seed(CLIENT, seed, rnd, client)
 
 
@@ -103,6 +105,11 @@ def compression_generator(seed: int, rnd: int, client: int) -> torch.Generator:
     """The random rounding of ``client``'s update in round ``rnd``: a CPU generator, so that it is
     the same on any device, in any process, and after a resume."""
     return torch.Generator().manual_seed(torch_seed(COMPRESSION, seed, rnd, client))
+
+
+def async_start_generator(seed: int, start: int) -> np.random.Generator:
+    """An async run's ``start``-th start of a client: which client, and whether it drops out."""
+    return generator(ASYNC_START, seed, start)
 
 
 def attackers_rng(seed: int) -> np.random.Generator:

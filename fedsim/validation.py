@@ -10,7 +10,7 @@ import dataclasses
 import os
 import re
 
-from . import components, compression
+from . import asynchronous, components, compression
 from .checks import Checks, cut, shown
 from .config import MAX_CLIENTS, MAX_TIMEOUT, Config, DataConfig, apply_overrides, build, groups_per_round, where
 from .data import options_for
@@ -79,8 +79,11 @@ def validate(cfg: Config) -> None:
                                f"{components.describe(cfg.algorithm)} trains each client its own way: use backend: "
                                f"process")
     compression.check(cfg.compression)
+    asynchronous.check(cfg.asynchronous)
     if cfg.mode == "hogwild":  # first: it refuses whole sections that the checks below detail
         check_hogwild(cfg, checks)
+    if cfg.mode == "async":
+        check_async(cfg, checks)
     System.check_config(cfg)
     Privacy.check(cfg)  # after the components it is combined with are known to be valid
 
@@ -117,7 +120,7 @@ def _check_run(cfg: Config, checks: Checks) -> None:
     if cfg.worker_timeout is not None and not 0 < cfg.worker_timeout <= MAX_TIMEOUT:
         checks.fail("worker_timeout", f"must be > 0 and at most {MAX_TIMEOUT:,} seconds (waits are counted in "
                                       f"milliseconds of a C int), got {cfg.worker_timeout}")
-    checks.one_of("mode", cfg.mode, ("sync", "hogwild"))
+    checks.one_of("mode", cfg.mode, ("sync", "async", "hogwild"))
     checks.one_of("backend", cfg.backend, ("process", "vmap"))
     checks.one_of("on_worker_failure", cfg.on_worker_failure, ("stop", "restart"))
     checks.one_of("on_nonfinite", cfg.on_nonfinite, ("drop", "fail"))
@@ -190,9 +193,48 @@ def check_hogwild(cfg: Config, checks: Checks) -> None:
         (system[0] if system else "system", bool(system),
          "system heterogeneity is simulated for synchronous rounds only; leave the system section out"),
     ]
+    _refuse(checks, refused, "hogwild")
+
+
+def check_async(cfg: Config, checks: Checks) -> None:
+    """``mode: async`` (asynchronous.py): refuse, naming the key, every setting it would
+    silently ignore or apply wrongly."""
+    algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
+    method = cfg.asynchronous.method
+    refused = [
+        ("algorithm", not algorithm.needs_only_weights,
+         f"FedBuff and FedAsync apply each client's trained weights as they arrive; algorithm "
+         f"{components.describe(cfg.algorithm)} keeps state or reports they do not update; use fedavg or fedprox"),
+        ("aggregator", components.describe(cfg.aggregator) != "fedavg",
+         "updates are weighted by their staleness (asynchronous.staleness), not by a rule; use aggregator: fedavg"),
+        ("server_optimizer", method == "fedasync" and cfg.server_optimizer != "none",
+         "FedAsync mixes each update into the global model itself (asynchronous.mixing); use server_optimizer: "
+         "none, or asynchronous.method: fedbuff"),
+        ("attack.type", cfg.attack.type != "none",
+         "attacks rewrite a synchronous round's updates; use attack.type: none"),
+        ("compression.type", cfg.compression.type != "none",
+         "compression is simulated for synchronous rounds only; use compression.type: none"),
+        ("privacy", cfg.privacy is not None,
+         "DP-FedAvg's accounting is for sampled synchronous rounds; remove the privacy section"),
+        ("client_sampling", cfg.client_sampling != "uniform",
+         "a client that starts is drawn uniformly among those not training; use client_sampling: uniform"),
+        ("sampling_candidates", cfg.sampling_candidates is not None,
+         "a client that starts is drawn uniformly among those not training; leave it unset"),
+        ("system.availability", cfg.system.availability != 1,
+         "an async run has no rounds in which a client is online or not; leave it at 1"),
+        ("system.deadline", cfg.system.deadline is not None,
+         "the server waits for no round: every client reports when it finishes; leave it null"),
+        ("system.stragglers", cfg.system.stragglers != "drop",
+         "without a deadline nobody straggles; leave it out"),
+    ]
+    _refuse(checks, refused, "async")
+
+
+def _refuse(checks: Checks, refused: list, mode: str) -> None:
+    """The first setting of ``refused`` (key, whether it is set, why it cannot be) that is set."""
     for key, bad, why in refused:
         if bad:
-            checks.fail(key, f"{why} (mode: hogwild)")
+            checks.fail(key, f"{why} (mode: {mode})")
 
 
 def unused_settings(cfg: Config) -> list[str]:
@@ -208,4 +250,7 @@ def unused_settings(cfg: Config) -> list[str]:
          for key in ("clip_learning_rate", "count_noise")
          if privacy.get(key) is not None and privacy.get("target_quantile") is None] + \
         compression.unused_options(cfg.compression) + System.from_config(cfg).warnings() + \
+        (asynchronous.unused_options(cfg.asynchronous) if cfg.mode == "async" else
+         [f"asynchronous.{key} is set but mode is {cfg.mode}: set mode: async to use it"
+          for key, value in vars(cfg.asynchronous).items() if value != getattr(asynchronous.AsyncConfig(), key)]) + \
         [w for w in [components.aggregator_warning(cfg)] if w]

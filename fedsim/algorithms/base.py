@@ -138,7 +138,8 @@ class Algorithm:
 
     def adjust_gradient(self, grad: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, local) -> None:
         """Add the algorithm's term to ``grad`` ([c, n], in place) at weights ``weights`` ([c, n])
-        of clients that started from ``start`` ([n]); weight decay is already in ``grad``."""
+        of clients that started from ``start`` ([n]; [c, n] in an async run, where each client
+        started from a model of its own); weight decay is already in ``grad``."""
 
     def client_report(self, result: LocalResult, local) -> dict[str, torch.Tensor]:
         """After the last step: the reports, each ``[c, *shape]``."""
@@ -156,6 +157,13 @@ class Algorithm:
     @property
     def has_personal_model(self) -> bool:
         return type(self).personal_weights is not Algorithm.personal_weights
+
+    @property
+    def needs_only_weights(self) -> bool:
+        """Whether the server needs nothing of a client but its trained weights: no server or
+        client state, no reports, the rule's update (what an async run can apply, one by one)."""
+        return (type(self).server_update is Algorithm.server_update and not self.server_state(1)
+                and not self.client_state(1) and not self.report_shapes(1) and not self.has_personal_model)
 
     @property
     def trains_own_way(self) -> bool:

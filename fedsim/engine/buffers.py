@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attacks import attacker_mask
+from ..sampling import poisson_capacity
+
 
 @dataclass
 class RoundBuffers:
@@ -19,14 +22,47 @@ class RoundBuffers:
     num_classes: int
     global_flat: torch.Tensor  # [P] device: the weights clients start from
     client_weights: torch.Tensor  # [k, P] device: one row per client slot of the round ([0, P]: none kept)
+    slot_starts: torch.Tensor  # [k, P] device: the weights each slot starts from in an async run ([0, P]: global_flat)
     stats: torch.Tensor  # [k, 3] device: (sample count, mean train loss, local steps taken) per slot
     assignment: torch.Tensor  # CPU [k]: client id per slot
     step_limits: torch.Tensor  # CPU [k]: the most local steps each slot's client may take; -1: all
+    slot_keys: torch.Tensor  # CPU [k]: the key of each slot's training stream: the round (an async run's start)
     progress: torch.Tensor  # CPU [W]: client each worker is training (or IDLE / STARTING)
     attackers: torch.Tensor  # CPU bool [num_clients]
     server_state: dict[str, torch.Tensor]  # the algorithm's state (see algorithms/base.py)
     client_state: dict[str, torch.Tensor]  # [k, ...] each: the algorithm's rows of each slot's client
     reports: dict[str, torch.Tensor]  # [k, ...] each: what each slot's client reported
+
+    @classmethod
+    def allocate(cls, cfg, state, data, parts, data_device: torch.device, algorithm, keeps_copies: bool,
+                 workers: int) -> "RoundBuffers":
+        """The buffers of a run (``state``: its GlobalState): the data where it lives, the rest on the
+        state's device; the algorithm's state is the global state's own tensors. A row per client
+        a round can hold: clients_per_round, or the largest sample of the run's rounds under
+        poisson sampling."""
+        k = poisson_capacity(cfg.seed, cfg.rounds, cfg.data.num_clients, cfg.clients_per_round) \
+            if cfg.client_sampling == "poisson" else cfg.clients_per_round
+        n, dev = state.model.num_params, state.model.flat.device
+        return cls(
+            train_x=data.train_x.to(data_device), train_y=data.train_y.to(data_device),
+            client_indices=torch.cat(parts).to(data_device),
+            client_offsets=torch.tensor([0] + torch.tensor([len(q) for q in parts]).cumsum(0).tolist()),
+            num_classes=data.num_classes,
+            global_flat=torch.zeros(len(state.model), device=dev),
+            client_weights=torch.zeros(k if keeps_copies else 0, len(state.model), device=dev),
+            slot_starts=torch.zeros(k if cfg.mode == "async" else 0, len(state.model), device=dev),
+            stats=torch.zeros(k, 3, device=dev),
+            assignment=torch.zeros(k, dtype=torch.int64),
+            step_limits=torch.full((k,), -1, dtype=torch.int64),
+            slot_keys=torch.zeros(k, dtype=torch.int64),
+            progress=torch.zeros(max(workers, 1), dtype=torch.int64),
+            attackers=attacker_mask(cfg.seed, cfg.data.num_clients, cfg.attack),
+            server_state=state.server_state,
+            client_state={name: torch.zeros(k, *shape, device=dev)
+                          for name, shape in algorithm.client_state(n).items()},
+            reports={name: torch.zeros(k, *shape, device=dev)
+                     for name, shape in algorithm.report_shapes(n).items()},
+        ).share_cpu_tensors()
 
     def tensors(self):
         for value in vars(self).values():

@@ -106,6 +106,8 @@ class Engine:
         evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
         with user_code(f"model {describe(cfg.model)} failed in the evaluation of round {rnd}"):
             scores = self._evaluate(rnd, evaluated)
+        if self.state.simulated_time is not None:
+            self.state.simulated_time += plan.simulated_seconds
         row = {"round": rnd, **scores, **self._train_metrics(round_, records),
                "seconds": round(time.perf_counter() - t0, 4), "clients": len(records),
                "attackers": sum(r.attacker for r in records),
@@ -116,7 +118,8 @@ class Engine:
                "epsilon": self.privacy.epsilon(rnd) if self.privacy else None, "clip": clip,
                **self._traffic(plan),
                # dropped_clients: the lost work of the plan, and the non-finite updates left out
-               **plan.metrics(left_out=len(plan.clients) - len(round_.clients))}
+               **plan.metrics(left_out=len(plan.clients) - len(round_.clients)),
+               "simulated_time": self.state.simulated_time}
         return RoundResult(row, records, evaluated, clients)
 
     def plan(self, rnd: int) -> RoundPlan:
@@ -130,13 +133,14 @@ class Engine:
         plan = self.system.round(cfg.seed, rnd, cfg.data.num_clients, cfg.clients_per_round, self.sizes, losses)
         limits = [-1 if limit is None else limit for limit in plan.step_limits]
         self.buffers.step_limits[:len(limits)] = torch.tensor(limits, dtype=torch.int64)
+        self.buffers.slot_keys[:len(limits)] = rnd
         return plan
 
     def _traffic(self, plan: RoundPlan) -> dict:
         """The round's bytes: the global weights go to every client sampled (to every candidate under
         power_of_choice, which each sends back its loss as a float32), and every client that
         reports sends its message; the dropouts' and late clients' uploads never arrive. Nothing
-        travels in hogwild mode (None)."""
+        travels where the strategy sends no messages (None)."""
         sizes = self.strategy.message_bytes()
         if sizes is None:
             return {}

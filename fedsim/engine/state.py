@@ -27,9 +27,11 @@ class GlobalState:
         self.model, self.server_optimizer, self.description = model, server_optimizer, description
         self.algorithm, self.clients = algorithm, clients
         self.privacy_state = privacy_state or {}  # privacy's own tensors, changed in place by it
-        # bytes up and down since round 1; None where nothing is counted (hogwild, or a resumed
+        # bytes up and down since round 1; None where nothing is counted (nothing travels, or a resumed
         # checkpoint of an earlier version, which did not count them)
         self.bytes_sent: int | None = 0
+        self.simulated_time: float | None = 0.0  # simulated seconds since round 1 (None: as bytes_sent)
+        self.schedule = None  # an async run's clients in flight (engine/asynchronous.py's Schedule)
         self.server_state = {name: torch.zeros(*shape, device=device)
                              for name, shape in algorithm.server_state(n).items()}
         self.algorithm_rows = tuple(algorithm.client_state(n))  # the names of the algorithm's rows in clients
@@ -59,6 +61,8 @@ class GlobalState:
             "privacy": {k: v.cpu() for k, v in self.privacy_state.items()},
             "client_state": self.clients.state_dict(),
             "bytes_sent": self.bytes_sent,
+            "simulated_time": self.simulated_time,
+            **({"schedule": self.schedule.state_dict()} if self.schedule is not None else {}),
             "torch_rng": torch.get_rng_state(),
         }
 
@@ -73,6 +77,9 @@ class GlobalState:
         for name, value in state.get("privacy", {}).items():
             self.privacy_state[name].copy_(value)
         self.bytes_sent = state.get("bytes_sent")  # a checkpoint of an earlier version did not count them
+        self.simulated_time = state.get("simulated_time")
+        if self.schedule is not None:
+            self.schedule.load_state_dict(state.get("schedule"), source, self.model.flat)
         torch.set_rng_state(state["torch_rng"])
         self.saved_round = state["round"]
 
@@ -99,6 +106,14 @@ class GlobalState:
             if value.is_floating_point() and not torch.isfinite(value).all():  # a run never saves one
                 raise FedsimError(f"{source}: {key} holds NaN or Inf; the checkpoint is damaged and cannot be "
                                   f"resumed from")
+        if (self.schedule is not None) != ("schedule" in state):
+            has = "lacks" if self.schedule is not None else "holds"
+            raise FedsimError(f"{source}: {has} the clients in flight of an async run (mode: async); it is not this "
+                              f"run's checkpoint")
+        clock = state.get("simulated_time")
+        if clock is not None and not (isinstance(clock, float) and clock >= 0):
+            raise FedsimError(f"{source}: holds {clock!r} for simulated_time where simulated seconds belong; it is "
+                              f"not this run's checkpoint")
         sent = state.get("bytes_sent")
         if sent is not None and not (is_integer(sent) and sent >= 0):
             raise FedsimError(f"{source}: holds {sent!r} for bytes_sent where a count of bytes belongs; it is not "

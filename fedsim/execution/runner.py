@@ -52,26 +52,31 @@ class ClientRunner:
         attacked = b.attackers[clients]
         relabel = self.attack.relabel if self.attack.relabels and bool(attacked.any()) else None
         limits = [None if limit < 0 else limit for limit in b.step_limits[rows].tolist()]
+        keys = b.slot_keys[rows].tolist()  # the round, or an async run's starts
+        # the weights the slots start from: the round's global ones, or (async) each slot's own
+        async_ = len(b.slot_starts) > 0
+        start = b.slot_starts[rows] if async_ else b.global_flat
         if cfg.backend == "vmap":
             weights, trained = self.trainer.train(
-                indices, b.global_flat, [client_seed(cfg.seed, rnd, c) for c in clients],
-                group_seed(cfg.seed, rnd, slots[0]), local_state=local_state, relabel=relabel,
+                indices, start, [client_seed(cfg.seed, key, c) for key, c in zip(keys, clients)],
+                group_seed(cfg.seed, keys[0], slots[0]), local_state=local_state, relabel=relabel,
                 attacked=attacked.to(self.device), max_steps=limits)
             b.client_weights[rows].copy_(weights)
         else:
-            seed = client_seed(cfg.seed, rnd, clients[0])
+            seed = client_seed(cfg.seed, keys[0], clients[0])
+            start = start[0] if async_ else start
 
             def fit(start, **phase):
                 return self.trainer.train(indices[0], start, seed, local_state=local_state, relabel=relabel,
                                           max_steps=limits[0], **phase)
-            trained = self.algorithm.train_client(fit, b.global_flat, local_state)
+            trained = self.algorithm.train_client(fit, start, local_state)
             b.client_weights[rows].copy_(self.model.flat)
         sizes = torch.tensor([len(ix) for ix in indices], dtype=b.stats.dtype)
         b.stats[rows, 0] = sizes
         b.stats[rows, 1].copy_(trained.loss)
         b.stats[rows, 2].copy_(trained.steps)
         reports = self.algorithm.client_report(
-            LocalResult(b.global_flat, b.client_weights[rows], trained.steps, sizes, trained.mean_gradient),
+            LocalResult(start, b.client_weights[rows], trained.steps, sizes, trained.mean_gradient),
             local_state)
         for name, value in reports.items():
             b.reports[name][rows].copy_(value)

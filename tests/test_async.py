@@ -1,0 +1,198 @@
+"""Asynchronous rounds (mode: async): the simulated clock and FedBuff's and FedAsync's updates
+against a reference written here from the papers, then whole runs across workers and resume."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import fedsim
+from fedsim.asynchronous import AsyncConfig, staleness_weight
+from fedsim.errors import ConfigError
+from fedsim.rundir import read_clients
+from fedsim.session import Session
+from fedsim.streams import async_start_generator
+from fedsim.system import System
+from fedsim.validation import load_config, unused_settings
+
+RUN = {"name": "async", "seed": 5, "device": "cpu", "rounds": 4, "workers": 0, "clients_per_round": 4,
+       "mode": "async", "model": "mnist_2nn",
+       "data": {"dataset": "synthetic", "num_clients": 10, "limit": 1000, "partition": "quantity"},
+       "local": {"epochs": 1, "batch_size": 32, "lr": 0.05},
+       "system": {"speed": {"lognormal": 1.0}, "step_seconds": 0.5}}
+
+
+def test_staleness_weights_are_fedasyncs_functions():
+    """Xie et al. 2019, section 5.2: constant 1, polynomial (1 + tau)^-a, hinge 1 up to b then
+    1 / (a (tau - b) + 1); FedBuff's 1 / sqrt(1 + tau) is the polynomial of a = 1/2."""
+    for tau in range(12):
+        assert staleness_weight(AsyncConfig(staleness="constant"), tau) == 1.0
+        assert staleness_weight(AsyncConfig(), tau) == pytest.approx(1 / math.sqrt(1 + tau), rel=1e-15)
+        hinge = AsyncConfig(staleness="hinge", staleness_a=2.0, staleness_b=3)
+        assert staleness_weight(hinge, tau) == (1.0 if tau <= 3 else 1 / (2 * (tau - 3) + 1))
+
+
+class FakeTraining:
+    """An executor whose "training" is a known function of the start, the client and its stream
+    key, so that the reference below can compute every client's weights itself."""
+
+    busy_seconds, peak_memory = [0.0], [0]
+
+    def __init__(self, buffers):
+        self.buffers = buffers
+
+    @staticmethod
+    def trained(start: torch.Tensor, client: int, key: int) -> torch.Tensor:
+        return 0.9 * start + 0.01 * (client + 1) - 0.001 * key
+
+    def train(self, rnd, clients, start_from):
+        b = self.buffers
+        for i, client in enumerate(clients.tolist()):
+            b.client_weights[i] = self.trained(b.slot_starts[i], client, int(b.slot_keys[i]))
+            b.stats[i] = torch.tensor([len(b.client_samples(client)), 1.0, 3.0])
+
+    def close(self):
+        pass
+
+
+def reference(cfg, sizes, x0: torch.Tensor, rounds: int):
+    """FedBuff (Nguyen et al. 2022, Algorithm 1) and FedAsync (Xie et al. 2019, Algorithm 1) on a
+    clock of their own: C clients in flight, each taking steps x step_seconds / speed simulated
+    seconds and starting from the model of its start, the earliest to finish arriving first.
+    Returns the global weights and the clock after each server update, and (client, version,
+    staleness) of every update used."""
+    a = cfg.asynchronous
+    speeds = System.from_config(cfg).speeds(cfg.seed, cfg.data.num_clients)
+    steps = [cfg.local.epochs * math.ceil(n / cfg.local.batch_size) for n in sizes]
+    x, version, clock, started, in_flight, models, clocks, used = x0.clone(), 0, 0.0, 0, [], [], [], []
+    for _ in range(rounds):
+        buffer = []
+        while True:
+            while len(in_flight) < cfg.clients_per_round:
+                idle = [c for c in range(cfg.data.num_clients) if c not in {j[2] for j in in_flight}]
+                client = idle[async_start_generator(cfg.seed, started).integers(len(idle))]
+                seconds = steps[client] * cfg.system.step_seconds / speeds[client]
+                in_flight.append((clock + seconds, started, client, version, x.clone()))
+                started += 1
+            job = min(in_flight, key=lambda j: j[:2])
+            in_flight.remove(job)
+            clock, key, client, start_version, start = job
+            y = FakeTraining.trained(start, client, key)
+            tau = version - start_version
+            used.append((client, start_version, tau))
+            if a.method == "fedasync":
+                alpha = a.mixing * staleness_weight(a, tau)
+                x = (1 - alpha) * x + alpha * y
+                break
+            buffer.append(staleness_weight(a, tau) * (y - start))
+            if len(buffer) == a.buffer_size:
+                x = x + sum(buffer) / a.buffer_size
+                break
+        version += 1
+        models.append(x.clone())
+        clocks.append(clock)
+    return models, clocks, used
+
+
+@pytest.mark.parametrize("method", ["fedbuff", "fedasync"])
+def test_the_clock_and_the_updates_are_the_papers(method):
+    cfg = load_config(RUN, {"asynchronous.method": method, "asynchronous.buffer_size": 3})
+    session = Session(cfg, log=lambda line: None)
+    engine = session.engine
+    engine.executor = FakeTraining(session.buffers)
+    x0 = session.state.model.flat.clone()
+    models, clocks, used = reference(cfg, engine.sizes.tolist(), x0, rounds=5)
+    records = []
+    for rnd in range(1, 6):
+        result = engine.run_round(rnd)
+        records += result.clients
+        # float32 sums in the same order; only the association of a few products differs
+        torch.testing.assert_close(session.state.model.flat, models[rnd - 1], rtol=1e-5, atol=1e-6)
+        assert result.row["simulated_time"] == pytest.approx(clocks[rnd - 1], rel=1e-12)
+        assert result.row["clients"] == (3 if method == "fedbuff" else 1)
+    assert [(r.client, r.model_version, r.staleness) for r in records] == used
+    assert any(tau > 0 for _, _, tau in used)  # stale updates were weighed
+    session.executor.close()
+
+
+@pytest.mark.slow
+def test_an_async_run_learns_is_the_same_for_any_workers_and_resumes_exactly(tmp_path):
+    """FedBuff with dropouts on heterogeneous speeds: workers 0 and 2, and 3 server updates then a
+    resume to 6, give the same bits; the clock moves forward; accuracy rises."""
+    cfg = {**RUN, "rounds": 6, "system": {**RUN["system"], "dropout": 0.2},
+           "asynchronous": {"buffer_size": 2}}
+    zero = fedsim.run(cfg, out=tmp_path / "w0", quiet=True)
+    two = fedsim.run(cfg, out=tmp_path / "w2", quiet=True, workers=2)
+    fedsim.run(cfg, out=tmp_path / "resumed", quiet=True, rounds=3)
+    again = fedsim.resume(tmp_path / "resumed", quiet=True, rounds=6)
+    ends = {name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=True) for name in ("w0", "w2", "resumed")}
+    for name in ("w2", "resumed"):
+        assert torch.equal(ends["w0"]["global"], ends[name]["global"]), name
+    for column in ("test_accuracy", "test_loss", "train_loss", "simulated_time", "cumulative_bytes"):
+        assert getattr(zero, column) == getattr(two, column) == getattr(again, column), column
+    assert (tmp_path / "w0" / "clients.csv").read_text() == (tmp_path / "resumed" / "clients.csv").read_text()
+    records = read_clients(tmp_path / "w0" / "clients.csv")
+    assert any(r["dropped"] == "dropout" for r in records) and any((r["staleness"] or 0) > 0 for r in records)
+    assert all(r["staleness"] is None for r in records if r["dropped"])
+    assert np.all(np.diff(zero.simulated_time) > 0)
+    assert zero.test_accuracy[-1] > zero.test_accuracy[0] + 0.05, zero.test_accuracy
+
+
+@pytest.mark.slow
+def test_fedasync_on_the_vmap_backend_is_the_same_for_any_workers(tmp_path):
+    cfg = {**RUN, "backend": "vmap", "vmap_group_size": 2, "asynchronous": {"method": "fedasync"}}
+    one = fedsim.run(cfg, out=tmp_path / "w1", quiet=True, workers=1)
+    two = fedsim.run(cfg, out=tmp_path / "w2", quiet=True, workers=2)
+    assert one.test_accuracy == two.test_accuracy and one.simulated_time == two.simulated_time
+    assert one.clients == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("aggregator=median", "aggregator"),
+    ("algorithm=scaffold", "algorithm"),
+    ("system.deadline=10", "system.deadline"),
+    ("system.availability=0.5", "system.availability"),
+    ("client_sampling=by_size", "client_sampling"),
+    ("compression.type=topk", "compression.type"),
+    ("attack.type=sign_flip", "attack.type"),
+])
+def test_async_refuses_in_one_line_what_it_would_ignore(override, key):
+    overrides = [override] + (["attack.fraction=0.2"] if key == "attack.type" else [])
+    with pytest.raises(ConfigError) as error:
+        load_config(RUN, overrides)
+    message = str(error.value)
+    assert "\n" not in message and f"{key}:" in message and "(mode: async)" in message
+
+
+def test_asynchronous_keys_are_checked_and_warned_about_where_unread():
+    with pytest.raises(ConfigError, match=r"asynchronous\.mixing: must be in \(0, 1\]"):
+        load_config(RUN, ["asynchronous.mixing=0"])
+    with pytest.raises(ConfigError, match=r"server_optimizer: FedAsync mixes"):
+        load_config(RUN, ["asynchronous.method=fedasync", "server_optimizer=fedadam"])
+    warned = unused_settings(load_config(RUN, ["asynchronous.mixing=0.3"]))
+    assert any("asynchronous.mixing" in w and "fedbuff" in w for w in warned)
+    warned = unused_settings(load_config({**RUN, "mode": "sync"}, ["asynchronous.buffer_size=3"]))
+    assert any("asynchronous.buffer_size is set but mode is sync" in w for w in warned)
+
+
+def test_the_shipped_comparison_runs_three_servers_on_one_federation():
+    from pathlib import Path
+
+    from fedsim.cli import build_parser
+
+    from support import documented_commands
+
+    *runs, plot = documented_commands(Path(__file__).parents[1] / "experiments" / "async.yaml")
+    parser = build_parser()
+    configs = []
+    for command in runs:
+        args = parser.parse_args(command[1:])
+        configs.append(load_config(args.config, args.set))
+        assert unused_settings(configs[-1]) == [], command
+    assert [(c.name, c.mode) for c in configs] == [("fedbuff", "async"), ("fedasync", "async"), ("fedavg", "sync")]
+    assert configs[1].asynchronous.method == "fedasync" and configs[2].system.deadline == 20
+    same = lambda c: (c.seed, c.model, c.data, c.local, c.system.speed, c.clients_per_round)  # noqa: E731
+    assert same(configs[0]) == same(configs[1]) == same(configs[2])
+    assert parser.parse_args(plot[1:]).x == "simulated_seconds"
