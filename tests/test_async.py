@@ -196,3 +196,15 @@ def test_the_shipped_comparison_runs_three_servers_on_one_federation():
     same = lambda c: (c.seed, c.model, c.data, c.local, c.system.speed, c.clients_per_round)  # noqa: E731
     assert same(configs[0]) == same(configs[1]) == same(configs[2])
     assert parser.parse_args(plot[1:]).x == "simulated_seconds"
+
+
+def test_a_synchronous_round_records_its_model_version_and_no_staleness():
+    cfg = load_config({**RUN, "mode": "sync", "rounds": 2, "system": {"dropout": 0.3}})
+    session = Session(cfg, log=lambda line: None)
+    session.executor.start(session.buffers)
+    for rnd in (1, 2):
+        records = session.engine.run_round(rnd).clients
+        assert all(r.model_version == rnd - 1 for r in records)
+        assert [r.staleness for r in records] == [None if r.dropped == "dropout" else 0 for r in records]
+    assert any(r.dropped == "dropout" for r in records)
+    session.executor.close()

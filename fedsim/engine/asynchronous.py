@@ -36,11 +36,11 @@ from .update import check_finite
 class Job:
     """A client in flight."""
 
-    start: int  # the run's j-th start: keys the choice of the client and its training stream
+    number: int  # the run's j-th start: keys the choice of the client and its training stream
     client: int
     version: int  # the server updates applied before it started: the model it trains
-    started: float  # simulated seconds
-    finishes: float
+    started_at: float  # simulated seconds
+    finishes_at: float
     dropout: bool  # it fails before reporting: its work is lost and never trained
     start_weights: torch.Tensor | None = None  # the model it started from (one copy per version); None: dropout
     weights: torch.Tensor | None = None  # its trained weights, once trained
@@ -48,7 +48,7 @@ class Job:
     steps: int = 0
 
     def key(self) -> tuple[float, int]:
-        return self.finishes, self.start
+        return self.finishes_at, self.number
 
 
 class Schedule:
@@ -57,14 +57,14 @@ class Schedule:
     clients is saved once)."""
 
     def __init__(self):
-        self.clock, self.version, self.started = 0.0, 0, 0
+        self.clock, self.version, self.next_number = 0.0, 0, 0
         self.jobs: list[Job] = []
 
     def state_dict(self) -> dict:
         starts = {job.version: job.start_weights.cpu() for job in self.jobs if job.start_weights is not None}
         jobs = [{**vars(job), "start_weights": None, "weights": None if job.weights is None else job.weights.cpu()}
                 for job in self.jobs]
-        return {"clock": self.clock, "version": self.version, "started": self.started, "starts": starts,
+        return {"clock": self.clock, "version": self.version, "next_number": self.next_number, "starts": starts,
                 "jobs": jobs}
 
     def load_state_dict(self, state: dict, source, like: torch.Tensor) -> None:
@@ -73,10 +73,11 @@ class Schedule:
         damaged = f"{source}: its clients in flight do not fit this run; it is not this run's checkpoint"
         try:
             jobs = [Job(**job) for job in state["jobs"]]
-            clock, version, started = float(state["clock"]), int(state["version"]), int(state["started"])
+            clock, version, number = float(state["clock"]), int(state["version"]), int(state["next_number"])
             starts = dict(state["starts"])
         except (KeyError, TypeError, ValueError):
             raise FedsimError(damaged) from None
+
         def fits(t) -> bool:
             return isinstance(t, torch.Tensor) and t.shape == like.shape and bool(torch.isfinite(t).all())
         starts = {v: t.to(like.device) for v, t in starts.items() if fits(t)}
@@ -86,7 +87,7 @@ class Schedule:
                     raise FedsimError(damaged)
                 job.start_weights = starts[job.version]
                 job.weights = None if job.weights is None else job.weights.to(like.device)
-        self.clock, self.version, self.started, self.jobs = clock, version, started, jobs
+        self.clock, self.version, self.next_number, self.jobs = clock, version, number, jobs
 
 
 class AsyncEngine(Engine):
@@ -108,7 +109,7 @@ class AsyncEngine(Engine):
             started += self._start_clients()
             job = min(s.jobs, key=Job.key)
             s.jobs.remove(job)
-            s.clock = job.finishes
+            s.clock = job.finishes_at
             if job.dropout:
                 records.append(ClientRecord.lost(rnd, job.client, int(self.sizes[job.client]), "dropout", 0,
                                                  model_version=job.version))
@@ -162,13 +163,13 @@ class AsyncEngine(Engine):
             busy = np.zeros(cfg.data.num_clients, dtype=bool)
             busy[[job.client for job in s.jobs]] = True
             idle = np.flatnonzero(~busy)
-            rng = async_start_generator(cfg.seed, s.started)
+            rng = async_start_generator(cfg.seed, s.next_number)
             client = int(idle[rng.integers(len(idle))])
             dropout = bool(rng.random() < self.system.spec.dropout)
             seconds = float(self.steps[client]) * self.system.spec.step_seconds / float(self.speeds[client])
-            s.jobs.append(Job(s.started, client, s.version, s.clock, s.clock + seconds, dropout,
+            s.jobs.append(Job(s.next_number, client, s.version, s.clock, s.clock + seconds, dropout,
                               None if dropout else self._current_start()))
-            s.started += 1
+            s.next_number += 1
             count += 1
         return count
 
@@ -197,11 +198,11 @@ class AsyncEngine(Engine):
         start), each from the model it started from."""
         b = self.buffers
         jobs = sorted([needed] + [j for j in self.schedule.jobs if j.weights is None and not j.dropout],
-                      key=lambda j: j.start)
+                      key=lambda j: j.number)
         clients, k = [job.client for job in jobs], len(jobs)
         for i, job in enumerate(jobs):
             b.slot_starts[i].copy_(job.start_weights)
-        b.slot_keys[:k] = torch.tensor([job.start for job in jobs], dtype=torch.int64)
+        b.slot_keys[:k] = torch.tensor([job.number for job in jobs], dtype=torch.int64)
         b.step_limits[:k] = -1
         for name, rows in self.state.client_rows(clients).items():
             b.client_state[name][:k].copy_(rows)

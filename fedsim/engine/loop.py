@@ -95,8 +95,8 @@ class Engine:
         t_trained = time.perf_counter()
         # 3. their updates as the server sees them, and one record per sampled client
         round_, records = self.strategy.collect(rnd, clients)
-        records += [ClientRecord.lost(rnd, c, int(self.sizes[c]), plan.outcome(c), int(self.buffers.attackers[c]))
-                    for c in plan.dropped.tolist()]
+        records += [ClientRecord.lost(rnd, c, int(self.sizes[c]), plan.outcome(c), int(self.buffers.attackers[c]),
+                                      model_version=rnd - 1) for c in plan.dropped.tolist()]
         clip = self.privacy.current_clip if self.privacy else None  # this round's, before adaptive clipping moves it
         # 4. the new global state (under privacy also from no client: the noise is released)
         if len(round_.clients) or self.privacy:

@@ -84,7 +84,8 @@ class AggregateUpdates:
             logger.warning(f"round {rnd}: dropped {len(bad)} client(s) with non-finite weights: {bad}")
         norms, stats = row_norms(updates), b.stats[:k].cpu()
         records = [ClientRecord(rnd, int(c), int(stats[i, 0]), float(stats[i, 1]), float(norms[i]),
-                                0 if finite[i] else "nonfinite", int(attacking[i]), int(stats[i, 2]))
+                                0 if finite[i] else "nonfinite", int(attacking[i]), int(stats[i, 2]),
+                                model_version=rnd - 1, staleness=0)  # every client trained this round's model
                    for i, c in enumerate(clients.tolist())]
         if k and not len(keep):  # no update to learn from, and none would come in the next rounds
             raise NonFiniteError(f"round {rnd}: every client's update ({k}) is non-finite (NaN/Inf); nothing of "
