@@ -274,8 +274,8 @@ def read_clients(path: Path) -> list[dict]:
         raise FedsimError(f"{path}: not a fedsim clients file ({type(e).__name__})") from None
 
 
-def _client_cell(column: str, value: str):
-    if value == "":
+def _client_cell(column: str, value: str | None):
+    if value is None or value == "":  # a cell the row lacks (a row of an older version, shorter), or empty
         return None
     if column in ("train_loss", "update_norm"):
         return float(value)
