@@ -144,7 +144,7 @@ def test_settings_hogwild_would_ignore_are_refused_naming_the_key(hogwild, chang
 
 
 def test_an_unknown_mode_is_one_line(hogwild):
-    with pytest.raises(ConfigError, match=r"^config: mode: must be one of sync, hogwild, got 'lockfree'$"):
+    with pytest.raises(ConfigError, match=r"^config: mode: must be one of sync, async, hogwild, got 'lockfree'$"):
         fedsim.load_config({**hogwild, "mode": "lockfree"})
 
 
