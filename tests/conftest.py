@@ -46,6 +46,16 @@ def small_config():
     }
 
 
+@pytest.fixture
+def learning_config(small_config):
+    """small_config for tests that watch accuracy rise from round to round: the generated data is
+    cut to 1,600 samples, of which mnist_cnn learns all 10 classes in its first round otherwise
+    (measured: 0.39, 0.87, 0.94 over 3 rounds, as real MNIST's 4,000 give about 0.3 to 0.9)."""
+    if small_config["data"]["dataset"] != "synthetic":
+        return small_config
+    return {**small_config, "data": {**small_config["data"], "limit": 1600}}
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

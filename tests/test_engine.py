@@ -15,9 +15,9 @@ from support import child_pids, shm_entries
 pytestmark = pytest.mark.slow
 
 
-def test_run_learns_writes_files_and_leaves_nothing_behind(small_config, tmp_path):
+def test_run_learns_writes_files_and_leaves_nothing_behind(learning_config, tmp_path):
     shm_before = shm_entries()
-    history = fedsim.run(small_config, out=tmp_path / "run", quiet=True)
+    history = fedsim.run(learning_config, out=tmp_path / "run", quiet=True)
 
     assert history.round == [1, 2, 3]
     assert history.test_accuracy[-1] > 0.5, history.test_accuracy  # chance is 0.1
