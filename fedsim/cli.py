@@ -255,9 +255,7 @@ def _add_run_parser(sub) -> None:
 def _add_partition_parser(sub) -> None:
     """``fedsim partition``: how an experiment splits its data among clients."""
     part = sub.add_parser("partition", help="show how an experiment splits its data among clients")
-    part.add_argument("config", metavar="FILE", help="YAML experiment file")
-    part.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a config key, e.g. --set data.alpha=0.1 (repeatable)")
+    _add_experiment_arguments(part, "override a config key, e.g. --set data.alpha=0.1 (repeatable)")
     part.add_argument("--out", metavar="DIR", help="where partition.json and partition.png go "
                                                    "(default runs/<name>-partition)")
     part.set_defaults(func=cmd_partition)
@@ -289,10 +287,16 @@ def _add_plot_parser(sub) -> None:
     plot.set_defaults(func=cmd_plot)
 
 
+def _add_experiment_arguments(parser, set_help: str) -> None:
+    """The experiment file and its --set overrides, as the commands that read one take them."""
+    parser.add_argument("config", metavar="FILE", help="YAML experiment file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+
+
 def _add_sweep_parser(sub) -> None:
     """``fedsim sweep``: every combination of grid values, one run after another."""
     swp = sub.add_parser("sweep", help="run every combination of grid values, one run after another")
-    swp.add_argument("config", metavar="FILE", help="YAML experiment file")
+    _add_experiment_arguments(swp, "override a config key in every run, e.g. --set rounds=5 (repeatable)")
     swp.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
                      help="values to sweep, e.g. --grid aggregator=fedavg,median --grid seed=0,1 (repeatable)")
     swp.add_argument("--seeds", metavar="S1,S2,...",
@@ -301,8 +305,6 @@ def _add_sweep_parser(sub) -> None:
     swp.add_argument("--target", type=float, metavar="ACC",
                      help="report the rounds to this test accuracy, a fraction such as 0.99 (default: "
                           "stop_at_accuracy, where set); the runs go on: --set stop_at_accuracy=ACC stops them")
-    swp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config key in every run, e.g. --set rounds=5 (repeatable)")
     swp.add_argument("--out", metavar="DIR", help="where the runs go, one folder each "
                                                   "(default runs/<name>-sweep-<timestamp>); the same sweep into "
                                                   "the same DIR again continues it")
