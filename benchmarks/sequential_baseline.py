@@ -30,7 +30,8 @@ COLUMNS = [
     ("workload", "workload", ""), ("model", "model", ""), ("data", "mode", ""), ("threads", "threads", "d"),
     ("round1 s", "round1_seconds", ".3f"), ("s/round", "round_seconds", ".3f"),
     ("samples/s", "samples_per_second", ",.0f"), ("updates/s", "client_updates_per_second", ",.1f"),
-    ("train s", "train_seconds", ".3f"), ("agg s", "aggregate_seconds", ".3f"), ("eval s", "eval_seconds", ".3f"), ("overhead", "overhead_fraction", ".1%"),
+    ("train s", "train_seconds", ".3f"), ("agg s", "aggregate_seconds", ".3f"), ("eval s", "eval_seconds", ".3f"),
+    ("overhead", "overhead_fraction", ".1%"),
     ("startup s", "startup_seconds", ".2f"), ("run s", "run_call_seconds", ".2f"),
     ("acc", "final_test_accuracy", ".4f"), ("peak MB", "peak_mb", ".1f"),
 ]

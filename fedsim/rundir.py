@@ -29,12 +29,14 @@ from .errors import FedsimError, write_error
 COLUMNS = ("round", "test_accuracy", "test_loss", "train_loss", "seconds", "elapsed_seconds",
            "clients", "dropped_clients", "attackers", "train_seconds", "worker_seconds", "aggregate_seconds",
            "eval_seconds", "epsilon", "clip", "client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10",
-           "simulated_seconds", "simulated_time", "unavailable", "stragglers", "bytes_down", "bytes_up", "cumulative_bytes")
+           "simulated_seconds", "simulated_time", "unavailable", "stragglers", "bytes_down", "bytes_up",
+           "cumulative_bytes")
 # columns of what a run may leave off (privacy, eval_per_client, the bytes of hogwild), and columns
 # that rows of an older version lack (a resumed run rewrites those rows): empty in metrics.csv, None
 # in a History
 OPTIONAL_COLUMNS = {"epsilon", "clip", "client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10",
-                    "simulated_seconds", "simulated_time", "unavailable", "stragglers", "bytes_down", "bytes_up", "cumulative_bytes"}
+                    "simulated_seconds", "simulated_time", "unavailable", "stragglers", "bytes_down", "bytes_up",
+                    "cumulative_bytes"}
 _INT_COLUMNS = {"round", "clients", "dropped_clients", "attackers", "unavailable", "stragglers", "bytes_down",
                 "bytes_up", "cumulative_bytes"}
 RUN_FILES = ("config.yaml", "metrics.csv", "clients.csv", "client_accuracy.csv", "summary.json", "accuracy.png",
