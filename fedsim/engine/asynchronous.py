@@ -24,8 +24,7 @@ import numpy as np
 import torch
 
 from ..asynchronous import make_method
-from ..components import describe
-from ..errors import FedsimError, NonFiniteError, user_code
+from ..errors import FedsimError, NonFiniteError
 from ..streams import async_start_generator
 from .loop import Engine, RoundResult
 from .records import ClientRecord
@@ -102,7 +101,7 @@ class AsyncEngine(Engine):
         self.message = len(state.model) * state.model.flat.element_size()  # the weights travel whole, float32
 
     def run_round(self, rnd: int) -> RoundResult:
-        cfg, s, t0, began = self.cfg, self.schedule, time.perf_counter(), self.schedule.clock
+        s, t0, began = self.schedule, time.perf_counter(), self.schedule.clock
         records, used, started, train_seconds, busy = [], [], 0, 0.0, 0.0
         total = None  # the sum of the weighted updates used
         while len(used) < self.method.updates_per_step:
@@ -134,9 +133,7 @@ class AsyncEngine(Engine):
         self._apply(rnd, self.method.step(total, len(used)))
         s.version += 1
         t_updated = time.perf_counter()
-        evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
-        with user_code(f"model {describe(cfg.model)} failed in the evaluation of round {rnd}"):
-            scores = self._evaluate(rnd, evaluated)
+        evaluated, scores = self.evaluate_round(rnd)
         samples = sum(r.samples for r in used)
         down, up = started * self.message, len(used) * self.message
         self.state.bytes_sent += down + up

@@ -83,7 +83,7 @@ class Engine:
         self.personal_model: FlatModel | None = None  # where eval_per_client loads each client's own model
 
     def run_round(self, rnd: int) -> RoundResult:
-        cfg, t0 = self.cfg, time.perf_counter()
+        t0 = time.perf_counter()
         # 1. the round's clients among the online ones: those whose work reaches the server are
         #    trained, partial stragglers for fewer steps
         plan = self.plan(rnd)
@@ -103,9 +103,7 @@ class Engine:
             self.strategy.update(rnd, round_)
         t_updated = time.perf_counter()
         # 5. evaluate (with eval_per_client, also on every client's test split)
-        evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
-        with user_code(f"model {describe(cfg.model)} failed in the evaluation of round {rnd}"):
-            scores = self._evaluate(rnd, evaluated)
+        evaluated, scores = self.evaluate_round(rnd)
         if self.state.simulated_time is not None:
             self.state.simulated_time += plan.simulated_seconds
         row = {"round": rnd, **scores, **self._train_metrics(round_, records),
@@ -163,6 +161,12 @@ class Engine:
             ix = b.client_samples(c)
             losses[c] = evaluate(self.state.model.module, b.train_x[ix], b.train_y[ix], cfg.eval_batch_size)[1]
         return losses
+
+    def evaluate_round(self, rnd: int) -> tuple[bool, dict]:
+        """Whether round ``rnd`` is evaluated (every eval_every-th and the last), and its scores."""
+        evaluated = rnd % self.cfg.eval_every == 0 or rnd == self.cfg.rounds
+        with user_code(f"model {describe(self.cfg.model)} failed in the evaluation of round {rnd}"):
+            return evaluated, self._evaluate(rnd, evaluated)
 
     def _evaluate(self, rnd: int, evaluated: bool) -> dict:
         cfg, module = self.cfg, self.state.model.module
