@@ -16,7 +16,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from .errors import ConfigError, did_you_mean
+from .errors import ConfigError, cut, did_you_mean
 
 FLOAT32 = torch.finfo(torch.float32)
 
@@ -37,10 +37,6 @@ def shown(value, limit: int = 60) -> str:
     """A value for an error message: its type and repr, cut short (it may be huge)."""
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= limit else text[:limit - 3] + '...'}"
-
-
-def cut(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class Checks:

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from .errors import FedsimError
 from .interrupts import Terminated, exiting, install_handlers
+from .yamlfile import experiment_file, read_yaml, shipped_experiments
 
 
 def cmd_run(args) -> int:
     """Run or resume; under torchrun, as one of several ranks (see distributed.py)."""
     from .processes import start_fork_server
 
-    start_fork_server()  # the workers' torch is imported in the fork server while this process imports its own
+    if _may_use_workers(args):
+        start_fork_server()  # the workers' torch is imported in the fork server while this process imports its own
     from .distributed import Ranks, launched
 
     ranks = Ranks.join() if launched() else Ranks()
@@ -32,11 +36,28 @@ def cmd_run(args) -> int:
         ranks.close(ending)
 
 
+def _may_use_workers(args) -> bool:
+    """False where the experiment file (or the run directory's config.yaml) with ``--set`` says
+    ``workers: 0``: such a run never forks a worker, and a fork server started for it would import
+    torch for nothing, on the core this process needs. A glance, not a validation (that comes
+    later, and a run that does use workers starts the fork server then)."""
+    for text in reversed(args.set or []):
+        key, _, value = text.partition("=")
+        if key.strip() == "workers":
+            return value.strip() != "0"
+    source = Path(args.resume) / "config.yaml" if args.resume else args.config and experiment_file(args.config)
+    try:
+        raw = read_yaml(source) if source else {}
+    except FedsimError:
+        return True
+    return not (isinstance(raw, dict) and raw.get("workers") == 0)
+
+
 def _run(args, ranks) -> int:
     from .callbacks import TensorBoard
     from .config import directory_name
     from .validation import load_config
-    from .errors import DataError, FedsimError
+    from .errors import DataError
     from .progress import write_or_silence
     from .execution import kill_all_pools
     from .rundir import RunDirectory
@@ -106,9 +127,6 @@ def _stopped_message(ranks, path) -> str | None:
 
 def _interrupted_message(path) -> str:
     """What an interrupted run left on disk, read from the disk itself."""
-    from pathlib import Path
-
-    from .errors import FedsimError
     from .results import load_run
 
     path = Path(path)
@@ -131,7 +149,6 @@ def _interrupted_message(path) -> str:
 
 def cmd_list(args) -> int:
     from .components import tables
-    from .yamlfile import shipped_experiments
 
     experiments = shipped_experiments()
     sections = {"experiments (fedsim run NAME)": list(experiments.items()),
@@ -150,7 +167,6 @@ def cmd_partition(args) -> int:
     from .config import locate
     from .validation import load_config
     from .data.report import write_report
-    from .errors import FedsimError
     from .rundir import check_output_path, safe_dir_name
 
     cfg = load_config(args.config, args.set)
@@ -181,7 +197,6 @@ def cmd_sweep(args) -> int:
     from .processes import start_fork_server
 
     start_fork_server()
-    from .errors import FedsimError
     from .execution import kill_all_pools
     from .sweep import prepare
 
@@ -315,8 +330,6 @@ def _add_sweep_parser(sub) -> None:
 
 
 def main(argv=None) -> None:
-    from .errors import FedsimError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -25,13 +25,12 @@ import torch
 
 from . import aggregation
 from .aggregation import AGGREGATORS
-from .checks import cut
 from .algorithms import ALGORITHMS, Algorithm
 from .asynchronous import ASYNC_METHODS
 from .attacks import ATTACKS
 from .compression import COMPRESSORS
 from .data import DATASETS, PARTITIONS, Dataset, check_dataset_spec
-from .errors import ConfigError, user_code
+from .errors import ConfigError, cut, user_code
 from .models import MODELS
 from .registry import is_import_path, load_attr, registered
 from .server_opt import SERVER_OPTIMIZERS

@@ -22,9 +22,9 @@ from typing import Any, Optional
 import yaml
 
 from .asynchronous import AsyncConfig
-from .checks import cut, shown
+from .checks import shown
 from .compression import CompressionConfig
-from .errors import ConfigError, FedsimError
+from .errors import ConfigError, FedsimError, cut
 from .system import SystemConfig
 from .yamlfile import RefusedYAML, parse_yaml
 

@@ -5,6 +5,11 @@ import errno
 from contextlib import contextmanager
 
 
+def cut(text: str, limit: int = 60) -> str:
+    """``text``, shortened to ``limit`` characters for a one-line message."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def did_you_mean(name, choices) -> str:
     """``" (did you mean 'median'?)"`` for a name close to one of ``choices``, else ``""``."""
     import difflib

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 
@@ -40,6 +41,23 @@ def install_handlers(kill_workers) -> None:
         signal.signal(signal.SIGTERM, at_once)
         raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
 
+    def swallowed(unraisable):
+        """Python cannot raise out of a finalizer or a weakref callback: it prints "Exception
+        ignored in ..." and goes on. A first signal handled there would be lost, and the run
+        would go on as if nothing came; it is sent again a moment later (from a timer thread:
+        sent from here, it would land here again), to be raised where it can be."""
+        if not isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated)):
+            default_hook(unraisable)
+        elif not _exiting:
+            signal.signal(signal.SIGINT, first)
+            signal.signal(signal.SIGTERM, first)
+            signum = signal.SIGINT if isinstance(unraisable.exc_value, KeyboardInterrupt) else signal.SIGTERM
+            resend = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+            resend.daemon = True
+            resend.start()
+
+    default_hook = sys.__unraisablehook__
+    sys.unraisablehook = swallowed
     signal.signal(signal.SIGINT, first)
     signal.signal(signal.SIGTERM, first)
     # the interpreter's shut-down runs no Python handler, and restores the default action (death

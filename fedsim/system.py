@@ -63,7 +63,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .checks import Checks, cut, is_number, shown
+from .checks import Checks, is_number, shown
+from .errors import cut
 from .sampling import check_sampling, choose, draw
 from .streams import AVAILABILITY, DROPOUT, ONLINE, SPEED, generator
 

@@ -11,10 +11,10 @@ import os
 import re
 
 from . import asynchronous, components, compression
-from .checks import Checks, cut, shown
+from .checks import Checks, shown
 from .config import MAX_CLIENTS, MAX_TIMEOUT, Config, DataConfig, apply_overrides, build, groups_per_round, where
 from .data import options_for
-from .errors import ConfigError
+from .errors import ConfigError, cut
 from .privacy import Privacy
 from .system import System, SystemConfig
 from .yamlfile import experiment_file, read_yaml

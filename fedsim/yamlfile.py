@@ -7,8 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from .checks import cut
-from .errors import ConfigError
+from .errors import ConfigError, cut
 
 MAX_FILE_BYTES = 1 << 20  # an experiment file is a few hundred bytes; anything near this is not one
 MAX_NODES = 10_000  # values in a document once its aliases are expanded

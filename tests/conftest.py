@@ -56,6 +56,18 @@ def learning_config(small_config):
     return {**small_config, "data": {**small_config["data"], "limit": 1600}}
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two test processes per two cores: torch's default of a thread per core in each would make
+    # them wait on each other (runs started as commands keep the default)
+    torch.set_num_threads(1)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (setup.cfg): one test process per core, at most 4. Many tests start a run of
+    their own with a server and two workers, so more would only queue for the cores and the memory."""
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 4))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -157,7 +157,7 @@ BASE = {
     "rounds": 3,
     "workers": 2,
     "clients_per_round": 4,
-    "data": {"dataset": "synthetic", "num_clients": 8},
+    "data": {"dataset": "synthetic", "num_clients": 8, "limit": 1600},  # learned in 3 rounds, as learning_config
     "local": {"lr": 0.05, "momentum": 0.9, "batch_size": 32},
 }
 

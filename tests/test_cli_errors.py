@@ -18,7 +18,7 @@ GOOD = {
     "rounds": 1,
     "workers": 0,
     "clients_per_round": 2,
-    "data": {"dataset": "synthetic", "num_clients": 4},
+    "data": {"dataset": "synthetic", "num_clients": 4, "limit": 1200},
 }
 
 

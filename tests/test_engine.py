@@ -45,10 +45,10 @@ def test_run_learns_writes_files_and_leaves_nothing_behind(learning_config, tmp_
 
 def test_metrics_do_not_depend_on_the_number_of_workers(small_config, tmp_path):
     # 4 clients per round: one worker trains all four in turn, two workers two each, and with
-    # workers: 0 the server trains them itself
-    one = fedsim.run(small_config, out=tmp_path / "w1", quiet=True, workers=1)
-    two = fedsim.run(small_config, out=tmp_path / "w2", quiet=True, workers=2)
-    none = fedsim.run(small_config, out=tmp_path / "w0", quiet=True, workers=0)
+    # workers: 0 the server trains them itself; the second round starts from the first's aggregate
+    one = fedsim.run(small_config, out=tmp_path / "w1", quiet=True, workers=1, rounds=2)
+    two = fedsim.run(small_config, out=tmp_path / "w2", quiet=True, workers=2, rounds=2)
+    none = fedsim.run(small_config, out=tmp_path / "w0", quiet=True, workers=0, rounds=2)
     for column in ("test_accuracy", "test_loss", "train_loss"):
         assert getattr(one, column) == getattr(two, column) == getattr(none, column), column  # bit-identical on CPU
     assert none.summary["workers"] == 0 and child_pids() == []

@@ -36,7 +36,7 @@ BASE = {
     "rounds": 2,
     "workers": 0,
     "clients_per_round": 2,
-    "data": {"dataset": "synthetic", "num_clients": 4},
+    "data": {"dataset": "synthetic", "num_clients": 4, "limit": 1200},
     "local": {"lr": 0.05, "batch_size": 64},
 }
 
@@ -389,7 +389,8 @@ def test_a_sweep_refuses_two_spellings_of_one_value(tmp_path, capsys):
 
 
 def test_an_error_found_after_loading_names_where_the_value_came_from(tmp_path, capsys):
-    code, err = cli(capsys, "partition", write_config(tmp_path), "--set", "data.num_clients=7000",
+    whole = write_config(tmp_path, data={"dataset": "synthetic", "num_clients": 4})  # 6,000 samples
+    code, err = cli(capsys, "partition", whole, "--set", "data.num_clients=7000",
                     "--out", tmp_path / "part")
     assert code == 2 and err.strip() == "fedsim: error: --set data.num_clients: 7000 clients but only 6000 samples"
 
@@ -502,9 +503,9 @@ def test_an_interrupt_held_through_the_last_rounds_files_finds_the_run_finished(
 @pytest.mark.slow
 def test_a_run_directory_in_use_is_refused(tmp_path, finished):
     copy_of(finished, tmp_path)
-    first = start(["run", "--resume", str(tmp_path / "run"), "--set", "rounds=200"], uuid.uuid4().hex)
+    first = start(["run", "--resume", str(tmp_path / "run"), "--set", "rounds=2000"], uuid.uuid4().hex)
     wait_for_round(first, 2)
-    for args in (["run", "--resume", str(tmp_path / "run"), "--set", "rounds=300"],
+    for args in (["run", "--resume", str(tmp_path / "run"), "--set", "rounds=3000"],
                  ["run", str(write_config(tmp_path)), "--out", str(tmp_path / "run"), "--overwrite"]):
         code, _, err, _, _ = run_cli(args)
         assert code == 1

@@ -15,7 +15,7 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-SMALL = {"ROUNDS": 2, "SEEDS": [0, 1], "DATA_LIMIT": 2000, "NUM_CLIENTS": 8, "CLIENTS_PER_ROUND": 4, "LOCAL_EPOCHS": 1, "DEVICE": "cpu", "WORKERS": 0}
+SMALL = {"ROUNDS": 2, "SEEDS": [0, 1], "DATA_LIMIT": 800, "NUM_CLIENTS": 8, "CLIENTS_PER_ROUND": 4, "LOCAL_EPOCHS": 1, "DEVICE": "cpu", "WORKERS": 0}
 
 
 def with_parameters(nb, values: dict):

@@ -9,6 +9,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import uuid
 
@@ -109,6 +111,36 @@ def test_a_second_ctrl_c_exits_at_once(tmp_path):
     assert proc.returncode == 130
     time.sleep(0.5)
     assert tagged_processes(tag) == []
+
+
+SIGNALLED_IN_A_FINALIZER = """
+import os, signal, time
+from fedsim.interrupts import install_handlers
+
+class SignalledWhileCollected:
+    def __del__(self):
+        os.kill(os.getpid(), {signum})
+        for _ in range(100_000):  # the handler runs here, where Python cannot raise
+            pass
+
+install_handlers(lambda: None)
+try:
+    SignalledWhileCollected()
+    time.sleep(10)
+    print("went on")
+except BaseException as e:  # KeyboardInterrupt, or fedsim.interrupts.Terminated
+    print(type(e).__name__)
+"""
+
+
+@pytest.mark.parametrize("signum, raised", [(signal.SIGINT, "KeyboardInterrupt"), (signal.SIGTERM, "Terminated")])
+def test_a_signal_handled_inside_a_finalizer_still_stops_the_command(tmp_path, signum, raised):
+    """Python swallows an exception raised in a finalizer (``Exception ignored in ...``); the run
+    must still stop, and say nothing of it."""
+    script = tmp_path / "finalizer.py"
+    script.write_text(SIGNALLED_IN_A_FINALIZER.format(signum=int(signum)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
+    assert (done.stdout.strip(), done.stderr) == (raised, "")
 
 
 # ----------------------------------------------------------------------------- resume
