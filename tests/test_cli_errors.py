@@ -301,3 +301,27 @@ def test_a_rank_that_cannot_join_is_one_line_at_once_or_within_the_bound(tmp_pat
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment.format(port=port) in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_without_workers_starts_no_fork_server(tmp_path):
+    """The fork server imports torch for the workers; a run that will have none (its file, its run
+    directory's config.yaml or --set says workers: 0) does not start it, and anything unclear does."""
+    from argparse import Namespace
+
+    from fedsim.cli import _may_use_workers
+
+    (tmp_path / "none.yaml").write_text(yaml.safe_dump(GOOD))
+    (tmp_path / "two.yaml").write_text(yaml.safe_dump({**GOOD, "workers": 2}))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(GOOD))
+
+    def may(config=None, resume=None, *sets):
+        return _may_use_workers(Namespace(config=config, resume=resume, set=list(sets)))
+
+    assert not may(str(tmp_path / "none.yaml"))
+    assert not may(None, str(tmp_path / "run"))
+    assert not may(str(tmp_path / "two.yaml"), None, "workers=2", "workers=0")  # the last --set wins
+    assert may(str(tmp_path / "none.yaml"), None, "workers=2")
+    assert may(str(tmp_path / "two.yaml"))
+    assert may("mnist_seed")  # a shipped experiment, by name: 4 workers
+    assert may(str(tmp_path / "missing.yaml"))  # the run's own loading says what is wrong
