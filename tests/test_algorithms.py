@@ -58,8 +58,9 @@ def start_client(algorithm, num_params, *, server=None, state=None, client=0, rn
 
 @pytest.mark.slow
 def test_fedprox_with_mu_zero_is_exactly_fedavg(small_config, tmp_path):
-    fedavg = fedsim.run(dict(small_config, algorithm="fedavg"), out=tmp_path / "fedavg", quiet=True)
-    prox_cfg = dict(small_config, algorithm="fedprox", algorithm_options={"mu": 0.0})
+    # two rounds: the second starts from the first's aggregate
+    fedavg = fedsim.run(dict(small_config, algorithm="fedavg", rounds=2), out=tmp_path / "fedavg", quiet=True)
+    prox_cfg = dict(small_config, algorithm="fedprox", algorithm_options={"mu": 0.0}, rounds=2)
     fedprox = fedsim.run(prox_cfg, out=tmp_path / "fedprox", quiet=True)
     for column in ("test_accuracy", "test_loss", "train_loss"):
         assert getattr(fedavg, column) == getattr(fedprox, column), column
