@@ -37,6 +37,7 @@ from .errors import FedsimError
 from .interrupts import Terminated
 
 RENDEZVOUS_SECONDS = 600.0  # as torchrun's own rendezvous waits for its nodes (join_timeout)
+LOST_PEER_GRACE_SECONDS = 3.0  # see Ranks.lost: only a failing job ever waits it
 
 
 class RankStopped(FedsimError):
@@ -283,16 +284,24 @@ class Ranks:
         host, pid = self.identities[0]
         return self.is_root or host != socket.gethostname() or _alive(pid)
 
-    def lost(self) -> list[int]:
+    def lost(self, grace: float = 0.0) -> list[int]:
         """The other ranks on this machine that are gone without saying how they ended: they died
-        (ranks on other machines cannot be looked at from here)."""
-        here, ended = socket.gethostname(), self.ended()
-        return [rank for rank, (host, pid) in enumerate(getattr(self, "identities", ()))
-                if rank != self.rank and rank not in ended and host == here and not _alive(pid)]
+        (ranks on other machines cannot be looked at from here). A killed process closes its
+        sockets a moment before it is gone from the process table, and on a busy machine that
+        moment can outlast the peer's reaction to the closed socket: wait up to ``grace`` seconds
+        for one to be gone."""
+        deadline = time.monotonic() + grace
+        while True:
+            here, ended = socket.gethostname(), self.ended()
+            lost = [rank for rank, (host, pid) in enumerate(getattr(self, "identities", ()))
+                    if rank != self.rank and rank not in ended and host == here and not _alive(pid)]
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.05)
 
     def _gone(self, what: str, error: Exception) -> str:
         cause = str(error).split("]")[-1].strip().split(". ")[0] or type(error).__name__
-        lost = self.lost()
+        lost = self.lost(grace=LOST_PEER_GRACE_SECONDS)
         if lost:
             return f"{ranks_named(lost)} died ({what} failed: {cause})"
         here = socket.gethostname()

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -118,6 +119,30 @@ def test_a_killed_rank_ends_the_job_naming_it(tmp_path, victim):
     ours = [line for line in err.splitlines() if line.startswith("fedsim:")]
     assert len(ours) == 1 and f"rank {victim} died" in ours[0], err
     assert _all_gone(tag)  # the agent reaps what it started
+
+
+def test_a_peer_still_exiting_when_its_socket_closes_is_named():
+    """A killed rank's sockets close a moment before it leaves the process table; on a busy
+    machine its peer can read the process table inside that moment. The peer waits a little."""
+    import torch.distributed as dist
+
+    from fedsim.distributed import Ranks
+
+    dying = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    try:
+        ranks = Ranks()
+        ranks.rank, ranks.world, ranks.agent_store, ranks.store = 1, 2, True, dist.HashStore()
+        ranks.identities = [(socket.gethostname(), dying.pid), (socket.gethostname(), os.getpid())]
+        assert ranks.lost() == []  # still running
+        t0 = time.monotonic()
+        assert ranks.lost(grace=30) == [0]
+        assert dying.poll() is not None and time.monotonic() - t0 < 10
+        ranks.identities[0] = (socket.gethostname(), os.getppid())
+        t0 = time.monotonic()
+        assert ranks.lost(grace=0.3) == [] and time.monotonic() - t0 >= 0.3  # a live peer: the wait is bounded
+    finally:
+        dying.kill()
+        dying.wait()
 
 
 def _ranks(tag: str) -> dict[int, int]:
