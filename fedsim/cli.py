@@ -37,15 +37,21 @@ def cmd_run(args) -> int:
 
 
 def _may_use_workers(args) -> bool:
-    """False where the experiment file (or the run directory's config.yaml) with ``--set`` says
-    ``workers: 0``: such a run never forks a worker, and a fork server started for it would import
-    torch for nothing, on the core this process needs. A glance, not a validation (that comes
-    later, and a run that does use workers starts the fork server then)."""
+    """False where the experiment file (or the run directory's config.yaml) with ``--set``, and a
+    sweep's ``--grid``, say ``workers: 0`` for every run: such runs never fork a worker, and a fork
+    server started for them would import torch for nothing, on the core this process needs. A
+    glance, not a validation (that comes later, and a run that does use workers starts the fork
+    server then)."""
+    for text in getattr(args, "grid", None) or []:
+        key, _, values = text.partition("=")
+        if key.strip() == "workers":
+            return any(value.strip() != "0" for value in values.split(","))
     for text in reversed(args.set or []):
         key, _, value = text.partition("=")
         if key.strip() == "workers":
             return value.strip() != "0"
-    source = Path(args.resume) / "config.yaml" if args.resume else args.config and experiment_file(args.config)
+    resume = getattr(args, "resume", None)
+    source = Path(resume) / "config.yaml" if resume else args.config and experiment_file(args.config)
     try:
         raw = read_yaml(source) if source else {}
     except FedsimError:
@@ -196,7 +202,8 @@ def cmd_plot(args) -> int:
 def cmd_sweep(args) -> int:
     from .processes import start_fork_server
 
-    start_fork_server()
+    if _may_use_workers(args):
+        start_fork_server()
     from .execution import kill_all_pools
     from .sweep import prepare
 

@@ -304,8 +304,9 @@ def test_a_rank_that_cannot_join_is_one_line_at_once_or_within_the_bound(tmp_pat
 
 
 def test_a_run_without_workers_starts_no_fork_server(tmp_path):
-    """The fork server imports torch for the workers; a run that will have none (its file, its run
-    directory's config.yaml or --set says workers: 0) does not start it, and anything unclear does."""
+    """The fork server imports torch for the workers; a run or sweep that will have none (its file,
+    its run directory's config.yaml, --set or --grid says workers: 0) does not start it, and
+    anything unclear does."""
     from argparse import Namespace
 
     from fedsim.cli import _may_use_workers
@@ -325,3 +326,11 @@ def test_a_run_without_workers_starts_no_fork_server(tmp_path):
     assert may(str(tmp_path / "two.yaml"))
     assert may("mnist_seed")  # a shipped experiment, by name: 4 workers
     assert may(str(tmp_path / "missing.yaml"))  # the run's own loading says what is wrong
+
+    def sweep_may(config, grid, *sets):  # a sweep's grid point comes after its --set
+        return _may_use_workers(Namespace(config=config, grid=grid, set=list(sets)))
+
+    assert not sweep_may(str(tmp_path / "none.yaml"), ["aggregator=fedavg,median"])
+    assert not sweep_may(str(tmp_path / "two.yaml"), ["workers=0"], "workers=2")
+    assert sweep_may(str(tmp_path / "none.yaml"), ["workers=0,2"])
+    assert sweep_may(str(tmp_path / "two.yaml"), ["seed=0,1"])
