@@ -297,7 +297,7 @@ def test_a_rank_that_cannot_join_is_one_line_at_once_or_within_the_bound(tmp_pat
     t0 = time.monotonic()
     with pytest.raises(SystemExit) as exit_info:
         main(["run", str(path), "--out", str(tmp_path / "run")])
-    assert exit_info.value.code == 2 and time.monotonic() - t0 < 0.9
+    assert exit_info.value.code == 2 and time.monotonic() - t0 < 5  # the 0.3 s bound, not the default 600 s
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment.format(port=port) in err, err
     assert not (tmp_path / "run").exists()
