@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .errors import FedsimError
 from .interrupts import Terminated, exiting, install_handlers
+from .rundir import refuse_if_in_use
 from .yamlfile import experiment_file, read_yaml, shipped_experiments
 
 
@@ -19,6 +20,8 @@ def cmd_run(args) -> int:
     """Run or resume; under torchrun, as one of several ranks (see distributed.py)."""
     from .processes import start_fork_server
 
+    if args.resume or args.out:
+        refuse_if_in_use(args.resume or args.out)
     if _may_use_workers(args):
         start_fork_server()  # the workers' torch is imported in the fork server while this process imports its own
     from .distributed import Ranks, launched

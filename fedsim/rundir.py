@@ -96,16 +96,7 @@ class RunDirectory:
 
     def lock(self) -> None:
         """Hold an exclusive lock on the directory until ``unlock`` (or this process ends)."""
-        import fcntl
-
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise RunInUseError(f"{self.path}: another fedsim process is running in this directory; "
-                                f"wait for it to finish (or stop it) first") from None
-        self._lock = fd
+        self._lock = _lock(self.path, exclusive=True)
 
     def unlock(self) -> None:
         if self._lock is not None:
@@ -189,6 +180,31 @@ class RunInUseError(FedsimError):
     """Another process holds the run directory's lock."""
 
     exit_code = 1
+
+
+def refuse_if_in_use(path: str | os.PathLike) -> None:
+    """Refuse a directory that another fedsim process holds at once, before torch and the workers
+    are started; the run takes its own lock later. The glance takes a shared lock, so that the
+    ranks of one job, which all glance before they meet and so before rank 0 locks, never refuse
+    each other."""
+    try:
+        os.close(_lock(Path(path), exclusive=False))
+    except OSError:
+        pass  # no such directory (yet), or not one: the run itself says what is wrong
+
+
+def _lock(path: Path, exclusive: bool) -> int:
+    """A descriptor of ``path`` holding its lock; RunInUseError where another process holds it."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunInUseError(f"{path}: another fedsim process is running in this directory; "
+                            f"wait for it to finish (or stop it) first") from None
+    return fd
 
 
 def write_atomically(path: Path, write, advice: str = "choose another place with --out") -> None:

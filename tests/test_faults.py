@@ -516,6 +516,31 @@ def test_a_run_directory_in_use_is_refused(tmp_path, finished):
     assert rounds == list(range(1, len(rounds) + 1))  # one run's rows, in order
 
 
+def test_a_directory_in_use_is_refused_before_torch_is_imported(tmp_path):
+    """The refusal needs only the directory's lock: it comes at once, before torch is imported
+    (seconds), for a resume and for a new run into the same --out."""
+    held = RunDirectory(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    held.lock()  # a lock of this process's own: the command in another process is refused
+    script = textwrap.dedent("""
+        import sys
+        from fedsim.cli import main
+        try:
+            main(sys.argv[1:])
+        except SystemExit as e:
+            print(e.code, "torch" in sys.modules)
+    """)
+    try:
+        for args in (["run", "--resume", str(tmp_path / "run")],
+                     ["run", str(write_config(tmp_path)), "--out", str(tmp_path / "run"), "--overwrite"]):
+            done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60)
+            assert done.stdout.split() == ["1", "False"], done.stdout + done.stderr
+            assert_one_line_error(done.stderr, f"{tmp_path / 'run'}: another fedsim process is running in this "
+                                               f"directory")
+    finally:
+        held.unlock()
+
+
 def _fork_server_of(pid: int) -> list[int]:
     """The fork server that ``pid`` started (it imports torch for the workers; see processes.py)."""
     found = []
