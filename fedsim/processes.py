@@ -7,11 +7,11 @@ every worker is a fork of it, ready in milliseconds. It is as safe with CUDA as 
 fork server imports torch but never initializes CUDA, so each worker creates its own CUDA
 context, as a spawned one does, and the server process's own CUDA state is never copied.
 
-``fedsim run`` starts the fork server first thing (unless its file or ``--set`` says ``workers:
-0``), so that it imports torch while the command imports torch itself and loads the data;
-``fedsim.run`` starts it before loading the data, for a run with workers. It
-lives as long as the process that started it: a restarted pool and the runs of a sweep fork
-from it at once. Its environment is the one it started with (CUDA_VISIBLE_DEVICES, say), and
+``fedsim run`` and ``fedsim sweep`` start the fork server first thing (unless the file, ``--set``
+or ``--grid`` says ``workers: 0``), so that it imports torch while the command imports torch
+itself and loads the data; ``fedsim.run`` starts it before loading the data, for a run with
+workers. It lives as long as the process that started it: a restarted pool and the runs of a
+sweep fork from it at once. Its environment is the one it started with (CUDA_VISIBLE_DEVICES, say), and
 so is every worker's.
 
 A worker, like a spawned one, imports the script that started the run, so that the functions

@@ -183,7 +183,7 @@ class RunInUseError(FedsimError):
 
 
 def refuse_if_in_use(path: str | os.PathLike) -> None:
-    """Refuse a directory that another fedsim process holds at once, before torch and the workers
+    """Refuse at once a directory that another fedsim process holds, before torch and the workers
     are started; the run takes its own lock later. The glance takes a shared lock, so that the
     ranks of one job, which all glance before they meet and so before rank 0 locks, never refuse
     each other."""
