@@ -293,9 +293,10 @@ class Ranks:
         deadline = time.monotonic() + grace
         while True:
             here, ended = socket.gethostname(), self.ended()
-            lost = [rank for rank, (host, pid) in enumerate(getattr(self, "identities", ()))
-                    if rank != self.rank and rank not in ended and host == here and not _alive(pid)]
-            if lost or time.monotonic() >= deadline:
+            peers = [(rank, pid) for rank, (host, pid) in enumerate(getattr(self, "identities", ()))
+                     if rank != self.rank and rank not in ended and host == here]
+            lost = [rank for rank, pid in peers if not _alive(pid)]
+            if lost or not peers or time.monotonic() >= deadline:
                 return lost
             time.sleep(0.05)
 
