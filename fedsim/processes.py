@@ -11,8 +11,8 @@ context, as a spawned one does, and the server process's own CUDA state is never
 or ``--grid`` says ``workers: 0``), so that it imports torch while the command imports torch
 itself and loads the data; ``fedsim.run`` starts it before loading the data, for a run with
 workers. It lives as long as the process that started it: a restarted pool and the runs of a
-sweep fork from it at once. Its environment is the one it started with (CUDA_VISIBLE_DEVICES, say), and
-so is every worker's.
+sweep fork from it at once. Its environment is the one it started with (CUDA_VISIBLE_DEVICES,
+say), and so is every worker's.
 
 A worker, like a spawned one, imports the script that started the run, so that the functions
 and classes the script defines exist there too; a script that calls ``fedsim.run`` outside an
