@@ -36,7 +36,7 @@ def is_integer(value) -> bool:
 def shown(value, limit: int = 60) -> str:
     """A value for an error message: its type and repr, cut short (it may be huge)."""
     text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= limit else text[:limit - 3] + '...'}"
+    return f"{type(value).__name__} {cut(text, limit)}"
 
 
 class Checks:

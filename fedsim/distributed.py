@@ -290,9 +290,9 @@ class Ranks:
         sockets a moment before it is gone from the process table, and on a busy machine that
         moment can outlast the peer's reaction to the closed socket: wait up to ``grace`` seconds
         for one to be gone."""
-        deadline = time.monotonic() + grace
+        deadline, here = time.monotonic() + grace, socket.gethostname()
         while True:
-            here, ended = socket.gethostname(), self.ended()
+            ended = self.ended()  # read again each time: a peer may say how it ended meanwhile
             peers = [(rank, pid) for rank, (host, pid) in enumerate(getattr(self, "identities", ()))
                      if rank != self.rank and rank not in ended and host == here]
             lost = [rank for rank, pid in peers if not _alive(pid)]

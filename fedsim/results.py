@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from statistics import fmean, stdev
 
-from .errors import ConfigError, FedsimError
+from .errors import ConfigError, FedsimError, cut
 from .rundir import COLUMNS, read_client_accuracy, read_clients, read_mapping, read_metrics
 from .yamlfile import parse_yaml
 
@@ -201,16 +201,12 @@ def describe_run(config: dict, overrides: dict | None = None) -> str:
     text = (f"{data.get('dataset')} ({data.get('partition')}, {data.get('num_clients')} clients), "
             f"model {config.get('model')}, {server}, algorithm {config.get('algorithm')}")
     if overrides:
-        text += "; with " + _cut(", ".join(f"{key}={_plain(value)}" for key, value in overrides.items()), 120)
+        text += "; with " + cut(", ".join(f"{key}={_plain(value)}" for key, value in overrides.items()), 120)
     return text
 
 
 def _plain(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def flatten_config(config: dict, prefix: str = ""):

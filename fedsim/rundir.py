@@ -24,7 +24,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from .errors import FedsimError, write_error
+from .errors import FedsimError, cut, write_error
 
 COLUMNS = ("round", "test_accuracy", "test_loss", "train_loss", "seconds", "elapsed_seconds",
            "clients", "dropped_clients", "attackers", "train_seconds", "worker_seconds", "aggregate_seconds",
@@ -255,7 +255,7 @@ def read_mapping(path: Path, parse) -> dict:
     try:
         value = parse(path.read_text())
     except (OSError, ValueError) as e:  # json's and yaml's errors are ValueErrors (see results._yaml_mapping)
-        raise FedsimError(f"{path}: cannot read ({_cut(str(e).splitlines()[0])})") from None
+        raise FedsimError(f"{path}: cannot read ({cut(str(e).splitlines()[0], 80)})") from None
     if not isinstance(value, dict):
         raise FedsimError(f"{path}: cannot read (expected a mapping, got {type(value).__name__})")
     return value
@@ -348,13 +348,9 @@ def check_output_path(path: Path, flag: str = "--out") -> None:
     existing file where a directory has to be. Creates nothing."""
     for part in path.parts:
         if len(part.encode()) > 255:
-            raise FedsimError(f"{flag} {_cut(str(path))}: a name in it is longer than 255 bytes")
+            raise FedsimError(f"{flag} {cut(str(path), 80)}: a name in it is longer than 255 bytes")
     parent = path
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if parent.exists() and not parent.is_dir():
         raise FedsimError(f"{flag} {path}: {parent} is a file, not a directory")
-
-
-def _cut(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
