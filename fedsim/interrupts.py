@@ -93,15 +93,38 @@ def shielded():
             _deliver(signum, previous[signum])
         held.append(signum)
 
-    for signum in previous:
-        signal.signal(signum, hold)
     try:
+        for signum in previous:  # inside the try: a signal between the two still restores both
+            signal.signal(signum, hold)
         yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if held:
             _deliver(held[0], previous[held[0]])
+
+
+def then_shielded(body, end) -> None:
+    """``body()``, then ``end(ended_by)`` with signals held, whatever happens (``ended_by``: the
+    exception that ended the body, or None). A first signal can land in the instant between the
+    two, before the signals are held: ``end`` still runs, and that signal is raised once it has."""
+    began = False
+
+    def shielded_end(ended_by):
+        nonlocal began
+        with shielded():
+            began = True
+            end(ended_by)
+
+    try:
+        try:
+            body()
+        finally:
+            shielded_end(sys.exc_info()[1])
+    except (KeyboardInterrupt, Terminated) as stop:
+        if not began:
+            shielded_end(stop.__context__ or stop)  # what ended the body, if the signal came as it ended
+        raise
 
 
 def _deliver(signum: int, handler) -> None:

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 
@@ -36,7 +35,7 @@ from .execution.resources import peak_rss_bytes
 from .execution.runner import ClientRunner
 from .federation import initial_model, load_federation
 from .flat import FlatModel
-from .interrupts import Terminated, shielded
+from .interrupts import Terminated, shielded, then_shielded
 from .privacy import Privacy
 from .progress import RoundLog, console_logging
 from .results import History, describe_run, flatten_config
@@ -190,12 +189,10 @@ class Session:
         self.t_start = time.perf_counter()
         torch.multiprocessing.set_sharing_strategy(cfg.sharing_strategy)
         self.device = resolve_device(rank_device(cfg.device) if self.ranks.world > 1 else cfg.device)
-        if cfg.mode == "async" and self.ranks.world > 1:
-            raise ConfigError("mode: async plays one simulated clock in one process; run it as a single process, "
-                              "without torchrun")
-        if cfg.mode == "hogwild" and self.ranks.world > 1:
-            raise ConfigError("mode: hogwild shares one model in one machine's memory; run it as a single "
-                              "process, without torchrun")
+        one_process = {"async": "plays one simulated clock in one process",
+                       "hogwild": "shares one model in one machine's memory"}.get(cfg.mode)
+        if one_process and self.ranks.world > 1:
+            raise ConfigError(f"mode: {cfg.mode} {one_process}; run it as a single process, without torchrun")
         self.ranks.use_device(self.device)
         self.workers = resolve_workers(cfg, self.device)
         runner = HogwildRunner if cfg.mode == "hogwild" else ClientRunner
@@ -270,11 +267,17 @@ class Session:
     def run(self, run_dir) -> History:
         """The rounds. On ranks other than 0 (see distributed.py) ``run_dir`` is None: they train
         their share of every round and take the new global state from rank 0."""
-        cfg, self.run_dir, root = self.cfg, run_dir, self.ranks.is_root
+        self.run_dir, root = run_dir, self.ranks.is_root
         self.callbacks = [MetricsFile(run_dir), ClientsFile(run_dir.path / "clients.csv"),
                           *([ClientAccuracyFile(run_dir.path / "client_accuracy.csv", self.client_eval)]
                             if self.client_eval else []),
                           *self.user_callbacks] if root else []
+        then_shielded(self._play, lambda ended_by: self._finish(self.status, ended_by))
+        return self.history()
+
+    def _play(self) -> None:
+        """The start and the rounds; whatever ends them, ``_finish`` comes next."""
+        cfg, root, run_dir = self.cfg, self.ranks.is_root, self.run_dir
         try:
             with console_logging(self.log):
                 if root:
@@ -293,9 +296,6 @@ class Session:
             if isinstance(e, (RuntimeError, OSError)) and not isinstance(e, FedsimError):
                 raise explain_resource_error(e) or e
             raise
-        finally:
-            self._finish(self.status, ended_by=sys.exc_info()[1])
-        return self.history()
 
     def _before_start(self) -> None:
         # the plot at the end needs matplotlib (most of a second to import): import it while the
@@ -360,33 +360,32 @@ class Session:
                 method(*args)
 
     def _finish(self, status: str, ended_by: BaseException | None) -> None:
-        """Stop the workers, write the summary and plot, tell the callbacks; whatever happens."""
-        with shielded():
-            self.worker_peak_memory_mb = [round(b / 2**20, 1) for b in self.executor.peak_memory]
-            if self.ranks.world > 1:
-                memory = {"rank": self.ranks.rank, "host": socket.gethostname(), "device": str(self.device),
-                          "server_peak_memory_mb": peak_memory_mb(self.device),
-                          "worker_peak_memory_mb": self.worker_peak_memory_mb}
-                early = status != "finished" and not isinstance(ended_by, RankStopped)
-                # a signal stops each rank wherever it is, not at the same collective: none is started
-                in_step = not isinstance(ended_by, (KeyboardInterrupt, Terminated))
-                self.executor.close(stopped_early=early, memory=memory, in_step=in_step)
-            else:
-                self.executor.close()
-            if not self.ranks.is_root:
-                self.log.close()
-                return
-            try:
-                self._write_summary(status, ended_by)
-                self._notify("on_run_end", self.history())
-            except FedsimError as e:
-                if status == "finished":
-                    raise
-                if not isinstance(ended_by, OutputError):  # a failing disk is said once
-                    logger.warning(f"could not finish the run's files: {e}")  # never mask what ended the run
-            finally:
-                self.run_dir.unlock()
-                self.log.close()  # an error or interrupt message starts on a line of its own
+        """Stop the workers, write the summary and plot, tell the callbacks; called with signals held."""
+        self.worker_peak_memory_mb = [round(b / 2**20, 1) for b in self.executor.peak_memory]
+        if self.ranks.world > 1:
+            memory = {"rank": self.ranks.rank, "host": socket.gethostname(), "device": str(self.device),
+                      "server_peak_memory_mb": peak_memory_mb(self.device),
+                      "worker_peak_memory_mb": self.worker_peak_memory_mb}
+            early = status != "finished" and not isinstance(ended_by, RankStopped)
+            # a signal stops each rank wherever it is, not at the same collective: none is started
+            in_step = not isinstance(ended_by, (KeyboardInterrupt, Terminated))
+            self.executor.close(stopped_early=early, memory=memory, in_step=in_step)
+        else:
+            self.executor.close()
+        if not self.ranks.is_root:
+            self.log.close()
+            return
+        try:
+            self._write_summary(status, ended_by)
+            self._notify("on_run_end", self.history())
+        except FedsimError as e:
+            if status == "finished":
+                raise
+            if not isinstance(ended_by, OutputError):  # a failing disk is said once
+                logger.warning(f"could not finish the run's files: {e}")  # never mask what ended the run
+        finally:
+            self.run_dir.unlock()
+            self.log.close()  # an error or interrupt message starts on a line of its own
 
     def _write_summary(self, status: str, ended_by: BaseException | None) -> None:
         accuracies = [r["test_accuracy"] for r in self.rows]

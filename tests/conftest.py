@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,15 @@ def kill_leftovers():
             proc.wait()
         for pid in tagged_processes(tag):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(autouse=True)
+def own_signal_handlers():
+    """A command run in-process (``main([...])``) installs its own Ctrl-C and SIGTERM handlers: a
+    later test that sends itself a signal must meet the interpreter's, not a finished command's."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    hook = sys.unraisablehook
+    yield
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    sys.unraisablehook = hook

@@ -500,6 +500,29 @@ def test_an_interrupt_held_through_the_last_rounds_files_finds_the_run_finished(
     assert summary["status"] == "finished" and summary["rounds"] == 2
 
 
+def test_an_interrupt_just_after_the_last_round_finds_the_run_finished(tmp_path, monkeypatch):
+    # the signal lands after the last round's files, before the end's files begin to hold signals:
+    # the end's files are still written, and the interrupt still stops the caller
+    from fedsim import interrupts
+
+    hold, sent = interrupts.shielded, []
+
+    def too_late():
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # raised at the next call, before any handler is changed
+        return hold()
+
+    monkeypatch.setattr(interrupts, "shielded", too_late)
+    tiny = {"name": "tiny", "seed": 1, "device": "cpu", "rounds": 2, "workers": 0, "clients_per_round": 2,
+            "data": {"dataset": "synthetic", "num_clients": 2, "limit": 200}}
+    with pytest.raises(KeyboardInterrupt):
+        fedsim.run(tiny, out=tmp_path / "run", quiet=True)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert sent and summary["status"] == "finished" and summary["rounds"] == 2
+    assert (tmp_path / "run" / "accuracy.png").is_file() and leftovers(tmp_path / "run") == []
+
+
 @pytest.mark.slow
 def test_a_run_directory_in_use_is_refused(tmp_path, finished):
     copy_of(finished, tmp_path)
