@@ -75,6 +75,41 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def shm_left_behind(before: set[str], wait: float = 5.0) -> set[str]:
+    """The /dev/shm entries made since ``before`` that only this process, or no process, has
+    mapped: what a finished run left behind. Under pytest-xdist another test process's live run
+    has entries of its own, mapped by its processes (a named semaphore is mapped as long as its
+    name exists); a killed process's are unlinked by its resource tracker a moment later."""
+    deadline = time.monotonic() + wait
+    while True:
+        mapped = _shm_inodes_mapped_by_others()
+        left = {name for name in shm_entries() - before if _inode(f"/dev/shm/{name}") not in mapped}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def _inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:  # gone meanwhile
+        return None
+
+
+def _shm_inodes_mapped_by_others() -> set[int]:
+    """By inode, not name: a named semaphore is mapped under the temporary name it was made as."""
+    inodes = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        if maps.parent.name == str(os.getpid()):
+            continue
+        try:
+            text = maps.read_text()
+        except OSError:  # gone, or not ours to read
+            continue
+        inodes.update(int(inode) for inode in re.findall(r"^\S+ \S+ \S+ \S+ (\d+) +/dev/shm/", text, re.M))
+    return inodes
+
+
 # ----------------------------------------------------------------------------- the real command
 
 

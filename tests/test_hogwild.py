@@ -19,8 +19,8 @@ from fedsim.errors import ConfigError
 from fedsim.federation import initial_model, load_federation
 from fedsim.streams import client_seed
 
-from support import (assert_one_line_error, child_pids, shm_entries, start, tagged_processes, wait_for_round,
-                     worker_pids)
+from support import (assert_one_line_error, child_pids, shm_entries, shm_left_behind, start, tagged_processes,
+                     wait_for_round, worker_pids)
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_hogwild_learns_writes_the_results_and_leaves_nothing_behind(hogwild, tm
         or hogwild["data"]["dataset"] == "synthetic"
 
     assert child_pids() == []
-    assert shm_entries() <= shm_before
+    assert shm_left_behind(shm_before) == set()
 
 
 def sequential_sgd(cfg, rounds: int) -> torch.Tensor:
