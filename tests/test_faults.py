@@ -503,9 +503,10 @@ def test_an_interrupt_held_through_the_last_rounds_files_finds_the_run_finished(
 def test_an_interrupt_just_after_the_last_round_finds_the_run_finished(tmp_path, monkeypatch):
     # the signal lands after the last round's files, before the end's files begin to hold signals:
     # the end's files are still written, and the interrupt still stops the caller
-    from fedsim import interrupts
+    from fedsim import interrupts, session  # imported first, session keeps the real one for the rounds
 
     hold, sent = interrupts.shielded, []
+    assert session.shielded is hold
 
     def too_late():
         if not sent:
