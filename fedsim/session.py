@@ -272,7 +272,7 @@ class Session:
                           *([ClientAccuracyFile(run_dir.path / "client_accuracy.csv", self.client_eval)]
                             if self.client_eval else []),
                           *self.user_callbacks] if root else []
-        then_shielded(self._play, lambda ended_by: self._finish(self.status, ended_by))
+        then_shielded(self._play, self._finish)
         return self.history()
 
     def _play(self) -> None:
@@ -359,8 +359,9 @@ class Session:
             with user_code(f"callback {type(callback).__name__}.{event} failed{where}"):
                 method(*args)
 
-    def _finish(self, status: str, ended_by: BaseException | None) -> None:
+    def _finish(self, ended_by: BaseException | None) -> None:
         """Stop the workers, write the summary and plot, tell the callbacks; called with signals held."""
+        status = self.status
         self.worker_peak_memory_mb = [round(b / 2**20, 1) for b in self.executor.peak_memory]
         if self.ranks.world > 1:
             memory = {"rank": self.ranks.rank, "host": socket.gethostname(), "device": str(self.device),

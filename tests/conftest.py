@@ -96,8 +96,9 @@ def kill_leftovers():
 
 @pytest.fixture(autouse=True)
 def own_signal_handlers():
-    """A command run in-process (``main([...])``) installs its own Ctrl-C and SIGTERM handlers: a
-    later test that sends itself a signal must meet the interpreter's, not a finished command's."""
+    """A command run in-process (``main([...])``) installs its own Ctrl-C and SIGTERM handlers (and
+    unraisable hook): a later test that sends itself a signal must meet the interpreter's, not a
+    finished command's."""
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     hook = sys.unraisablehook
     yield
