@@ -70,7 +70,7 @@ def parse_args(argv=None):
 
 def measure(spec: dict) -> dict:
     """One fedsim run: its rows, summary and resolved config, and how long `fedsim.run` took."""
-    from fedsim.runs import run  # fedsim.run; torch and the engine load here, before the clock starts
+    from fedsim.runs.launch import run  # fedsim.run; torch and the engine load here, before the clock starts
 
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
@@ -85,7 +85,7 @@ def measure(spec: dict) -> dict:
 
 def measure_all(args, device: str) -> tuple[list[dict], list[dict]]:
     """Every (workload, model, backend, workers), and W1 through the command per backend."""
-    from fedsim.validation import load_config
+    from fedsim.experiment.validation import load_config
 
     worker_counts = [int(w) for w in harness.split_list(args.workers or harness.DEFAULT_WORKERS[args.size])]
     entries, commands = [], []
@@ -105,8 +105,8 @@ def measure_all(args, device: str) -> tuple[list[dict], list[dict]]:
 
 def measure_one(run: dict, cfg, backend: str, workers: int, samples: float, device: str) -> dict:
     """One configuration in a fresh process, or why it was not measured."""
-    from fedsim.validation import load_config
-    from fedsim.errors import ConfigError
+    from fedsim.experiment.validation import load_config
+    from fedsim.core.errors import ConfigError
 
     entry = {"workload": run["workload"], "model": run["model"], "backend": backend, "workers": workers,
              "samples_per_round": samples}

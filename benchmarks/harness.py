@@ -84,7 +84,7 @@ def split_list(text: str) -> list[str]:
 
 def workload_runs(args) -> list[dict]:
     """(workload, model, config path, overrides) for every workload and model asked for."""
-    from fedsim.config import parse_override
+    from fedsim.experiment.config import parse_override
 
     extra = dict(parse_override(item) for item in args.set)
     runs = []
@@ -109,7 +109,7 @@ def workload_runs(args) -> list[dict]:
 
 def w3_dataset(data_root: str | None, size: str) -> str:
     """cifar10 where the data root holds its files, else generated CIFAR-shaped tensors."""
-    from fedsim.config import default_data_root
+    from fedsim.experiment.config import default_data_root
 
     root = Path(data_root or default_data_root())
     return "cifar10" if (root / "cifar-10-batches-py" / "test_batch").is_file() else W3_GENERATED[size]
@@ -144,7 +144,7 @@ def report_entries(name: str, title: str, columns: list, args, device: str, mach
 
 def child_main(args, measure) -> None:
     """In the fresh process: run one measurement and write its result for the parent."""
-    from fedsim.errors import ConfigError, FedsimError
+    from fedsim.core.errors import ConfigError, FedsimError
 
     spec = json.loads(args.child)
     try:

@@ -5,7 +5,7 @@
 
 Runs pfl in its own interpreter (this one by default, `--python` to name another); pfl must be
 importable there (benchmarks/gpu_wheelhouse.sh brings its wheels to a machine without network).
-The run is W3 as fedsim runs it: the same clients (fedsim.federation: the data, its partition,
+The run is W3 as fedsim runs it: the same clients (fedsim.experiment.federation: the data, its partition,
 the initial weights of `pfl_cnn`), pfl's own FederatedAveraging with a SimulatedBackend, the
 users as in-memory pfl Datasets, a fresh local SGD (lr 0.1, batch 10, 1 epoch), central SGD with
 lr 1 (plain averaging), 50 users a round, pfl's CentralEvaluationCallback every 10 rounds in
@@ -76,8 +76,8 @@ def rank_main(spec: dict) -> None:
     from pfl.internal.ops.selector import get_default_framework_module
     from pfl.model.pytorch import PyTorchModel
 
-    from fedsim.federation import initial_model, load_federation
-    from fedsim.validation import load_config
+    from fedsim.experiment.federation import initial_model, load_federation
+    from fedsim.experiment.validation import load_config
 
     cfg = load_config(spec["config"], spec["overrides"])
     rank = get_default_framework_module().distributed.global_rank

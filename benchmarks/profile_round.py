@@ -4,8 +4,8 @@
     python benchmarks/profile_round.py --size cpu --device cpu --trace
 
 In a fresh process, set up as a worker is (one CPU thread, or the CUDA device), and from the
-run's own start (fedsim.federation: its clients and initial weights), a
-fedsim.client.LocalTrainer on a fedsim.flat.FlatModel trains a few clients of round 1 on the
+run's own start (fedsim.experiment.federation: its clients and initial weights), a
+fedsim.execution.client.LocalTrainer on a fedsim.core.flat.FlatModel trains a few clients of round 1 on the
 device-resident data: first one client to warm up, then the clients timed without the
 profiler, then the same clients under the profiler (CPU and, on a GPU, CUDA activity). The
 server's part of a round follows: updates against the global weights, the aggregation rule
@@ -65,15 +65,15 @@ class Setup:
         import numpy as np
         import torch
 
-        from fedsim import components
-        from fedsim.client import LocalTrainer
-        from fedsim.validation import load_config
+        from fedsim.experiment import components
+        from fedsim.execution.client import LocalTrainer
+        from fedsim.experiment.validation import load_config
         from fedsim.data.augment import augmentation_for
-        from fedsim.federation import initial_model, load_federation
-        from fedsim.flat import FlatModel
-        from fedsim.session import resolve_device
-        from fedsim.sampling import draw
-        from fedsim.streams import client_seed
+        from fedsim.experiment.federation import initial_model, load_federation
+        from fedsim.core.flat import FlatModel
+        from fedsim.runs.session import resolve_device
+        from fedsim.fl.sampling import draw
+        from fedsim.core.streams import client_seed
 
         cfg = self.cfg = load_config(spec["config"], spec["overrides"])
         self.device = resolve_device(cfg.device)
@@ -191,8 +191,8 @@ def make_server_round(setup: Setup, trained: list):
     of a round are the trained clients' weights, repeated."""
     import torch
 
-    from fedsim import components
-    from fedsim.server_opt import make_server_optimizer
+    from fedsim.experiment import components
+    from fedsim.fl.server_opt import make_server_optimizer
 
     cfg, model, device = setup.cfg, setup.server_model, setup.device
     k, n = cfg.clients_per_round, model.num_params

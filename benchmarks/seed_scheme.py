@@ -9,9 +9,9 @@ article's 4 processes for its 4 clients), hands each the global weights and its 
 round's clients (round robin), and each process builds its model on the device, feeds every client
 through a torch DataLoader over a Subset of the CPU training set (shared memory, as
 torch.multiprocessing shares tensors), trains it with a fresh SGD (fedsim's E, B, lr, momentum,
-weight decay, the seed of fedsim.streams), and sends back its clients' weights summed by sample
+weight decay, the seed of fedsim.core.streams), and sends back its clients' weights summed by sample
 counts; the server averages them and evaluates as sequential_baseline.py does. The start and the
-clients drawn are fedsim's (fedsim.federation, fedsim.streams). Process start, CUDA context and
+clients drawn are fedsim's (fedsim.experiment.federation, fedsim.core.streams). Process start, CUDA context and
 DataLoader set-up are paid every round: that is the scheme's cost being measured.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def worker(model_spec, shape, classes, state, local, clients, parts, sizes, seed
     import torch
     from torch.utils.data import DataLoader, Subset, TensorDataset
 
-    from fedsim.components import build_model
+    from fedsim.experiment.components import build_model
 
     torch.set_num_threads(threads)
     device = torch.device(device)
@@ -68,8 +68,8 @@ def train_round(cfg, rnd: int, global_state: dict, data, parts, workers: int, de
     import torch
     import torch.multiprocessing as mp
 
-    from fedsim.sampling import draw
-    from fedsim.streams import client_seed
+    from fedsim.fl.sampling import draw
+    from fedsim.core.streams import client_seed
 
     clients = draw("uniform", cfg.seed, rnd, np.arange(cfg.data.num_clients), cfg.clients_per_round, None).tolist()
     count = min(workers, len(clients))
@@ -101,7 +101,7 @@ def run_scheme(cfg, workers: int) -> dict:
     """The whole run; rows and summary shaped like sequential_baseline.py's."""
     import torch
 
-    from fedsim.federation import initial_model, load_federation
+    from fedsim.experiment.federation import initial_model, load_federation
 
     t_start = time.perf_counter()
     device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -139,7 +139,7 @@ def run_scheme(cfg, workers: int) -> dict:
 
 
 def measure(spec: dict) -> dict:
-    from fedsim.validation import load_config
+    from fedsim.experiment.validation import load_config
 
     cfg = load_config(spec["config"], spec["overrides"])
     start = time.perf_counter()

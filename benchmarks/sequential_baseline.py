@@ -5,8 +5,8 @@
     python benchmarks/sequential_baseline.py --size cpu --device cpu
 
 One process trains the sampled clients one after another. It starts where a fedsim run of the
-same config starts (fedsim.federation: the data, its partition among the clients, the initial
-weights) and draws from the same random streams (fedsim.streams: each round's clients, each
+same config starts (fedsim.experiment.federation: the data, its partition among the clients, the initial
+weights) and draws from the same random streams (fedsim.core.streams: each round's clients, each
 client's seed); then the same E/B/lr/momentum/weight decay, a fresh torch.optim.SGD per client
 per round, FedAvg weighted by sample counts and a test-set evaluation every round. Nothing of
 fedsim's engine (worker pool, flat weights, local trainer) is used. The default keeps the
@@ -111,7 +111,7 @@ def prepare(cfg, use_dataloader: bool):
     import torch
     from torch.utils.data import DataLoader, Subset, TensorDataset
 
-    from fedsim.federation import initial_model, load_federation
+    from fedsim.experiment.federation import initial_model, load_federation
 
     device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     federation = load_federation(cfg)  # what fedsim's run starts from: its clients, then its initial weights
@@ -142,8 +142,8 @@ def train_round(cfg, rnd: int, model, global_state: dict, client_sizes: list[int
 
     import numpy as np
 
-    from fedsim.sampling import draw
-    from fedsim.streams import client_seed
+    from fedsim.fl.sampling import draw
+    from fedsim.core.streams import client_seed
 
     total = {name: torch.zeros_like(value) for name, value in global_state.items()}
     weight_sum, loss_sum, samples_seen = 0, 0.0, 0
@@ -225,7 +225,7 @@ def peak_memory_mb(device) -> float:
 def measure(spec: dict) -> dict:
     import torch
 
-    from fedsim.validation import load_config
+    from fedsim.experiment.validation import load_config
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])

@@ -10,21 +10,21 @@ import argparse
 import sys
 from pathlib import Path
 
-from .errors import FedsimError
-from .interrupts import Terminated, exiting, install_handlers
-from .rundir import refuse_if_in_use
-from .yamlfile import experiment_file, read_yaml, shipped_experiments
+from .core.errors import FedsimError
+from .execution.interrupts import Terminated, exiting, install_handlers
+from .results.rundir import refuse_if_in_use
+from .core.yamlfile import experiment_file, read_yaml, shipped_experiments
 
 
 def cmd_run(args) -> int:
     """Run or resume; under torchrun, as one of several ranks (see distributed.py)."""
-    from .processes import start_fork_server
+    from .execution.processes import start_fork_server
 
     if args.resume or args.out:
         refuse_if_in_use(args.resume or args.out)
     if _may_use_workers(args):
         start_fork_server()  # the workers' torch is imported in the fork server while this process imports its own
-    from .distributed import Ranks, launched
+    from .execution.distributed import Ranks, launched
 
     ranks = Ranks.join() if launched() else Ranks()
     ending = "failed"
@@ -63,14 +63,14 @@ def _may_use_workers(args) -> bool:
 
 
 def _run(args, ranks) -> int:
-    from .callbacks import TensorBoard
-    from .config import directory_name
-    from .validation import load_config
-    from .errors import DataError
-    from .progress import write_or_silence
-    from .execution import kill_all_pools
-    from .rundir import RunDirectory
-    from .runs import agree_on_config, resume_run, start_run
+    from .runs.callbacks import TensorBoard
+    from .experiment.config import directory_name
+    from .experiment.validation import load_config
+    from .core.errors import DataError
+    from .results.progress import write_or_silence
+    from .execution.pool import kill_all_pools
+    from .results.rundir import RunDirectory
+    from .runs.launch import agree_on_config, resume_run, start_run
 
     callbacks = [TensorBoard()] if args.tensorboard else []
     path, cfg = args.resume, None
@@ -120,7 +120,7 @@ def _stopped_message(ranks, path) -> str | None:
     """What a rank stopped by a signal says, if anything. Under torchrun a SIGTERM most often
     comes from the agent stopping the job because another rank died: say which, when that can
     be seen from this machine; or this rank stopped itself because its launcher is gone."""
-    from .distributed import launcher_gone, ranks_named
+    from .execution.distributed import launcher_gone, ranks_named
 
     lost = ranks.lost() if ranks.world > 1 else []
     if not ranks.is_root:
@@ -136,7 +136,7 @@ def _stopped_message(ranks, path) -> str | None:
 
 def _interrupted_message(path) -> str:
     """What an interrupted run left on disk, read from the disk itself."""
-    from .results import load_run
+    from .results.history import load_run
 
     path = Path(path)
     if not path.is_dir() or not any(path.iterdir()):
@@ -157,7 +157,7 @@ def _interrupted_message(path) -> str:
 
 
 def cmd_list(args) -> int:
-    from .components import tables
+    from .experiment.components import tables
 
     experiments = shipped_experiments()
     sections = {"experiments (fedsim run NAME)": list(experiments.items()),
@@ -173,10 +173,10 @@ def cmd_list(args) -> int:
 def cmd_partition(args) -> int:
     from pathlib import Path
 
-    from .config import locate
-    from .validation import load_config
+    from .experiment.config import locate
+    from .experiment.validation import load_config
     from .data.report import write_report
-    from .rundir import check_output_path, safe_dir_name
+    from .results.rundir import check_output_path, safe_dir_name
 
     cfg = load_config(args.config, args.set)
     out = Path(args.out) if args.out else Path("runs") / f"{safe_dir_name(cfg.name)}-partition"
@@ -191,8 +191,8 @@ def cmd_partition(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from .plot import plot_runs, save_figure
-    from .progress import RoundLog, console_logging
+    from .results.plot import plot_runs, save_figure
+    from .results.progress import RoundLog, console_logging
 
     with console_logging(RoundLog(progress=False)):  # runs left out are said as warnings
         fig = plot_runs(args.runs, metric=args.metric, x=args.x, label=args.label, loss=args.loss,
@@ -203,12 +203,12 @@ def cmd_plot(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .processes import start_fork_server
+    from .execution.processes import start_fork_server
 
     if _may_use_workers(args):
         start_fork_server()
-    from .execution import kill_all_pools
-    from .sweep import prepare
+    from .execution.pool import kill_all_pools
+    from .runs.sweep import prepare
 
     if not args.grid and args.seeds is None:
         raise FedsimError("give at least one --grid KEY=V1,V2,... or --seeds S1,S2,..., e.g. "
@@ -356,7 +356,7 @@ def main(argv=None) -> None:
     except Terminated:
         code = 143
     except BrokenPipeError:  # `fedsim list | head`: the reader has all it wanted
-        from .progress import write_or_silence
+        from .results.progress import write_or_silence
 
         write_or_silence(sys.stdout, "")
         code = 0
@@ -365,7 +365,7 @@ def main(argv=None) -> None:
         # their own errors, and an OSError of the user's code by its component (errors.user_code)
         if args.debug or e.filename is not None:
             raise
-        from .progress import write_or_silence
+        from .results.progress import write_or_silence
 
         write_or_silence(sys.stdout, "")
         print(f"fedsim: error: cannot write the output: {e.strerror or e}", file=sys.stderr)

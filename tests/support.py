@@ -18,10 +18,10 @@ import numpy as np
 import torch
 import yaml
 
-from fedsim.config import Config
+from fedsim.experiment.config import Config
 from fedsim.data.datasets import CIFAR10_FOLDER
-from fedsim.rundir import COLUMNS
-from fedsim.streams import SAMPLING, words
+from fedsim.results.rundir import COLUMNS
+from fedsim.core.streams import SAMPLING, words
 
 # ----------------------------------------------------------------------------- processes
 
@@ -47,7 +47,7 @@ def child_pids() -> list[int]:
     """Live processes that this test process started, directly or through multiprocessing's
     helpers: the resource tracker (one per parent, it exits with the parent and is what unlinks
     semaphores if the parent is killed) and the fork server (the parent of every worker, see
-    fedsim/processes.py) are left out, and so is nothing they started."""
+    fedsim/execution/processes.py) are left out, and so is nothing they started."""
     processes = _processes()
     found, parents = [], [os.getpid()]
     while parents:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import fedsim
-from fedsim import aggregation
-from fedsim.errors import ConfigError
+from fedsim.fl import aggregation
+from fedsim.core.errors import ConfigError
 
 RULES = ["fedavg", "mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "geometric_median", "norm_clip"]
 U32 = 2.0**-24  # float32 unit roundoff

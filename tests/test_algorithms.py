@@ -12,18 +12,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fedsim
-from fedsim import components
-from fedsim.aggregation import get as aggregation_rule
+from fedsim.experiment import components
+from fedsim.fl.aggregation import get as aggregation_rule
 from fedsim.algorithms import Clients, Round
 from fedsim.algorithms.fednova import FedNova
 from fedsim.algorithms.fedprox import FedProx
 from fedsim.algorithms.scaffold import Scaffold
-from fedsim.client import LocalTrainer
-from fedsim.config import LocalConfig
+from fedsim.execution.client import LocalTrainer
+from fedsim.experiment.config import LocalConfig
 from fedsim.data import from_tensors, load_dataset
-from fedsim.flat import FlatModel
-from fedsim.models import build_model
-from fedsim.validation import unused_settings
+from fedsim.core.flat import FlatModel
+from fedsim.fl.models import build_model
+from fedsim.experiment.validation import unused_settings
 
 
 U32 = 2.0**-24  # float32 unit roundoff

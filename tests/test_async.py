@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import fedsim
-from fedsim.asynchronous import AsyncConfig, staleness_weight
-from fedsim.errors import ConfigError
-from fedsim.rundir import read_clients
-from fedsim.session import Session
-from fedsim.streams import async_start_generator
-from fedsim.system import System
-from fedsim.validation import load_config, unused_settings
+from fedsim.fl.asynchronous import AsyncConfig, staleness_weight
+from fedsim.core.errors import ConfigError
+from fedsim.results.rundir import read_clients
+from fedsim.runs.session import Session
+from fedsim.core.streams import async_start_generator
+from fedsim.fl.system import System
+from fedsim.experiment.validation import load_config, unused_settings
 
 RUN = {"name": "async", "seed": 5, "device": "cpu", "rounds": 4, "workers": 0, "clients_per_round": 4,
        "mode": "async", "model": "mnist_2nn",

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import fedsim
-from fedsim.attacks import ATTACKS, attacker_mask, make_attack
-from fedsim.config import AttackConfig
+from fedsim.fl.attacks import ATTACKS, attacker_mask, make_attack
+from fedsim.experiment.config import AttackConfig
 
 from support import sample_clients
 

@@ -8,10 +8,10 @@ import torch
 
 import fedsim
 from fedsim.algorithms import ALGORITHMS, Clients, LocalResult
-from fedsim.attacks import LabelFlip
-from fedsim.client import LocalTrainer, VmapTrainer
-from fedsim.flat import FlatModel
-from fedsim.models import build_model
+from fedsim.fl.attacks import LabelFlip
+from fedsim.execution.client import LocalTrainer, VmapTrainer
+from fedsim.core.flat import FlatModel
+from fedsim.fl.models import build_model
 
 U32 = 2.0**-24  # float32 unit roundoff
 
@@ -115,8 +115,8 @@ def test_vmap_group_equals_clients_trained_one_by_one(options):
 
 @pytest.mark.slow
 def test_vmap_refuses_models_with_batch_norm_statistics(tmp_path, monkeypatch):
-    from fedsim.errors import ConfigError
-    from fedsim.models import MODELS
+    from fedsim.core.errors import ConfigError
+    from fedsim.fl.models import MODELS
 
     class WithBatchNorm(torch.nn.Module):
         def __init__(self):

@@ -110,7 +110,7 @@ def test_w3_is_pfl_researchs_cifar10_benchmark(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import harness
 
-    from fedsim.validation import load_config
+    from fedsim.experiment.validation import load_config
 
     parser = argparse.ArgumentParser()
     harness.add_workload_arguments(parser)

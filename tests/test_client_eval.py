@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import fedsim
-from fedsim.client_eval import spread
-from fedsim.validation import load_config
+from fedsim.fl.client_eval import spread
+from fedsim.experiment.validation import load_config
 from fedsim.data import local_test_split
-from fedsim.federation import initial_model, load_federation
-from fedsim.flat import FlatModel
-from fedsim.rundir import COLUMNS
+from fedsim.experiment.federation import initial_model, load_federation
+from fedsim.core.flat import FlatModel
+from fedsim.results.rundir import COLUMNS
 
 CONFIG = {
     "name": "per_client",
@@ -128,7 +128,7 @@ def test_scoring_the_clients_changes_nothing_else_and_survives_a_resume(tmp_path
 
 
 def test_eval_per_client_needs_the_test_partition():
-    from fedsim.errors import ConfigError
+    from fedsim.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^config: eval_per_client: needs data.test_partition: true"):
         load_config({**CONFIG, "data": {**CONFIG["data"], "test_partition": False}})
@@ -144,7 +144,7 @@ def test_a_run_directory_from_before_these_columns_still_loads(tmp_path):
 
 
 def test_a_client_without_test_samples_is_left_out_and_warned_about():
-    from fedsim.client_eval import ClientEvaluation
+    from fedsim.fl.client_eval import ClientEvaluation
 
     x = torch.tensor([[1.0], [-1.0], [2.0], [-3.0], [0.5]])
     y = torch.tensor([1, 1, 1, 0, 0])

@@ -1,4 +1,4 @@
-"""Compressed updates (fedsim.compression): top-k keeps the k largest, QSGD is unbiased within its
+"""Compressed updates (fedsim.fl.compression): top-k keeps the k largest, QSGD is unbiased within its
 variance bound, error feedback's invariant, the bytes that travel, and the runs: the same for any
 number of workers, exact on resume, one-line refusals."""
 from __future__ import annotations
@@ -10,17 +10,17 @@ import pytest
 import torch
 
 import fedsim
-from fedsim import compression
+from fedsim.fl import compression
 from fedsim.algorithms import Algorithm
-from fedsim.client_state import ClientStates
-from fedsim.compression import COMPRESSORS, Compression, CompressionConfig, client_shapes
-from fedsim.components import tables
+from fedsim.fl.client_state import ClientStates
+from fedsim.fl.compression import COMPRESSORS, Compression, CompressionConfig, client_shapes
+from fedsim.experiment.components import tables
 from fedsim.engine import GlobalState
-from fedsim.errors import ConfigError, FedsimError
-from fedsim.flat import FlatModel
-from fedsim.rundir import read_clients
-from fedsim.server_opt import make_server_optimizer
-from fedsim.validation import load_config, unused_settings
+from fedsim.core.errors import ConfigError, FedsimError
+from fedsim.core.flat import FlatModel
+from fedsim.results.rundir import read_clients
+from fedsim.fl.server_opt import make_server_optimizer
+from fedsim.experiment.validation import load_config, unused_settings
 
 
 def compressor(type_, **options):
@@ -344,8 +344,8 @@ def test_the_experiment_file_plans_its_sweep_and_plot_and_its_message_sizes_are_
     from pathlib import Path
 
     from fedsim.cli import build_parser
-    from fedsim.models import MODELS
-    from fedsim.sweep import plan
+    from fedsim.fl.models import MODELS
+    from fedsim.runs.sweep import plan
 
     from support import documented_commands
 

@@ -1,8 +1,8 @@
 import pytest
 
-from fedsim.config import Config
-from fedsim.validation import load_config
-from fedsim.errors import ConfigError
+from fedsim.experiment.config import Config
+from fedsim.experiment.validation import load_config
+from fedsim.core.errors import ConfigError
 
 
 def write(tmp_path, text):

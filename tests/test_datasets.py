@@ -5,13 +5,13 @@ import pytest
 import torch
 import torchvision
 
-from fedsim.config import DataConfig
+from fedsim.experiment.config import DataConfig
 from fedsim.data import DATASETS, load_dataset
 from fedsim.data.augment import augmentation_for, random_crop_flip
 from fedsim.data.datasets import CIFAR10_FOLDER, CIFAR10_MEAN, CIFAR10_STD
-from fedsim.errors import DataError
-from fedsim.flat import FlatModel
-from fedsim.models import MODELS, build_model
+from fedsim.core.errors import DataError
+from fedsim.core.flat import FlatModel
+from fedsim.fl.models import MODELS, build_model
 
 from support import write_fake_cifar
 

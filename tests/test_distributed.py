@@ -126,7 +126,7 @@ def test_a_peer_still_exiting_when_its_socket_closes_is_named():
     machine its peer can read the process table inside that moment. The peer waits a little."""
     import torch.distributed as dist
 
-    from fedsim.distributed import Ranks
+    from fedsim.execution.distributed import Ranks
 
     dying = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
     try:

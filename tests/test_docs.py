@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from fedsim.cli import build_parser
-from fedsim.sweep import plan
-from fedsim.validation import load_config
+from fedsim.runs.sweep import plan
+from fedsim.experiment.validation import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fedsim
-from fedsim.rundir import COLUMNS
+from fedsim.results.rundir import COLUMNS
 
 from support import child_pids, shm_entries, shm_left_behind
 
@@ -81,8 +81,8 @@ def test_cuda_run_matches_contract(small_config, tmp_path):
 
 
 def test_a_simulation_takes_any_function_for_its_lines(small_config, tmp_path):
-    from fedsim.rundir import RunDirectory
-    from fedsim.session import Session
+    from fedsim.results.rundir import RunDirectory
+    from fedsim.runs.session import Session
 
     lines = []
     sim = Session(fedsim.load_config(dict(small_config, rounds=2)), log=lines.append)
@@ -109,7 +109,7 @@ def not_built():
 
 
 def test_a_failing_model_is_one_line_with_or_without_workers(small_config, tmp_path):
-    from fedsim.errors import ConfigError, WorkerError
+    from fedsim.core.errors import ConfigError, WorkerError
 
     with pytest.raises(WorkerError) as info:
         fedsim.run(dict(small_config, workers=0), out=tmp_path / "inline", quiet=True, model=TrainsBadly)

@@ -16,7 +16,7 @@ import torch
 import fedsim
 from fedsim.cli import main
 from fedsim.data import from_tensors
-from fedsim.errors import DataError, FedsimError
+from fedsim.core.errors import DataError, FedsimError
 
 TINY = {"name": "own", "seed": 4, "device": "cpu", "rounds": 2, "workers": 0, "clients_per_round": 3,
         "data": {"dataset": "synthetic", "num_clients": 3, "limit": 900},

@@ -24,8 +24,8 @@ import yaml
 
 import fedsim
 from fedsim.cli import main
-from fedsim.errors import resource_hint
-from fedsim.rundir import RunDirectory, safe_dir_name
+from fedsim.core.errors import resource_hint
+from fedsim.results.rundir import RunDirectory, safe_dir_name
 
 from support import assert_one_line_error, run_cli, start, tagged_processes, wait_for_round
 
@@ -120,7 +120,7 @@ def test_a_run_named_like_a_path_writes_inside_runs(tmp_path, monkeypatch):
     ("config.yaml", 1, "permission denied"),
 ])
 def test_a_failed_write_is_one_line_and_leaves_no_temporary_file(tmp_path, capsys, monkeypatch, target, code, words):
-    import fedsim.rundir
+    import fedsim.results.rundir
 
     causes = {"checkpoint.pt": errno.ENOSPC, "metrics.csv": errno.EROFS, "config.yaml": errno.EACCES}
     real = os.replace
@@ -130,7 +130,7 @@ def test_a_failed_write_is_one_line_and_leaves_no_temporary_file(tmp_path, capsy
             raise OSError(causes[target], os.strerror(causes[target]))
         return real(src, dst)
 
-    monkeypatch.setattr(fedsim.rundir.os, "replace", failing)
+    monkeypatch.setattr(fedsim.results.rundir.os, "replace", failing)
     status, err = cli(capsys, "run", write_config(tmp_path), "--out", tmp_path / "run")
     assert status == code, err
     assert_one_line_error(err, f"cannot write {tmp_path / 'run' / target}: {words}", "choose another place with --out")
@@ -503,7 +503,8 @@ def test_an_interrupt_held_through_the_last_rounds_files_finds_the_run_finished(
 def test_an_interrupt_just_after_the_last_round_finds_the_run_finished(tmp_path, monkeypatch):
     # the signal lands after the last round's files, before the end's files begin to hold signals:
     # the end's files are still written, and the interrupt still stops the caller
-    from fedsim import interrupts, session  # imported first, session keeps the real one for the rounds
+    from fedsim.execution import interrupts  # imported first, session keeps the real one for the rounds
+    from fedsim.runs import session
 
     hold, sent = interrupts.shielded, []
     assert session.shielded is hold

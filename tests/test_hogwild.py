@@ -15,9 +15,9 @@ import torch.nn.functional as F
 import yaml
 
 import fedsim
-from fedsim.errors import ConfigError
-from fedsim.federation import initial_model, load_federation
-from fedsim.streams import client_seed
+from fedsim.core.errors import ConfigError
+from fedsim.experiment.federation import initial_model, load_federation
+from fedsim.core.streams import client_seed
 
 from support import (assert_one_line_error, child_pids, shm_entries, shm_left_behind, start, tagged_processes,
                      wait_for_round, worker_pids)
@@ -149,8 +149,8 @@ def test_an_unknown_mode_is_one_line(hogwild):
 
 
 def test_hogwild_refuses_several_ranks(hogwild):
-    from fedsim.distributed import Ranks
-    from fedsim.session import Session
+    from fedsim.execution.distributed import Ranks
+    from fedsim.runs.session import Session
 
     ranks = Ranks()
     ranks.world = 2  # as torchrun would make it; refused before anything starts

@@ -13,9 +13,9 @@ import yaml
 
 import fedsim
 from fedsim.cli import main
-from fedsim.errors import ConfigError
-from fedsim.validation import load_config
-from fedsim.yamlfile import SHIPPED, experiment_file, shipped_experiments
+from fedsim.core.errors import ConfigError
+from fedsim.experiment.validation import load_config
+from fedsim.core.yamlfile import SHIPPED, experiment_file, shipped_experiments
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,8 +1,8 @@
 import torch
 import torch.nn.functional as F
 
-from fedsim.flat import FlatModel
-from fedsim.models import MODELS, build_model
+from fedsim.core.flat import FlatModel
+from fedsim.fl.models import MODELS, build_model
 
 
 def count(model):

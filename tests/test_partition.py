@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim import streams
-from fedsim.config import DataConfig
+from fedsim.core import streams
+from fedsim.experiment.config import DataConfig
 from fedsim.data import PARTITIONS, load_dataset, options_for, partition
 from fedsim.data.partition import local_test_split
-from fedsim.errors import ConfigError
+from fedsim.core.errors import ConfigError
 
 
 def shuffled_labels(class_sizes, seed=0):

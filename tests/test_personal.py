@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import fedsim
-from fedsim.errors import ConfigError
+from fedsim.core.errors import ConfigError
 from test_algorithms import CLASSES, COUNTS, FEATURES, U32, initial_weights, tiny_run, tiny_samples
 
 LR, BATCH = 0.1, 2

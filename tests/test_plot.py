@@ -9,8 +9,8 @@ from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 
 import fedsim
-from fedsim.errors import FedsimError
-from fedsim.plot import PALETTE, plot_runs, save_accuracy_plot, save_figure
+from fedsim.core.errors import FedsimError
+from fedsim.results.plot import PALETTE, plot_runs, save_accuracy_plot, save_figure
 
 from support import write_run
 
@@ -211,9 +211,9 @@ def test_legend_names_each_line_also_for_names_that_start_with_an_underscore(tmp
 def test_runs_of_sweep_seeds_become_one_line_and_one_band_per_configuration(tmp_path):
     """The configs fedsim sweep --seeds gives its runs: the seeds of a grid point share its name,
     so the default legend (run names) pools them; the real command is in test_sweep.py."""
-    from fedsim.results import History
-    from fedsim.rundir import COLUMNS
-    from fedsim.sweep import plan
+    from fedsim.results.history import History
+    from fedsim.results.rundir import COLUMNS
+    from fedsim.runs.sweep import plan
 
     (tmp_path / "base.yaml").write_text("name: cmp\nrounds: 2\ndata: {dataset: synthetic}\n")
     planned = plan(tmp_path / "base.yaml", ["aggregator=mean,median"], seeds="0,1,2")

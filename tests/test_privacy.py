@@ -1,4 +1,4 @@
-"""DP-FedAvg (fedsim.privacy): Poisson sampling, clipping (fixed and adaptive), the noise's scale
+"""DP-FedAvg (fedsim.fl.privacy): Poisson sampling, clipping (fixed and adaptive), the noise's scale
 and streams, accounting against Google's dp-accounting, and the one-line refusals of what the
 guarantee does not cover."""
 from __future__ import annotations
@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim import aggregation, privacy
-from fedsim.aggregation import AGGREGATORS, row_norms
+from fedsim.fl import aggregation, privacy
+from fedsim.fl.aggregation import AGGREGATORS, row_norms
 from fedsim.algorithms import Algorithm
-from fedsim.config import Config
-from fedsim.errors import ConfigError
-from fedsim.privacy import Privacy
-from fedsim.sampling import draw, poisson_capacity
+from fedsim.experiment.config import Config
+from fedsim.core.errors import ConfigError
+from fedsim.fl.privacy import Privacy
+from fedsim.fl.sampling import draw, poisson_capacity
 
 K, N = 4, 20  # clients per round, clients in all
 C = 1.5  # the clip
@@ -129,7 +129,7 @@ def test_the_noise_depends_on_seed_and_round_only():
     assert not torch.equal(first, p.aggregate(zeros, seed=3, rnd=6))
     assert not torch.equal(first, p.aggregate(zeros, seed=4, rnd=5))
     # a stream of its own: not the attack noise, nor a client's (seed, round, client) stream
-    from fedsim import streams
+    from fedsim.core import streams
 
     own = streams.privacy_noise_generator(3, 5).initial_seed()
     assert own not in {streams.attack_generator(3, 5).initial_seed(), streams.client_seed(3, 5, 0),
@@ -208,7 +208,7 @@ def test_adaptive_clipping_settles_at_the_target_quantile_of_the_norms():
 
 
 def test_adaptive_settings_without_a_target_quantile_are_warned_about():
-    from fedsim.validation import load_config, unused_settings
+    from fedsim.experiment.validation import load_config, unused_settings
 
     cfg = load_config({"client_sampling": "poisson", "clients_per_round": 2, "data": {"num_clients": 20},
                        "privacy": {"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-5, "count_noise": 2}})
@@ -336,7 +336,7 @@ def test_rules_other_than_means_are_refused(rule):
 
 
 def test_a_rule_of_ones_own_is_refused_even_a_mean():
-    for spec in ("fedsim.aggregation:_mean", aggregation.mean()):
+    for spec in ("fedsim.fl.aggregation:_mean", aggregation.mean()):
         cfg = config()
         cfg.aggregator = spec
         assert refused(cfg).startswith("privacy: aggregator ")
@@ -400,9 +400,9 @@ def final_weights(run_dir) -> torch.Tensor:
 
 
 def initial_weights(cfg) -> torch.Tensor:
-    from fedsim.validation import load_config
-    from fedsim.federation import initial_model, load_federation
-    from fedsim.flat import FlatModel
+    from fedsim.experiment.validation import load_config
+    from fedsim.experiment.federation import initial_model, load_federation
+    from fedsim.core.flat import FlatModel
 
     cfg = load_config(cfg)
     return FlatModel(initial_model(cfg, load_federation(cfg).data), "cpu").flat.detach().clone()
@@ -517,7 +517,7 @@ def test_the_experiment_file_plans_its_sweep_and_its_plot():
 
     import fedsim
     from fedsim.cli import build_parser
-    from fedsim.sweep import plan
+    from fedsim.runs.sweep import plan
 
     from support import documented_commands
 

@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from fedsim.progress import RoundLog, format_duration
+from fedsim.results.progress import RoundLog, format_duration
 
 
 class Terminal(io.StringIO):

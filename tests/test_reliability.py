@@ -115,7 +115,7 @@ def test_a_second_ctrl_c_exits_at_once(tmp_path):
 
 SIGNALLED_IN_A_FINALIZER = """
 import os, signal, time
-from fedsim.interrupts import install_handlers
+from fedsim.execution.interrupts import install_handlers
 
 class SignalledWhileCollected:
     def __del__(self):
@@ -128,7 +128,7 @@ try:
     SignalledWhileCollected()
     time.sleep(10)
     print("went on")
-except BaseException as e:  # KeyboardInterrupt, or fedsim.interrupts.Terminated
+except BaseException as e:  # KeyboardInterrupt, or fedsim.execution.interrupts.Terminated
     print(type(e).__name__)
 """
 

@@ -11,7 +11,7 @@ import yaml
 from matplotlib.figure import Figure
 
 from fedsim.cli import main
-from fedsim.validation import load_config
+from fedsim.experiment.validation import load_config
 from fedsim.data import load_dataset, options_for, partition
 from fedsim.data.report import partition_figure, partition_stats, summary_text, write_report
 

@@ -6,8 +6,8 @@ import math
 import pytest
 
 import fedsim
-from fedsim.errors import FedsimError
-from fedsim.results import History, group_repeats, mean_and_sd, results_table, rounds_to_target
+from fedsim.core.errors import FedsimError
+from fedsim.results.history import History, group_repeats, mean_and_sd, results_table, rounds_to_target
 
 from support import write_run
 

@@ -9,12 +9,12 @@ import pytest
 from matplotlib.image import imread
 
 import fedsim
-from fedsim.components import describe
-from fedsim.config import directory_name, overrides_of
-from fedsim.plot import accuracy_figure, save_accuracy_plot
-from fedsim.results import History
-from fedsim.rundir import COLUMNS
-from fedsim.validation import load_config
+from fedsim.experiment.components import describe
+from fedsim.experiment.config import directory_name, overrides_of
+from fedsim.results.plot import accuracy_figure, save_accuracy_plot
+from fedsim.results.history import History
+from fedsim.results.rundir import COLUMNS
+from fedsim.experiment.validation import load_config
 
 
 class ServerStep(fedsim.Algorithm):

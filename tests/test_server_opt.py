@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fedsim
-from fedsim.server_opt import SERVER_OPTIMIZERS, make_server_optimizer
+from fedsim.fl.server_opt import SERVER_OPTIMIZERS, make_server_optimizer
 
 P = 23
 U32 = 2.0**-24  # float32 unit roundoff

@@ -1,4 +1,4 @@
-"""Random streams (fedsim.streams): every (stream, keys) pair hashes a word list of its own."""
+"""Random streams (fedsim.core.streams): every (stream, keys) pair hashes a word list of its own."""
 from __future__ import annotations
 
 import itertools
@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from fedsim import streams
+from fedsim.core import streams
 
 
 def fingerprint(drawn) -> int:

@@ -16,13 +16,13 @@ import yaml
 from matplotlib.collections import PolyCollection
 
 import fedsim
-import fedsim.runs
-import fedsim.session
-from fedsim.errors import ConfigError, FedsimError
-from fedsim.results import History
-from fedsim.rundir import COLUMNS
-from fedsim.session import check_run
-from fedsim.sweep import parse_grid, plan, sweep
+import fedsim.runs.launch
+import fedsim.runs.session
+from fedsim.core.errors import ConfigError, FedsimError
+from fedsim.results.history import History
+from fedsim.results.rundir import COLUMNS
+from fedsim.runs.session import check_run
+from fedsim.runs.sweep import parse_grid, plan, sweep
 
 from support import child_pids, documented_commands, start, wait_for_round, worker_pids
 
@@ -38,8 +38,8 @@ def replace_engine(monkeypatch, start_run) -> list:
     """Runs made by ``start_run`` instead of the engine, without the checks a run makes before
     its workers start (tested with the engine below); returns the configs those checks got."""
     checked = []
-    monkeypatch.setattr(fedsim.runs, "start_run", start_run)
-    monkeypatch.setattr(fedsim.session, "check_run", lambda cfg, datasets=None: checked.append(cfg))
+    monkeypatch.setattr(fedsim.runs.launch, "start_run", start_run)
+    monkeypatch.setattr(fedsim.runs.session, "check_run", lambda cfg, datasets=None: checked.append(cfg))
     return checked
 
 
@@ -135,7 +135,7 @@ def for_colour_images():
 
 def test_every_combination_is_checked_whole_before_the_first_run(config_file, fake_runs, monkeypatch, tmp_path):
     checked = []
-    monkeypatch.setattr(fedsim.session, "check_run", lambda cfg, datasets=None: (checked.append(cfg),
+    monkeypatch.setattr(fedsim.runs.session, "check_run", lambda cfg, datasets=None: (checked.append(cfg),
                                                                                check_run(cfg, datasets)))
     with pytest.raises(FedsimError) as info:  # the data holds fewer samples than the second run's limit
         sweep(config_file, ["data.limit=200,100000000"], out=tmp_path / "out")
@@ -244,8 +244,8 @@ def test_the_runs_of_a_sweep_share_one_pool_of_workers(tmp_path, monkeypatch):
         def on_round_end(self, row, clients):
             seen.append(sorted(worker_pids(child_pids())))
 
-    real = fedsim.runs.start_run
-    monkeypatch.setattr(fedsim.runs, "start_run", lambda *a, **k: real(*a, callbacks=[Workers()], **k))
+    real = fedsim.runs.launch.start_run
+    monkeypatch.setattr(fedsim.runs.launch, "start_run", lambda *a, **k: real(*a, callbacks=[Workers()], **k))
     runs = sweep(config, ["model=mnist_cnn,mnist_2nn", "seed=2,3"], out=tmp_path / "sweep", quiet=True,
                  log=lambda line: None)
     assert len(seen) == 2 * len(runs) == 8

@@ -1,4 +1,4 @@
-"""fedsim.system: availability, dropout, stragglers and client sampling.
+"""fedsim.fl.system: availability, dropout, stragglers and client sampling.
 
 Rates are checked against binomial bounds. A count X of n independent events of probability p has
 mean np and standard deviation sqrt(np(1-p)); for the n used here (thousands) X is close to normal,
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim.yamlfile import parse_yaml
-from fedsim.errors import ConfigError
-from fedsim.system import RoundPlan, System, SystemConfig, local_steps
+from fedsim.core.yamlfile import parse_yaml
+from fedsim.core.errors import ConfigError
+from fedsim.fl.system import RoundPlan, System, SystemConfig, local_steps
 
 from support import sample_clients
 

@@ -21,16 +21,16 @@ import yaml
 import fedsim
 from fedsim.algorithms.fednova import FedNova
 from fedsim.cli import build_parser
-from fedsim.client import LocalTrainer, VmapTrainer
-from fedsim.validation import load_config, unused_settings
-from fedsim.errors import ConfigError
-from fedsim.federation import load_federation
-from fedsim.flat import FlatModel
-from fedsim.rundir import RunDirectory, read_clients
-from fedsim.runs import _check_same_run
-from fedsim.session import run_identity
-from fedsim.sweep import plan
-from fedsim.system import System, local_steps
+from fedsim.execution.client import LocalTrainer, VmapTrainer
+from fedsim.experiment.validation import load_config, unused_settings
+from fedsim.core.errors import ConfigError
+from fedsim.experiment.federation import load_federation
+from fedsim.core.flat import FlatModel
+from fedsim.results.rundir import RunDirectory, read_clients
+from fedsim.runs.launch import _check_same_run
+from fedsim.runs.session import run_identity
+from fedsim.runs.sweep import plan
+from fedsim.fl.system import System, local_steps
 
 from support import documented_commands
 

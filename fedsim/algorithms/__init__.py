@@ -6,7 +6,7 @@ class of your own, given from Python or named by import path): nothing else chan
 import importlib
 import pkgutil
 
-from ..registry import Registry
+from ..core.registry import Registry
 from .base import Algorithm, Clients, LocalResult, Round
 
 ALGORITHMS = Registry("algorithm")

@@ -2,7 +2,7 @@
 personalization"): a personal model per client beside the global one."""
 from types import SimpleNamespace
 
-from ..checks import Checks
+from ..core.checks import Checks
 from . import ALGORITHMS
 from .base import Algorithm
 

@@ -1,5 +1,5 @@
 """FedDyn (Acar et al. 2021, "Federated learning based on dynamic regularization")."""
-from ..checks import Checks
+from ..core.checks import Checks
 from . import ALGORITHMS
 from .base import Algorithm
 

@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ..checks import Checks
-from ..errors import did_you_mean
+from ..core.checks import Checks
+from ..core.errors import did_you_mean
 from . import ALGORITHMS
 from .base import Algorithm
 

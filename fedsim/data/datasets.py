@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ConfigError, DataError, user_code
-from ..registry import Registry, is_import_path, load_attr, registered
+from ..core.errors import ConfigError, DataError, user_code
+from ..core.registry import Registry, is_import_path, load_attr, registered
 
 DATASETS = Registry("dataset")
 

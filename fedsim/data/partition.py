@@ -15,9 +15,9 @@ import numbers
 import numpy as np
 import torch
 
-from ..errors import ConfigError
-from ..registry import Registry
-from ..streams import partition_rng, test_split_rng
+from ..core.errors import ConfigError
+from ..core.registry import Registry
+from ..core.streams import partition_rng, test_split_rng
 
 PARTITIONS = Registry("partition")
 

@@ -13,8 +13,8 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from ..errors import write_error
-from ..rundir import atomic_write_text, write_atomically
+from ..core.errors import write_error
+from ..results.rundir import atomic_write_text, write_atomically
 from .partition import local_test_split, options_for
 
 _ANNOTATE_UP_TO = 200  # cells; beyond this, numbers in the cells become unreadable
@@ -106,7 +106,7 @@ def write_report(config, out_dir) -> dict:
     """Load the data and split it as a run of ``config`` would; write ``partition.json`` and
     ``partition.png`` into ``out_dir``. Returns the statistics (see :func:`partition_stats`),
     with the local test split's counts added when ``data.test_partition`` is on."""
-    from ..federation import load_federation
+    from ..experiment.federation import load_federation
 
     d = config.data
     options = options_for(d.partition, d)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..asynchronous import make_method
-from ..errors import FedsimError, NonFiniteError
-from ..streams import async_start_generator
+from ..fl.asynchronous import make_method
+from ..core.errors import FedsimError, NonFiniteError
+from ..core.streams import async_start_generator
 from .loop import Engine, RoundResult
 from .records import ClientRecord
 from .update import check_finite

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attacks import attacker_mask
-from ..sampling import poisson_capacity
+from ..fl.attacks import attacker_mask
+from ..fl.sampling import poisson_capacity
 
 
 @dataclass

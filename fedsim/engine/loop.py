@@ -19,11 +19,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..client_eval import METRIC_COLUMNS
-from ..components import describe
-from ..errors import user_code
-from ..flat import FlatModel
-from ..system import RoundPlan
+from ..fl.client_eval import METRIC_COLUMNS
+from ..experiment.components import describe
+from ..core.errors import user_code
+from ..core.flat import FlatModel
+from ..fl.system import RoundPlan
 from .buffers import RoundBuffers
 from .records import ClientRecord
 from .state import GlobalState

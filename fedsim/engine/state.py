@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from ..checks import is_integer
-from ..client_state import ClientStates
-from ..errors import FedsimError
-from ..flat import FlatModel
-from ..results import flatten_config
+from ..core.checks import is_integer
+from ..fl.client_state import ClientStates
+from ..core.errors import FedsimError
+from ..core.flat import FlatModel
+from ..results.history import flatten_config
 
 
 class GlobalState:

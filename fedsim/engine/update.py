@@ -16,10 +16,10 @@ import logging
 
 import torch
 
-from ..aggregation import row_norms
+from ..fl.aggregation import row_norms
 from ..algorithms import Round
-from ..errors import NonFiniteError, user_code
-from ..streams import attack_generator
+from ..core.errors import NonFiniteError, user_code
+from ..core.streams import attack_generator
 from .buffers import RoundBuffers
 from .records import ClientRecord
 from .state import GlobalState

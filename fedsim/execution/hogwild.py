@@ -29,8 +29,8 @@ import torch
 from ..algorithms import Round
 from ..engine.records import ClientRecord
 from ..engine.update import check_finite
-from ..flat import FlatModel
-from ..streams import client_seed
+from ..core.flat import FlatModel
+from ..core.streams import client_seed
 from .runner import ClientRunner
 
 

@@ -34,12 +34,11 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
-from ..config import vmap_group_size
+from ..experiment.config import vmap_group_size
 from ..engine.buffers import RoundBuffers
-from ..errors import UnguardedScript, WorkerError, exception_text, resource_hint, user_code
-from ..processes import UNGUARDED_SCRIPT, worker_context
-from .resources import (STOP_SIGNALS, born_ignoring_stop_signals, check_descriptors, die_with_parent, exit_cause,
-                        name_this_process, raise_descriptor_limit, reset_peak_memory, stop_resource_sharer)
+from ..core.errors import UnguardedScript, WorkerError, exception_text, resource_hint, user_code
+from .processes import UNGUARDED_SCRIPT, worker_context
+from .resources import (STOP_SIGNALS, born_ignoring_stop_signals, check_descriptors, die_with_parent, exit_cause, name_this_process, raise_descriptor_limit, reset_peak_memory, stop_resource_sharer)
 from .runner import ClientRunner
 
 STARTING, IDLE = -2, -1  # RoundBuffers.progress values besides a client id

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed import RankStopped, Ranks
-from ..errors import FedsimError
+from .distributed import RankStopped, Ranks
+from ..core.errors import FedsimError
 from .pool import Wrapper, slot_groups
 
 

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from ..errors import ResourceError
+from ..core.errors import ResourceError
 
 def die_with_parent() -> None:
     """Ask Linux to kill this worker if its parent dies (even by SIGKILL): no orphans. A worker's

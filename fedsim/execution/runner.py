@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from .. import components
+from ..experiment import components
 from ..algorithms import Clients, LocalResult
-from ..attacks import make_attack
-from ..client import LocalTrainer, VmapTrainer
+from ..fl.attacks import make_attack
+from .client import LocalTrainer, VmapTrainer
 from ..data.augment import augmentation_for
 from ..engine.buffers import RoundBuffers
-from ..flat import FlatModel
-from ..streams import client_seed, group_seed
+from ..core.flat import FlatModel
+from ..core.streams import client_seed, group_seed
 from .resources import peak_rss_bytes
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .checks import is_integer
-from .errors import ConfigError, FedsimError
+from ..core.checks import is_integer
+from ..core.errors import ConfigError, FedsimError
 
 LIMIT_KEY = "client_state_limit_mb"
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from . import components
-from .data import Dataset, load_dataset, options_for, partition
-from .streams import model_seed
+from ..data import Dataset, load_dataset, options_for, partition
+from ..core.streams import model_seed
 
 
 @dataclass

@@ -16,9 +16,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from .errors import FedsimError, write_error
-from .results import (RUN_SPECIFIC_KEYS, History, defining, describe_run, finished, flatten_config, group_repeats,
-                      load_run, load_runs)
+from ..core.errors import FedsimError, write_error
+from .history import (RUN_SPECIFIC_KEYS, History, defining, describe_run, finished, flatten_config, group_repeats, load_run, load_runs)
 from .rundir import COLUMNS, check_output_path, write_atomically
 
 # Okabe & Ito's palette, which stays distinct under the common colour-vision deficiencies;

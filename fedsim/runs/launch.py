@@ -7,16 +7,16 @@ from pathlib import Path
 
 import yaml
 
-from . import components
-from .config import Config, apply_overrides, directory_name, locate, save_config
-from .distributed import RankStopped, Ranks
-from .errors import ConfigError, FedsimError, UnguardedScript, explain_resource_error
-from .processes import UNGUARDED_SCRIPT, in_worker_start, start_fork_server
-from .progress import RoundLog, console_logging
-from .results import History
-from .rundir import RunDirectory
+from ..experiment import components
+from ..experiment.config import Config, apply_overrides, directory_name, locate, save_config
+from ..execution.distributed import RankStopped, Ranks
+from ..core.errors import ConfigError, FedsimError, UnguardedScript, explain_resource_error
+from ..execution.processes import UNGUARDED_SCRIPT, in_worker_start, start_fork_server
+from ..results.progress import RoundLog, console_logging
+from ..results.history import History
+from ..results.rundir import RunDirectory
 from .session import RESUMABLE_KEYS, Session, run_identity
-from .validation import load_config
+from ..experiment.validation import load_config
 
 
 def run(config="mnist_seed", *, out=None, overwrite: bool = False, quiet: bool = False,

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .registry import Registry
+from ..core.registry import Registry
 
 MODELS = Registry("model")
 

@@ -52,10 +52,10 @@ from typing import Optional
 
 import torch
 
-from .checks import Checks
+from ..core.checks import Checks
 from .client_state import ClientStates
-from .registry import Registry
-from .streams import compression_generator
+from ..core.registry import Registry
+from ..core.streams import compression_generator
 
 COMPRESSORS = Registry("compressor")
 MAX_LEVELS = 2**16 - 1  # a level in 16 bits; with more, a coordinate costs over half of its float32

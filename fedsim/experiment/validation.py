@@ -10,14 +10,15 @@ import dataclasses
 import os
 import re
 
-from . import asynchronous, components, compression
-from .checks import Checks, shown
+from ..fl import asynchronous, compression
+from . import components
+from ..core.checks import Checks, shown
 from .config import MAX_CLIENTS, MAX_TIMEOUT, Config, DataConfig, apply_overrides, build, groups_per_round, where
-from .data import options_for
-from .errors import ConfigError, cut
-from .privacy import Privacy
-from .system import System, SystemConfig
-from .yamlfile import experiment_file, read_yaml
+from ..data import options_for
+from ..core.errors import ConfigError, cut
+from ..fl.privacy import Privacy
+from ..fl.system import System, SystemConfig
+from ..core.yamlfile import experiment_file, read_yaml
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _PARTITION_KEYS = ("alpha", "min_samples", "balanced", "shards_per_client", "classes_per_client", "sigma",

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .registry import Registry
-from .streams import attackers_rng
+from ..core.registry import Registry
+from ..core.streams import attackers_rng
 
 ATTACKS = Registry("attack")
 

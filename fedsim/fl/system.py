@@ -63,10 +63,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .checks import Checks, is_number, shown
-from .errors import cut
+from ..core.checks import Checks, is_number, shown
+from ..core.errors import cut
 from .sampling import check_sampling, choose, draw
-from .streams import AVAILABILITY, DROPOUT, ONLINE, SPEED, generator
+from ..core.streams import AVAILABILITY, DROPOUT, ONLINE, SPEED, generator
 
 
 @dataclass

@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 from statistics import fmean, stdev
 
-from .errors import ConfigError, FedsimError, cut
+from ..core.errors import ConfigError, FedsimError, cut
 from .rundir import COLUMNS, read_client_accuracy, read_clients, read_mapping, read_metrics
-from .yamlfile import parse_yaml
+from ..core.yamlfile import parse_yaml
 
 logger = logging.getLogger("fedsim")
 

@@ -23,18 +23,18 @@ from dataclasses import dataclass
 
 import torch
 
-from . import aggregation
-from .aggregation import AGGREGATORS
-from .algorithms import ALGORITHMS, Algorithm
-from .asynchronous import ASYNC_METHODS
-from .attacks import ATTACKS
-from .compression import COMPRESSORS
-from .data import DATASETS, PARTITIONS, Dataset, check_dataset_spec
-from .errors import ConfigError, cut, user_code
-from .models import MODELS
-from .registry import is_import_path, load_attr, registered
-from .server_opt import SERVER_OPTIMIZERS
-from .sampling import CLIENT_SAMPLINGS
+from ..fl import aggregation
+from ..fl.aggregation import AGGREGATORS
+from ..algorithms import ALGORITHMS, Algorithm
+from ..fl.asynchronous import ASYNC_METHODS
+from ..fl.attacks import ATTACKS
+from ..fl.compression import COMPRESSORS
+from ..data import DATASETS, PARTITIONS, Dataset, check_dataset_spec
+from ..core.errors import ConfigError, cut, user_code
+from ..fl.models import MODELS
+from ..core.registry import is_import_path, load_attr, registered
+from ..fl.server_opt import SERVER_OPTIMIZERS
+from ..fl.sampling import CLIENT_SAMPLINGS
 
 KEYS = ("model", "aggregator", "algorithm", "data.dataset")
 

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from .errors import FedsimError
+from ..core.errors import FedsimError
 from .interrupts import Terminated
 
 RENDEZVOUS_SECONDS = 600.0  # as torchrun's own rendezvous waits for its nodes (join_timeout)

@@ -21,12 +21,12 @@ from typing import Any, Optional
 
 import yaml
 
-from .asynchronous import AsyncConfig
-from .checks import shown
-from .compression import CompressionConfig
-from .errors import ConfigError, FedsimError, cut
-from .system import SystemConfig
-from .yamlfile import RefusedYAML, parse_yaml
+from ..fl.asynchronous import AsyncConfig
+from ..core.checks import shown
+from ..fl.compression import CompressionConfig
+from ..core.errors import ConfigError, FedsimError, cut
+from ..fl.system import SystemConfig
+from ..core.yamlfile import RefusedYAML, parse_yaml
 
 
 def default_data_root() -> str:
@@ -303,7 +303,7 @@ def groups_per_round(cfg: Config) -> int:
 def overrides_of(cfg: Config) -> dict:
     """The keys set on top of the experiment (``--set``, or ``fedsim.run``'s keywords), dotted,
     with the values the run has for them: ``{"data.dataset": "synthetic", "aggregator_options.bound": 0.5}``."""
-    from .results import flatten_config
+    from ..results.history import flatten_config
 
     _, keys = getattr(cfg, "origin", ("config", {}))
     values = dict(flatten_config(cfg.to_dict()))
@@ -315,7 +315,7 @@ def directory_name(cfg: Config) -> str:
     """What a run directory is called before its timestamp: the run's name, then the overrides
     that change what it computes (not where or how fast it runs), or a hash of them where they
     would be long: ``mnist_seed-dataset=synthetic-lr=0.05``."""
-    from .results import defining
+    from ..results.history import defining
 
     changes = [f"{key.rpartition('.')[2]}={_short(value)}" for key, value in defining(overrides_of(cfg)).items()]
     suffix = "-".join(changes)
@@ -332,6 +332,6 @@ def _short(value) -> str:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    from .rundir import atomic_write_text
+    from ..results.rundir import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

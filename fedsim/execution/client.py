@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .algorithms import Algorithm
-from .flat import FlatModel
+from ..algorithms import Algorithm
+from ..core.flat import FlatModel
 
 
 @dataclass

@@ -18,31 +18,31 @@ import time
 import torch
 import yaml
 
-from . import components
-from .attacks import make_attack
+from ..experiment import components
+from ..fl.attacks import make_attack
 from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart
-from .client_eval import ClientEvaluation
-from .client_state import ClientStates
-from .compression import Compression, client_shapes
-from .config import Config, groups_per_round, locate, overrides_of
-from .distributed import RankStopped, Ranks, rank_device
-from .engine import AggregateUpdates, AsyncEngine, Engine, GlobalState, RoundBuffers
-from .errors import ConfigError, FedsimError, OutputError, exception_text, explain_resource_error, user_code
-from .execution import Restarting, new_pool
-from .execution.hogwild import AdoptSharedWeights, HogwildRunner
-from .execution.ranks import RanksExecutor
-from .execution.resources import peak_rss_bytes
-from .execution.runner import ClientRunner
-from .federation import initial_model, load_federation
-from .flat import FlatModel
-from .interrupts import Terminated, shielded, then_shielded
-from .privacy import Privacy
-from .progress import RoundLog, console_logging
-from .results import History, describe_run, flatten_config
-from .rundir import read_clients, read_mapping
-from .server_opt import make_server_optimizer
-from .system import System
-from .validation import unused_settings
+from ..fl.client_eval import ClientEvaluation
+from ..fl.client_state import ClientStates
+from ..fl.compression import Compression, client_shapes
+from ..experiment.config import Config, groups_per_round, locate, overrides_of
+from ..execution.distributed import RankStopped, Ranks, rank_device
+from ..engine import AggregateUpdates, AsyncEngine, Engine, GlobalState, RoundBuffers
+from ..core.errors import ConfigError, FedsimError, OutputError, exception_text, explain_resource_error, user_code
+from ..execution.executors import Restarting, new_pool
+from ..execution.hogwild import AdoptSharedWeights, HogwildRunner
+from ..execution.ranks import RanksExecutor
+from ..execution.resources import peak_rss_bytes
+from ..execution.runner import ClientRunner
+from ..experiment.federation import initial_model, load_federation
+from ..core.flat import FlatModel
+from ..execution.interrupts import Terminated, shielded, then_shielded
+from ..fl.privacy import Privacy
+from ..results.progress import RoundLog, console_logging
+from ..results.history import History, describe_run, flatten_config
+from ..results.rundir import read_clients, read_mapping
+from ..fl.server_opt import make_server_optimizer
+from ..fl.system import System
+from ..experiment.validation import unused_settings
 
 logger = logging.getLogger("fedsim")
 
@@ -300,7 +300,7 @@ class Session:
     def _before_start(self) -> None:
         # the plot at the end needs matplotlib (most of a second to import): import it while the
         # workers start, when this process only waits
-        threading.Thread(target=importlib.import_module, args=("fedsim.plot",), daemon=True).start()
+        threading.Thread(target=importlib.import_module, args=("fedsim.results.plot",), daemon=True).start()
         for message in [*unused_settings(self.cfg), self.client_eval and self.client_eval.warning()]:
             if message:
                 logger.warning(message)
@@ -421,7 +421,7 @@ class Session:
         }
         self.run_dir.write_summary(self.summary)
         if self.rows:
-            from .plot import save_accuracy_plot  # matplotlib: imported while the workers started
+            from ..results.plot import save_accuracy_plot
 
             save_accuracy_plot(History(self.rows, config, self.run_dir.path, self.summary),
                                self.run_dir.path / "accuracy.png")

@@ -35,7 +35,7 @@ import math
 import numpy as np
 import torch
 
-from .data import local_test_split
+from ..data import local_test_split
 
 METRIC_COLUMNS = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")
 

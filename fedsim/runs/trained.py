@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from . import components
-from .errors import FedsimError
-from .flat import FlatModel
-from .results import load_run
-from .rundir import RunDirectory
+from ..experiment import components
+from ..core.errors import FedsimError
+from ..core.flat import FlatModel
+from ..results.history import load_run
+from ..results.rundir import RunDirectory
 
 
 def load_model(run_dir: str | os.PathLike, model=None) -> torch.nn.Module:

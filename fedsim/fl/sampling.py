@@ -30,9 +30,9 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from .checks import Checks, shown
-from .registry import Registry
-from .streams import SAMPLING, generator
+from ..core.checks import Checks, shown
+from ..core.registry import Registry
+from ..core.streams import SAMPLING, generator
 
 SAMPLINGS = {
     "uniform": "k online clients, equally likely, without replacement (the default)",

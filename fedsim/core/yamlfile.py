@@ -14,7 +14,7 @@ MAX_NODES = 10_000  # values in a document once its aliases are expanded
 MAX_DEPTH = 32  # nesting of mappings and lists
 # The experiments that come with fedsim: package data (in a checkout, a link to experiments/),
 # so that `fedsim run mnist_seed` works from any directory once fedsim is installed.
-SHIPPED = Path(__file__).parent / "experiments"
+SHIPPED = Path(__file__).parent.parent / "experiments"
 
 
 class RefusedYAML(yaml.MarkedYAMLError):

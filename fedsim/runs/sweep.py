@@ -27,13 +27,12 @@ from dataclasses import dataclass
 from statistics import fmean
 from pathlib import Path
 
-from .config import Config
-from .errors import ConfigError, FedsimError, write_error
-from .results import (History, check_target, format_rounds_to_target, load_run, mean_and_sd, rounds_to_target,
-                      target_stats)
-from .rundir import atomic_write_text, safe_dir_name, write_atomically
+from ..experiment.config import Config
+from ..core.errors import ConfigError, FedsimError, write_error
+from ..results.history import (History, check_target, format_rounds_to_target, load_run, mean_and_sd, rounds_to_target, target_stats)
+from ..results.rundir import atomic_write_text, safe_dir_name, write_atomically
 from .sweepdir import SWEEP_FILE, identity, left_to_do, placement, sweep_root
-from .validation import load_config
+from ..experiment.validation import load_config
 
 
 @dataclass
@@ -194,9 +193,9 @@ class Sweep:
     named: bool  # the directory was given (--out): the same command continues the sweep
 
     def run(self, quiet: bool = False, log=None) -> list[SweepRun]:
-        from .execution import PoolKeeper
-        from .progress import RoundLog
-        from .runs import resume_run, start_run
+        from ..execution.pool import PoolKeeper
+        from ..results.progress import RoundLog
+        from .launch import resume_run, start_run
 
         log, root, n = log or RoundLog(progress=False), self.root, len(self.runs)
         try:

@@ -24,7 +24,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from .errors import FedsimError, cut, write_error
+from ..core.errors import FedsimError, cut, write_error
 
 COLUMNS = ("round", "test_accuracy", "test_loss", "train_loss", "seconds", "elapsed_seconds",
            "clients", "dropped_clients", "attackers", "train_seconds", "worker_seconds", "aggregate_seconds",

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import yaml
 
-from .config import Config
-from .errors import FedsimError
-from .results import flatten_config
-from .rundir import RunDirectory, read_mapping
-from .validation import load_config
+from ..experiment.config import Config
+from ..core.errors import FedsimError
+from ..results.history import flatten_config
+from ..results.rundir import RunDirectory, read_mapping
+from ..experiment.validation import load_config
 
 SWEEP_FILE = "sweep.json"  # what each run of the sweep is, so that the same sweep continues it
 

@@ -25,9 +25,9 @@ from typing import Callable
 
 import torch
 
-from .errors import ConfigError
-from .checks import Checks, is_number
-from .registry import Registry
+from ..core.errors import ConfigError
+from ..core.checks import Checks, is_number
+from ..core.registry import Registry
 
 Rule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 AGGREGATORS = Registry("aggregator")

@@ -73,14 +73,14 @@ from typing import Callable
 
 import torch
 
-from . import components
+from ..experiment import components
 from .aggregation import AGGREGATORS, float64_blocks, row_norms
-from .algorithms import Algorithm
-from .checks import FLOAT32, Checks, is_integer, is_number
+from ..algorithms import Algorithm
+from ..core.checks import FLOAT32, Checks, is_integer, is_number
 from .compression import feeds_back
-from .errors import ConfigError
-from .registry import is_import_path
-from .streams import privacy_noise_generator
+from ..core.errors import ConfigError
+from ..core.registry import is_import_path
+from ..core.streams import privacy_noise_generator
 
 RULES = ("fedavg", "mean")  # the rules that privacy's clipped, noised mean replaces
 REQUIRED = ("clip", "noise_multiplier", "delta")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import Registry
+from ..core.registry import Registry
 
 SERVER_OPTIMIZERS = Registry("server optimizer")
 

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import Checks
-from .registry import Registry
+from ..core.checks import Checks
+from ..core.registry import Registry
 
 ASYNC_METHODS = Registry("async method")
 STALENESS = ("constant", "polynomial", "hinge")

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from .engine.records import CLIENT_COLUMNS
-from .errors import write_error
-from .rundir import read_client_accuracy, write_atomically
+from ..engine.records import CLIENT_COLUMNS
+from ..core.errors import write_error
+from ..results.rundir import read_client_accuracy, write_atomically
 
 CLIENT_ACCURACY_COLUMNS = ("round", "client", "model", "samples", "accuracy")
 
@@ -148,7 +148,7 @@ class TensorBoard(Callback):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            from .errors import FedsimError
+            from ..core.errors import FedsimError
 
             raise FedsimError('the TensorBoard writer needs the tensorboard package: '
                               'pip install "fedsim-sync[tensorboard]"') from None

@@ -1,0 +1,47 @@
+"""Choosing a run's pool of workers, and restarting one whose workers fail."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..core.errors import WorkerError
+from .pool import InlinePool, PoolKeeper, WorkerPool, Wrapper
+
+logger = logging.getLogger("fedsim")
+
+
+def new_pool(config, workers: int, device: torch.device, runner: type, keeper: PoolKeeper | None = None):
+    """``workers`` processes that train with ``runner`` (a kept pool's, when ``keeper`` has one
+    that fits), or the server itself when 0. ``config`` is the run's config as the workers get
+    it (components.for_workers)."""
+    if workers == 0:
+        return InlinePool(config, device, runner)
+    return keeper.pool(config, workers, device, runner) if keeper else WorkerPool(config, workers, device, runner)
+
+
+class Restarting(Wrapper):
+    """``on_worker_failure: restart``: a round whose workers fail is re-run on a fresh pool, up to
+    three attempts. The workers change no state (see Algorithm), so a re-run changes nothing
+    twice; every attempt starts from the global weights (hogwild's workers train them in place)."""
+
+    attempts = 3
+
+    def __init__(self, make_pool):
+        self.make_pool, self.inner = make_pool, make_pool()
+
+    def train(self, rnd: int, clients: torch.Tensor, start_from: torch.Tensor, groups=None) -> None:
+        for attempt in range(self.attempts):
+            try:
+                return self.inner.train(rnd, clients, start_from, groups)
+            except WorkerError as e:
+                if attempt == self.attempts - 1:
+                    raise
+                logger.warning(f"round {rnd}: {e}; restarting the workers and re-running the round")
+                self.inner.close()
+                self.inner = self.make_pool()
+                self.inner.start(self.buffers)
+
+    def close(self) -> None:
+        self.inner.close()
+
