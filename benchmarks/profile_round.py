@@ -102,7 +102,7 @@ class Setup:
         return self.worker_model.flat.clone()
 
     def evaluate(self) -> None:
-        from fedsim.engine import evaluate
+        from fedsim.engine.loop import evaluate
 
         evaluate(self.server_model.module, self.test_x, self.test_y, self.cfg.eval_batch_size)
 

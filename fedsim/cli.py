@@ -122,7 +122,7 @@ def _stopped_message(ranks, path) -> str | None:
     be seen from this machine; or this rank stopped itself because its launcher is gone."""
     from .execution.distributed import launcher_gone, ranks_named
 
-    lost = ranks.lost() if ranks.world > 1 else []
+    lost = ranks.lost() if ranks.several else []
     if not ranks.is_root:
         return "rank 0 died; the job stopped (rank 0's run directory holds what it wrote)" \
             if 0 in lost and not launcher_gone() else None  # rank 0 cannot say it any more
@@ -176,13 +176,14 @@ def cmd_partition(args) -> int:
     from .experiment.config import locate
     from .experiment.validation import load_config
     from .data.report import write_report
+    from .experiment.federation import load_federation
     from .results.rundir import check_output_path, safe_dir_name
 
     cfg = load_config(args.config, args.set)
     out = Path(args.out) if args.out else Path("runs") / f"{safe_dir_name(cfg.name)}-partition"
     check_output_path(out)
     try:
-        report = write_report(cfg, out)
+        report = write_report(cfg, load_federation(cfg), out)
     except FedsimError as e:
         raise locate(cfg, e) from None
     print(report["summary"])

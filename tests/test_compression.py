@@ -15,7 +15,7 @@ from fedsim.algorithms import Algorithm
 from fedsim.fl.client_state import ClientStates
 from fedsim.fl.compression import COMPRESSORS, Compression, CompressionConfig, client_shapes
 from fedsim.experiment.components import tables
-from fedsim.engine import GlobalState
+from fedsim.engine.state import GlobalState
 from fedsim.core.errors import ConfigError, FedsimError
 from fedsim.core.flat import FlatModel
 from fedsim.results.rundir import read_clients

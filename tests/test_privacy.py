@@ -15,6 +15,7 @@ from fedsim.fl import aggregation, privacy
 from fedsim.fl.aggregation import AGGREGATORS, row_norms
 from fedsim.algorithms import Algorithm
 from fedsim.experiment.config import Config
+from fedsim.experiment.validation import check_privacy
 from fedsim.core.errors import ConfigError
 from fedsim.fl.privacy import Privacy
 from fedsim.fl.sampling import draw, poisson_capacity
@@ -43,7 +44,7 @@ def config(**privacy_section) -> Config:
 
 def refused(cfg) -> str:
     with pytest.raises(ConfigError) as err:
-        Privacy.check(cfg)
+        check_privacy(cfg)  # the section and what it is combined with
     message = str(err.value)
     assert "\n" not in message, message
     return message

@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 from fedsim.cli import main
 from fedsim.experiment.validation import load_config
 from fedsim.data import load_dataset, options_for, partition
+from fedsim.experiment.federation import load_federation
 from fedsim.data.report import partition_figure, partition_stats, summary_text, write_report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +56,7 @@ def test_partition_figure_draws_a_labelled_heat_map(num_clients):
 @pytest.mark.slow
 def test_write_report_splits_the_data_as_a_run_does(tmp_path, small_config):
     cfg = load_config(small_config, {"data.partition": "dirichlet", "data.alpha": 0.2, "data.test_partition": True})
-    report = write_report(cfg, tmp_path / "out")
+    report = write_report(cfg, load_federation(cfg), tmp_path / "out")
     data = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.limit)
     parts = partition(data.train_y, "dirichlet", cfg.data.num_clients, cfg.seed, **options_for("dirichlet", cfg.data))
     assert report["samples"] == [len(p) for p in parts]

@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from ..core.errors import write_error
-from ..results.rundir import atomic_write_text, write_atomically
+from ..core.files import atomic_write_text, write_atomically
 from .partition import local_test_split, options_for
 
 _ANNOTATE_UP_TO = 200  # cells; beyond this, numbers in the cells become unreadable
@@ -102,15 +102,13 @@ def _json_text(report: dict) -> str:
     return "{\n" + ",\n".join(f" {json.dumps(key)}: {value(v)}" for key, v in report.items()) + "\n}\n"
 
 
-def write_report(config, out_dir) -> dict:
-    """Load the data and split it as a run of ``config`` would; write ``partition.json`` and
-    ``partition.png`` into ``out_dir``. Returns the statistics (see :func:`partition_stats`),
-    with the local test split's counts added when ``data.test_partition`` is on."""
-    from ..experiment.federation import load_federation
-
+def write_report(config, federation, out_dir) -> dict:
+    """Write ``partition.json`` and ``partition.png`` into ``out_dir`` for ``federation``, the
+    data split as a run of ``config`` splits it (``experiment.federation.load_federation``).
+    Returns the statistics (see :func:`partition_stats`), with the local test split's counts
+    added when ``data.test_partition`` is on."""
     d = config.data
     options = options_for(d.partition, d)
-    federation = load_federation(config)
     data, parts = federation.data, federation.parts
     stats = partition_stats(parts, data.train_y, data.num_classes)
     report = {"name": config.name, "dataset": data.name, "partition": d.partition, "options": options,

@@ -1,12 +1,9 @@
 """The engine: one round at a time (loop.py; an async run's, one server update at a time, in
 asynchronous.py), the state kept between rounds (state.py), how the clients' work becomes the new
-global model (update.py), and what each round records."""
-from .asynchronous import AsyncEngine
-from .buffers import RoundBuffers
-from .loop import Engine, Executor, RoundResult, evaluate
-from .records import CLIENT_COLUMNS, ClientRecord
-from .state import GlobalState
-from .update import AggregateUpdates
+global model (update.py), what each round records (records.py), and the buffers the round shares
+with the workers (buffers.py).
 
-__all__ = ["AggregateUpdates", "AsyncEngine", "CLIENT_COLUMNS", "ClientRecord", "Engine", "Executor", "GlobalState",
-           "RoundBuffers", "RoundResult", "evaluate"]
+It may import experiment, fl, algorithms, data and core; execution, results and runs import it.
+The package imports none of its modules, so that reading a run's columns (records.py) does not
+import torch.
+"""

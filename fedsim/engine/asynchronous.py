@@ -27,7 +27,7 @@ from ..fl.asynchronous import make_method
 from ..core.errors import FedsimError, NonFiniteError
 from ..core.streams import async_start_generator
 from .loop import Engine, RoundResult
-from .records import ClientRecord
+from .records import ClientRecord, RoundRow
 from .update import check_finite
 
 
@@ -138,15 +138,15 @@ class AsyncEngine(Engine):
         down, up = started * self.message, len(used) * self.message
         self.state.bytes_sent += down + up
         self.state.simulated_time = s.clock
-        row = {"round": rnd, **scores, "train_loss": sum(r.train_loss * r.samples for r in used) / samples,
-               "seconds": round(time.perf_counter() - t0, 4), "clients": len(records), "attackers": 0,
-               "train_seconds": round(train_seconds, 4), "worker_seconds": round(busy, 4),
-               "aggregate_seconds": round(t_updated - t_trained, 4),
-               "eval_seconds": round(time.perf_counter() - t_updated, 4), "epsilon": None, "clip": None,
-               "bytes_down": down, "bytes_up": up, "cumulative_bytes": self.state.bytes_sent, "unavailable": 0,
-               "dropped_clients": len(records) - len(used), "stragglers": 0,
-               "simulated_seconds": s.clock - began, "simulated_time": s.clock}
-        return RoundResult(row, records, evaluated, torch.tensor([r.client for r in used], dtype=torch.int64))
+        row = RoundRow(round=rnd, **scores, train_loss=sum(r.train_loss * r.samples for r in used) / samples,
+                       seconds=round(time.perf_counter() - t0, 4), clients=len(records), attackers=0,
+                       train_seconds=round(train_seconds, 4), worker_seconds=round(busy, 4),
+                       aggregate_seconds=round(t_updated - t_trained, 4),
+                       eval_seconds=round(time.perf_counter() - t_updated, 4),
+                       bytes_down=down, bytes_up=up, cumulative_bytes=self.state.bytes_sent, unavailable=0,
+                       dropped_clients=len(records) - len(used), stragglers=0,
+                       simulated_seconds=s.clock - began, simulated_time=s.clock)
+        return RoundResult(row.as_row(), records, evaluated, torch.tensor([r.client for r in used], dtype=torch.int64))
 
     # ------------------------------------------------------------------ the clock
 
@@ -215,4 +215,4 @@ class AsyncEngine(Engine):
         state.model.flat[n:].add_(delta[n:])  # buffers (batch-norm statistics) are averaged as they are
         check_finite(state, state.model.flat, rnd, f"{self.cfg.asynchronous.method}'s update made the global "
                                                    f"weights non-finite", " although every client update used was "
-                                                   f"finite", "lower local.lr or asynchronous.mixing")
+                                                   "finite", "lower local.lr or asynchronous.mixing")

@@ -19,36 +19,55 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..fl.client_eval import METRIC_COLUMNS
 from ..experiment.components import describe
 from ..core.errors import user_code
 from ..core.flat import FlatModel
 from ..fl.system import RoundPlan
 from .buffers import RoundBuffers
-from .records import ClientRecord
+from .records import ClientRecord, RoundRow
 from .state import GlobalState
 
 
 class Executor(Protocol):
     """Trains a round's clients into the round's buffers: rows 0..k-1 hold the clients'
-    weights, stats and reports afterwards."""
+    weights, stats and reports afterwards. The engine calls ``start``, ``agree`` and ``train``;
+    the session calls the rest around the rounds. The bodies here are those of an executor in one
+    process, which has no other part of the run to talk to (a subclass inherits them); several
+    ranks override them (execution/ranks.py)."""
 
     busy_seconds: list[float]  # each worker's training time in the last round
     peak_memory: list[int]  # bytes, each worker's peak
 
-    def start(self, buffers: RoundBuffers) -> None: ...
+    def start(self, buffers: RoundBuffers) -> None:
+        """Take the run's buffers; workers are ready when this returns."""
 
-    def train(self, rnd: int, clients: torch.Tensor, start_from: torch.Tensor) -> None: ...
+    def train(self, rnd: int, clients: torch.Tensor, start_from: torch.Tensor) -> None:
+        """Train ``clients`` (slot by slot) from ``start_from`` into the buffers' rows."""
 
     def agree(self, compute: Callable[[], object]) -> object:
         """``compute()``, computed once and the same for every part of the run that plans rounds."""
+        return compute()
 
-    def close(self) -> None: ...
+    def share_start(self, first_round: int) -> int:
+        """The round every part of the run starts from (a resumed run's is read by the leader)."""
+        return first_round
+
+    def end_round(self, rnd: int, trained: torch.Tensor, go_on: bool) -> None:
+        """After the leader has recorded round ``rnd``: the other parts of the run, if any, learn
+        whether to go on and take the new global state."""
+
+    def follow(self, engine: "Engine", first_round: int) -> None:
+        """The rounds of a part of the run that does not lead (a rank other than 0)."""
+        raise NotImplementedError("only a run over several ranks has parts that follow the leader")
+
+    def close(self, finished: bool = True, ended_by: BaseException | None = None) -> None:
+        """Stop the workers. ``finished``: every round was done; ``ended_by``: what ended the run
+        otherwise (an exception, a signal)."""
 
 
 @dataclass
 class RoundResult:
-    row: dict  # the round's metrics (test_accuracy is NaN when the round is not evaluated)
+    row: dict  # the round's RoundRow, as a dict (test_accuracy is NaN when the round is not evaluated)
     clients: list[ClientRecord]  # the trained clients slot by slot, then those whose work was lost
     evaluated: bool
     trained: torch.Tensor  # the ids of the clients trained, slot by slot
@@ -106,19 +125,19 @@ class Engine:
         evaluated, scores = self.evaluate_round(rnd)
         if self.state.simulated_time is not None:
             self.state.simulated_time += plan.simulated_seconds
-        row = {"round": rnd, **scores, **self._train_metrics(round_, records),
-               "seconds": round(time.perf_counter() - t0, 4), "clients": len(records),
-               "attackers": sum(r.attacker for r in records),
-               "train_seconds": round(t_trained - t0, 4),
-               "worker_seconds": round(max(self.executor.busy_seconds), 4),
-               "aggregate_seconds": round(t_updated - t_trained, 4),
-               "eval_seconds": round(time.perf_counter() - t_updated, 4),
-               "epsilon": self.privacy.epsilon(rnd) if self.privacy else None, "clip": clip,
-               **self._traffic(plan),
-               # dropped_clients: the lost work of the plan, and the non-finite updates left out
-               **plan.metrics(left_out=len(plan.clients) - len(round_.clients)),
-               "simulated_time": self.state.simulated_time}
-        return RoundResult(row, records, evaluated, clients)
+        row = RoundRow(round=rnd, **scores, **self._train_metrics(round_, records),
+                       seconds=round(time.perf_counter() - t0, 4), clients=len(records),
+                       attackers=sum(r.attacker for r in records),
+                       train_seconds=round(t_trained - t0, 4),
+                       worker_seconds=round(max(self.executor.busy_seconds), 4),
+                       aggregate_seconds=round(t_updated - t_trained, 4),
+                       eval_seconds=round(time.perf_counter() - t_updated, 4),
+                       epsilon=self.privacy.epsilon(rnd) if self.privacy else None, clip=clip,
+                       **self._traffic(plan),
+                       # dropped_clients: the lost work of the plan, and the non-finite updates left out
+                       **plan.metrics(left_out=len(plan.clients) - len(round_.clients)),
+                       simulated_time=self.state.simulated_time)
+        return RoundResult(row.as_row(), records, evaluated, clients)
 
     def plan(self, rnd: int) -> RoundPlan:
         """The round's plan (see system.py), its step limits written where the workers read them."""
@@ -171,10 +190,10 @@ class Engine:
     def _evaluate(self, rnd: int, evaluated: bool) -> dict:
         cfg, module = self.cfg, self.state.model.module
         if not evaluated:
-            return {"test_accuracy": math.nan, "test_loss": math.nan, **dict.fromkeys(METRIC_COLUMNS)}
+            return {"test_accuracy": math.nan, "test_loss": math.nan}
         accuracy, loss = evaluate(module, *self.test, cfg.eval_batch_size)
         if not self.client_eval:
-            per_client = dict.fromkeys(METRIC_COLUMNS)
+            per_client = {}
         elif not self.state.algorithm.has_personal_model:
             per_client = self.client_eval.score(module, *self.test, cfg.eval_batch_size, rnd)
         else:  # every client's own model, in a copy of the global one

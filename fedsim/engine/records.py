@@ -1,9 +1,49 @@
-"""One record per sampled client and round: the schema of ``clients.csv``."""
+"""What a run records: one row per round (the schema of ``metrics.csv``) and one record per
+sampled client and round (the schema of ``clients.csv``). Both engines build these, so a column
+is added here once. This module imports nothing heavy: the run directory reads its columns."""
+
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Optional, Union
+
+
+@dataclass(kw_only=True)
+class RoundRow:
+    """One round of the run. Columns of a feature the run does not use are None (empty cells)."""
+
+    round: int
+    test_accuracy: float  # NaN where the round is not evaluated
+    test_loss: float
+    train_loss: float  # the mean over the kept clients' samples (NaN where no client's work counted)
+    seconds: float  # the round's wall time; its parts are train_, aggregate_ and eval_seconds
+    elapsed_seconds: Optional[float] = None  # since the run began (a resumed run's from its first start)
+    clients: int  # sampled (an async server update: whose work arrived, used or not)
+    dropped_clients: int  # whose work did not count: lost, or left out as non-finite
+    attackers: int
+    train_seconds: float
+    worker_seconds: float  # the busiest worker's training time
+    aggregate_seconds: float
+    eval_seconds: float
+    epsilon: Optional[float] = None  # privacy spent so far (privacy)
+    clip: Optional[float] = None  # this round's clip bound (privacy)
+    client_accuracy_mean: Optional[float] = None  # over the clients' own test splits (eval_per_client)
+    client_accuracy_std: Optional[float] = None
+    client_accuracy_p10: Optional[float] = None
+    simulated_seconds: Optional[float] = None  # this round on the simulated clock
+    simulated_time: Optional[float] = None  # the clock since round 1 (None where nothing keeps it)
+    unavailable: int
+    stragglers: int
+    bytes_down: Optional[int] = None  # None where nothing travels (hogwild)
+    bytes_up: Optional[int] = None
+    cumulative_bytes: Optional[int] = None
+
+    def as_row(self) -> dict:
+        return asdict(self)
+
+
+METRIC_COLUMNS = tuple(f.name for f in fields(RoundRow))
 
 
 @dataclass

@@ -12,7 +12,7 @@ from ..core.checks import is_integer
 from ..fl.client_state import ClientStates
 from ..core.errors import FedsimError
 from ..core.flat import FlatModel
-from ..results.history import flatten_config
+from ..experiment.keys import flatten_config
 
 
 class GlobalState:

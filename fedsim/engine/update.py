@@ -37,7 +37,6 @@ def check_finite(state: GlobalState, tensor: torch.Tensor, rnd: int, what: str, 
 class AggregateUpdates:
     """``names`` describes the algorithm, rule and server optimizer for error messages."""
 
-    keeps_client_weights = True  # each client trains a copy, kept in its row of client_weights
 
     def __init__(self, cfg, state: GlobalState, buffers: RoundBuffers, algorithm, aggregate, privacy, attack,
                  names: dict, compression=None):

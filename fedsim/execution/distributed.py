@@ -103,6 +103,11 @@ class Ranks:
     def is_root(self) -> bool:
         return self.rank == 0
 
+    @property
+    def several(self) -> bool:
+        """Whether the run has other ranks to talk to (torchrun); a single process has none."""
+        return self.world > 1
+
     @classmethod
     def join(cls, timeout_seconds: float = 1800.0) -> "Ranks":
         """Join the job (torchrun's, or ranks started by hand with RANK, WORLD_SIZE, MASTER_ADDR and
@@ -123,7 +128,7 @@ class Ranks:
 
     def use_device(self, device: torch.device) -> None:
         """Tensors go over NCCL when every rank drives a GPU of its own, else over gloo."""
-        if self.world == 1:
+        if not self.several:
             return
         import torch.distributed as dist
 
@@ -142,7 +147,7 @@ class Ranks:
     def agree(self, error: str | None, what: str) -> None:
         """Every rank says whether its part went well; if one did not, every rank stops: the
         one that failed with its message (rank 0 prints it), the others quietly."""
-        if self.world == 1:
+        if not self.several:
             if error:
                 raise FedsimError(error)
             return
@@ -159,7 +164,7 @@ class Ranks:
 
     def gather_rows(self, buffers, groups: list[list[int]], what: str) -> None:
         """Rank 0's round buffers receive every rank's trained rows: weights, stats, reports."""
-        if self.world == 1:
+        if not self.several:
             return
         import torch.distributed as dist
 
@@ -197,7 +202,7 @@ class Ranks:
 
     def share(self, tensors: list[torch.Tensor], what: str) -> None:
         """Rank 0's values of ``tensors`` on every rank (in place)."""
-        if self.world == 1:
+        if not self.several:
             return
         import torch.distributed as dist
 
@@ -209,7 +214,7 @@ class Ranks:
 
     def decide(self, value, what: str):
         """Rank 0's ``value`` (any small picklable object) on every rank."""
-        if self.world == 1:
+        if not self.several:
             return value
         import torch.distributed as dist
 
@@ -219,7 +224,7 @@ class Ranks:
 
     def collect(self, value, what: str) -> list:
         """Every rank's ``value``, in rank order, on rank 0 (None elsewhere)."""
-        if self.world == 1:
+        if not self.several:
             return [value]
         import torch.distributed as dist
 
@@ -231,7 +236,7 @@ class Ranks:
         """Leave the job, first saying how this rank ended ("finished", "was interrupted",
         "failed"): the others' collectives fail once it is gone, and they read this to tell a rank
         that ended from one that died."""
-        if self.world > 1:
+        if self.several:
             import torch.distributed as dist
 
             if self._store_up():

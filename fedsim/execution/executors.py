@@ -42,6 +42,6 @@ class Restarting(Wrapper):
                 self.inner = self.make_pool()
                 self.inner.start(self.buffers)
 
-    def close(self) -> None:
-        self.inner.close()
+    def close(self, finished: bool = True, ended_by: BaseException | None = None) -> None:
+        self.inner.close(finished, ended_by)
 

@@ -55,7 +55,6 @@ class AdoptSharedWeights:
     """The update strategy of hogwild: the shared weights, as the workers left them, become the
     global model."""
 
-    keeps_client_weights = False  # the clients train the shared weights: no [k, P] stack of copies
 
     def __init__(self, cfg, state, buffers):
         self.cfg, self.state, self.buffers = cfg, state, buffers

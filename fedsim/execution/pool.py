@@ -36,6 +36,7 @@ import torch
 
 from ..experiment.config import vmap_group_size
 from ..engine.buffers import RoundBuffers
+from ..engine.loop import Executor
 from ..core.errors import UnguardedScript, WorkerError, exception_text, resource_hint, user_code
 from .processes import UNGUARDED_SCRIPT, worker_context
 from .resources import (STOP_SIGNALS, born_ignoring_stop_signals, check_descriptors, die_with_parent, exit_cause, name_this_process, raise_descriptor_limit, reset_peak_memory, stop_resource_sharer)
@@ -96,7 +97,7 @@ def slot_groups(config, k: int) -> list[list[int]]:
     return [list(range(i, min(i + size, k))) for i in range(0, k, size)]
 
 
-class WorkerPool:
+class WorkerPool(Executor):
     """``W`` worker processes sharing the server's buffers; each trains its clients with a
     ``runner`` (a ClientRunner, or a subclass such as Hogwild's), built in the worker for the run.
 
@@ -179,9 +180,6 @@ class WorkerPool:
         self._in_round = False
         self.slowest = max(self.slowest, time.perf_counter() - started)
 
-    def agree(self, compute):
-        return compute()  # one process plans the rounds
-
     def _await_all(self, kind: str, timeout: float) -> None:
         """Wait until every worker has sent ``kind``; raise WorkerError on the first death,
         exception report or timeout."""
@@ -241,7 +239,7 @@ class WorkerPool:
         return (f"worker {rank} {doing} within {timeout:.0f} s (worker_timeout){others}; "
                 f"raise worker_timeout if rounds are really this slow")
 
-    def close(self) -> None:
+    def close(self, finished: bool = True, ended_by: BaseException | None = None) -> None:
         """End the run. A pool with a keeper whose workers are idle and alive goes back to the
         keeper for its next run; otherwise every worker stops, politely between rounds, by signal
         otherwise. Never leaves one alive without a keeper that will stop it."""
@@ -291,7 +289,7 @@ class WorkerPool:
 _LIVE_POOLS: set[WorkerPool] = set()
 
 
-class InlinePool:
+class InlinePool(Executor):
     """``workers: 0``: the server trains the clients itself, one after another, with no worker
     process. For debugging (a breakpoint in a model's forward stops there) and for runs so small
     that starting a process costs more than training. The same code trains the same clients from
@@ -323,14 +321,9 @@ class InlinePool:
             torch.set_num_threads(threads)
         self.busy_seconds, self.peak_memory = [time.perf_counter() - started], [self.runner.peak_memory()]
 
-    def agree(self, compute):
-        return compute()
-
-    def close(self) -> None:
-        pass
 
 
-class Wrapper:
+class Wrapper(Executor):
     """An executor around another, ``inner``, whose workers do the training."""
 
     @property

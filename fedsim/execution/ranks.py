@@ -5,16 +5,20 @@ the whole round; the other ranks run ``follow``, the same rounds without collect
 or recording. See distributed.py for how the ranks talk."""
 from __future__ import annotations
 
+import socket
+
 import torch
 
 from .distributed import RankStopped, Ranks
 from ..core.errors import FedsimError
+from .interrupts import Terminated
 from .pool import Wrapper, slot_groups
+from .resources import peak_memory_mb
 
 
 class RanksExecutor(Wrapper):
-    def __init__(self, inner, ranks: Ranks, config, state):
-        self.inner, self.ranks, self.config, self.state = inner, ranks, config, state
+    def __init__(self, inner, ranks: Ranks, config, state, device: torch.device):
+        self.inner, self.ranks, self.config, self.state, self.device = inner, ranks, config, state, device
         self.rank_memory = None  # every rank's memory figures, on the leader once the run ends
 
     def share_start(self, first_round: int) -> int:
@@ -69,16 +73,19 @@ class RanksExecutor(Wrapper):
         state = self.state
         self.ranks.share([state.model.flat, *state.server_state.values()], f"sharing round {rnd}'s update")
 
-    def close(self, stopped_early: bool = False, memory: dict | None = None, in_step: bool = True) -> None:
-        """Stop this rank's workers. Ranks still in step (not stopped by a signal) then talk once
-        more: the leader tells the others when it stops early, and every rank reports its memory
-        to the leader. A rank that is gone makes these fail: then there is nothing to tell or
-        collect."""
+    def close(self, finished: bool = True, ended_by: BaseException | None = None) -> None:
+        """Stop this rank's workers. Ranks still in step then talk once more: the leader tells the
+        others when it stops early, and every rank reports its memory to the leader. A signal
+        stops each rank wherever it is, not at the same collective, so then none is started; a
+        rank that is gone makes them fail, and then there is nothing to tell or collect."""
+        memory = {"rank": self.ranks.rank, "host": socket.gethostname(), "device": str(self.device),
+                  "server_peak_memory_mb": peak_memory_mb(self.device),
+                  "worker_peak_memory_mb": [round(b / 2**20, 1) for b in self.inner.peak_memory]}
         self.inner.close()
-        if not in_step:
+        if isinstance(ended_by, (KeyboardInterrupt, Terminated)):
             return
         try:
-            if self.ranks.is_root and stopped_early:
+            if self.ranks.is_root and not finished and not isinstance(ended_by, RankStopped):
                 self.ranks.decide("failed", "stopping")
             self.rank_memory = self.ranks.collect(memory, "collecting the ranks' memory")
         except FedsimError:

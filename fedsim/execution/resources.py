@@ -51,6 +51,14 @@ def reset_peak_memory(device: torch.device) -> None:
         pass
 
 
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: tensors on the GPU (the allocator's peak, without the
+    CUDA context), or resident set size on a CPU."""
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    return round(peak_rss_bytes() / 2**20, 1)
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size. Read from /proc: a spawned child's ru_maxrss
     starts at its parent's peak, which would make every worker report the server's size."""

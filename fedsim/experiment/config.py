@@ -26,6 +26,8 @@ from ..core.checks import shown
 from ..fl.compression import CompressionConfig
 from ..core.errors import ConfigError, FedsimError, cut
 from ..fl.system import SystemConfig
+from ..core.files import atomic_write_text
+from .keys import defining, flatten_config
 from ..core.yamlfile import RefusedYAML, parse_yaml
 
 
@@ -303,8 +305,6 @@ def groups_per_round(cfg: Config) -> int:
 def overrides_of(cfg: Config) -> dict:
     """The keys set on top of the experiment (``--set``, or ``fedsim.run``'s keywords), dotted,
     with the values the run has for them: ``{"data.dataset": "synthetic", "aggregator_options.bound": 0.5}``."""
-    from ..results.history import flatten_config
-
     _, keys = getattr(cfg, "origin", ("config", {}))
     values = dict(flatten_config(cfg.to_dict()))
     return {key: value for key, value in sorted(values.items())
@@ -315,8 +315,6 @@ def directory_name(cfg: Config) -> str:
     """What a run directory is called before its timestamp: the run's name, then the overrides
     that change what it computes (not where or how fast it runs), or a hash of them where they
     would be long: ``mnist_seed-dataset=synthetic-lr=0.05``."""
-    from ..results.history import defining
-
     changes = [f"{key.rpartition('.')[2]}={_short(value)}" for key, value in defining(overrides_of(cfg)).items()]
     suffix = "-".join(changes)
     if len(suffix) > 48:
@@ -332,6 +330,4 @@ def _short(value) -> str:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    from ..results.rundir import atomic_write_text
-
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import os
 import re
+from collections.abc import Mapping
 
 from ..fl import asynchronous, compression
 from . import components
@@ -16,7 +17,11 @@ from ..core.checks import Checks, shown
 from .config import MAX_CLIENTS, MAX_TIMEOUT, Config, DataConfig, apply_overrides, build, groups_per_round, where
 from ..data import options_for
 from ..core.errors import ConfigError, cut
-from ..fl.privacy import Privacy
+from ..fl.aggregation import AGGREGATORS
+from ..fl.compression import feeds_back
+from ..fl.privacy import RULES, Privacy
+from ..algorithms import Algorithm
+from ..core.registry import is_import_path
 from ..fl.system import System, SystemConfig
 from ..core.yamlfile import experiment_file, read_yaml
 
@@ -86,7 +91,7 @@ def validate(cfg: Config) -> None:
     if cfg.mode == "async":
         check_async(cfg, checks)
     System.check_config(cfg)
-    Privacy.check(cfg)  # after the components it is combined with are known to be valid
+    check_privacy(cfg)  # after the components it is combined with are known to be valid
 
 
 def _check_run(cfg: Config, checks: Checks) -> None:
@@ -255,3 +260,87 @@ def unused_settings(cfg: Config) -> list[str]:
          [f"asynchronous.{key} is set but mode is {cfg.mode}: set mode: async to use it"
           for key, value in vars(cfg.asynchronous).items() if value != getattr(asynchronous.AsyncConfig(), key)]) + \
         [w for w in [components.aggregator_warning(cfg)] if w]
+
+
+# ----------------------------------------------------------------------------- privacy and the rest
+
+
+def check_privacy(cfg: Config) -> None:
+    """The ``privacy`` section, then what it is combined with. DP-FedAvg's guarantee (see
+    fl/privacy.py) holds only for a rule whose output is a sum of per-client contributions each
+    bounded by the clip, an algorithm that keeps nothing computed from un-noised client data, no
+    error-feedback residuals, and Poisson sampling of clients that are always online."""
+    if Privacy.from_config(cfg) is None:
+        return
+    _privacy_and_aggregator(cfg.aggregator)
+    _privacy_and_algorithm(cfg)
+    _privacy_and_compression(cfg)
+    _privacy_and_sampling(cfg)
+
+
+def _privacy_and_aggregator(spec) -> None:
+    registered = isinstance(spec, str) and not is_import_path(spec)
+    if registered and spec in RULES:
+        return
+    if registered and spec in AGGREGATORS:
+        why = "its output is not a sum of per-client contributions each bounded by privacy.clip, so the Gaussian " \
+              "mechanism's sensitivity bound does not hold"
+    else:
+        why = "fedsim cannot tell that its output is a sum of per-client contributions each bounded by " \
+              "privacy.clip, which the Gaussian mechanism's sensitivity bound needs"
+    raise ConfigError(f"privacy: aggregator {components.describe(spec)} cannot be used with differential privacy: "
+                      f"{why}; use aggregator fedavg or mean (under privacy both are the unweighted mean of the "
+                      f"clipped updates)")
+
+
+def _privacy_and_algorithm(cfg) -> None:
+    algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
+    name = components.describe(cfg.algorithm)
+    try:
+        algorithm.setup(cfg)
+        kept = [("server state", algorithm.server_state(1)), ("client state", algorithm.client_state(1)),
+                ("client reports", algorithm.report_shapes(1))]
+    except ConfigError:
+        raise
+    except Exception as e:  # the user's code: say whose, in one line
+        raise ConfigError(f"algorithm: {name} failed when asked for its state ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    reasons = [f"{what} {', '.join(map(repr, shapes))}" for what, shapes in kept if shapes]
+    if type(algorithm).server_update is not Algorithm.server_update:
+        reasons.append("its own server_update")
+    if reasons:
+        listed = reasons[0] if len(reasons) == 1 else f"{', '.join(reasons[:-1])} and {reasons[-1]}"
+        raise ConfigError(f"privacy: algorithm {name} cannot be used with differential privacy: it has {listed}, "
+                          f"which see the clients' un-noised data and so would leak it; use an algorithm that only "
+                          f"changes local training (fedavg, fedprox)")
+
+
+def _privacy_and_compression(cfg) -> None:
+    section = getattr(cfg, "compression", None)
+    if section is not None and feeds_back(section):
+        raise ConfigError("compression.error_feedback: cannot be used with differential privacy: each client's "
+                          "residual is state kept from the rounds it took part in, which the accounting (each "
+                          "round's contribution a function of the client's data and the current model) does not "
+                          "cover, as with an algorithm's client state; set compression.error_feedback: false")
+
+
+def _privacy_and_sampling(cfg) -> None:
+    """The accountant's rate q = K / N is each client's chance to be in a round only under Poisson
+    sampling of clients that are always online."""
+    sampling = getattr(cfg, "client_sampling", "uniform")
+    if sampling != "poisson":
+        why = {"uniform": "it samples exactly clients_per_round clients, for which the Poisson accounting is not "
+                          "a proven bound",
+               "power_of_choice": "it makes some clients likelier to be sampled, by their loss on their own "
+                                  "data, which is not noised"}.get(sampling, "it makes some clients likelier to be "
+                                                                             "sampled than others")
+        raise ConfigError(f"client_sampling: {sampling} cannot be used with privacy: {why}; use client_sampling: "
+                          f"poisson (each client joins a round with probability clients_per_round / "
+                          f"data.num_clients, as DP-FedAvg assumes)")
+    system = getattr(cfg, "system", None)
+    availability = system.get("availability", 1.0) if isinstance(system, Mapping) else \
+        getattr(system, "availability", 1.0)
+    if availability != 1:
+        raise ConfigError(f"privacy: system.availability {availability!r} cannot be used with differential privacy: "
+                          f"clients that are online more often are sampled more often than clients_per_round / "
+                          f"data.num_clients, the sampling rate the accountant assumes; leave availability at 1")

@@ -37,7 +37,7 @@ import torch
 
 from ..data import local_test_split
 
-METRIC_COLUMNS = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")
+CLIENT_ACCURACY_COLUMNS = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")
 
 
 def spread(accuracies) -> dict:
@@ -48,7 +48,7 @@ def spread(accuracies) -> dict:
     values = np.asarray(accuracies, dtype=np.float64)
     values = values[~np.isnan(values)]
     if not len(values):
-        return dict.fromkeys(METRIC_COLUMNS, math.nan)
+        return dict.fromkeys(CLIENT_ACCURACY_COLUMNS, math.nan)
     return {"client_accuracy_mean": float(values.mean()), "client_accuracy_std": float(values.std()),
             "client_accuracy_p10": float(np.percentile(values, 10))}
 

@@ -28,7 +28,7 @@ z_u = (z^-2 - (2 s)^-2)^(-1/2), so that the two releases together are one Gaussi
 noise multiplier z (Andrew et al., Theorem 1), which is what is accounted. C starts at ``clip``,
 is part of the checkpoint, and is the ``clip`` column of metrics.csv.
 
-Which rules and algorithms keep the guarantee (``Privacy.check``):
+Which rules and algorithms keep the guarantee (``experiment/validation.py``'s ``check_privacy``):
 
 - aggregator ``fedavg`` or ``mean``: under privacy both become the mean above. Every other rule
   (median, trimmed_mean, krum, multi_krum, geometric_median, norm_clip, a rule of one's own) is
@@ -73,13 +73,9 @@ from typing import Callable
 
 import torch
 
-from ..experiment import components
-from .aggregation import AGGREGATORS, float64_blocks, row_norms
-from ..algorithms import Algorithm
+from .aggregation import float64_blocks, row_norms
 from ..core.checks import FLOAT32, Checks, is_integer, is_number
-from .compression import feeds_back
 from ..core.errors import ConfigError
-from ..core.registry import is_import_path
 from ..core.streams import privacy_noise_generator
 
 RULES = ("fedavg", "mean")  # the rules that privacy's clipped, noised mean replaces
@@ -155,8 +151,9 @@ class Privacy:
     def from_config(cls, cfg) -> "Privacy | None":
         """The run's Privacy, or None without a ``privacy`` section (absent or null). The section
         is a mapping or an object with the attributes ``clip``, ``noise_multiplier``, ``delta``
-        (and optionally the other KEYS). Validates it and its combination with the run's
-        sampling, aggregator and algorithm (see ``check``)."""
+        (and optionally the other KEYS), which it validates. What privacy cannot be combined with
+        (a rule, an algorithm, sampling, compression) is checked where the sections meet,
+        ``experiment/validation.py``."""
         section = getattr(cfg, "privacy", None)
         if section is None:
             return None
@@ -165,18 +162,14 @@ class Privacy:
             if values.get(key) is None:
                 _CHECKS.fail(key, "is required when privacy is on")
         privacy = cls(**values, clients_per_round=cfg.clients_per_round, num_clients=cfg.data.num_clients)
-        _check_aggregator(cfg.aggregator)
-        _check_algorithm(cfg)
-        _check_compression(cfg)
-        _check_sampling(cfg)
         if importlib.util.find_spec("dp_accounting") is None:  # found now, imported (seconds) only when accounting
             raise ConfigError(f"privacy: its accounting needs the dp-accounting package: {INSTALL}")
         return privacy
 
     @classmethod
     def check(cls, cfg) -> None:
-        """Raise a one-line ConfigError, naming the key, if the ``privacy`` section is invalid or
-        cannot be combined with the run's sampling, aggregator or algorithm; nothing without it."""
+        """Raise a one-line ConfigError, naming the key, if the ``privacy`` section is invalid;
+        nothing without it."""
         cls.from_config(cfg)
 
     @staticmethod
@@ -291,74 +284,6 @@ def _weighted_sum(rows: torch.Tensor, coefficients: torch.Tensor) -> torch.Tenso
     for start, block in float64_blocks(rows):
         torch.mv(block.T, coefficients, out=out[start:start + block.shape[1]])
     return out
-
-
-def _check_aggregator(spec) -> None:
-    registered = isinstance(spec, str) and not is_import_path(spec)
-    if registered and spec in RULES:
-        return
-    if registered and spec in AGGREGATORS:
-        why = "its output is not a sum of per-client contributions each bounded by privacy.clip, so the Gaussian " \
-              "mechanism's sensitivity bound does not hold"
-    else:
-        why = "fedsim cannot tell that its output is a sum of per-client contributions each bounded by " \
-              "privacy.clip, which the Gaussian mechanism's sensitivity bound needs"
-    raise ConfigError(f"privacy: aggregator {components.describe(spec)} cannot be used with differential privacy: "
-                      f"{why}; use aggregator fedavg or mean (under privacy both are the unweighted mean of the "
-                      f"clipped updates)")
-
-
-def _check_algorithm(cfg) -> None:
-    algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
-    name = components.describe(cfg.algorithm)
-    try:
-        algorithm.setup(cfg)
-        kept = [("server state", algorithm.server_state(1)), ("client state", algorithm.client_state(1)),
-                ("client reports", algorithm.report_shapes(1))]
-    except ConfigError:
-        raise
-    except Exception as e:  # the user's code: say whose, in one line
-        raise ConfigError(f"algorithm: {name} failed when asked for its state ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    reasons = [f"{what} {', '.join(map(repr, shapes))}" for what, shapes in kept if shapes]
-    if type(algorithm).server_update is not Algorithm.server_update:
-        reasons.append("its own server_update")
-    if reasons:
-        listed = reasons[0] if len(reasons) == 1 else f"{', '.join(reasons[:-1])} and {reasons[-1]}"
-        raise ConfigError(f"privacy: algorithm {name} cannot be used with differential privacy: it has {listed}, "
-                          f"which see the clients' un-noised data and so would leak it; use an algorithm that only "
-                          f"changes local training (fedavg, fedprox)")
-
-
-def _check_compression(cfg) -> None:
-    section = getattr(cfg, "compression", None)
-    if section is not None and feeds_back(section):
-        raise ConfigError("compression.error_feedback: cannot be used with differential privacy: each client's "
-                          "residual is state kept from the rounds it took part in, which the accounting (each "
-                          "round's contribution a function of the client's data and the current model) does not "
-                          "cover, as with an algorithm's client state; set compression.error_feedback: false")
-
-
-def _check_sampling(cfg) -> None:
-    """The accountant's rate q = K / N is each client's chance to be in a round only under Poisson
-    sampling of clients that are always online."""
-    sampling = getattr(cfg, "client_sampling", "uniform")
-    if sampling != "poisson":
-        why = {"uniform": "it samples exactly clients_per_round clients, for which the Poisson accounting is not "
-                          "a proven bound",
-               "power_of_choice": "it makes some clients likelier to be sampled, by their loss on their own "
-                                  "data, which is not noised"}.get(sampling, "it makes some clients likelier to be "
-                                                                             "sampled than others")
-        raise ConfigError(f"client_sampling: {sampling} cannot be used with privacy: {why}; use client_sampling: "
-                          f"poisson (each client joins a round with probability clients_per_round / "
-                          f"data.num_clients, as DP-FedAvg assumes)")
-    system = getattr(cfg, "system", None)
-    availability = system.get("availability", 1.0) if isinstance(system, Mapping) else \
-        getattr(system, "availability", 1.0)
-    if availability != 1:
-        raise ConfigError(f"privacy: system.availability {availability!r} cannot be used with differential privacy: "
-                          f"clients that are online more often are sampled more often than clients_per_round / "
-                          f"data.num_clients, the sampling rate the accountant assumes; leave availability at 1")
 
 
 def _import(module: str):

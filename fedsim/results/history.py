@@ -13,6 +13,7 @@ from pathlib import Path
 from statistics import fmean, stdev
 
 from ..core.errors import ConfigError, FedsimError, cut
+from ..experiment.keys import RUN_SPECIFIC_KEYS, flatten_config
 from .rundir import COLUMNS, read_client_accuracy, read_clients, read_mapping, read_metrics
 from ..core.yamlfile import parse_yaml
 
@@ -143,14 +144,6 @@ def finished(histories) -> list[History]:
     return kept
 
 
-# Keys that say where and how a run executed, not what it computed: runs whose configs differ
-# only in these (and in seed and name) are repeats of one experiment.
-RUN_SPECIFIC_KEYS = frozenset({
-    "name", "seed", "device", "workers", "backend", "checkpoint_every", "worker_timeout",
-    "on_worker_failure", "sharing_strategy", "eval_batch_size", "data.root", "data.download", "data.placement",
-})
-
-
 def group_repeats(histories, distinguish=()) -> list[list[History]]:
     """Runs grouped by experiment: configs equal except ``RUN_SPECIFIC_KEYS`` (seed, name, ...).
 
@@ -184,12 +177,6 @@ def _experiment_key(config: dict, distinguish: set) -> tuple:
                         if k not in RUN_SPECIFIC_KEYS or k in distinguish))
 
 
-def defining(overrides: dict) -> dict:
-    """The overrides that change what a run computes: all but where and how it ran (the
-    ``RUN_SPECIFIC_KEYS``), though the seed counts."""
-    return {key: value for key, value in overrides.items() if key == "seed" or key not in RUN_SPECIFIC_KEYS}
-
-
 def describe_run(config: dict, overrides: dict | None = None) -> str:
     """What a run computed, in one line: dataset and split, model, aggregation rule, algorithm (as
     config.yaml names them), then the keys set on top of its experiment (``overrides``, as
@@ -207,15 +194,6 @@ def describe_run(config: dict, overrides: dict | None = None) -> str:
 
 def _plain(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def flatten_config(config: dict, prefix: str = ""):
-    """(dotted key, value) pairs of a nested config dict."""
-    for key, value in config.items():
-        if isinstance(value, dict) and value:
-            yield from flatten_config(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
 
 
 class ResultsTable(list):

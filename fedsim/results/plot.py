@@ -17,8 +17,10 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from ..core.errors import FedsimError, write_error
-from .history import (RUN_SPECIFIC_KEYS, History, defining, describe_run, finished, flatten_config, group_repeats, load_run, load_runs)
-from .rundir import COLUMNS, check_output_path, write_atomically
+from ..experiment.keys import RUN_SPECIFIC_KEYS, defining, flatten_config
+from .history import History, describe_run, finished, group_repeats, load_run, load_runs
+from ..core.files import write_atomically
+from .rundir import COLUMNS, check_output_path
 
 # Okabe & Ito's palette, which stays distinct under the common colour-vision deficiencies;
 # yellow comes last because it is faint on white.

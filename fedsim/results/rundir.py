@@ -16,7 +16,6 @@ foreign file into one line naming it. ``fedsim.results`` reads runs back as Hist
 from __future__ import annotations
 
 import csv
-import errno
 import hashlib
 import json
 import os
@@ -25,12 +24,9 @@ from datetime import datetime
 from pathlib import Path
 
 from ..core.errors import FedsimError, cut, write_error
+from ..core.files import atomic_write_text, write_atomically
+from ..engine.records import METRIC_COLUMNS as COLUMNS  # metrics.csv's, in order: RoundRow's fields
 
-COLUMNS = ("round", "test_accuracy", "test_loss", "train_loss", "seconds", "elapsed_seconds",
-           "clients", "dropped_clients", "attackers", "train_seconds", "worker_seconds", "aggregate_seconds",
-           "eval_seconds", "epsilon", "clip", "client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10",
-           "simulated_seconds", "simulated_time", "unavailable", "stragglers", "bytes_down", "bytes_up",
-           "cumulative_bytes")
 # columns of what a run may leave off (privacy, eval_per_client, the bytes of hogwild), and columns
 # that rows of an older version lack (a resumed run rewrites those rows): empty in metrics.csv, None
 # in a History
@@ -205,40 +201,6 @@ def _lock(path: Path, exclusive: bool) -> int:
         raise RunInUseError(f"{path}: another fedsim process is running in this directory; "
                             f"wait for it to finish (or stop it) first") from None
     return fd
-
-
-def write_atomically(path: Path, write, advice: str = "choose another place with --out") -> None:
-    """Write ``path`` whole or not at all: ``write(tmp)`` fills a temporary file beside it,
-    which then replaces ``path``. A full disk, a crash or an interrupt leaves the old file whole
-    and no temporary file behind; a failure is one line naming the path and what to do."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise write_error(path, e, advice) from None
-    except RuntimeError as e:  # torch.save reports a failed write as a RuntimeError
-        raise write_error(path, _as_os_error(path, e), advice) from None
-    finally:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # could not be created in the first place
-
-
-def _as_os_error(path: Path, error: RuntimeError) -> OSError:
-    """The OSError behind a library's failed write: a full disk when it has no room left."""
-    try:
-        stats = os.statvfs(path.parent)
-        if stats.f_bavail * stats.f_frsize < 1 << 20:
-            return OSError(errno.ENOSPC, "No space left on device")
-    except OSError:
-        pass
-    return OSError(errno.EIO, str(error).splitlines()[0])
-
-
-def atomic_write_text(path: Path, text: str, advice: str = "choose another place with --out") -> None:
-    write_atomically(path, lambda tmp: tmp.write_text(text), advice)
 
 
 def _format(value) -> str:

@@ -23,7 +23,8 @@ import torch
 
 from ..engine.records import CLIENT_COLUMNS
 from ..core.errors import write_error
-from ..results.rundir import read_client_accuracy, write_atomically
+from ..core.files import write_atomically
+from ..results.rundir import read_client_accuracy
 
 CLIENT_ACCURACY_COLUMNS = ("round", "client", "model", "samples", "accuracy")
 

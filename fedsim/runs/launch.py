@@ -15,7 +15,8 @@ from ..execution.processes import UNGUARDED_SCRIPT, in_worker_start, start_fork_
 from ..results.progress import RoundLog, console_logging
 from ..results.history import History
 from ..results.rundir import RunDirectory
-from .session import RESUMABLE_KEYS, Session, run_identity
+from ..experiment.keys import RESUMABLE_KEYS
+from .session import Session, run_identity
 from ..experiment.validation import load_config
 
 
@@ -153,7 +154,7 @@ def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None, call
 def agree_on_config(ranks: Ranks, load) -> Config | None:
     """The config of a run: rank 0's ``load()`` (None: nothing to run); the other ranks receive
     it. If loading fails on rank 0, the others stop quietly and rank 0 says why."""
-    if ranks.world == 1:
+    if not ranks.several:
         return load()
     if ranks.is_root:
         try:

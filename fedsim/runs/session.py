@@ -26,19 +26,24 @@ from ..fl.client_state import ClientStates
 from ..fl.compression import Compression, client_shapes
 from ..experiment.config import Config, groups_per_round, locate, overrides_of
 from ..execution.distributed import RankStopped, Ranks, rank_device
-from ..engine import AggregateUpdates, AsyncEngine, Engine, GlobalState, RoundBuffers
+from ..engine.asynchronous import AsyncEngine
+from ..engine.buffers import RoundBuffers
+from ..engine.loop import Engine
+from ..engine.state import GlobalState
+from ..engine.update import AggregateUpdates
 from ..core.errors import ConfigError, FedsimError, OutputError, exception_text, explain_resource_error, user_code
 from ..execution.executors import Restarting, new_pool
 from ..execution.hogwild import AdoptSharedWeights, HogwildRunner
 from ..execution.ranks import RanksExecutor
-from ..execution.resources import peak_rss_bytes
+from ..execution.resources import peak_memory_mb
 from ..execution.runner import ClientRunner
 from ..experiment.federation import initial_model, load_federation
 from ..core.flat import FlatModel
 from ..execution.interrupts import Terminated, shielded, then_shielded
 from ..fl.privacy import Privacy
 from ..results.progress import RoundLog, console_logging
-from ..results.history import History, describe_run, flatten_config
+from ..experiment.keys import RESUMABLE_KEYS, flatten_config
+from ..results.history import History, describe_run
 from ..results.rundir import read_clients, read_mapping
 from ..fl.server_opt import make_server_optimizer
 from ..fl.system import System
@@ -46,13 +51,7 @@ from ..experiment.validation import unused_settings
 
 logger = logging.getLogger("fedsim")
 
-# Keys that say where and how fast a run goes, not what it computes.
-PLACEMENT_KEYS = {"workers", "worker_timeout", "checkpoint_every", "on_worker_failure", "eval_batch_size", "device",
-                  "client_state_limit_mb",
-                  "sharing_strategy", "data.root", "data.download", "data.placement"}
-# Keys a resumed run may change: those, how long it runs and how often it reports.
-RESUMABLE_KEYS = PLACEMENT_KEYS | {"rounds", "stop_at_accuracy", "eval_every"}
-# Each worker process on a GPU holds a CUDA context (about 0.5 GiB) plus its model, gradients
+# Each worker process on a GPU holds a CUDA context (hundreds of MiB) plus its model, gradients
 # and activations; this budget per worker keeps the default from over-subscribing the card.
 _GPU_BYTES_PER_WORKER = 1 << 30
 
@@ -107,14 +106,6 @@ def run_identity(cfg: Config) -> str:
     keeps it, so that a config.yaml edited by hand is not taken for the same run."""
     kept = {k: v for k, v in flatten_config(cfg.to_dict()) if k not in RESUMABLE_KEYS}
     return yaml.safe_dump(kept, sort_keys=True)
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process: tensors on the GPU (the allocator's peak, without the
-    CUDA context), or resident set size on a CPU."""
-    if device.type == "cuda":
-        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-    return round(peak_rss_bytes() / 2**20, 1)
 
 
 def build_parts(cfg: Config, device: torch.device, datasets: dict | None = None):
@@ -188,10 +179,10 @@ class Session:
         self.user_callbacks = list(callbacks)
         self.t_start = time.perf_counter()
         torch.multiprocessing.set_sharing_strategy(cfg.sharing_strategy)
-        self.device = resolve_device(rank_device(cfg.device) if self.ranks.world > 1 else cfg.device)
+        self.device = resolve_device(rank_device(cfg.device) if self.ranks.several else cfg.device)
         one_process = {"async": "plays one simulated clock in one process",
                        "hogwild": "shares one model in one machine's memory"}.get(cfg.mode)
-        if one_process and self.ranks.world > 1:
+        if one_process and self.ranks.several:
             raise ConfigError(f"mode: {cfg.mode} {one_process}; run it as a single process, without torchrun")
         self.ranks.use_device(self.device)
         self.workers = resolve_workers(cfg, self.device)
@@ -241,8 +232,8 @@ class Session:
         else:
             strategy = AdoptSharedWeights(cfg, self.state, self.buffers)
             self.state.bytes_sent = None  # nothing travels: the workers train one shared model
-        if self.ranks.world > 1:
-            self.executor = RanksExecutor(self.executor, self.ranks, cfg, self.state)
+        if self.ranks.several:
+            self.executor = RanksExecutor(self.executor, self.ranks, cfg, self.state, device)
         self.client_eval = ClientEvaluation.for_run(cfg, data, parts, data_device) if cfg.eval_per_client else None
         test = (data.test_x.to(data_device), data.test_y.to(data_device))
         if cfg.mode == "async":  # the clock decides when the global model changes (validation refuses the rest)
@@ -310,8 +301,7 @@ class Session:
     def _start(self) -> None:
         self.executor.start(self.buffers)
         self.startup_seconds = round(time.perf_counter() - self.t_start, 3)  # data placed, workers ready
-        if self.ranks.world > 1:
-            self.first_round = self.executor.share_start(self.first_round)
+        self.first_round = self.executor.share_start(self.first_round)
 
     def _rounds(self) -> None:
         """The leader's rounds, each recorded in step (files, checkpoint, line) whatever signal
@@ -339,8 +329,8 @@ class Session:
                 self.log.round_end(row, cfg.rounds)  # once printed, the round is on disk
                 if reached or rnd == cfg.rounds:
                     self.status = "finished"  # whatever arrives from here on, every round is done
-            if self.ranks.world > 1:  # the other ranks get the new state, or learn that the run is over
-                self.executor.end_round(rnd, result.trained, go_on=self.status != "finished")
+            # the other ranks, if any, get the new state or learn that the run is over
+            self.executor.end_round(rnd, result.trained, go_on=self.status != "finished")
             if reached:
                 logger.info(f"reached stop_at_accuracy {target} in round {rnd}")
                 break
@@ -363,16 +353,7 @@ class Session:
         """Stop the workers, write the summary and plot, tell the callbacks; called with signals held."""
         status = self.status
         self.worker_peak_memory_mb = [round(b / 2**20, 1) for b in self.executor.peak_memory]
-        if self.ranks.world > 1:
-            memory = {"rank": self.ranks.rank, "host": socket.gethostname(), "device": str(self.device),
-                      "server_peak_memory_mb": peak_memory_mb(self.device),
-                      "worker_peak_memory_mb": self.worker_peak_memory_mb}
-            early = status != "finished" and not isinstance(ended_by, RankStopped)
-            # a signal stops each rank wherever it is, not at the same collective: none is started
-            in_step = not isinstance(ended_by, (KeyboardInterrupt, Terminated))
-            self.executor.close(stopped_early=early, memory=memory, in_step=in_step)
-        else:
-            self.executor.close()
+        self.executor.close(finished=status == "finished", ended_by=ended_by)
         if not self.ranks.is_root:
             self.log.close()
             return
@@ -416,7 +397,7 @@ class Session:
             "workers": self.workers,
             "worker_peak_memory_mb": self.worker_peak_memory_mb,
             "server_peak_memory_mb": peak_memory_mb(self.device),
-            **({"ranks": self.executor.rank_memory} if self.ranks.world > 1 else {}),
+            **({"ranks": self.executor.rank_memory} if self.ranks.several else {}),
             "torch": torch.__version__,
         }
         self.run_dir.write_summary(self.summary)

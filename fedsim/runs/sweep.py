@@ -30,7 +30,8 @@ from pathlib import Path
 from ..experiment.config import Config
 from ..core.errors import ConfigError, FedsimError, write_error
 from ..results.history import (History, check_target, format_rounds_to_target, load_run, mean_and_sd, rounds_to_target, target_stats)
-from ..results.rundir import atomic_write_text, safe_dir_name, write_atomically
+from ..core.files import atomic_write_text, write_atomically
+from ..results.rundir import safe_dir_name
 from .sweepdir import SWEEP_FILE, identity, left_to_do, placement, sweep_root
 from ..experiment.validation import load_config
 

@@ -9,7 +9,7 @@ import yaml
 
 from ..experiment.config import Config
 from ..core.errors import FedsimError
-from ..results.history import flatten_config
+from ..experiment.keys import PLACEMENT_KEYS, flatten_config
 from ..results.rundir import RunDirectory, read_mapping
 from ..experiment.validation import load_config
 
@@ -18,16 +18,12 @@ SWEEP_FILE = "sweep.json"  # what each run of the sweep is, so that the same swe
 
 def identity(cfg: Config) -> str:
     """What a run computes: its config but for where and how fast it runs."""
-    from .session import PLACEMENT_KEYS
-
     return yaml.safe_dump({k: v for k, v in flatten_config(cfg.to_dict()) if k not in PLACEMENT_KEYS},
                           sort_keys=True)
 
 
 def placement(cfg: Config) -> dict:
     """The keys of where and how fast ``cfg`` runs, for a resumed run to take from the sweep."""
-    from .session import PLACEMENT_KEYS
-
     return {k: v for k, v in flatten_config(cfg.to_dict()) if k in PLACEMENT_KEYS}
 
 
