@@ -1,4 +1,5 @@
 """mkdocs hooks: the site's home page is the README, its links into docs/ made relative to the site."""
+
 from pathlib import Path
 
 from mkdocs.structure.files import File

@@ -7,6 +7,7 @@ Every (workload, model, backend, workers) runs `fedsim.run` in a fresh process; 
 timed through the `fedsim run` command from the moment the command starts. Prints the tables
 and writes every number to benchmarks/results/bench_rounds-<device>-<time>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,25 +23,51 @@ import harness
 SCRIPT = Path(__file__).resolve()
 
 TIMING_COLUMNS = [
-    ("workload", "workload", ""), ("model", "model", ""), ("backend", "backend", ""), ("W", "workers", "d"),
-    ("round1 s", "round1_seconds", ".3f"), ("s/round", "round_seconds", ".3f"),
-    ("interval s", "interval_seconds", ".3f"), ("samples/s", "samples_per_second", ",.0f"),
+    ("workload", "workload", ""),
+    ("model", "model", ""),
+    ("backend", "backend", ""),
+    ("W", "workers", "d"),
+    ("round1 s", "round1_seconds", ".3f"),
+    ("s/round", "round_seconds", ".3f"),
+    ("interval s", "interval_seconds", ".3f"),
+    ("samples/s", "samples_per_second", ",.0f"),
     ("updates/s", "client_updates_per_second", ",.1f"),
-    ("train s", "train_seconds", ".3f"), ("agg s", "aggregate_seconds", ".3f"), ("eval s", "eval_seconds", ".3f"),
-    ("overhead", "overhead_fraction", ".1%"), ("speedup", "speedup", ".2f"), ("eff", "efficiency", ".0%"),
-    ("startup s", "startup_seconds", ".2f"), ("run s", "run_call_seconds", ".2f"), ("acc", "final_test_accuracy", ".4f"),
+    ("train s", "train_seconds", ".3f"),
+    ("agg s", "aggregate_seconds", ".3f"),
+    ("eval s", "eval_seconds", ".3f"),
+    ("overhead", "overhead_fraction", ".1%"),
+    ("speedup", "speedup", ".2f"),
+    ("eff", "efficiency", ".0%"),
+    ("startup s", "startup_seconds", ".2f"),
+    ("run s", "run_call_seconds", ".2f"),
+    ("acc", "final_test_accuracy", ".4f"),
 ]
 MEMORY_COLUMNS = [
-    ("workload", "workload", ""), ("model", "model", ""), ("backend", "backend", ""), ("W", "workers", "d"),
-    ("server peak MB", "server_peak_mb", ".1f"), ("worker peak MB", "worker_peak_mb", ".1f"),
+    ("workload", "workload", ""),
+    ("model", "model", ""),
+    ("backend", "backend", ""),
+    ("W", "workers", "d"),
+    ("server peak MB", "server_peak_mb", ".1f"),
+    ("worker peak MB", "worker_peak_mb", ".1f"),
 ]
 CLI_COLUMNS = [
-    ("workload", "workload", ""), ("model", "model", ""), ("backend", "backend", ""), ("W", "workers", "d"),
-    ("command s", "command_seconds", ".2f"), ("startup s", "startup_seconds", ".2f"),
-    ("run wall s", "wall_seconds", ".2f"), ("acc", "final_test_accuracy", ".4f"),
+    ("workload", "workload", ""),
+    ("model", "model", ""),
+    ("backend", "backend", ""),
+    ("W", "workers", "d"),
+    ("command s", "command_seconds", ".2f"),
+    ("startup s", "startup_seconds", ".2f"),
+    ("run wall s", "wall_seconds", ".2f"),
+    ("acc", "final_test_accuracy", ".4f"),
 ]
-NOTE_COLUMNS = [("workload", "workload", ""), ("model", "model", ""), ("backend", "backend", ""),
-                ("W", "workers", "d"), ("status", "status", ""), ("why", "message", "")]
+NOTE_COLUMNS = [
+    ("workload", "workload", ""),
+    ("model", "model", ""),
+    ("backend", "backend", ""),
+    ("W", "workers", "d"),
+    ("status", "status", ""),
+    ("why", "message", ""),
+]
 
 # Performance goals on one GPU at --size full: (what, workload, model, key, bound, at most?)
 GPU_TARGETS = [
@@ -76,8 +103,7 @@ def measure(spec: dict) -> dict:
         start = time.perf_counter()
         history = run(spec["config"], out=out, overwrite=True, quiet=True, **spec["overrides"])
         seconds = time.perf_counter() - start
-    return {"rows": history.rows, "summary": history.summary, "config": history.config,
-            "run_call_seconds": seconds}
+    return {"rows": history.rows, "summary": history.summary, "config": history.config, "run_call_seconds": seconds}
 
 
 # ----------------------------------------------------------------------------- in the parent
@@ -105,13 +131,22 @@ def measure_all(args, device: str) -> tuple[list[dict], list[dict]]:
 
 def measure_one(run: dict, cfg, backend: str, workers: int, samples: float, device: str) -> dict:
     """One configuration in a fresh process, or why it was not measured."""
-    from fedsim.experiment.validation import load_config
     from fedsim.core.errors import ConfigError
+    from fedsim.experiment.validation import load_config
 
-    entry = {"workload": run["workload"], "model": run["model"], "backend": backend, "workers": workers,
-             "samples_per_round": samples}
+    entry = {
+        "workload": run["workload"],
+        "model": run["model"],
+        "backend": backend,
+        "workers": workers,
+        "samples_per_round": samples,
+    }
     if workers > cfg.clients_per_round:
-        return {**entry, "status": "skipped", "message": f"more workers than the {cfg.clients_per_round} clients per round"}
+        return {
+            **entry,
+            "status": "skipped",
+            "message": f"more workers than the {cfg.clients_per_round} clients per round",
+        }
     overrides = {**run["overrides"], "backend": backend, "workers": workers}
     try:
         load_config(run["config"], overrides)
@@ -129,8 +164,14 @@ def measure_command(run: dict, backend: str, workers: int, device: str) -> dict:
     print(f"{run['workload']} {run['model']} {backend} workers={workers} via `fedsim run` ...", end=" ", flush=True)
     timing = time_command(run["config"], overrides, device)
     print(f"{timing['command_seconds']:.2f} s" if timing["status"] == "ok" else timing["status"], flush=True)
-    return {"workload": run["workload"], "model": run["model"], "backend": backend, "workers": workers,
-            "overrides": overrides, **timing}
+    return {
+        "workload": run["workload"],
+        "model": run["model"],
+        "backend": backend,
+        "workers": workers,
+        "overrides": overrides,
+        **timing,
+    }
 
 
 def describe(result: dict, samples: float) -> dict:
@@ -161,8 +202,11 @@ def describe(result: dict, samples: float) -> dict:
 def add_scaling(entries: list[dict]) -> None:
     """Speedup over workers=1 of the same workload, model and backend, and parallel efficiency
     (speedup / workers; 100 % is linear)."""
-    base = {(e["workload"], e["model"], e["backend"]): e["round_seconds"]
-            for e in entries if e["workers"] == 1 and e.get("round_seconds")}
+    base = {
+        (e["workload"], e["model"], e["backend"]): e["round_seconds"]
+        for e in entries
+        if e["workers"] == 1 and e.get("round_seconds")
+    }
     for e in entries:
         reference = base.get((e["workload"], e["model"], e["backend"]))
         if reference and e.get("round_seconds"):
@@ -178,8 +222,9 @@ def time_command(config: str, overrides: dict, device: str) -> dict:
         command += [f"--set={key}={json.dumps(value)}" for key, value in overrides.items()]
         sampler = harness.MemorySampler(gpu=device == "cuda")
         start = time.perf_counter()
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                   env=harness.child_env())
+        process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=harness.child_env()
+        )
         sampler.start(process.pid)
         _, error_text = process.communicate()
         seconds = time.perf_counter() - start
@@ -188,10 +233,15 @@ def time_command(config: str, overrides: dict, device: str) -> dict:
             lines = error_text.strip().splitlines()
             return {"status": "failed", "message": lines[-1] if lines else f"exit status {process.returncode}"}
         summary = json.loads((out / "summary.json").read_text())
-    return {"status": "ok", "command": command, "command_seconds": seconds,
-            "startup_seconds": summary.get("startup_seconds"), "wall_seconds": summary.get("wall_seconds"),
-            "final_test_accuracy": summary.get("final_test_accuracy"),
-            **harness.memory_fields(sampler.report())}
+    return {
+        "status": "ok",
+        "command": command,
+        "command_seconds": seconds,
+        "startup_seconds": summary.get("startup_seconds"),
+        "wall_seconds": summary.get("wall_seconds"),
+        "final_test_accuracy": summary.get("final_test_accuracy"),
+        **harness.memory_fields(sampler.report()),
+    }
 
 
 def check_targets(entries: list[dict], commands: list[dict]) -> list[dict]:
@@ -200,8 +250,14 @@ def check_targets(entries: list[dict], commands: list[dict]) -> list[dict]:
     for what, workload, model, key, bound, at_most in GPU_TARGETS:
         value = _best(entries, commands, workload, model, key)
         met = None if value is None else (value <= bound if at_most else value >= bound)
-        rows.append({"target": what, "measured": value, "bound": f"{'<=' if at_most else '>='} {bound:g}",
-                     "met": {None: "-", True: "yes", False: "NO"}[met]})
+        rows.append(
+            {
+                "target": what,
+                "measured": value,
+                "bound": f"{'<=' if at_most else '>='} {bound:g}",
+                "met": {None: "-", True: "yes", False: "NO"}[met],
+            }
+        )
     return rows
 
 
@@ -236,8 +292,12 @@ def report(entries: list[dict], commands: list[dict], args, device: str) -> dict
     if device == "cuda" and args.size == "full":
         extra["targets"] = check_targets(entries, commands)
         print("\nTargets (best configuration of each)")
-        print(harness.format_table([("target", "target", ""), ("measured", "measured", ".3f"),
-                                    ("bound", "bound", ""), ("met", "met", "")], extra["targets"]))
+        print(
+            harness.format_table(
+                [("target", "target", ""), ("measured", "measured", ".3f"), ("bound", "bound", ""), ("met", "met", "")],
+                extra["targets"],
+            )
+        )
     return extra
 
 
@@ -250,8 +310,9 @@ def main(argv=None) -> int:
     machine = harness.machine_info()
     entries, commands = measure_all(args, device)
     extra = report(entries, commands, args, device)
-    path = harness.write_results("bench_rounds", args, machine, device, entries,
-                                 {"entries": entries, "commands": commands, **extra})
+    path = harness.write_results(
+        "bench_rounds", args, machine, device, entries, {"entries": entries, "commands": commands, **extra}
+    )
     print(f"\nwrote {path}")
     return 1 if any(e["status"] == "failed" for e in entries + commands) else 0
 

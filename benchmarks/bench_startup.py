@@ -17,6 +17,7 @@ The sweep row runs `fedsim sweep` over three values of local.lr, one round each:
 run, and the runs' own startup_seconds (the first run's, then the mean of the others).
 Prints the tables and writes every number to benchmarks/results/bench_startup-<device>-<time>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,12 +32,23 @@ from pathlib import Path
 
 import harness
 
-COLUMNS = [("what", "what", ""), ("W", "workers", "d"), ("first line s", "first_line_seconds", ".2f"),
-           ("ready s", "ready_seconds", ".2f"), ("startup s", "startup_seconds", ".2f"),
-           ("exit s", "exit_seconds", ".2f"), ("repeats", "repeats", "d")]
-SWEEP_COLUMNS = [("what", "what", ""), ("W", "workers", "d"), ("runs", "runs", "d"),
-                 ("s per run", "seconds_per_run", ".2f"), ("startup 1st s", "first_startup_seconds", ".2f"),
-                 ("startup others s", "other_startup_seconds", ".2f")]
+COLUMNS = [
+    ("what", "what", ""),
+    ("W", "workers", "d"),
+    ("first line s", "first_line_seconds", ".2f"),
+    ("ready s", "ready_seconds", ".2f"),
+    ("startup s", "startup_seconds", ".2f"),
+    ("exit s", "exit_seconds", ".2f"),
+    ("repeats", "repeats", "d"),
+]
+SWEEP_COLUMNS = [
+    ("what", "what", ""),
+    ("W", "workers", "d"),
+    ("runs", "runs", "d"),
+    ("s per run", "seconds_per_run", ".2f"),
+    ("startup 1st s", "first_startup_seconds", ".2f"),
+    ("startup others s", "other_startup_seconds", ".2f"),
+]
 
 
 def parse_args(argv=None):
@@ -48,7 +60,9 @@ def parse_args(argv=None):
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override")
     parser.add_argument("--source", help="the folder holding the fedsim package to measure (default: this checkout)")
     parser.add_argument("--no-sweep", action="store_true", help="leave out the sweep")
-    parser.add_argument("--output", help="results JSON path (default benchmarks/results/bench_startup-<device>-<time>.json)")
+    parser.add_argument(
+        "--output", help="results JSON path (default benchmarks/results/bench_startup-<device>-<time>.json)"
+    )
     return parser.parse_args(argv)
 
 
@@ -69,11 +83,21 @@ def time_run(args, source: Path, workers: int) -> dict:
     """One `fedsim run` of mnist_seed, timed line by line from its launch."""
     with tempfile.TemporaryDirectory() as tmp:
         config = source / "experiments" / "mnist_seed.yaml"
-        command = [sys.executable, "-m", "fedsim", "run", str(config), "--no-progress", "--out", "run",
-                   *overrides(args, workers)]
+        command = [
+            sys.executable,
+            "-m",
+            "fedsim",
+            "run",
+            str(config),
+            "--no-progress",
+            "--out",
+            "run",
+            *overrides(args, workers),
+        ]
         start = time.perf_counter()
-        process = subprocess.Popen(command, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   env=command_env(source))
+        process = subprocess.Popen(
+            command, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=command_env(source)
+        )
         first = round_line = None
         for line in process.stdout:
             now = time.perf_counter() - start
@@ -88,8 +112,13 @@ def time_run(args, source: Path, workers: int) -> dict:
         run = Path(tmp) / "run"
         summary = json.loads((run / "summary.json").read_text())
         round_seconds = float((run / "metrics.csv").read_text().splitlines()[1].split(",")[4])
-    return {"status": "ok", "first_line_seconds": first, "ready_seconds": round_line - round_seconds,
-            "startup_seconds": summary["startup_seconds"], "exit_seconds": exit_seconds}
+    return {
+        "status": "ok",
+        "first_line_seconds": first,
+        "ready_seconds": round_line - round_seconds,
+        "startup_seconds": summary["startup_seconds"],
+        "exit_seconds": exit_seconds,
+    }
 
 
 def time_sweep(args, source: Path, workers: int) -> dict:
@@ -97,26 +126,48 @@ def time_sweep(args, source: Path, workers: int) -> dict:
     values = ["0.01", "0.02", "0.03"]
     with tempfile.TemporaryDirectory() as tmp:
         config = source / "experiments" / "mnist_seed.yaml"
-        command = [sys.executable, "-m", "fedsim", "sweep", str(config), "--grid", f"local.lr={','.join(values)}",
-                   "--quiet", "--out", "sweep", *overrides(args, workers)]
+        command = [
+            sys.executable,
+            "-m",
+            "fedsim",
+            "sweep",
+            str(config),
+            "--grid",
+            f"local.lr={','.join(values)}",
+            "--quiet",
+            "--out",
+            "sweep",
+            *overrides(args, workers),
+        ]
         start = time.perf_counter()
         done = subprocess.run(command, cwd=tmp, capture_output=True, text=True, env=command_env(source))
         seconds = time.perf_counter() - start
         if done.returncode != 0:
             return {"status": "failed", "message": (done.stderr.strip().splitlines() or ["?"])[-1]}
-        startups = [json.loads(path.read_text())["startup_seconds"]
-                    for path in sorted((Path(tmp) / "sweep").glob("*/summary.json"))]
-    return {"status": "ok", "runs": len(values), "seconds_per_run": seconds / len(values),
-            "first_startup_seconds": startups[0], "other_startup_seconds": statistics.fmean(startups[1:]),
-            "startup_seconds_each": startups}
+        startups = [
+            json.loads(path.read_text())["startup_seconds"]
+            for path in sorted((Path(tmp) / "sweep").glob("*/summary.json"))
+        ]
+    return {
+        "status": "ok",
+        "runs": len(values),
+        "seconds_per_run": seconds / len(values),
+        "first_startup_seconds": startups[0],
+        "other_startup_seconds": statistics.fmean(startups[1:]),
+        "startup_seconds_each": startups,
+    }
 
 
 def median_of(measurements: list[dict], keys) -> dict:
     ok = [m for m in measurements if m["status"] == "ok"]
     if not ok:
         return {"status": "failed", "message": measurements[-1].get("message")}
-    return {"status": "ok", "repeats": len(ok), **{key: statistics.median(m[key] for m in ok) for key in keys},
-            "each": measurements}
+    return {
+        "status": "ok",
+        "repeats": len(ok),
+        **{key: statistics.median(m[key] for m in ok) for key in keys},
+        "each": measurements,
+    }
 
 
 def main(argv=None) -> int:
@@ -128,21 +179,30 @@ def main(argv=None) -> int:
     for workers in [int(w) for w in harness.split_list(args.workers)]:
         print(f"fedsim run mnist_seed, workers={workers} ...", end=" ", flush=True)
         timings = [time_run(args, source, workers) for _ in range(args.repeats)]
-        runs.append({"what": "fedsim run mnist_seed", "workers": workers,
-                     **median_of(timings, ("first_line_seconds", "ready_seconds", "startup_seconds", "exit_seconds"))})
+        runs.append(
+            {
+                "what": "fedsim run mnist_seed",
+                "workers": workers,
+                **median_of(timings, ("first_line_seconds", "ready_seconds", "startup_seconds", "exit_seconds")),
+            }
+        )
         print(f"ready in {runs[-1]['ready_seconds']:.2f} s" if runs[-1]["status"] == "ok" else runs[-1]["message"])
         if not args.no_sweep:
             print(f"fedsim sweep of 3 runs, workers={workers} ...", end=" ", flush=True)
             sweeps.append({"what": "fedsim sweep mnist_seed", "workers": workers, **time_sweep(args, source, workers)})
-            print(f"{sweeps[-1]['seconds_per_run']:.2f} s per run" if sweeps[-1]["status"] == "ok"
-                  else sweeps[-1]["message"])
+            print(
+                f"{sweeps[-1]['seconds_per_run']:.2f} s per run"
+                if sweeps[-1]["status"] == "ok"
+                else sweeps[-1]["message"]
+            )
     print(f"\nStart-up of fedsim in {source} on {device} (medians of {args.repeats}; see the docstring)")
     print(harness.format_table(COLUMNS, [r for r in runs if r["status"] == "ok"]))
     if sweeps:
         print("\nA sweep of 3 one-round runs")
         print(harness.format_table(SWEEP_COLUMNS, [s for s in sweeps if s["status"] == "ok"]))
-    path = harness.write_results("bench_startup", args, machine, device, [],
-                                 {"source": str(source), "runs": runs, "sweeps": sweeps})
+    path = harness.write_results(
+        "bench_startup", args, machine, device, [], {"source": str(source), "runs": runs, "sweeps": sweeps}
+    )
     print(f"\nwrote {path}")
     return 1 if any(e["status"] == "failed" for e in runs + sweeps) else 0
 

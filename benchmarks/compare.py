@@ -12,6 +12,7 @@ a fresh process, so that the two sides of every ratio share the machine's condit
 for every fedsim worker count and backend. Writes both sides' numbers and the ratios to
 benchmarks/results/compare-<device>-<time>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,18 @@ import harness
 import sequential_baseline
 
 COLUMNS = [
-    ("workload", "workload", ""), ("model", "model", ""), ("backend", "backend", ""), ("W", "workers", "d"),
-    ("fedsim s/round", "fedsim_round_seconds", ".3f"), ("seq s/round", "sequential_round_seconds", ".3f"),
-    ("ratio", "round_ratio", ".2f"), ("loader s/round", "dataloader_round_seconds", ".3f"),
-    ("loader ratio", "dataloader_round_ratio", ".2f"), ("fedsim run s", "fedsim_run_seconds", ".2f"),
-    ("seq run s", "sequential_run_seconds", ".2f"), ("run ratio", "run_ratio", ".2f"),
+    ("workload", "workload", ""),
+    ("model", "model", ""),
+    ("backend", "backend", ""),
+    ("W", "workers", "d"),
+    ("fedsim s/round", "fedsim_round_seconds", ".3f"),
+    ("seq s/round", "sequential_round_seconds", ".3f"),
+    ("ratio", "round_ratio", ".2f"),
+    ("loader s/round", "dataloader_round_seconds", ".3f"),
+    ("loader ratio", "dataloader_round_ratio", ".2f"),
+    ("fedsim run s", "fedsim_run_seconds", ".2f"),
+    ("seq run s", "sequential_run_seconds", ".2f"),
+    ("run ratio", "run_ratio", ".2f"),
 ]
 
 
@@ -93,7 +101,8 @@ def main(argv=None) -> int:
         loader = None
         if args.dataloader:
             (loader,) = sequential_baseline.measure_all(
-                sequential_baseline.parse_args(baseline_flags + ["--dataloader"]), device)
+                sequential_baseline.parse_args(baseline_flags + ["--dataloader"]), device
+            )
             results["dataloader"].append(loader)
         results["fedsim"] += fedsim_entries
         results["sequential"].append(sequential)

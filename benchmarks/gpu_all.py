@@ -13,6 +13,7 @@ budget's end. Prints one table per workload and model: fedsim's fastest configur
 baseline, and the ratio of client updates per second (fedsim / baseline; above 1 fedsim is
 faster); writes every step's results and the table to one JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +38,16 @@ STEPS = [
 ]
 # fewer rounds for the slow baselines at --size full: medians are over the rounds after the first
 BASELINE_ROUNDS = {"W1": 2, "W2": 3, "W3": 11}
-COLUMNS = [("workload", "workload", ""), ("model", "model", ""), ("what", "what", ""), ("config", "config", ""),
-           ("s/round", "round_seconds", ".3f"), ("updates/s", "client_updates_per_second", ",.1f"),
-           ("fedsim x", "ratio", ".2f"), ("acc", "final_test_accuracy", ".4f")]
+COLUMNS = [
+    ("workload", "workload", ""),
+    ("model", "model", ""),
+    ("what", "what", ""),
+    ("config", "config", ""),
+    ("s/round", "round_seconds", ".3f"),
+    ("updates/s", "client_updates_per_second", ",.1f"),
+    ("fedsim x", "ratio", ".2f"),
+    ("acc", "final_test_accuracy", ".4f"),
+]
 
 
 def parse_args(argv=None):
@@ -49,15 +57,18 @@ def parse_args(argv=None):
     parser.add_argument("--budget-s", type=float, default=540, help="seconds for the whole command (default 540)")
     parser.add_argument("--workers", default="1,2,4,8,16", help="fedsim worker counts (default 1,2,4,8,16)")
     parser.add_argument("--procs", default="1,3,5", help="pfl processes sharing the device (default 1,3,5)")
-    parser.add_argument("--steps", help="only these steps, comma-separated (default all): "
-                        + ", ".join(step[0] for step in STEPS))
+    parser.add_argument(
+        "--steps", help="only these steps, comma-separated (default all): " + ", ".join(step[0] for step in STEPS)
+    )
     return parser.parse_args(argv)
 
 
 def step_flags(args, workload: str, model: str, step: tuple) -> list[str]:
     name, _, script, extra, _ = step
     flags = ["--workload", workload, "--models", model, "--device", args.device, "--size", args.size, *extra]
-    rounds = args.rounds or (BASELINE_ROUNDS[workload] if args.size == "full" and not name.startswith("fedsim") else None)
+    rounds = args.rounds or (
+        BASELINE_ROUNDS[workload] if args.size == "full" and not name.startswith("fedsim") else None
+    )
     if rounds:
         flags += ["--rounds", str(rounds)]
     if args.data_root:
@@ -115,12 +126,24 @@ def summarize(done: list[dict]) -> list[dict]:
     keys = sorted({(d["workload"], d["model"]) for d in done}, key=str)
     for workload, model in keys:
         mine = [d for d in done if (d["workload"], d["model"]) == (workload, model)]
-        fedsim = [e for d in mine if d["step"].startswith("fedsim") for e in d.get("result", {}).get("entries", [])
-                  if e.get("client_updates_per_second")]
+        fedsim = [
+            e
+            for d in mine
+            if d["step"].startswith("fedsim")
+            for e in d.get("result", {}).get("entries", [])
+            if e.get("client_updates_per_second")
+        ]
         best = max(fedsim, key=lambda e: e["client_updates_per_second"], default=None)
         if best:
-            rows.append({"workload": workload, "model": model, "what": "fedsim",
-                         "config": f"{best['backend']} W={best['workers']}", **_numbers(best)})
+            rows.append(
+                {
+                    "workload": workload,
+                    "model": model,
+                    "what": "fedsim",
+                    "config": f"{best['backend']} W={best['workers']}",
+                    **_numbers(best),
+                }
+            )
         for d in mine:
             if d["step"].startswith("fedsim"):
                 continue
@@ -152,11 +175,21 @@ def main(argv=None) -> int:
     print(harness.format_table(COLUMNS, rows))
     if skipped:
         print("\nSkipped (did not fit in the budget)")
-        print(harness.format_table([("workload", "workload", ""), ("model", "model", ""), ("step", "step", ""),
-                                    ("why", "why", "")], skipped))
+        print(
+            harness.format_table(
+                [("workload", "workload", ""), ("model", "model", ""), ("step", "step", ""), ("why", "why", "")],
+                skipped,
+            )
+        )
     names = [e.get("device_name") for d in done for e in d.get("result", {}).get("entries", [])]
-    path = harness.write_results("gpu_all", args, machine, device, [{"device_name": n} for n in names if n],
-                                 {"summary": rows, "skipped": skipped, "steps": done})
+    path = harness.write_results(
+        "gpu_all",
+        args,
+        machine,
+        device,
+        [{"device_name": n} for n in names if n],
+        {"summary": rows, "skipped": skipped, "steps": done},
+    )
     print(f"\nwrote {path}")
     return 0 if all(d["status"] == "ok" for d in done) else 1
 

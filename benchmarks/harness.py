@@ -8,6 +8,7 @@ run's peaks and an unrealistically cheap first round. The parent stays small (it
 a dataset): Linux carries a process's resident size across fork and exec into the child's
 peak-RSS counter (getrusage's ru_maxrss), so a large parent would inflate its children's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,9 +52,11 @@ W3_GENERATED = {"full": "w3data:cifar_shaped", "cpu": "w3data:cifar_shaped_small
 # 2nd on 1,000 test images.
 SIZES = {
     "full": {"W1": {}, "W2": {"rounds": 5}, "W3": {}},
-    "cpu": {"W1": {"data.limit": 12000}, "W2": {"data.limit": 12000, "clients_per_round": 4, "rounds": 3},
-            "W3": {"data.limit": 5000, "data.num_clients": 100, "clients_per_round": 10, "rounds": 4,
-                   "eval_every": 2}},
+    "cpu": {
+        "W1": {"data.limit": 12000},
+        "W2": {"data.limit": 12000, "clients_per_round": 4, "rounds": 3},
+        "W3": {"data.limit": 5000, "data.num_clients": 100, "clients_per_round": 10, "rounds": 4, "eval_every": 2},
+    },
 }
 DEFAULT_WORKERS = {"full": "1,2,4,8,10,16", "cpu": "1,2"}
 
@@ -64,15 +67,25 @@ DEFAULT_WORKERS = {"full": "1,2,4,8,10,16", "cpu": "1,2"}
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every script shares."""
     parser.add_argument("--workload", default="W1,W2", help="comma-separated: W1, W2, W3 (default W1,W2)")
-    parser.add_argument("--models", default=",".join(MODELS),
-                        help="models for W2, comma-separated (W1 always runs its own mnist_cnn)")
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help="models for W2, comma-separated (W1 always runs its own mnist_cnn)"
+    )
     parser.add_argument("--rounds", type=int, help="rounds per run (default: 3 for W1, 5 for W2; 3 with --size cpu)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--size", default="full", choices=tuple(SIZES),
-                        help="full: the experiments as written; cpu: smaller variants for a few CPU cores")
+    parser.add_argument(
+        "--size",
+        default="full",
+        choices=tuple(SIZES),
+        help="full: the experiments as written; cpu: smaller variants for a few CPU cores",
+    )
     parser.add_argument("--data-root", help="folder holding MNIST/raw (default: $FEDSIM_DATA, else datasets/)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra config override for every run, e.g. --set data.dataset=synthetic")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for every run, e.g. --set data.dataset=synthetic",
+    )
     parser.add_argument("--output", help="results JSON path (default benchmarks/results/<name>-<device>-<time>.json)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # JSON spec of one measurement
     parser.add_argument("--child-result", help=argparse.SUPPRESS)
@@ -102,8 +115,7 @@ def workload_runs(args) -> list[dict]:
             if workload == "W3":
                 overrides["data.dataset"] = w3_dataset(args.data_root, args.size)
             overrides.update(extra)
-            runs.append({"workload": workload, "model": model, "config": str(spec["config"]),
-                         "overrides": overrides})
+            runs.append({"workload": workload, "model": model, "config": str(spec["config"]), "overrides": overrides})
     return runs
 
 
@@ -127,8 +139,16 @@ def resolved_device(name: str) -> str:
 # ----------------------------------------------------------------------------- isolated runs
 
 
-def report_entries(name: str, title: str, columns: list, args, device: str, machine: dict, entries: list[dict],
-                   what=lambda e: f"{e['workload']} {e['model']}") -> int:
+def report_entries(
+    name: str,
+    title: str,
+    columns: list,
+    args,
+    device: str,
+    machine: dict,
+    entries: list[dict],
+    what=lambda e: f"{e['workload']} {e['model']}",
+) -> int:
     """Print a script's entries as one table (and each failure in a line), write them as JSON
     with ``machine`` (machine_info() from before the measurements); the script's exit status: 1
     if any failed."""
@@ -198,7 +218,7 @@ def process_tree(root: int) -> list[int]:
                 continue
         except OSError:
             continue
-        parent = int(stat[stat.rindex(")") + 2:].split()[1])
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
         children.setdefault(parent, []).append(int(entry.name))
     tree, frontier = [root], [root]
     while frontier:
@@ -290,16 +310,26 @@ class MemorySampler:
 
     def report(self) -> dict:
         """Peaks in MiB: per process (server, then workers by PID) and for the whole tree."""
+
         def split(peaks):
             return peaks.get(self.root), [peaks[pid] for pid in sorted(peaks) if pid != self.root]
 
         server_rss, worker_rss = split(self.rss)
-        report = {"samples": self.samples, "server_rss_mb": server_rss, "worker_rss_mb": worker_rss,
-                  "total_pss_mb": self.pss_total or None}
+        report = {
+            "samples": self.samples,
+            "server_rss_mb": server_rss,
+            "worker_rss_mb": worker_rss,
+            "total_pss_mb": self.pss_total or None,
+        }
         if self.gpu:
             server_gpu, worker_gpu = split(self.gpu_used)
-            report.update(server_gpu_mb=server_gpu, worker_gpu_mb=worker_gpu, total_gpu_mb=self.gpu_total or None,
-                          unmatched_gpu_mb=self.gpu_unmatched, device_used_mb=self.device_used)
+            report.update(
+                server_gpu_mb=server_gpu,
+                worker_gpu_mb=worker_gpu,
+                total_gpu_mb=self.gpu_total or None,
+                unmatched_gpu_mb=self.gpu_unmatched,
+                device_used_mb=self.device_used,
+            )
         return report
 
 
@@ -316,8 +346,9 @@ def _numbers(rows: list[list[str]]) -> list[list[float]]:
 
 def _nvidia_smi(query: str) -> list[list[str]] | None:
     try:
-        out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            ["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
     return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]
@@ -349,8 +380,9 @@ def round_statistics(rows: list[dict], samples_per_round: float) -> dict:
         eval_seconds=median([r["eval_seconds"] for r in later]),
         # time outside local training: fedsim's busiest worker trains for worker_seconds of the
         # round; the sequential baseline has no workers, so its whole training phase counts
-        overhead_fraction=median([1 - r.get("worker_seconds", r["train_seconds"]) / r["seconds"]
-                                  for r in later if r["seconds"] > 0]),
+        overhead_fraction=median(
+            [1 - r.get("worker_seconds", r["train_seconds"]) / r["seconds"] for r in later if r["seconds"] > 0]
+        ),
         mean_round_seconds=sum(r["seconds"] for r in later) / len(later),
     )
     if all(r.get("clients") for r in later):
@@ -382,21 +414,32 @@ def _count_train_samples(dataset: str, root: str, limit, download: bool) -> int:
 
 def memory_columns(gpu: bool) -> list[tuple[str, str, str]]:
     """Columns of the sampled memory (see MemorySampler) for a table."""
-    columns = [("RSS server MB", "rss_server_mb", ".0f"), ("RSS worker MB", "rss_worker_mb", ".0f"),
-               ("PSS total MB", "pss_total_mb", ".0f")]
+    columns = [
+        ("RSS server MB", "rss_server_mb", ".0f"),
+        ("RSS worker MB", "rss_worker_mb", ".0f"),
+        ("PSS total MB", "pss_total_mb", ".0f"),
+    ]
     if gpu:
-        columns += [("GPU server MB", "gpu_server_mb", ".0f"), ("GPU worker MB", "gpu_worker_mb", ".0f"),
-                    ("GPU total MB", "gpu_total_mb", ".0f")]
+        columns += [
+            ("GPU server MB", "gpu_server_mb", ".0f"),
+            ("GPU worker MB", "gpu_worker_mb", ".0f"),
+            ("GPU total MB", "gpu_total_mb", ".0f"),
+        ]
     return columns
 
 
 def memory_fields(report: dict | None) -> dict:
     """The sampled peaks as table fields; a worker column holds the largest worker."""
     report = report or {}
-    return {"rss_server_mb": report.get("server_rss_mb"), "rss_worker_mb": max(report.get("worker_rss_mb") or [0]) or None,
-            "pss_total_mb": report.get("total_pss_mb"), "gpu_server_mb": report.get("server_gpu_mb"),
-            "gpu_worker_mb": max(report.get("worker_gpu_mb") or [0]) or None,
-            "gpu_total_mb": report.get("total_gpu_mb"), "memory": report or None}
+    return {
+        "rss_server_mb": report.get("server_rss_mb"),
+        "rss_worker_mb": max(report.get("worker_rss_mb") or [0]) or None,
+        "pss_total_mb": report.get("total_pss_mb"),
+        "gpu_server_mb": report.get("server_gpu_mb"),
+        "gpu_worker_mb": max(report.get("worker_gpu_mb") or [0]) or None,
+        "gpu_total_mb": report.get("total_gpu_mb"),
+        "memory": report or None,
+    }
 
 
 # ----------------------------------------------------------------------------- output
@@ -409,9 +452,15 @@ def machine_info() -> dict:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count()
-    return {"cpu_count": os.cpu_count(), "usable_cores": cores, "cpu": platform.processor() or platform.machine(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "cuda_available": torch.cuda.is_available(), "load_average_start": _load_average()}
+    return {
+        "cpu_count": os.cpu_count(),
+        "usable_cores": cores,
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "load_average_start": _load_average(),
+    }
 
 
 def _load_average() -> list[float] | None:
@@ -428,8 +477,12 @@ def write_results(name: str, args, machine: dict, device: str, ran: list[dict], 
     names = [e["device_name"] for e in ran if e.get("device_name")]
     machine["device"], machine["device_name"] = device, names[0] if names else device
     machine["load_average_end"] = _load_average()
-    payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine,
-               "options": vars(args), **payload}
+    payload = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine,
+        "options": vars(args),
+        **payload,
+    }
     if args.output:
         path = Path(args.output)
     else:
@@ -456,9 +509,9 @@ def format_table(columns: list[tuple[str, str, str]], rows: list[dict]) -> str:
     widths = [max([len(header)] + [len(line[i]) for line in cells]) for i, (header, _, _) in enumerate(columns)]
 
     def line(values):
-        return "  ".join(v.rjust(w) if spec else v.ljust(w)
-                         for v, w, (_, _, spec) in zip(values, widths, columns)).rstrip()
+        return "  ".join(
+            v.rjust(w) if spec else v.ljust(w) for v, w, (_, _, spec) in zip(values, widths, columns)
+        ).rstrip()
 
     header = line([h for h, _, _ in columns])
     return "\n".join([header, "-" * len(header)] + [line(values) for values in cells])
-

@@ -19,6 +19,7 @@ Rank 0 records a time stamp after every round; the results JSON holds the same f
 bench_rounds.py's (`round_seconds`, `client_updates_per_second`, `startup_seconds`,
 `wall_seconds`, ...), from launch to exit as a user would time it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,10 +36,16 @@ import harness
 
 SCRIPT = Path(__file__).resolve()
 COLUMNS = [
-    ("workload", "workload", ""), ("model", "model", ""), ("procs", "procs", "d"), ("round1 s", "round1_seconds", ".3f"),
-    ("s/round", "round_seconds", ".3f"), ("mean s/round", "mean_round_seconds", ".3f"),
-    ("updates/s", "client_updates_per_second", ",.1f"), ("startup s", "startup_seconds", ".2f"),
-    ("wall s", "wall_seconds", ".2f"), ("acc", "final_test_accuracy", ".4f"),
+    ("workload", "workload", ""),
+    ("model", "model", ""),
+    ("procs", "procs", "d"),
+    ("round1 s", "round1_seconds", ".3f"),
+    ("s/round", "round_seconds", ".3f"),
+    ("mean s/round", "mean_round_seconds", ".3f"),
+    ("updates/s", "client_updates_per_second", ",.1f"),
+    ("startup s", "startup_seconds", ".2f"),
+    ("wall s", "wall_seconds", ".2f"),
+    ("acc", "final_test_accuracy", ".4f"),
 ]
 
 
@@ -92,26 +99,47 @@ def rank_main(spec: dict) -> None:
     test_data = Dataset(raw_data=[data.test_x.to(device), data.test_y.to(device)])
 
     net = with_pfl_methods(initial_model(cfg, data))
-    model = PyTorchModel(model=net, local_optimizer_create=torch.optim.SGD,
-                         central_optimizer=torch.optim.SGD(net.parameters(), 1.0))
+    model = PyTorchModel(
+        model=net, local_optimizer_create=torch.optim.SGD, central_optimizer=torch.optim.SGD(net.parameters(), 1.0)
+    )
     eval_params = NNEvalHyperParams(local_batch_size=cfg.eval_batch_size)
     clock = round_clock(cfg.clients_per_round)
     callbacks = [CentralEvaluationCallback(test_data, model_eval_params=eval_params, frequency=cfg.eval_every), clock]
-    algorithm_params = NNAlgorithmParams(central_num_iterations=cfg.rounds, evaluation_frequency=cfg.eval_every,
-                                         train_cohort_size=cfg.clients_per_round, val_cohort_size=0)
-    train_params = NNTrainHyperParams(local_learning_rate=cfg.local.lr, local_num_epochs=cfg.local.epochs,
-                                      local_batch_size=cfg.local.batch_size)
-    FederatedAveraging().run(algorithm_params=algorithm_params, backend=SimulatedBackend(train_data, None),
-                             model=model, model_train_params=train_params, model_eval_params=eval_params,
-                             callbacks=callbacks, send_metrics_to_platform=False)
+    algorithm_params = NNAlgorithmParams(
+        central_num_iterations=cfg.rounds,
+        evaluation_frequency=cfg.eval_every,
+        train_cohort_size=cfg.clients_per_round,
+        val_cohort_size=0,
+    )
+    train_params = NNTrainHyperParams(
+        local_learning_rate=cfg.local.lr, local_num_epochs=cfg.local.epochs, local_batch_size=cfg.local.batch_size
+    )
+    FederatedAveraging().run(
+        algorithm_params=algorithm_params,
+        backend=SimulatedBackend(train_data, None),
+        model=model,
+        model_train_params=train_params,
+        model_eval_params=eval_params,
+        callbacks=callbacks,
+        send_metrics_to_platform=False,
+    )
     if device.type == "cuda":
         torch.cuda.synchronize()
     if rank == 0:
-        Path(spec["result"]).write_text(json.dumps({
-            "t_start": t_start, "t_train_begin": clock.t0, "rows": clock.rows, "t_end": time.time(),
-            "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None}))
+        Path(spec["result"]).write_text(
+            json.dumps(
+                {
+                    "t_start": t_start,
+                    "t_train_begin": clock.t0,
+                    "rows": clock.rows,
+                    "t_end": time.time(),
+                    "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                    "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
+                }
+            )
+        )
 
 
 def _force_backend(torch, backend: str) -> None:
@@ -141,8 +169,10 @@ def with_pfl_methods(net):
     def metrics(self, x, y, eval=True):
         self.eval() if eval else self.train()
         out = self(x)
-        return {"loss": Weighted(F.cross_entropy(out, y, reduction="sum").item(), len(x)),
-                "accuracy": Weighted((out.argmax(1) == y).sum().item(), len(x))}
+        return {
+            "loss": Weighted(F.cross_entropy(out, y, reduction="sum").item(), len(x)),
+            "accuracy": Weighted((out.argmax(1) == y).sum().item(), len(x)),
+        }
 
     net.loss, net.metrics = types.MethodType(loss, net), types.MethodType(metrics, net)
     return net
@@ -167,9 +197,18 @@ def round_clock(clients: int):
                 torch.cuda.synchronize()
             now = time.time()
             accuracy = aggregate_metrics.to_simple_dict().get("Central val | accuracy")
-            self.rows.append({"round": central_iteration + 1, "seconds": now - self.last,
-                              "elapsed_seconds": now - self.t0, "clients": clients, "test_accuracy": accuracy,
-                              "train_seconds": now - self.last, "aggregate_seconds": 0.0, "eval_seconds": 0.0})
+            self.rows.append(
+                {
+                    "round": central_iteration + 1,
+                    "seconds": now - self.last,
+                    "elapsed_seconds": now - self.t0,
+                    "clients": clients,
+                    "test_accuracy": accuracy,
+                    "train_seconds": now - self.last,
+                    "aggregate_seconds": 0.0,
+                    "eval_seconds": 0.0,
+                }
+            )
             self.last = now
             return False, Metrics()
 
@@ -191,12 +230,23 @@ def free_ports(count: int) -> list[int]:
 
 def measure_one(args, run: dict, procs: int, device: str) -> dict:
     """N ranks of pfl, from launch to the last exit; the memory of the launcher's process tree."""
-    entry = {"workload": run["workload"], "model": run["model"], "tool": "pfl", "procs": procs,
-             "overrides": run["overrides"]}
+    entry = {
+        "workload": run["workload"],
+        "model": run["model"],
+        "tool": "pfl",
+        "procs": procs,
+        "overrides": run["overrides"],
+    }
     print(f"{run['workload']} {run['model']} pfl procs={procs} ...", end=" ", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        spec = {"config": run["config"], "overrides": run["overrides"], "procs": procs, "device": device,
-                "dist_backend": args.dist_backend, "result": str(Path(tmp) / "rank0.json")}
+        spec = {
+            "config": run["config"],
+            "overrides": run["overrides"],
+            "procs": procs,
+            "device": device,
+            "dist_backend": args.dist_backend,
+            "result": str(Path(tmp) / "rank0.json"),
+        }
         env = harness.child_env()
         env["PFL_PYTORCH_DEVICE"] = "cuda" if device == "cuda" else "cpu"
         addresses = ",".join(f"localhost:{port}" for port in free_ports(procs))
@@ -207,8 +257,14 @@ def measure_one(args, run: dict, procs: int, device: str) -> dict:
         for rank in range(procs):
             rank_env = {**env, "PFL_WORKER_RANK": str(rank), "PFL_WORKER_ADDRESSES": addresses} if procs > 1 else env
             with open(Path(tmp) / f"rank{rank}.log", "w") as log:
-                ranks.append(subprocess.Popen([args.python, str(SCRIPT), "--rank-spec", json.dumps(spec)],
-                                              stdout=log, stderr=subprocess.STDOUT, env=rank_env))
+                ranks.append(
+                    subprocess.Popen(
+                        [args.python, str(SCRIPT), "--rank-spec", json.dumps(spec)],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=rank_env,
+                    )
+                )
         codes = [process.wait() for process in ranks]
         wall = time.time() - start
         sampler.stop()
@@ -220,10 +276,19 @@ def measure_one(args, run: dict, procs: int, device: str) -> dict:
             return entry
         result = json.loads(result_path.read_text())
     rows = result["rows"]
-    entry.update(status="ok", **harness.round_statistics(rows, 0.0), rows=rows, wall_seconds=wall,
-                 startup_seconds=result["t_train_begin"] - start, final_test_accuracy=_last_accuracy(rows),
-                 device_name=result["device_name"], torch=result["torch"], threads=result["threads"],
-                 peak_mb=result["peak_memory_mb"], **harness.memory_fields(sampler.report()))
+    entry.update(
+        status="ok",
+        **harness.round_statistics(rows, 0.0),
+        rows=rows,
+        wall_seconds=wall,
+        startup_seconds=result["t_train_begin"] - start,
+        final_test_accuracy=_last_accuracy(rows),
+        device_name=result["device_name"],
+        torch=result["torch"],
+        threads=result["threads"],
+        peak_mb=result["peak_memory_mb"],
+        **harness.memory_fields(sampler.report()),
+    )
     entry.pop("samples_per_second", None)
     print(f"{entry.get('round_seconds') or 0:.3f} s/round", flush=True)
     return entry
@@ -234,8 +299,11 @@ def _last_accuracy(rows: list[dict]):
 
 
 def measure_all(args, device: str) -> list[dict]:
-    return [measure_one(args, run, int(procs), device)
-            for run in harness.workload_runs(args) for procs in harness.split_list(args.procs)]
+    return [
+        measure_one(args, run, int(procs), device)
+        for run in harness.workload_runs(args)
+        for procs in harness.split_list(args.procs)
+    ]
 
 
 def main(argv=None) -> int:
@@ -244,10 +312,16 @@ def main(argv=None) -> int:
         rank_main(json.loads(args.rank_spec))
         return 0
     device, machine = harness.resolved_device(args.device), harness.machine_info()
-    return harness.report_entries("peer_pfl", "pfl-research (medians over rounds 2.., mean s/round and updates/s "
-                                  "over rounds 2.. with evaluations)", COLUMNS, args, device, machine,
-                                  measure_all(args, device),
-                                  what=lambda e: f"{e['workload']} pfl procs={e['procs']}")
+    return harness.report_entries(
+        "peer_pfl",
+        "pfl-research (medians over rounds 2.., mean s/round and updates/s over rounds 2.. with evaluations)",
+        COLUMNS,
+        args,
+        device,
+        machine,
+        measure_all(args, device),
+        what=lambda e: f"{e['workload']} pfl procs={e['procs']}",
+    )
 
 
 if __name__ == "__main__":

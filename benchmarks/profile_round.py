@@ -15,6 +15,7 @@ Prints the wall time per client and per SGD step, a breakdown of the profiled cl
 (forward, backward, SGD step, data gather, weight load, host syncs) and the top operators by
 self time; writes JSON and the full profiler tables to benchmarks/results/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,14 +38,25 @@ SYNC_OPS = {"aten::item", "aten::_local_scalar_dense"}
 SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
 CATEGORIES = ("forward", "backward", "SGD step", "data gather", "weight load", "host sync", "other")
 
-BREAKDOWN_COLUMNS = [("part", "part", ""), ("calls", "calls", ",d"), ("host ms", "host_ms", ",.1f"),
-                     ("host %", "host_share", ".1%")]
+BREAKDOWN_COLUMNS = [
+    ("part", "part", ""),
+    ("calls", "calls", ",d"),
+    ("host ms", "host_ms", ",.1f"),
+    ("host %", "host_share", ".1%"),
+]
 DEVICE_COLUMNS = [("device ms", "device_ms", ",.1f"), ("device %", "device_share", ".1%")]
-TIMING_COLUMNS = [("workload", "workload", ""), ("model", "model", ""), ("device", "device", ""),
-                  ("clients", "clients", "d"), ("steps/client", "steps_per_client", "d"),
-                  ("s/client", "client_seconds", ".3f"), ("ms/step", "step_ms", ".2f"),
-                  ("aggregate s", "aggregate_seconds", ".4f"), ("evaluate s", "evaluate_seconds", ".3f"),
-                  ("syncs/client", "syncs_per_client", ".1f")]
+TIMING_COLUMNS = [
+    ("workload", "workload", ""),
+    ("model", "model", ""),
+    ("device", "device", ""),
+    ("clients", "clients", "d"),
+    ("steps/client", "steps_per_client", "d"),
+    ("s/client", "client_seconds", ".3f"),
+    ("ms/step", "step_ms", ".2f"),
+    ("aggregate s", "aggregate_seconds", ".4f"),
+    ("evaluate s", "evaluate_seconds", ".3f"),
+    ("syncs/client", "syncs_per_client", ".1f"),
+]
 
 
 def parse_args(argv=None):
@@ -65,15 +77,15 @@ class Setup:
         import numpy as np
         import torch
 
-        from fedsim.experiment import components
-        from fedsim.execution.client import LocalTrainer
-        from fedsim.experiment.validation import load_config
-        from fedsim.data.augment import augmentation_for
-        from fedsim.experiment.federation import initial_model, load_federation
         from fedsim.core.flat import FlatModel
-        from fedsim.runs.session import resolve_device
-        from fedsim.fl.sampling import draw
         from fedsim.core.streams import client_seed
+        from fedsim.data.augment import augmentation_for
+        from fedsim.execution.client import LocalTrainer
+        from fedsim.experiment import components
+        from fedsim.experiment.federation import initial_model, load_federation
+        from fedsim.experiment.validation import load_config
+        from fedsim.fl.sampling import draw
+        from fedsim.runs.session import resolve_device
 
         cfg = self.cfg = load_config(spec["config"], spec["overrides"])
         self.device = resolve_device(cfg.device)
@@ -82,15 +94,21 @@ class Setup:
         federation = load_federation(cfg)  # what the run starts from: its clients, then its initial weights
         data, parts = federation.data, federation.parts
         self.server_model = FlatModel(initial_model(cfg, data), self.device)
-        self.worker_model = FlatModel(components.build_model(cfg.model, data.input_shape, data.num_classes),
-                                      self.device)
+        self.worker_model = FlatModel(
+            components.build_model(cfg.model, data.input_shape, data.num_classes), self.device
+        )
         self.test_x, self.test_y = data.test_x.to(self.device), data.test_y.to(self.device)
-        self.trainer = LocalTrainer(self.worker_model, data.train_x.to(self.device), data.train_y.to(self.device),
-                                    cfg.local, num_classes=data.num_classes,
-                                    augment=augmentation_for(cfg.data, data.input_shape))
+        self.trainer = LocalTrainer(
+            self.worker_model,
+            data.train_x.to(self.device),
+            data.train_y.to(self.device),
+            cfg.local,
+            num_classes=data.num_classes,
+            augment=augmentation_for(cfg.data, data.input_shape),
+        )
         everyone = np.arange(cfg.data.num_clients)  # a uniform sample, every client online
         round_clients = draw("uniform", cfg.seed, 1, everyone, cfg.clients_per_round, None).tolist()
-        self.clients = round_clients[:spec["clients"]]
+        self.clients = round_clients[: spec["clients"]]
         self.indices = {c: parts[c].to(self.device) for c in self.clients}
         self.seeds = {c: client_seed(cfg.seed, 1, c) for c in self.clients}
         self.start = self.server_model.flat.clone()
@@ -174,9 +192,14 @@ def measure(spec: dict) -> dict:
         "device": str(setup.device),
         "device_name": torch.cuda.get_device_name(setup.device) if cuda else "cpu",
         "torch": torch.__version__,
-        "clients": len(setup.clients), "client_ids": setup.clients, "client_seconds_each": client_seconds,
-        "client_seconds": mean_client, "steps_per_client": setup.steps, "step_ms": 1000 * mean_client / setup.steps,
-        "aggregate_seconds": aggregate_seconds, "evaluate_seconds": evaluate_seconds,
+        "clients": len(setup.clients),
+        "client_ids": setup.clients,
+        "client_seconds_each": client_seconds,
+        "client_seconds": mean_client,
+        "steps_per_client": setup.steps,
+        "step_ms": 1000 * mean_client / setup.steps,
+        "aggregate_seconds": aggregate_seconds,
+        "evaluate_seconds": evaluate_seconds,
         "syncs_per_client": syncs / len(setup.clients),
         "breakdown": breakdown,
         "top_ops": {"worker": top_ops(worker_prof, cuda), "server": top_ops(server_prof, cuda)},
@@ -281,9 +304,17 @@ def _within(event, range_name: str) -> bool:
 
 def top_ops(prof, cuda: bool, limit: int = 25) -> dict:
     averages = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)
-    ops = [{"name": a.key, "calls": a.count, "self_cpu_ms": a.self_cpu_time_total / 1000,
-            "cpu_total_ms": a.cpu_time_total / 1000, "self_device_ms": a.self_device_time_total / 1000,
-            "device_total_ms": a.device_time_total / 1000} for a in averages]
+    ops = [
+        {
+            "name": a.key,
+            "calls": a.count,
+            "self_cpu_ms": a.self_cpu_time_total / 1000,
+            "cpu_total_ms": a.cpu_time_total / 1000,
+            "self_device_ms": a.self_device_time_total / 1000,
+            "device_total_ms": a.device_time_total / 1000,
+        }
+        for a in averages
+    ]
     by_device = sorted(ops, key=lambda o: o["self_device_ms"], reverse=True) if cuda else []
     return {"by_self_cpu": ops[:limit], "by_self_device": by_device[:limit]}
 
@@ -303,7 +334,7 @@ def top_lines(table: str, rows: int) -> str:
     """The heading and first ``rows`` operators of a profiler table; on a GPU both of its
     sortings."""
     parts = table.split("\n\n")
-    return "\n\n".join("\n".join(part.splitlines()[:rows + 4]) for part in parts)
+    return "\n\n".join("\n".join(part.splitlines()[: rows + 4]) for part in parts)
 
 
 def main(argv=None) -> int:
@@ -318,7 +349,9 @@ def main(argv=None) -> int:
     for run in harness.workload_runs(args):
         spec = {"config": run["config"], "overrides": run["overrides"], "clients": args.clients}
         if args.trace:
-            spec["trace"] = str(harness.RESULTS_DIR / f"profile_round-{run['workload']}-{run['model']}-{stamp}.trace.json")
+            spec["trace"] = str(
+                harness.RESULTS_DIR / f"profile_round-{run['workload']}-{run['model']}-{stamp}.trace.json"
+            )
             harness.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         print(f"{run['workload']} {run['model']}: profiling {args.clients} clients ...", flush=True)
         result = harness.run_isolated(SCRIPT, spec, device)

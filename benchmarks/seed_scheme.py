@@ -14,9 +14,11 @@ counts; the server averages them and evaluates as sequential_baseline.py does. T
 clients drawn are fedsim's (fedsim.experiment.federation, fedsim.core.streams). Process start, CUDA context and
 DataLoader set-up are paid every round: that is the scheme's cost being measured.
 """
+
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import os
 import sys
@@ -32,12 +34,15 @@ SCRIPT = Path(__file__).resolve()
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     harness.add_workload_arguments(parser)
-    parser.add_argument("--workers", type=int, help="processes spawned per round (default: one per client of the round)")
+    parser.add_argument(
+        "--workers", type=int, help="processes spawned per round (default: one per client of the round)"
+    )
     return parser.parse_args(argv)
 
 
-def worker(model_spec, shape, classes, state, local, clients, parts, sizes, seeds, train_x, train_y, device, threads,
-           results):
+def worker(
+    model_spec, shape, classes, state, local, clients, parts, sizes, seeds, train_x, train_y, device, threads, results
+):
     """One spawned process: train its clients from ``state``; put (weighted sum, weight, loss, seen)."""
     import torch
     from torch.utils.data import DataLoader, Subset, TensorDataset
@@ -49,11 +54,11 @@ def worker(model_spec, shape, classes, state, local, clients, parts, sizes, seed
     model = build_model(model_spec, shape, classes).to(device)
     dataset = TensorDataset(train_x, train_y)
     total, weight, loss_sum, seen_sum = None, 0, 0.0, 0
-    for client, part, n, seed in zip(clients, parts, sizes, seeds):
+    for _client, part, n, seed in zip(clients, parts, sizes, seeds):
         torch.manual_seed(seed)
         model.load_state_dict(state)
         loader = DataLoader(Subset(dataset, part.tolist()), batch_size=local.batch_size, shuffle=True)
-        loss, seen = seq.train_client(model, lambda: seq.loader_batches(loader, device), local)
+        loss, seen = seq.train_client(model, functools.partial(seq.loader_batches, loader, device), local)
         weighted = {k: v.detach().double() * n for k, v in model.state_dict().items()}
         total = weighted if total is None else {k: total[k] + weighted[k] for k in total}
         weight, loss_sum, seen_sum = weight + n, loss_sum + float(loss), seen_sum + seen
@@ -68,8 +73,8 @@ def train_round(cfg, rnd: int, global_state: dict, data, parts, workers: int, de
     import torch
     import torch.multiprocessing as mp
 
-    from fedsim.fl.sampling import draw
     from fedsim.core.streams import client_seed
+    from fedsim.fl.sampling import draw
 
     clients = draw("uniform", cfg.seed, rnd, np.arange(cfg.data.num_clients), cfg.clients_per_round, None).tolist()
     count = min(workers, len(clients))
@@ -80,9 +85,22 @@ def train_round(cfg, rnd: int, global_state: dict, data, parts, workers: int, de
     processes = []
     for i in range(count):
         mine = clients[i::count]
-        args = (cfg.model, data.input_shape, data.num_classes, state, cfg.local, mine, [parts[c] for c in mine],
-                [len(parts[c]) for c in mine], [client_seed(cfg.seed, rnd, c) for c in mine],
-                data.train_x, data.train_y, str(device), threads, results)
+        args = (
+            cfg.model,
+            data.input_shape,
+            data.num_classes,
+            state,
+            cfg.local,
+            mine,
+            [parts[c] for c in mine],
+            [len(parts[c]) for c in mine],
+            [client_seed(cfg.seed, rnd, c) for c in mine],
+            data.train_x,
+            data.train_y,
+            str(device),
+            threads,
+            results,
+        )
         processes.append(context.Process(target=worker, args=args))
     for process in processes:
         process.start()
@@ -92,8 +110,9 @@ def train_round(cfg, rnd: int, global_state: dict, data, parts, workers: int, de
         if process.exitcode != 0:
             raise RuntimeError(f"a worker exited with status {process.exitcode}")
     weight = sum(a[1] for a in answers)
-    new_state = {k: (sum(a[0][k] for a in answers) / weight).to(device=device, dtype=v.dtype)
-                 for k, v in global_state.items()}
+    new_state = {
+        k: (sum(a[0][k] for a in answers) / weight).to(device=device, dtype=v.dtype) for k, v in global_state.items()
+    }
     return new_state, sum(a[2] for a in answers) / sum(a[3] for a in answers)
 
 
@@ -124,16 +143,33 @@ def run_scheme(cfg, workers: int) -> dict:
         if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
             accuracy, test_loss = seq.evaluate(model, test_x, test_y, cfg.eval_batch_size)
         t_end = time.perf_counter()
-        rows.append({"round": rnd, "test_accuracy": accuracy, "test_loss": test_loss, "train_loss": train_loss,
-                     "seconds": t_end - t0, "elapsed_seconds": t_end - t_start, "clients": cfg.clients_per_round,
-                     "train_seconds": t_trained - t0, "aggregate_seconds": 0.0, "eval_seconds": t_end - t_trained})
+        rows.append(
+            {
+                "round": rnd,
+                "test_accuracy": accuracy,
+                "test_loss": test_loss,
+                "train_loss": train_loss,
+                "seconds": t_end - t0,
+                "elapsed_seconds": t_end - t_start,
+                "clients": cfg.clients_per_round,
+                "train_seconds": t_trained - t0,
+                "aggregate_seconds": 0.0,
+                "eval_seconds": t_end - t_trained,
+            }
+        )
     summary = {
-        "startup_seconds": startup, "wall_seconds": time.perf_counter() - t_start,
-        "final_test_accuracy": rows[-1]["test_accuracy"], "rounds": rows[-1]["round"], "rounds_to_target": None,
+        "startup_seconds": startup,
+        "wall_seconds": time.perf_counter() - t_start,
+        "final_test_accuracy": rows[-1]["test_accuracy"],
+        "rounds": rows[-1]["round"],
+        "rounds_to_target": None,
         "samples_per_round": harness.samples_per_round(cfg, len(data.train_y)),
-        "peak_memory_mb": seq.peak_memory_mb(device), "device": str(device),
+        "peak_memory_mb": seq.peak_memory_mb(device),
+        "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "threads": torch.get_num_threads(), "workers": workers, "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "workers": workers,
+        "torch": torch.__version__,
     }
     return {"rows": rows, "summary": summary}
 
@@ -150,13 +186,18 @@ def measure(spec: dict) -> dict:
 def measure_all(args, device: str) -> list[dict]:
     entries = []
     for run in harness.workload_runs(args):
-        entry = {"workload": run["workload"], "model": run["model"], "mode": "seed scheme",
-                 "overrides": run["overrides"]}
+        entry = {
+            "workload": run["workload"],
+            "model": run["model"],
+            "mode": "seed scheme",
+            "overrides": run["overrides"],
+        }
         print(f"{run['workload']} {run['model']} seed scheme ...", end=" ", flush=True)
         spec = {"config": run["config"], "overrides": run["overrides"], "workers": args.workers}
         entry.update(seq.describe(harness.run_isolated(SCRIPT, spec, device)))
-        print(entry["status"] if entry["status"] != "ok" else f"{entry.get('round_seconds') or 0:.3f} s/round",
-              flush=True)
+        print(
+            entry["status"] if entry["status"] != "ok" else f"{entry.get('round_seconds') or 0:.3f} s/round", flush=True
+        )
         entries.append(entry)
     return entries
 
@@ -167,9 +208,15 @@ def main(argv=None) -> int:
         harness.child_main(args, measure)
         return 0
     device, machine = harness.resolved_device(args.device), harness.machine_info()
-    return harness.report_entries("seed_scheme", "The seed article's scheme (medians over rounds 2.., see "
-                                  "benchmarks/README.md)", seq.COLUMNS, args, device, machine,
-                                  measure_all(args, device))
+    return harness.report_entries(
+        "seed_scheme",
+        "The seed article's scheme (medians over rounds 2.., see benchmarks/README.md)",
+        seq.COLUMNS,
+        args,
+        device,
+        machine,
+        measure_all(args, device),
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ whole dataset on the device and gathers batches by index; --dataloader instead i
 torch DataLoader over a Subset of a CPU TensorDataset per client and copies each batch to the
 device, as most simulators do.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,23 +28,38 @@ import harness
 SCRIPT = Path(__file__).resolve()
 
 COLUMNS = [
-    ("workload", "workload", ""), ("model", "model", ""), ("data", "mode", ""), ("threads", "threads", "d"),
-    ("round1 s", "round1_seconds", ".3f"), ("s/round", "round_seconds", ".3f"),
-    ("samples/s", "samples_per_second", ",.0f"), ("updates/s", "client_updates_per_second", ",.1f"),
-    ("train s", "train_seconds", ".3f"), ("agg s", "aggregate_seconds", ".3f"), ("eval s", "eval_seconds", ".3f"),
+    ("workload", "workload", ""),
+    ("model", "model", ""),
+    ("data", "mode", ""),
+    ("threads", "threads", "d"),
+    ("round1 s", "round1_seconds", ".3f"),
+    ("s/round", "round_seconds", ".3f"),
+    ("samples/s", "samples_per_second", ",.0f"),
+    ("updates/s", "client_updates_per_second", ",.1f"),
+    ("train s", "train_seconds", ".3f"),
+    ("agg s", "aggregate_seconds", ".3f"),
+    ("eval s", "eval_seconds", ".3f"),
     ("overhead", "overhead_fraction", ".1%"),
-    ("startup s", "startup_seconds", ".2f"), ("run s", "run_call_seconds", ".2f"),
-    ("acc", "final_test_accuracy", ".4f"), ("peak MB", "peak_mb", ".1f"),
+    ("startup s", "startup_seconds", ".2f"),
+    ("run s", "run_call_seconds", ".2f"),
+    ("acc", "final_test_accuracy", ".4f"),
+    ("peak MB", "peak_mb", ".1f"),
 ]
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     harness.add_workload_arguments(parser)
-    parser.add_argument("--dataloader", action="store_true",
-                        help="feed clients through torch DataLoaders over CPU tensors instead of device tensors")
-    parser.add_argument("--threads", type=int,
-                        help="torch CPU threads (default: torch's own, one per core); fedsim's CPU workers use 1 each")
+    parser.add_argument(
+        "--dataloader",
+        action="store_true",
+        help="feed clients through torch DataLoaders over CPU tensors instead of device tensors",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: torch's own, one per core); fedsim's CPU workers use 1 each",
+    )
     return parser.parse_args(argv)
 
 
@@ -69,8 +85,9 @@ def train_client(model, batches_per_epoch, local) -> tuple:
     import torch
     import torch.nn.functional as F
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=local.lr, momentum=local.momentum,
-                                weight_decay=local.weight_decay)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=local.lr, momentum=local.momentum, weight_decay=local.weight_decay
+    )
     model.train()
     loss_sum, seen = 0.0, 0
     for _ in range(local.epochs):
@@ -120,8 +137,9 @@ def prepare(cfg, use_dataloader: bool):
     test = (data.test_x.to(device), data.test_y.to(device))
     if use_dataloader:
         dataset = TensorDataset(data.train_x, data.train_y)
-        loaders = [DataLoader(Subset(dataset, part.tolist()), batch_size=cfg.local.batch_size, shuffle=True)
-                   for part in parts]
+        loaders = [
+            DataLoader(Subset(dataset, part.tolist()), batch_size=cfg.local.batch_size, shuffle=True) for part in parts
+        ]
 
         def epoch_batches(client):
             return loader_batches(loaders[client], device)
@@ -138,12 +156,11 @@ def prepare(cfg, use_dataloader: bool):
 def train_round(cfg, rnd: int, model, global_state: dict, client_sizes: list[int], epoch_batches):
     """Every sampled client from the global weights in turn; the new global weights (FedAvg:
     the mean of the clients' weights, weighted by sample counts) and the mean train loss."""
+    import numpy as np
     import torch
 
-    import numpy as np
-
-    from fedsim.fl.sampling import draw
     from fedsim.core.streams import client_seed
+    from fedsim.fl.sampling import draw
 
     total = {name: torch.zeros_like(value) for name, value in global_state.items()}
     weight_sum, loss_sum, samples_seen = 0, 0.0, 0
@@ -183,10 +200,20 @@ def run_fedavg(cfg, use_dataloader: bool) -> dict:
         if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:  # when fedsim evaluates
             accuracy, test_loss = evaluate(model, test_x, test_y, cfg.eval_batch_size)
         t_end = time.perf_counter()
-        rows.append({"round": rnd, "test_accuracy": accuracy, "test_loss": test_loss, "train_loss": train_loss,
-                     "seconds": t_end - t0, "elapsed_seconds": t_end - t_start,
-                     "clients": cfg.clients_per_round, "train_seconds": t_trained - t0,
-                     "aggregate_seconds": t_aggregated - t_trained, "eval_seconds": t_end - t_aggregated})
+        rows.append(
+            {
+                "round": rnd,
+                "test_accuracy": accuracy,
+                "test_loss": test_loss,
+                "train_loss": train_loss,
+                "seconds": t_end - t0,
+                "elapsed_seconds": t_end - t_start,
+                "clients": cfg.clients_per_round,
+                "train_seconds": t_trained - t0,
+                "aggregate_seconds": t_aggregated - t_trained,
+                "eval_seconds": t_end - t_aggregated,
+            }
+        )
         if cfg.stop_at_accuracy is not None and accuracy is not None and accuracy >= cfg.stop_at_accuracy:
             break
     target = cfg.stop_at_accuracy
@@ -195,8 +222,10 @@ def run_fedavg(cfg, use_dataloader: bool) -> dict:
         "wall_seconds": time.perf_counter() - t_start,
         "final_test_accuracy": rows[-1]["test_accuracy"],
         "rounds": rows[-1]["round"],
-        "rounds_to_target": next((r["round"] for r in rows
-                                  if target and r["test_accuracy"] is not None and r["test_accuracy"] >= target), None),
+        "rounds_to_target": next(
+            (r["round"] for r in rows if target and r["test_accuracy"] is not None and r["test_accuracy"] >= target),
+            None,
+        ),
         "samples_per_round": harness.samples_per_round(cfg, train_size),
         "peak_memory_mb": peak_memory_mb(device),
         "device": str(device),
@@ -241,11 +270,16 @@ def measure_all(args, device: str) -> list[dict]:
     for run in harness.workload_runs(args):
         entry = {"workload": run["workload"], "model": run["model"], "mode": mode, "overrides": run["overrides"]}
         print(f"{run['workload']} {run['model']} sequential ({mode}) ...", end=" ", flush=True)
-        spec = {"config": run["config"], "overrides": run["overrides"], "dataloader": args.dataloader,
-                "threads": args.threads}
+        spec = {
+            "config": run["config"],
+            "overrides": run["overrides"],
+            "dataloader": args.dataloader,
+            "threads": args.threads,
+        }
         entry.update(describe(harness.run_isolated(SCRIPT, spec, device)))
-        print(entry["status"] if entry["status"] != "ok" else f"{entry.get('round_seconds') or 0:.3f} s/round",
-              flush=True)
+        print(
+            entry["status"] if entry["status"] != "ok" else f"{entry.get('round_seconds') or 0:.3f} s/round", flush=True
+        )
         entries.append(entry)
     return entries
 
@@ -254,13 +288,28 @@ def describe(result: dict) -> dict:
     if result["status"] != "ok":
         return {"status": result["status"], "message": result.get("message")}
     summary = result["summary"]
-    return {"status": "ok", "samples_per_round": summary["samples_per_round"],
-            **harness.round_statistics(result["rows"], summary["samples_per_round"]),
-            **{key: summary[key] for key in ("startup_seconds", "wall_seconds", "final_test_accuracy", "rounds",
-                                             "rounds_to_target", "device_name", "threads")},
-            "run_call_seconds": result["run_call_seconds"], "peak_mb": summary["peak_memory_mb"],
-            **harness.memory_fields(result.get("memory")),
-            "summary": summary, "rows": result["rows"]}
+    return {
+        "status": "ok",
+        "samples_per_round": summary["samples_per_round"],
+        **harness.round_statistics(result["rows"], summary["samples_per_round"]),
+        **{
+            key: summary[key]
+            for key in (
+                "startup_seconds",
+                "wall_seconds",
+                "final_test_accuracy",
+                "rounds",
+                "rounds_to_target",
+                "device_name",
+                "threads",
+            )
+        },
+        "run_call_seconds": result["run_call_seconds"],
+        "peak_mb": summary["peak_memory_mb"],
+        **harness.memory_fields(result.get("memory")),
+        "summary": summary,
+        "rows": result["rows"],
+    }
 
 
 def main(argv=None) -> int:
@@ -269,9 +318,15 @@ def main(argv=None) -> int:
         harness.child_main(args, measure)
         return 0
     device, machine = harness.resolved_device(args.device), harness.machine_info()
-    return harness.report_entries("sequential_baseline", "Sequential FedAvg (medians over rounds 2.., see "
-                                  "benchmarks/README.md)", COLUMNS, args, device, machine,
-                                  measure_all(args, device))
+    return harness.report_entries(
+        "sequential_baseline",
+        "Sequential FedAvg (medians over rounds 2.., see benchmarks/README.md)",
+        COLUMNS,
+        args,
+        device,
+        machine,
+        measure_all(args, device),
+    )
 
 
 if __name__ == "__main__":

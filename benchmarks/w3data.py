@@ -1,5 +1,6 @@
 """CIFAR-shaped generated data for workload W3, where the CIFAR-10 files are absent: speed does
 not depend on pixel values. Named by import path in a config (`w3data:cifar_shaped`, with benchmarks/ on the path)."""
+
 import torch
 
 

@@ -11,6 +11,7 @@ docs/architecture.md): cli.py, runs/, execution/, engine/, experiment/, fl/, alg
 results/, core/. Imports are lazy so that worker processes, which import this package, start
 quickly.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -22,14 +23,29 @@ from types import ModuleType
 __version__ = "0.1.0"
 
 _API = {
-    "run": "runs.launch", "resume": "runs.launch", "load_config": "experiment.validation",
-    "Config": "experiment.config", "History": "results.history", "load_run": "results.history",
-    "load_runs": "results.history", "load_model": "runs.trained", "results_table": "results.history",
-    "plot_runs": "results.plot", "Algorithm": "algorithms", "Callback": "runs.callbacks",
+    "run": "runs.launch",
+    "resume": "runs.launch",
+    "load_config": "experiment.validation",
+    "Config": "experiment.config",
+    "History": "results.history",
+    "load_run": "results.history",
+    "load_runs": "results.history",
+    "load_model": "runs.trained",
+    "results_table": "results.history",
+    "plot_runs": "results.plot",
+    "Algorithm": "algorithms",
+    "Callback": "runs.callbacks",
 }
 # public modules by their short names: fedsim.aggregation.get(...), from fedsim.models import MODELS
-_MODULES = {"data": "data", "algorithms": "algorithms", "results": "results", "callbacks": "runs.callbacks",
-            "aggregation": "fl.aggregation", "attacks": "fl.attacks", "models": "fl.models"}
+_MODULES = {
+    "data": "data",
+    "algorithms": "algorithms",
+    "results": "results",
+    "callbacks": "runs.callbacks",
+    "aggregation": "fl.aggregation",
+    "attacks": "fl.attacks",
+    "models": "fl.models",
+}
 __all__ = sorted(_API)
 
 

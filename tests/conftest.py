@@ -1,4 +1,5 @@
 """Shared fixtures: real MNIST when FEDSIM_DATA points at it, generated data otherwise."""
+
 from __future__ import annotations
 
 import os
@@ -8,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from support import _started, tagged_processes
 
 

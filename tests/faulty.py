@@ -10,6 +10,7 @@ then goes through. Named in an experiment file as::
     algorithm: faulty:Faulty            # the tests directory must be on PYTHONPATH
     algorithm_options: {kind: raise, round: 2, client: 5}
 """
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """Helpers shared by several test modules: plain functions and constants, imported as
 ``from support import ...`` (fixtures stay in conftest.py). No test module imports another."""
+
 from __future__ import annotations
 
 import csv
@@ -18,10 +19,10 @@ import numpy as np
 import torch
 import yaml
 
-from fedsim.experiment.config import Config
-from fedsim.data.datasets import CIFAR10_FOLDER
-from fedsim.results.rundir import COLUMNS
 from fedsim.core.streams import SAMPLING, words
+from fedsim.data.datasets import CIFAR10_FOLDER
+from fedsim.experiment.config import Config
+from fedsim.results.rundir import COLUMNS
 
 # ----------------------------------------------------------------------------- processes
 
@@ -37,7 +38,7 @@ def _processes() -> dict[int, tuple[int, bytes]]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         if fields[0] != "Z":
             found[int(entry.name)] = (int(fields[1]), cmdline)
     return found
@@ -52,8 +53,12 @@ def child_pids() -> list[int]:
     found, parents = [], [os.getpid()]
     while parents:
         children = [pid for pid, (parent, _) in processes.items() if parent in parents]
-        helpers = [pid for pid in children if parents == [os.getpid()] and
-                   (b"resource_tracker" in processes[pid][1] or b"forkserver" in processes[pid][1])]
+        helpers = [
+            pid
+            for pid in children
+            if parents == [os.getpid()]
+            and (b"resource_tracker" in processes[pid][1] or b"forkserver" in processes[pid][1])
+        ]
         found += [pid for pid in children if pid not in helpers]
         parents = children
     return found
@@ -145,7 +150,10 @@ def start(args, tag, popen_options=None, launcher=(), **env):
     workers'), and the tests directory on PYTHONPATH. ``launcher``: e.g. ``("-m",
     "torch.distributed.run", "--nproc-per-node=2")`` for torchrun."""
     proc = subprocess.Popen(
-        [sys.executable, *launcher, "-m", "fedsim", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, *launcher, "-m", "fedsim", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "FEDSIM_TEST_TAG": tag, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath(), **env},
         **(popen_options or {}),
     )
@@ -183,7 +191,7 @@ def assert_one_line_error(err: str, *fragments: str) -> None:
         assert fragment in lines[0], (fragment, lines[0])
 
 
-# ----------------------------------------------------------------------------- faulty runs (test_reliability, test_cuda)
+# ------------------------------------------------------------------- faulty runs (test_reliability, test_cuda)
 
 BASE = {
     "name": "reliability",
@@ -214,11 +222,12 @@ def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> torch.Tenso
 def client_of(worker: int, rnd: int, cfg: dict = BASE) -> int:
     """The first client ``worker`` trains in round ``rnd``: slot s of a round goes to worker s mod W."""
     clients = sample_clients(cfg["seed"], rnd, cfg["data"]["num_clients"], cfg["clients_per_round"])
-    return int(clients[worker::cfg["workers"]][0])
+    return int(clients[worker :: cfg["workers"]][0])
 
 
-def write_faulty_config(tmp_path, kind: str, rnd: int, worker: int, once: Path | None = None,
-                        **changes) -> tuple[Path, int]:
+def write_faulty_config(
+    tmp_path, kind: str, rnd: int, worker: int, once: Path | None = None, **changes
+) -> tuple[Path, int]:
     """A config whose algorithm (tests/faulty.py: FedAvg plus one fault) strikes when ``worker``
     trains its first client of round ``rnd``; returns the config's path and that client."""
     client = client_of(worker, rnd, {**BASE, **changes})
@@ -237,14 +246,34 @@ def write_fake_cifar(root, per_batch=4, test_size=3):
     rng = np.random.default_rng(0)
     batches = {}
     for name, n in [(f"data_batch_{i}", per_batch) for i in range(1, 6)] + [("test_batch", test_size)]:
-        batches[name] = {"batch_label": name, "labels": rng.integers(0, 10, n).tolist(),
-                         "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-                         "filenames": [f"{name}_{i}.png" for i in range(n)]}
+        batches[name] = {
+            "batch_label": name,
+            "labels": rng.integers(0, 10, n).tolist(),
+            "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+            "filenames": [f"{name}_{i}.png" for i in range(n)],
+        }
         with open(folder / name, "wb") as f:
             pickle.dump(batches[name], f)
     with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
-                                     "ship", "truck"], "num_cases_per_batch": per_batch, "num_vis": 3072}, f)
+        pickle.dump(
+            {
+                "label_names": [
+                    "airplane",
+                    "automobile",
+                    "bird",
+                    "cat",
+                    "deer",
+                    "dog",
+                    "frog",
+                    "horse",
+                    "ship",
+                    "truck",
+                ],
+                "num_cases_per_batch": per_batch,
+                "num_vis": 3072,
+            },
+            f,
+        )
     return batches
 
 
@@ -266,13 +295,30 @@ def write_run(path, name="run", seed=0, accuracies=(0.5, 0.7, 0.8), summary=True
         writer = csv.DictWriter(f, COLUMNS, restval="0.5")  # 0.5 s for the timing columns not set here
         writer.writeheader()
         for rnd, acc in enumerate(accuracies, start=1):
-            writer.writerow({"round": rnd, "test_accuracy": acc, "test_loss": 2.0 - acc, "train_loss": 1.9 - acc,
-                             "seconds": 1.5, "elapsed_seconds": 1.5 * rnd + seed, "clients": 4,
-                             "dropped_clients": 0, "attackers": 0, "unavailable": 0, "stragglers": 0,
-                             "bytes_down": 1000, "bytes_up": 500, "cumulative_bytes": 1500 * rnd})
+            writer.writerow(
+                {
+                    "round": rnd,
+                    "test_accuracy": acc,
+                    "test_loss": 2.0 - acc,
+                    "train_loss": 1.9 - acc,
+                    "seconds": 1.5,
+                    "elapsed_seconds": 1.5 * rnd + seed,
+                    "clients": 4,
+                    "dropped_clients": 0,
+                    "attackers": 0,
+                    "unavailable": 0,
+                    "stragglers": 0,
+                    "bytes_down": 1000,
+                    "bytes_up": 500,
+                    "cumulative_bytes": 1500 * rnd,
+                }
+            )
     if summary:
-        (path / "summary.json").write_text(json.dumps({
-            "name": name, "final_test_accuracy": accuracies[-1], "wall_seconds": 1.5 * len(accuracies) + seed}))
+        (path / "summary.json").write_text(
+            json.dumps(
+                {"name": name, "final_test_accuracy": accuracies[-1], "wall_seconds": 1.5 * len(accuracies) + seed}
+            )
+        )
     return path
 
 
@@ -282,5 +328,7 @@ def write_run(path, name="run", seed=0, accuracies=(0.5, 0.7, 0.8), summary=True
 def documented_commands(path: Path) -> list[list[str]]:
     """The `fedsim ...` commands written in an experiment file's leading comment."""
     text = "\n".join(line[1:] for line in path.read_text().splitlines() if line.startswith("#"))
-    return [shlex.split(command.replace("\\\n", " ")) for command in re.findall(r"^\s+(fedsim (?:.*\\\n)*.*)$", text,
-                                                                                re.MULTILINE)]
+    return [
+        shlex.split(command.replace("\\\n", " "))
+        for command in re.findall(r"^\s+(fedsim (?:.*\\\n)*.*)$", text, re.MULTILINE)
+    ]

@@ -1,4 +1,5 @@
 """Aggregation rules against references written independently with numpy and plain loops."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 import fedsim
-from fedsim.fl import aggregation
 from fedsim.core.errors import ConfigError
+from fedsim.fl import aggregation
 
 RULES = ["fedavg", "mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "geometric_median", "norm_clip"]
 U32 = 2.0**-24  # float32 unit roundoff
@@ -35,7 +36,7 @@ def ref_median(u):
 def ref_trimmed_mean(u, beta):
     k, p = u.shape
     drop = math.floor(Fraction(str(beta)) * k)
-    return np.array([sum(sorted(u[:, j].tolist())[drop:k - drop]) / (k - 2 * drop) for j in range(p)])
+    return np.array([sum(sorted(u[:, j].tolist())[drop : k - drop]) / (k - 2 * drop) for j in range(p)])
 
 
 def ref_krum_scores(u, f):
@@ -63,8 +64,9 @@ def ref_bulyan_selection(u, f):
     remaining, picked = list(range(len(u))), []
     while len(picked) < len(u) - 2 * f:
         count = min(max(1, len(remaining) - f - 2), len(remaining) - 1)
-        scores = [sum(sorted(float(np.sum((u[i] - u[j]) ** 2)) for j in remaining if j != i)[:count])
-                  for i in remaining]
+        scores = [
+            sum(sorted(float(np.sum((u[i] - u[j]) ** 2)) for j in remaining if j != i)[:count]) for i in remaining
+        ]
         picked.append(remaining.pop(int(np.argmin(scores))))  # argmin: the first of equal scores
     return picked
 
@@ -130,8 +132,7 @@ def test_fedavg_mean_and_median_match_references(k):
     u, w = random_stack(k, 41, seed=k)
     u64 = u.astype(np.float64)
     # k - 1 additions, one rounding per product and one per normalized weight (or for 1 / k)
-    assert_within(run("fedavg", u, w), ref_weighted_mean(u64, w),
-                  rounding_bound(k + 1, ref_weighted_mean(abs(u64), w)))
+    assert_within(run("fedavg", u, w), ref_weighted_mean(u64, w), rounding_bound(k + 1, ref_weighted_mean(abs(u64), w)))
     assert_within(run("mean", u, w), u64.mean(axis=0), rounding_bound(k + 1, abs(u64).mean(axis=0)))
     # halving is exact, so a / 2 + b / 2 is (a + b) / 2 rounded once: the float64 value rounded
     np.testing.assert_array_equal(run("median", u, w), ref_median(u64).astype(np.float32))
@@ -146,9 +147,12 @@ def test_median_of_an_even_count_is_the_mean_of_the_two_middle_values():
 def test_trimmed_mean_matches_reference(k, beta):
     u, w = random_stack(k, 13, seed=k)
     drop = math.floor(Fraction(str(beta)) * k)
-    kept = np.sort(u.astype(np.float64), axis=0)[drop:k - drop]  # sorting is exact: only the mean rounds
-    assert_within(run("trimmed_mean", u, w, beta=beta), ref_trimmed_mean(u.astype(np.float64), beta),
-                  rounding_bound(len(kept) + 1, abs(kept).mean(axis=0)))
+    kept = np.sort(u.astype(np.float64), axis=0)[drop : k - drop]  # sorting is exact: only the mean rounds
+    assert_within(
+        run("trimmed_mean", u, w, beta=beta),
+        ref_trimmed_mean(u.astype(np.float64), beta),
+        rounding_bound(len(kept) + 1, abs(kept).mean(axis=0)),
+    )
 
 
 def test_trimmed_mean_rounds_the_count_down():
@@ -169,7 +173,7 @@ def test_trimmed_mean_counts_beta_k_exactly_where_truncating_the_float_product_d
     shuffled = u[rng.permutation(k)].astype(np.float32)
 
     def trimmed(drop):
-        return float(sum(Fraction(int(v)) for v in u[drop:k - drop, 0]) / (k - 2 * drop))
+        return float(sum(Fraction(int(v)) for v in u[drop : k - drop, 0]) / (k - 2 * drop))
 
     bound = rounding_bound(k - 2 * exact + 1, trimmed(exact))
     assert abs(run("trimmed_mean", shuffled, [1] * k, beta=beta)[0] - trimmed(exact)) <= bound
@@ -183,8 +187,9 @@ def test_krum_and_multi_krum_match_references(k, f):
     np.testing.assert_array_equal(run("krum", u, w, f=f), ref_krum(u64, f).astype(np.float32))
     # the mean of m of the rows (the others weigh 0 and add exactly 0): m + 1 roundings of values <= max |u|
     for m in range(1, k - f + 1):
-        assert_within(run("multi_krum", u, w, f=f, m=m), ref_multi_krum(u64, f, m),
-                      rounding_bound(m + 1, abs(u64).max(axis=0)))
+        assert_within(
+            run("multi_krum", u, w, f=f, m=m), ref_multi_krum(u64, f, m), rounding_bound(m + 1, abs(u64).max(axis=0))
+        )
 
 
 @pytest.mark.parametrize("k,f", [(3, 0), (7, 1), (8, 1), (11, 2), (12, 2), (16, 3)])
@@ -216,8 +221,7 @@ def test_krum_defaults_to_the_largest_f_and_multi_krum_to_k_minus_f():
     u, w = random_stack(10, 7, seed=4)
     u64 = u.astype(np.float64)
     np.testing.assert_array_equal(run("krum", u, w), ref_krum(u64, 3).astype(np.float32))
-    assert_within(run("multi_krum", u, w), ref_multi_krum(u64, 3, 7),
-                  rounding_bound(7 + 1, abs(u64).max(axis=0)))
+    assert_within(run("multi_krum", u, w), ref_multi_krum(u64, 3, 7), rounding_bound(7 + 1, abs(u64).max(axis=0)))
 
 
 def test_krum_ties_go_to_the_lower_row():
@@ -239,8 +243,7 @@ def test_geometric_median_matches_a_float64_weiszfeld(k):
     # one per product and k - 1 additions: k + 2 <= 13 roundings of values <= max |u| = 3.1: 2.4e-6.
     # Near the fixed point the float64 iteration contracts by <= 0.45 a step for these k, so the fixed
     # points are <= 2.4e-6 / 0.55 = 4.4e-6 apart; atol twice that.
-    np.testing.assert_allclose(got, ref_geometric_median(u.astype(np.float64), w.astype(np.float64)),
-                               rtol=0, atol=9e-6)
+    np.testing.assert_allclose(got, ref_geometric_median(u.astype(np.float64), w.astype(np.float64)), rtol=0, atol=9e-6)
 
 
 def test_geometric_median_in_one_dimension_is_the_weighted_median():
@@ -259,8 +262,11 @@ def test_norm_clip_matches_reference(max_norm):
     # the norms and scales are float64 (relative error < 1e-15); the float32 weight rounds once, its
     # product with the scale once more (to float32), each product with u once, then k - 1 additions:
     # k + 2 roundings of terms <= the clipped |u|
-    assert_within(run("norm_clip", u, w, max_norm=max_norm), ref_norm_clip(u64, w, max_norm),
-                  rounding_bound(7 + 2, ref_norm_clip(abs(u64), w, max_norm)))
+    assert_within(
+        run("norm_clip", u, w, max_norm=max_norm),
+        ref_norm_clip(u64, w, max_norm),
+        rounding_bound(7 + 2, ref_norm_clip(abs(u64), w, max_norm)),
+    )
 
 
 def test_norm_clip_defaults_to_the_median_norm_and_keeps_zero_updates():
@@ -308,8 +314,13 @@ def test_robust_rules_stay_near_the_honest_mean_and_the_mean_does_not():
     def error(name, **options):
         return np.linalg.norm(run(name, u, [100] * k, **options) - honest_mean)
 
-    for name, options in [("median", {}), ("trimmed_mean", {"beta": 0.4}), ("krum", {"f": 3}),
-                          ("multi_krum", {"f": 3, "m": 5}), ("geometric_median", {})]:
+    for name, options in [
+        ("median", {}),
+        ("trimmed_mean", {"beta": 0.4}),
+        ("krum", {"f": 3}),
+        ("multi_krum", {"f": 3, "m": 5}),
+        ("geometric_median", {}),
+    ]:
         assert error(name, **options) <= 2 * radius, name
     assert error("norm_clip", max_norm=1.0) <= 1.0 + np.linalg.norm(honest_mean)
     assert error("mean") > 1e5 * radius
@@ -358,7 +369,7 @@ def test_huge_updates_give_a_finite_aggregate(name, stack):
     elif name == "median":
         np.testing.assert_array_equal(got, ref_median(u64).astype(np.float32))
     elif name == "trimmed_mean":  # beta = 0.1 drops 0 of 7 or 8 values, 1 of 10 at each end
-        kept = np.sort(u64, axis=0)[k // 10:k - k // 10]
+        kept = np.sort(u64, axis=0)[k // 10 : k - k // 10]
         assert_within(got, ref_trimmed_mean(u64, 0.1), rounding_bound(len(kept) + 1, abs(kept).mean(axis=0)))
     elif name in ("krum", "multi_krum") and stack == "one huge":
         # squared_distances centres each column on its mean, which the huge row dominates: the honest
@@ -381,9 +392,8 @@ def test_huge_updates_give_a_finite_aggregate(name, stack):
         expected, kept = ref_bulyan(u64, (k - 3) // 4)
         assert_within(got, expected, rounding_bound(len(kept) + 1, abs(kept).mean(axis=0)))
     elif name == "norm_clip":  # clipped to the median norm
-        bound = np.median(np.sqrt((u64 ** 2).sum(axis=1)))
-        assert_within(got, ref_norm_clip(u64, w64, bound),
-                      rounding_bound(k + 2, ref_norm_clip(abs(u64), w64, bound)))
+        bound = np.median(np.sqrt((u64**2).sum(axis=1)))
+        assert_within(got, ref_norm_clip(u64, w64, bound), rounding_bound(k + 2, ref_norm_clip(abs(u64), w64, bound)))
     elif name == "geometric_median":
         # as in test_geometric_median_matches_a_float64_weiszfeld: a step rounds k + 2 times, relative
         # to its terms (the huge row's weighs ~1e-38); near these fixed points the float64 iteration
@@ -423,8 +433,9 @@ def test_squared_distances_are_accurate_for_close_updates_of_large_norm():
     got = aggregation.squared_distances(torch.from_numpy(u)).numpy()
     np.testing.assert_allclose(got, expected, rtol=4 * p * 2.0**-53, atol=0)  # the diagonal is exactly 0
     as_float64 = torch.from_numpy(u64.copy())
-    np.testing.assert_allclose(aggregation.squared_distances(as_float64).numpy(), expected,
-                               rtol=4 * p * 2.0**-53, atol=0)
+    np.testing.assert_allclose(
+        aggregation.squared_distances(as_float64).numpy(), expected, rtol=4 * p * 2.0**-53, atol=0
+    )
     np.testing.assert_array_equal(as_float64.numpy(), u64)  # the input is not centred in place
 
 
@@ -461,37 +472,40 @@ def test_cuda_matches_cpu(name):
 # ----------------------------------------------------------------------------- options and errors
 
 
-@pytest.mark.parametrize("name,options,k,words", [
-    ("krum", {"f": 2}, 6, ["aggregator_options.f", "[0, 1]", "k = 6"]),
-    ("krum", {"f": 3}, 6, ["aggregator_options.f", "[0, 1]"]),
-    ("krum", {}, 2, ["at least 3", "k = 2"]),
-    ("krum", {"f": 0}, 1, ["at least 3", "k = 1"]),
-    ("multi_krum", {"f": 5}, 10, ["aggregator_options.f", "[0, 3]"]),
-    ("multi_krum", {"f": 1, "m": 9}, 9, ["aggregator_options.m", "[1, 8]"]),
-    ("multi_krum", {"m": 0}, 9, ["m must be an integer >= 1"]),
-    ("krum", {"f": -1}, 9, ["f must be an integer >= 0"]),
-    ("bulyan", {"f": 2}, 10, ["aggregator_options.f", "[0, 1]", "k = 10", "4f + 3"]),
-    ("bulyan", {}, 2, ["at least 3", "k = 2"]),
-    ("bulyan", {"f": 0.5}, 9, ["f must be an integer >= 0"]),
-    ("krum", {"f": 1.5}, 9, ["f must be an integer >= 0"]),
-    ("trimmed_mean", {"beta": 0.5}, 9, ["beta", "[0, 0.5)", "0.5"]),
-    ("trimmed_mean", {"beta": -0.1}, 9, ["beta", "[0, 0.5)"]),
-    ("trimmed_mean", {"beta": "a lot"}, 9, ["beta", "[0, 0.5)"]),
-    ("norm_clip", {"max_norm": 0}, 9, ["max_norm", "> 0"]),
-    ("norm_clip", {"max_norm": -2.0}, 9, ["max_norm", "> 0"]),
-    ("geometric_median", {"max_iter": 0}, 9, ["max_iter", ">= 1"]),
-    ("geometric_median", {"eps": 0.0}, 9, ["eps", "> 0"]),
-    # the float32 engine's range: overflowing, subnormal, infinite, NaN or huge-int values
-    ("geometric_median", {"eps": 1e39}, 9, ["eps", "float32", "3.4e+38", "got 1e+39"]),
-    ("geometric_median", {"tol": 1e-39}, 9, ["tol", "float32", "1.18e-38", "got 1e-39"]),
-    ("geometric_median", {"tol": math.nan}, 9, ["tol", "> 0", "got nan"]),
-    ("geometric_median", {"eps": "small"}, 9, ["eps", "> 0", "got 'small'"]),
-    ("norm_clip", {"max_norm": 1e-45}, 9, ["max_norm", "1.18e-38", "got 1e-45"]),
-    ("norm_clip", {"max_norm": math.inf}, 9, ["max_norm", "3.4e+38", "got inf"]),
-    ("norm_clip", {"max_norm": 10**39}, 9, ["max_norm", "3.4e+38", "got 1" + "0" * 39]),
-    ("trimmed_mean", {"bet": 0.1}, 9, ["'bet'", "it takes: beta"]),
-    ("mean", {"beta": 0.1}, 9, ["'beta'", "no options"]),
-])
+@pytest.mark.parametrize(
+    "name,options,k,words",
+    [
+        ("krum", {"f": 2}, 6, ["aggregator_options.f", "[0, 1]", "k = 6"]),
+        ("krum", {"f": 3}, 6, ["aggregator_options.f", "[0, 1]"]),
+        ("krum", {}, 2, ["at least 3", "k = 2"]),
+        ("krum", {"f": 0}, 1, ["at least 3", "k = 1"]),
+        ("multi_krum", {"f": 5}, 10, ["aggregator_options.f", "[0, 3]"]),
+        ("multi_krum", {"f": 1, "m": 9}, 9, ["aggregator_options.m", "[1, 8]"]),
+        ("multi_krum", {"m": 0}, 9, ["m must be an integer >= 1"]),
+        ("krum", {"f": -1}, 9, ["f must be an integer >= 0"]),
+        ("bulyan", {"f": 2}, 10, ["aggregator_options.f", "[0, 1]", "k = 10", "4f + 3"]),
+        ("bulyan", {}, 2, ["at least 3", "k = 2"]),
+        ("bulyan", {"f": 0.5}, 9, ["f must be an integer >= 0"]),
+        ("krum", {"f": 1.5}, 9, ["f must be an integer >= 0"]),
+        ("trimmed_mean", {"beta": 0.5}, 9, ["beta", "[0, 0.5)", "0.5"]),
+        ("trimmed_mean", {"beta": -0.1}, 9, ["beta", "[0, 0.5)"]),
+        ("trimmed_mean", {"beta": "a lot"}, 9, ["beta", "[0, 0.5)"]),
+        ("norm_clip", {"max_norm": 0}, 9, ["max_norm", "> 0"]),
+        ("norm_clip", {"max_norm": -2.0}, 9, ["max_norm", "> 0"]),
+        ("geometric_median", {"max_iter": 0}, 9, ["max_iter", ">= 1"]),
+        ("geometric_median", {"eps": 0.0}, 9, ["eps", "> 0"]),
+        # the float32 engine's range: overflowing, subnormal, infinite, NaN or huge-int values
+        ("geometric_median", {"eps": 1e39}, 9, ["eps", "float32", "3.4e+38", "got 1e+39"]),
+        ("geometric_median", {"tol": 1e-39}, 9, ["tol", "float32", "1.18e-38", "got 1e-39"]),
+        ("geometric_median", {"tol": math.nan}, 9, ["tol", "> 0", "got nan"]),
+        ("geometric_median", {"eps": "small"}, 9, ["eps", "> 0", "got 'small'"]),
+        ("norm_clip", {"max_norm": 1e-45}, 9, ["max_norm", "1.18e-38", "got 1e-45"]),
+        ("norm_clip", {"max_norm": math.inf}, 9, ["max_norm", "3.4e+38", "got inf"]),
+        ("norm_clip", {"max_norm": 10**39}, 9, ["max_norm", "3.4e+38", "got 1" + "0" * 39]),
+        ("trimmed_mean", {"bet": 0.1}, 9, ["'bet'", "it takes: beta"]),
+        ("mean", {"beta": 0.1}, 9, ["'beta'", "no options"]),
+    ],
+)
 def test_invalid_options_give_one_line_errors(name, options, k, words):
     with pytest.raises(ConfigError) as info:
         rule = aggregation.get(name, **options)
@@ -508,19 +522,24 @@ def test_options_at_the_float32_bounds_are_accepted():
     u64 = u.astype(np.float64)
     # a bound above every norm clips nothing: the weighted mean, with the k + 2 roundings of
     # test_norm_clip_matches_reference
-    assert_within(run("norm_clip", u, w, max_norm=huge), ref_weighted_mean(u64, w),
-                  rounding_bound(5 + 2, ref_weighted_mean(abs(u64), w)))
+    assert_within(
+        run("norm_clip", u, w, max_norm=huge),
+        ref_weighted_mean(u64, w),
+        rounding_bound(5 + 2, ref_weighted_mean(abs(u64), w)),
+    )
     for eps, tol in [(tiny, tiny), (huge, huge)]:
         assert np.all(np.isfinite(run("geometric_median", u, w, eps=eps, tol=tol))), (eps, tol)
     # eps above every distance weighs the updates as the sample counts: the weighted mean again, after
     # one step that stops the iteration (k + 2 roundings, as in the float64 Weiszfeld test)
-    assert_within(run("geometric_median", u, w, eps=huge), ref_weighted_mean(u64, w),
-                  rounding_bound(5 + 2, ref_weighted_mean(abs(u64), w)))
+    assert_within(
+        run("geometric_median", u, w, eps=huge),
+        ref_weighted_mean(u64, w),
+        rounding_bound(5 + 2, ref_weighted_mean(abs(u64), w)),
+    )
 
 
 def test_config_validation_reports_k_dependent_options():
-    cfg = {"aggregator": "krum", "aggregator_options": {"f": 2}, "clients_per_round": 6,
-           "data": {"num_clients": 20}}
+    cfg = {"aggregator": "krum", "aggregator_options": {"f": 2}, "clients_per_round": 6, "data": {"num_clients": 20}}
     with pytest.raises(ConfigError) as info:
         fedsim.load_config(cfg)
     message = str(info.value)

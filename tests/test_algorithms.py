@@ -1,5 +1,6 @@
 """Client algorithms: FedProx against FedAvg and its own update rule, SCAFFOLD's control variates,
 FedNova and FedDyn against the papers' formulas computed here, and each of them learning."""
+
 from __future__ import annotations
 
 import math
@@ -12,19 +13,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fedsim
-from fedsim.experiment import components
-from fedsim.fl.aggregation import get as aggregation_rule
 from fedsim.algorithms import Clients, Round
 from fedsim.algorithms.fednova import FedNova
 from fedsim.algorithms.fedprox import FedProx
 from fedsim.algorithms.scaffold import Scaffold
-from fedsim.execution.client import LocalTrainer
-from fedsim.experiment.config import LocalConfig
-from fedsim.data import from_tensors, load_dataset
 from fedsim.core.flat import FlatModel
-from fedsim.fl.models import build_model
+from fedsim.data import from_tensors, load_dataset
+from fedsim.execution.client import LocalTrainer
+from fedsim.experiment import components
+from fedsim.experiment.config import LocalConfig
 from fedsim.experiment.validation import unused_settings
-
+from fedsim.fl.aggregation import get as aggregation_rule
+from fedsim.fl.models import build_model
 
 U32 = 2.0**-24  # float32 unit roundoff
 
@@ -95,7 +95,8 @@ def test_fedprox_step_is_sgd_on_the_loss_plus_the_proximal_term(synthetic):
     local = LocalConfig(epochs=3, batch_size=64, lr=lr)
     algorithm = FedProx(mu=mu)
     LocalTrainer(model, x, y, local, num_classes=10, algorithm=algorithm).train(
-        torch.arange(64), start, seed=1, local_state=start_client(algorithm, model.num_params))
+        torch.arange(64), start, seed=1, local_state=start_client(algorithm, model.num_params)
+    )
 
     w = start.clone()
     for _ in range(3):
@@ -116,8 +117,14 @@ def scaffold_config(momentum=0.0):
     """Synthetic data, 4 clients holding 2 label-sorted shards each, all trained every round:
     every client has 1500 samples, so every client takes the same K = 47 steps of 32."""
     return {
-        "name": "scaffold", "seed": 3, "device": "cpu", "rounds": 2, "workers": 2, "clients_per_round": 4,
-        "model": "mnist_cnn", "algorithm": "scaffold",
+        "name": "scaffold",
+        "seed": 3,
+        "device": "cpu",
+        "rounds": 2,
+        "workers": 2,
+        "clients_per_round": 4,
+        "model": "mnist_cnn",
+        "algorithm": "scaffold",
         "data": {"dataset": "synthetic", "partition": "shards", "num_clients": 4, "shards_per_client": 2},
         "local": {"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": momentum},
     }
@@ -149,9 +156,12 @@ def test_scaffold_control_variates_follow_option_two_and_it_learns_a_non_iid_spl
     for state in (before, after):
         # the same deltas (|delta| <= 0.3) summed in other orders: 18 roundings over 3 rounds (4 a round
         # for c, 1 for each c_i, 3 for this mean); atol twice that
-        torch.testing.assert_close(state["algorithm"]["server"]["control"],
-                                   client_rows(state, "control", range(4)).mean(dim=0),
-                                   rtol=0, atol=2 * 18 * U32 * 0.3)
+        torch.testing.assert_close(
+            state["algorithm"]["server"]["control"],
+            client_rows(state, "control", range(4)).mean(dim=0),
+            rtol=0,
+            atol=2 * 18 * U32 * 0.3,
+        )
     assert history.round == [1, 2, 3]
     assert history.test_accuracy[-1] > 0.5, history.test_accuracy  # chance is 0.1
 
@@ -180,8 +190,9 @@ def test_scaffold_control_variate_is_option_ii_under_plain_sgd():
     own = {"control": torch.randn(1, model.num_params, generator=g) * 1e-2}  # c_i
     correction = server["control"] - own["control"][0]  # c - c_i, the float32 difference the client adds
     trainer = LocalTrainer(model, x, y, local, num_classes=10, algorithm=algorithm)
-    trained = trainer.train(torch.arange(50), start, seed=3,
-                            local_state=start_client(algorithm, model.num_params, server=server, state=own))
+    trained = trainer.train(
+        torch.arange(50), start, seed=3, local_state=start_client(algorithm, model.num_params, server=server, state=own)
+    )
     steps = int(trained.steps)
     option_ii = (start - model.flat) / (steps * local.lr) - correction  # c_i+ = c_i - c + (x - y_i)/(K lr)
     # equal in exact arithmetic: the K = 8 updates round |w| <= 0.1 each, u 0.1 / lr = 1.2e-7 once
@@ -203,16 +214,21 @@ def test_scaffold_server_update_with_the_rule_a_run_gets_is_the_papers():
     server, own = {"control": torch.randn(p, generator=g)}, {"control": torch.randn(n, p, generator=g)}
     c, c_i = server["control"].double(), own["control"].double()
     rows = {"control": own["control"][clients].clone()}  # the round's clients' rows, as the server passes them
-    delta = Scaffold().server_update(Round(updates, counts, clients, {"control_change": changes}, rule,
-                                           torch.zeros(p), p, n), server, rows)
+    delta = Scaffold().server_update(
+        Round(updates, counts, clients, {"control_change": changes}, rule, torch.zeros(p), p, n), server, rows
+    )
     own["control"][clients] = rows["control"]
     u, d = updates.double(), changes.double()
     # the mean: 1 / k rounds once, each product once, k - 1 additions; c: k - 1 additions, the product
     # with 1 / N (2 roundings) and the addition to c; c_i: one addition. atol twice that
     mean = u.mean(dim=0)
     torch.testing.assert_close(delta.double(), mean, rtol=0, atol=2 * (k + 1) * U32 * float(u.abs().max()))
-    torch.testing.assert_close(server["control"].double(), c + d.sum(dim=0) / n, rtol=0,
-                               atol=2 * (k + 2) * U32 * float(c.abs().max() + d.abs().sum(dim=0).max()))
+    torch.testing.assert_close(
+        server["control"].double(),
+        c + d.sum(dim=0) / n,
+        rtol=0,
+        atol=2 * (k + 2) * U32 * float(c.abs().max() + d.abs().sum(dim=0).max()),
+    )
     expected = c_i.clone()
     expected[clients] += d
     torch.testing.assert_close(own["control"].double(), expected, rtol=0, atol=2 * U32 * float(expected.abs().max()))
@@ -222,15 +238,21 @@ def test_scaffold_server_update_with_the_rule_a_run_gets_is_the_papers():
 
 
 def test_algorithms_whose_paper_fixes_the_rule_get_it_unless_a_rule_is_set():
-    for algorithm, rule in [("scaffold", "mean"), ("feddyn", "mean"), ("fedavg", "fedavg"), ("fedprox", "fedavg"),
-                            ("fednova", "fedavg")]:
+    for algorithm, rule in [
+        ("scaffold", "mean"),
+        ("feddyn", "mean"),
+        ("fedavg", "fedavg"),
+        ("fedprox", "fedavg"),
+        ("fednova", "fedavg"),
+    ]:
         cfg = fedsim.load_config({"algorithm": algorithm})
         assert cfg.aggregator == rule and unused_settings(cfg) == [], algorithm
         assert fedsim.load_config({"algorithm": algorithm, "aggregator": None}).aggregator == rule
     chosen = fedsim.load_config({"algorithm": "feddyn"}, ["aggregator=median"])
     assert chosen.aggregator == "median"
     assert unused_settings(chosen) == [
-        "aggregator is median, but the feddyn paper aggregates with mean (what the run gets when aggregator is not set)"]
+        "aggregator is median, but the feddyn paper aggregates with mean (what the run gets when aggregator is not set)"
+    ]
     assert unused_settings(fedsim.load_config({"algorithm": "scaffold", "aggregator": "mean"})) == []
     # a class of one's own names its paper's rule; an instance of it too
     own = type("Own", (FedProx,), {"paper_aggregator": "median"})
@@ -266,24 +288,37 @@ def tiny_samples() -> torch.Tensor:
     return torch.randn(CLASSES, FEATURES, generator=torch.Generator().manual_seed(1))
 
 
-def tiny_run(out, algorithm, *, seed=0, rounds=1, clients_per_round=3, aggregator=None,
-             algorithm_options=None, **local):
+def tiny_run(
+    out, algorithm, *, seed=0, rounds=1, clients_per_round=3, aggregator=None, algorithm_options=None, **local
+):
     """Run the tiny problem. Return the last checkpoint, the classes trained in each round, and for
     each class the client that holds it. ``aggregator`` None sets none: the algorithm's default."""
     samples = tiny_samples()
     labels = torch.repeat_interleave(torch.arange(CLASSES), torch.tensor(COUNTS))
-    cfg = {"name": "tiny", "seed": seed, "device": "cpu", "rounds": rounds, "workers": 0,
-           "clients_per_round": clients_per_round, "algorithm": algorithm,
-           "algorithm_options": algorithm_options or {}, **({"aggregator": aggregator} if aggregator else {}),
-           "data": {"partition": "label_k", "classes_per_client": 1, "num_clients": 3},
-           "local": {"epochs": 1, "batch_size": 2, "lr": 0.1, **local}}
-    history = fedsim.run(cfg, out=out, quiet=True, model=tiny_linear,
-                         dataset=from_tensors(samples[labels], labels, samples, torch.arange(CLASSES)))
+    cfg = {
+        "name": "tiny",
+        "seed": seed,
+        "device": "cpu",
+        "rounds": rounds,
+        "workers": 0,
+        "clients_per_round": clients_per_round,
+        "algorithm": algorithm,
+        "algorithm_options": algorithm_options or {},
+        **({"aggregator": aggregator} if aggregator else {}),
+        "data": {"partition": "label_k", "classes_per_client": 1, "num_clients": 3},
+        "local": {"epochs": 1, "batch_size": 2, "lr": 0.1, **local},
+    }
+    history = fedsim.run(
+        cfg,
+        out=out,
+        quiet=True,
+        model=tiny_linear,
+        dataset=from_tensors(samples[labels], labels, samples, torch.arange(CLASSES)),
+    )
     records = history.client_records
     holder = {COUNTS.index(r["samples"]): r["client"] for r in records}
     assert sorted(holder) == [0, 1, 2]
-    trained = [sorted(COUNTS.index(r["samples"]) for r in records if r["round"] == rnd)
-               for rnd in range(1, rounds + 1)]
+    trained = [sorted(COUNTS.index(r["samples"]) for r in records if r["round"] == rnd) for rnd in range(1, rounds + 1)]
     return types.SimpleNamespace(state=checkpoint(out), trained=trained, holder=[holder[c] for c in range(CLASSES)])
 
 
@@ -318,7 +353,7 @@ def local_sgd(x, cls, steps, lr, momentum=0.0, term=None, extent=None):
     extent = extent or Extent()
     w, buffer = x.clone(), torch.zeros_like(x)
     for _ in range(steps):
-        weight, bias = w[:CLASSES * FEATURES].view(CLASSES, FEATURES), w[CLASSES * FEATURES:]
+        weight, bias = w[: CLASSES * FEATURES].view(CLASSES, FEATURES), w[CLASSES * FEATURES :]
         weight.requires_grad_(), bias.requires_grad_()
         loss = F.cross_entropy(F.linear(sample[None], weight, bias), torch.tensor([cls]))
         grad = torch.cat([g.flatten() for g in torch.autograd.grad(loss, [weight, bias])])
@@ -370,8 +405,9 @@ def fednova_reference(x, lr, batch_size, momentum):
     effective = sum(p * a for p, a in zip(share, work))  # tau_eff = sum_i p_i a_i
     fednova = x + effective * sum(p * (y - x) / a for p, y, a in zip(share, models, work))
     fedavg = x + sum(p * (y - x) for p, y in zip(share, models))
-    return types.SimpleNamespace(fednova=fednova, fedavg=fedavg, steps=steps, work=work, models=models,
-                                 effective=effective, extent=extent)
+    return types.SimpleNamespace(
+        fednova=fednova, fedavg=fedavg, steps=steps, work=work, models=models, effective=effective, extent=extent
+    )
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.5])
@@ -402,8 +438,9 @@ def test_fednova_with_equal_steps_and_no_momentum_is_exactly_fedavg(counts, step
     updates = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)) * 0.1
     weights = torch.tensor(counts, dtype=torch.float32)
     rule = aggregation_rule("fedavg")
-    round_ = Round(updates, weights, torch.arange(3), {"steps": torch.full((3,), float(steps))}, rule,
-                   torch.zeros(1000), 1000, 3)
+    round_ = Round(
+        updates, weights, torch.arange(3), {"steps": torch.full((3,), float(steps))}, rule, torch.zeros(1000), 1000, 3
+    )
     assert torch.equal(algorithm.server_update(round_, {}, {}), rule(updates, weights))
 
 
@@ -420,8 +457,12 @@ def feddyn_reference(x, trained, lr, batch_size, alpha, use_g=True, use_h=True, 
     error = dict(x=0.0, g=0.0, h=0.0)
     for active in trained:
         # client k: SGD on L_k(w) - <g_k, w> + alpha/2 |w - x|^2, whose gradient adds alpha (w - x) - g_k
-        models = {k: local_sgd(x, k, steps[k], lr, extent=extent,
-                               term=lambda w, k=k, x=x: alpha * (w - x) - (g[k] if use_g else 0)) for k in active}
+        models = {
+            k: local_sgd(
+                x, k, steps[k], lr, extent=extent, term=lambda w, k=k, x=x: alpha * (w - x) - (g[k] if use_g else 0)
+            )
+            for k in active
+        }
         for k, w in models.items():
             g[k] = g[k] - alpha * (w - x)  # g_k <- g_k - alpha (w_k - x), for the clients of the round
         h = h - alpha / n * sum(w - x for w in models.values())  # h <- h - alpha (1/N) sum_k (w_k - x)
@@ -438,8 +479,12 @@ def feddyn_reference(x, trained, lr, batch_size, alpha, use_g=True, use_h=True, 
         client = error["x"] + max(steps) * (step_error(extent, lr, batch_size) + lr * error["g"])
         error["g"] += alpha * (client + error["x"]) + 3 * U32 * (big_g + alpha * moved)
         error["h"] += alpha * (client + error["x"]) + (n + 3) * U32 * (big_h + alpha * moved)
-        error["x"] = (2 * error["x"] + client + error["h"] / alpha
-                      + (n + 5) * U32 * (moved + big_h / alpha + float(new.abs().max())))
+        error["x"] = (
+            2 * error["x"]
+            + client
+            + error["h"] / alpha
+            + (n + 5) * U32 * (moved + big_h / alpha + float(new.abs().max()))
+        )
         x = new
     return types.SimpleNamespace(x=x, g=torch.stack(g), h=h, error=error)
 
@@ -456,8 +501,9 @@ def test_feddyn_rounds_follow_the_papers_algorithm(tiny_runs):
     # measured are <= 1e-7)
     state = run.state["algorithm"]
     torch.testing.assert_close(run.state["global"].double(), ref.x, rtol=0, atol=2 * ref.error["x"])
-    torch.testing.assert_close(client_rows(run.state, "gradient", run.holder).double(), ref.g,
-                               rtol=0, atol=2 * ref.error["g"])
+    torch.testing.assert_close(
+        client_rows(run.state, "gradient", run.holder).double(), ref.g, rtol=0, atol=2 * ref.error["g"]
+    )
     torch.testing.assert_close(state["server"]["h"].double(), ref.h, rtol=0, atol=2 * ref.error["h"])
     # the state and the rule matter: without g_k in the clients' objective, without h in the server's
     # model, or with the sample-weighted average of the fedavg rule, the same two rounds end elsewhere
@@ -471,13 +517,16 @@ def test_feddyn_rounds_follow_the_papers_algorithm(tiny_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm, options", [
-    # clients of unequal sizes take unequal numbers of steps: FedNova is not FedAvg here; a smaller
-    # step than the fixture's
-    ("fednova", {"data": {"partition": "quantity", "sigma": 0.5}, "local": {"lr": 0.02}}),
-    # no aggregator: the paper's unweighted average of the clients
-    ("feddyn", {"algorithm_options": {"alpha": 0.01}}),
-])
+@pytest.mark.parametrize(
+    "algorithm, options",
+    [
+        # clients of unequal sizes take unequal numbers of steps: FedNova is not FedAvg here; a smaller
+        # step than the fixture's
+        ("fednova", {"data": {"partition": "quantity", "sigma": 0.5}, "local": {"lr": 0.02}}),
+        # no aggregator: the paper's unweighted average of the clients
+        ("feddyn", {"algorithm_options": {"alpha": 0.01}}),
+    ],
+)
 def test_algorithm_learns_mnist(learning_config, tmp_path, algorithm, options):
     """Real MNIST when FEDSIM_DATA has it, the generated stand-in otherwise; 2 workers, 2 rounds."""
     cfg = dict(learning_config, algorithm=algorithm, rounds=2, on_nonfinite="fail", **options)

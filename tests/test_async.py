@@ -1,5 +1,6 @@
 """Asynchronous rounds (mode: async): the simulated clock and FedBuff's and FedAsync's updates
 against a reference written here from the papers, then whole runs across workers and resume."""
+
 from __future__ import annotations
 
 import math
@@ -9,19 +10,27 @@ import pytest
 import torch
 
 import fedsim
-from fedsim.fl.asynchronous import AsyncConfig, staleness_weight
 from fedsim.core.errors import ConfigError
+from fedsim.core.streams import async_start_generator
+from fedsim.experiment.validation import load_config, unused_settings
+from fedsim.fl.asynchronous import AsyncConfig, staleness_weight
+from fedsim.fl.system import System
 from fedsim.results.rundir import read_clients
 from fedsim.runs.session import Session
-from fedsim.core.streams import async_start_generator
-from fedsim.fl.system import System
-from fedsim.experiment.validation import load_config, unused_settings
 
-RUN = {"name": "async", "seed": 5, "device": "cpu", "rounds": 4, "workers": 0, "clients_per_round": 4,
-       "mode": "async", "model": "mnist_2nn",
-       "data": {"dataset": "synthetic", "num_clients": 10, "limit": 1000, "partition": "quantity"},
-       "local": {"epochs": 1, "batch_size": 32, "lr": 0.05},
-       "system": {"speed": {"lognormal": 1.0}, "step_seconds": 0.5}}
+RUN = {
+    "name": "async",
+    "seed": 5,
+    "device": "cpu",
+    "rounds": 4,
+    "workers": 0,
+    "clients_per_round": 4,
+    "mode": "async",
+    "model": "mnist_2nn",
+    "data": {"dataset": "synthetic", "num_clients": 10, "limit": 1000, "partition": "quantity"},
+    "local": {"epochs": 1, "batch_size": 32, "lr": 0.05},
+    "system": {"speed": {"lognormal": 1.0}, "step_seconds": 0.5},
+}
 
 
 def test_staleness_weights_are_fedasyncs_functions():
@@ -121,8 +130,7 @@ def test_the_clock_and_the_updates_are_the_papers(method):
 def test_an_async_run_learns_is_the_same_for_any_workers_and_resumes_exactly(tmp_path):
     """FedBuff with dropouts on heterogeneous speeds: workers 0 and 2, and 3 server updates then a
     resume to 6, give the same bits; the clock moves forward; accuracy rises."""
-    cfg = {**RUN, "rounds": 6, "system": {**RUN["system"], "dropout": 0.2},
-           "asynchronous": {"buffer_size": 2}}
+    cfg = {**RUN, "rounds": 6, "system": {**RUN["system"], "dropout": 0.2}, "asynchronous": {"buffer_size": 2}}
     zero = fedsim.run(cfg, out=tmp_path / "w0", quiet=True)
     two = fedsim.run(cfg, out=tmp_path / "w2", quiet=True, workers=2)
     fedsim.run(cfg, out=tmp_path / "resumed", quiet=True, rounds=3)
@@ -149,15 +157,18 @@ def test_fedasync_on_the_vmap_backend_is_the_same_for_any_workers(tmp_path):
     assert one.clients == [1, 1, 1, 1]
 
 
-@pytest.mark.parametrize("override, key", [
-    ("aggregator=median", "aggregator"),
-    ("algorithm=scaffold", "algorithm"),
-    ("system.deadline=10", "system.deadline"),
-    ("system.availability=0.5", "system.availability"),
-    ("client_sampling=by_size", "client_sampling"),
-    ("compression.type=topk", "compression.type"),
-    ("attack.type=sign_flip", "attack.type"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("aggregator=median", "aggregator"),
+        ("algorithm=scaffold", "algorithm"),
+        ("system.deadline=10", "system.deadline"),
+        ("system.availability=0.5", "system.availability"),
+        ("client_sampling=by_size", "client_sampling"),
+        ("compression.type=topk", "compression.type"),
+        ("attack.type=sign_flip", "attack.type"),
+    ],
+)
 def test_async_refuses_in_one_line_what_it_would_ignore(override, key):
     overrides = [override] + (["attack.fraction=0.2"] if key == "attack.type" else [])
     with pytest.raises(ConfigError) as error:
@@ -180,9 +191,9 @@ def test_asynchronous_keys_are_checked_and_warned_about_where_unread():
 def test_the_shipped_comparison_runs_three_servers_on_one_federation():
     from pathlib import Path
 
-    from fedsim.cli import build_parser
-
     from support import documented_commands
+
+    from fedsim.cli import build_parser
 
     *runs, plot = documented_commands(Path(__file__).parents[1] / "experiments" / "async.yaml")
     parser = build_parser()

@@ -1,14 +1,14 @@
 """Byzantine clients: the seeded attacker set, the update rewrites, and an engine run."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from support import sample_clients
 
 import fedsim
-from fedsim.fl.attacks import ATTACKS, attacker_mask, make_attack
 from fedsim.experiment.config import AttackConfig
-
-from support import sample_clients
+from fedsim.fl.attacks import ATTACKS, attacker_mask, make_attack
 
 
 @pytest.mark.parametrize("fraction,num_clients", [(0.2, 100), (0.1, 10), (0.3, 7), (0.5, 8), (0.01, 30)])
@@ -44,8 +44,10 @@ def stack():
     return torch.randn(6, 5000, generator=g) * torch.arange(1, 7)[:, None]
 
 
-@pytest.mark.parametrize("kind,scale,factor", [("sign_flip", 1.0, -1.0), ("sign_flip", 3.0, -3.0),
-                                               ("scale", 10.0, 10.0), ("scale", -2.0, -2.0)])
+@pytest.mark.parametrize(
+    "kind,scale,factor",
+    [("sign_flip", 1.0, -1.0), ("sign_flip", 3.0, -3.0), ("scale", 10.0, 10.0), ("scale", -2.0, -2.0)],
+)
 def test_sign_flip_and_scale_rewrite_exactly_the_attacker_rows(kind, scale, factor):
     honest = stack()
     updates = honest.clone()
@@ -83,8 +85,9 @@ def test_attacks_that_do_not_touch_updates(kind):
 def test_no_attacker_rows_means_no_change():
     honest = stack()
     updates = honest.clone()
-    corrupt_updates(AttackConfig("sign_flip", 0.3), updates, torch.tensor([], dtype=torch.int64),
-                    torch.Generator().manual_seed(1))
+    corrupt_updates(
+        AttackConfig("sign_flip", 0.3), updates, torch.tensor([], dtype=torch.int64), torch.Generator().manual_seed(1)
+    )
     assert torch.equal(updates, honest)
 
 

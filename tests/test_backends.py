@@ -1,4 +1,5 @@
 """The vectorized backend trains each client exactly as the process backend does."""
+
 from __future__ import annotations
 
 import types
@@ -8,9 +9,9 @@ import torch
 
 import fedsim
 from fedsim.algorithms import ALGORITHMS, Clients, LocalResult
-from fedsim.fl.attacks import LabelFlip
-from fedsim.execution.client import LocalTrainer, VmapTrainer
 from fedsim.core.flat import FlatModel
+from fedsim.execution.client import LocalTrainer, VmapTrainer
+from fedsim.fl.attacks import LabelFlip
 from fedsim.fl.models import build_model
 
 U32 = 2.0**-24  # float32 unit roundoff
@@ -32,10 +33,14 @@ def problem(seed=0):
 
 def algorithm_state(algorithm, num_params, num_clients, generator):
     """The algorithm's server and client state, random and small (as after a few rounds)."""
-    server = {name: torch.randn(*shape, generator=generator) * 1e-3
-              for name, shape in algorithm.server_state(num_params).items()}
-    clients = {name: torch.randn(num_clients, *shape, generator=generator) * 1e-3
-               for name, shape in algorithm.client_state(num_params).items()}
+    server = {
+        name: torch.randn(*shape, generator=generator) * 1e-3
+        for name, shape in algorithm.server_state(num_params).items()
+    }
+    clients = {
+        name: torch.randn(num_clients, *shape, generator=generator) * 1e-3
+        for name, shape in algorithm.client_state(num_params).items()
+    }
     return server, clients
 
 
@@ -45,14 +50,18 @@ def start_clients(algorithm, ids, server, clients, rnd=1):
     return algorithm.start_client(Clients(ids, rnd, server, {name: state[ids] for name, state in clients.items()}))
 
 
-@pytest.mark.parametrize("options", [
-    {},
-    {"algorithm": "fedprox", "algorithm_options": {"mu": 0.1}},
-    {"algorithm": "scaffold"},
-    {"algorithm": "fednova"},
-    {"algorithm": "feddyn", "algorithm_options": {"alpha": 0.1}},
-    {"flip_labels": True},
-], ids=["fedavg", "fedprox", "scaffold", "fednova", "feddyn", "flip_labels"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"algorithm": "fedprox", "algorithm_options": {"mu": 0.1}},
+        {"algorithm": "scaffold"},
+        {"algorithm": "fednova"},
+        {"algorithm": "feddyn", "algorithm_options": {"alpha": 0.1}},
+        {"flip_labels": True},
+    ],
+    ids=["fedavg", "fedprox", "scaffold", "fednova", "feddyn", "flip_labels"],
+)
 def test_vmap_group_equals_clients_trained_one_by_one(options):
     x, y, clients = problem()
     cfg = local()
@@ -67,25 +76,33 @@ def test_vmap_group_equals_clients_trained_one_by_one(options):
     relabel = LabelFlip().relabel if flip is not None else None
     sizes = torch.tensor([float(len(ix)) for ix in clients])
 
-    one = LocalTrainer(FlatModel(build_model("mnist_2nn", (1, 28, 28), 10), "cpu"), x, y, cfg, num_classes=10,
-                       algorithm=algorithm)
+    one = LocalTrainer(
+        FlatModel(build_model("mnist_2nn", (1, 28, 28), 10), "cpu"), x, y, cfg, num_classes=10, algorithm=algorithm
+    )
     expected, expected_loss, expected_steps, expected_gradients, expected_reports = [], [], [], [], []
     for i, (ix, seed) in enumerate(zip(clients, seeds)):
         state = start_clients(algorithm, [i], server, client_state)
-        trained = one.train(ix, start, seed, local_state=state,
-                            relabel=relabel if flip is not None and flip[i] else None)
+        trained = one.train(
+            ix, start, seed, local_state=state, relabel=relabel if flip is not None and flip[i] else None
+        )
         expected.append(one.model.flat.clone())
         expected_loss.append(float(trained.loss))
         expected_steps.append(int(trained.steps))
         expected_gradients.append(trained.mean_gradient)
-        expected_reports.append(algorithm.client_report(
-            LocalResult(start, one.model.flat[None].clone(), trained.steps, sizes[i:i + 1], trained.mean_gradient),
-            state))
+        expected_reports.append(
+            algorithm.client_report(
+                LocalResult(
+                    start, one.model.flat[None].clone(), trained.steps, sizes[i : i + 1], trained.mean_gradient
+                ),
+                state,
+            )
+        )
 
     group = VmapTrainer(build_model("mnist_2nn", (1, 28, 28), 10), x, y, cfg, num_classes=10, algorithm=algorithm)
     state = start_clients(algorithm, [0, 1, 2], server, client_state)
-    weights, trained = group.train(clients, start, seeds, group_seed=5, local_state=state, relabel=relabel,
-                                   attacked=flip)
+    weights, trained = group.train(
+        clients, start, seeds, group_seed=5, local_state=state, relabel=relabel, attacked=flip
+    )
     reports = algorithm.client_report(LocalResult(start, weights, trained.steps, sizes, trained.mean_gradient), state)
     assert trained.steps.tolist() == expected_steps == [10, 2, 4]
     # vmap's batched kernels sum in other orders than one client's, so each layer's outputs and
@@ -127,10 +144,19 @@ def test_vmap_refuses_models_with_batch_norm_statistics(tmp_path, monkeypatch):
         def forward(self, x):
             return self.fc(self.norm(x).flatten(1))
 
-    monkeypatch.setitem(MODELS._entries, "test_batchnorm",
-                        (lambda shape, classes: WithBatchNorm(), "a model with batch-norm statistics"))
-    cfg = {"device": "cpu", "backend": "vmap", "model": "test_batchnorm", "rounds": 1, "clients_per_round": 2,
-           "data": {"dataset": "synthetic", "num_clients": 2}}
+    monkeypatch.setitem(
+        MODELS._entries,
+        "test_batchnorm",
+        (lambda shape, classes: WithBatchNorm(), "a model with batch-norm statistics"),
+    )
+    cfg = {
+        "device": "cpu",
+        "backend": "vmap",
+        "model": "test_batchnorm",
+        "rounds": 1,
+        "clients_per_round": 2,
+        "data": {"dataset": "synthetic", "num_clients": 2},
+    }
     with pytest.raises(ConfigError, match="backend: vmap cannot train test_batchnorm"):
         fedsim.run(cfg, out=tmp_path / "run", quiet=True)
 
@@ -151,8 +177,13 @@ def test_bf16_autocast_trains_close_to_fp32_and_keeps_fp32_weights():
     start = torch.cat([p.detach().flatten() for p in build_model("mnist_cnn", (1, 28, 28), 10).parameters()])
     results = {}
     for precision in ("fp32", "bf16"):
-        trainer = LocalTrainer(FlatModel(build_model("mnist_cnn", (1, 28, 28), 10), "cpu"), x, y,
-                               local(precision=precision), num_classes=10)
+        trainer = LocalTrainer(
+            FlatModel(build_model("mnist_cnn", (1, 28, 28), 10), "cpu"),
+            x,
+            y,
+            local(precision=precision),
+            num_classes=10,
+        )
         trained = trainer.train(clients[0], start, seed=4)
         results[precision] = (float(trained.loss), trainer.model.flat.clone())
     assert results["bf16"][1].dtype == torch.float32 and torch.isfinite(results["bf16"][1]).all()

@@ -3,6 +3,7 @@
 Each script runs once as a command, on generated data with 2 rounds and 1 worker; the checks
 are on the shape of the results, never on timings.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,18 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = ["--size", "cpu", "--device", "cpu", "--rounds", "2",
-        "--set", "data.dataset=synthetic", "--set", "data.limit=400"]
+TINY = [
+    "--size",
+    "cpu",
+    "--device",
+    "cpu",
+    "--rounds",
+    "2",
+    "--set",
+    "data.dataset=synthetic",
+    "--set",
+    "data.limit=400",
+]
 
 
 def run_script(name: str, *flags: str, output: Path) -> dict:
@@ -33,8 +44,17 @@ def assert_positive(entry: dict, *keys: str) -> None:
 
 def assert_run_numbers(entry: dict) -> None:
     assert entry["status"] == "ok", entry.get("message")
-    assert_positive(entry, "round1_seconds", "round_seconds", "interval_seconds", "samples_per_second",
-                    "train_seconds", "startup_seconds", "wall_seconds", "run_call_seconds")
+    assert_positive(
+        entry,
+        "round1_seconds",
+        "round_seconds",
+        "interval_seconds",
+        "samples_per_second",
+        "train_seconds",
+        "startup_seconds",
+        "wall_seconds",
+        "run_call_seconds",
+    )
     assert 0 <= entry["overhead_fraction"] < 1
     assert len(entry["rows"]) == 2 and entry["measured_rounds"] == 1
 
@@ -55,8 +75,15 @@ def test_bench_rounds_measures_runs_and_the_command(tmp_path):
 
 
 def test_sequential_baseline_with_dataloaders(tmp_path):
-    result = run_script("sequential_baseline.py", "--workload", "W2", "--models", "mnist_cnn", "--dataloader",
-                        output=tmp_path / "s.json")
+    result = run_script(
+        "sequential_baseline.py",
+        "--workload",
+        "W2",
+        "--models",
+        "mnist_cnn",
+        "--dataloader",
+        output=tmp_path / "s.json",
+    )
     (entry,) = result["entries"]
     assert entry["mode"] == "dataloader"
     assert_run_numbers(entry)
@@ -65,8 +92,9 @@ def test_sequential_baseline_with_dataloaders(tmp_path):
 
 
 def test_compare_puts_both_sides_and_their_ratio_in_one_file(tmp_path):
-    result = run_script("compare.py", "--workload", "W2", "--models", "mnist_cnn", "--workers", "1",
-                        output=tmp_path / "c.json")
+    result = run_script(
+        "compare.py", "--workload", "W2", "--models", "mnist_cnn", "--workers", "1", output=tmp_path / "c.json"
+    )
     (row,) = result["ratios"]
     assert (row["workload"], row["model"], row["backend"], row["workers"]) == ("W2", "mnist_cnn", "process", 1)
     assert_positive(row, "fedsim_round_seconds", "sequential_round_seconds", "round_ratio", "run_ratio")
@@ -76,8 +104,9 @@ def test_compare_puts_both_sides_and_their_ratio_in_one_file(tmp_path):
 
 
 def test_profile_round_breaks_a_client_down(tmp_path):
-    result = run_script("profile_round.py", "--workload", "W2", "--models", "mnist_cnn", "--clients", "1",
-                        output=tmp_path / "p.json")
+    result = run_script(
+        "profile_round.py", "--workload", "W2", "--models", "mnist_cnn", "--clients", "1", output=tmp_path / "p.json"
+    )
     (entry,) = result["entries"]
     assert entry["status"] == "ok", entry.get("message")
     assert_positive(entry, "client_seconds", "step_ms", "steps_per_client", "aggregate_seconds", "evaluate_seconds")
@@ -90,8 +119,18 @@ def test_profile_round_breaks_a_client_down(tmp_path):
 
 def test_bench_startup_times_the_command_and_a_sweep(tmp_path):
     output = tmp_path / "s.json"
-    command = [sys.executable, str(REPO / "benchmarks" / "bench_startup.py"), "--repeats", "1", "--workers", "2",
-               "--data-root", str(tmp_path), "--output", str(output)]  # no MNIST there: generated data
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "bench_startup.py"),
+        "--repeats",
+        "1",
+        "--workers",
+        "2",
+        "--data-root",
+        str(tmp_path),
+        "--output",
+        str(output),
+    ]  # no MNIST there: generated data
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(output.read_text())

@@ -1,6 +1,7 @@
 """Per-client evaluation (eval_per_client with data.test_partition): the spread's definitions, the
 columns and client_accuracy.csv against a direct evaluation of the run's final model, resume,
 and runs without it."""
+
 from __future__ import annotations
 
 import csv
@@ -10,11 +11,11 @@ import pytest
 import torch
 
 import fedsim
-from fedsim.fl.client_eval import spread
-from fedsim.experiment.validation import load_config
+from fedsim.core.flat import FlatModel
 from fedsim.data import local_test_split
 from fedsim.experiment.federation import initial_model, load_federation
-from fedsim.core.flat import FlatModel
+from fedsim.experiment.validation import load_config
+from fedsim.fl.client_eval import spread
 from fedsim.results.rundir import COLUMNS
 
 CONFIG = {
@@ -26,8 +27,7 @@ CONFIG = {
     "clients_per_round": 4,
     "model": "mnist_2nn",
     "eval_per_client": True,
-    "data": {"dataset": "synthetic", "num_clients": 10, "partition": "dirichlet", "alpha": 0.3,
-             "test_partition": True},
+    "data": {"dataset": "synthetic", "num_clients": 10, "partition": "dirichlet", "alpha": 0.3, "test_partition": True},
     "local": {"epochs": 1, "batch_size": 32, "lr": 0.05},
 }
 SPREAD = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")
@@ -120,10 +120,12 @@ def test_scoring_the_clients_changes_nothing_else_and_survives_a_resume(tmp_path
     # stopped after round 2, resumed to 3: the same table as the run that went straight through
     fedsim.run({**CONFIG, "rounds": 2}, out=tmp_path / "resumed", quiet=True)
     (tmp_path / "resumed" / "client_accuracy.csv").write_text(
-        (tmp_path / "resumed" / "client_accuracy.csv").read_text() + "3,0,global,1,0.5\n")  # a row the checkpoint lacks
+        (tmp_path / "resumed" / "client_accuracy.csv").read_text() + "3,0,global,1,0.5\n"
+    )  # a row the checkpoint lacks
     resumed = fedsim.resume(tmp_path / "resumed", quiet=True, rounds=3)
-    assert (tmp_path / "resumed" / "client_accuracy.csv").read_text() == \
-        (tmp_path / "full" / "client_accuracy.csv").read_text()
+    assert (tmp_path / "resumed" / "client_accuracy.csv").read_text() == (
+        tmp_path / "full" / "client_accuracy.csv"
+    ).read_text()
     assert resumed.client_accuracy_p10 == full.client_accuracy_p10
 
 
@@ -135,8 +137,21 @@ def test_eval_per_client_needs_the_test_partition():
 
 
 def test_a_run_directory_from_before_these_columns_still_loads(tmp_path):
-    old = ("round", "test_accuracy", "test_loss", "train_loss", "seconds", "elapsed_seconds", "clients",
-           "dropped_clients", "attackers", "train_seconds", "worker_seconds", "aggregate_seconds", "eval_seconds")
+    old = (
+        "round",
+        "test_accuracy",
+        "test_loss",
+        "train_loss",
+        "seconds",
+        "elapsed_seconds",
+        "clients",
+        "dropped_clients",
+        "attackers",
+        "train_seconds",
+        "worker_seconds",
+        "aggregate_seconds",
+        "eval_seconds",
+    )
     (tmp_path / "metrics.csv").write_text(",".join(old) + "\n" + "1,0.5,1.2,1.3,2.0,2.0,4,0,0,1.0,0.9,0.1,0.2\n")
     history = fedsim.load_run(tmp_path)
     assert history.test_accuracy == [0.5] and history.epsilon == [None]

@@ -1,6 +1,7 @@
 """Compressed updates (fedsim.fl.compression): top-k keeps the k largest, QSGD is unbiased within its
 variance bound, error feedback's invariant, the bytes that travel, and the runs: the same for any
 number of workers, exact on resume, one-line refusals."""
+
 from __future__ import annotations
 
 import math
@@ -10,17 +11,17 @@ import pytest
 import torch
 
 import fedsim
-from fedsim.fl import compression
 from fedsim.algorithms import Algorithm
-from fedsim.fl.client_state import ClientStates
-from fedsim.fl.compression import COMPRESSORS, Compression, CompressionConfig, client_shapes
-from fedsim.experiment.components import tables
-from fedsim.engine.state import GlobalState
 from fedsim.core.errors import ConfigError, FedsimError
 from fedsim.core.flat import FlatModel
-from fedsim.results.rundir import read_clients
-from fedsim.fl.server_opt import make_server_optimizer
+from fedsim.engine.state import GlobalState
+from fedsim.experiment.components import tables
 from fedsim.experiment.validation import load_config, unused_settings
+from fedsim.fl import compression
+from fedsim.fl.client_state import ClientStates
+from fedsim.fl.compression import COMPRESSORS, Compression, CompressionConfig, client_shapes
+from fedsim.fl.server_opt import make_server_optimizer
+from fedsim.results.rundir import read_clients
 
 
 def compressor(type_, **options):
@@ -56,7 +57,7 @@ def test_qsgd_sends_a_norm_signs_and_levels_per_bucket(levels, bucket_size):
     q = compressor("qsgd", levels=levels, bucket_size=bucket_size)(v, torch.Generator().manual_seed(2))
     d = bucket_size or n
     for start in range(0, n, d):
-        vb, qb = v[start:start + d].double(), q[start:start + d].double()
+        vb, qb = v[start : start + d].double(), q[start : start + d].double()
         norm = vb.norm()
         xi = qb.abs() * levels / norm
         assert torch.allclose(xi, xi.round(), atol=1e-5) and xi.min() >= 0 and xi.max() <= levels
@@ -109,8 +110,9 @@ def test_qsgd_of_a_zero_bucket_is_zero_and_the_draws_follow_the_generator():
 def test_qsgd_draws_from_the_stream_of_seed_round_and_client():
     def sent(seed, rnd, client):
         rows = vector(300)[None].clone()
-        Compression(CompressionConfig(type="qsgd", levels=2), seed).compress(rows, [client], torch.ones(1, dtype=bool),
-                                                                             rnd)
+        Compression(CompressionConfig(type="qsgd", levels=2), seed).compress(
+            rows, [client], torch.ones(1, dtype=bool), rnd
+        )
         return rows[0]
 
     first = sent(1, 2, 3)
@@ -181,9 +183,11 @@ def test_residuals_only_for_clients_that_sent_and_unusable_rows_keep_theirs():
     usable = torch.tensor([True])
     unit.compress(huge, [4], usable, rnd=2)
     assert not usable[0] and torch.equal(memory(unit)[4], torch.full((20,), 3e38))
-    assert unit.states.summary() == {"client_state_clients": {"error_feedback": 1},
-                                     "client_state_mb": round(80 / 2**20, 2),
-                                     "client_state_bound_mb": round(10 * 80 / 2**20, 2)}
+    assert unit.states.summary() == {
+        "client_state_clients": {"error_feedback": 1},
+        "client_state_mb": round(80 / 2**20, 2),
+        "client_state_bound_mb": round(10 * 80 / 2**20, 2),
+    }
     assert not Compression(CompressionConfig(type="qsgd"), seed=0).error_feedback  # qsgd's default
 
 
@@ -213,24 +217,31 @@ def refusal(**compression_section) -> str:
     return str(err.value)
 
 
-@pytest.mark.parametrize("section, words", [
-    ({"type": "zip"}, "config: compression.type: unknown compressor 'zip'; choose one of: none, qsgd, topk"),
-    ({"type": "topk", "ratio": 0}, "config: compression.ratio: must be in (0, 1], got 0"),
-    ({"type": "topk", "ratio": 1.5}, "config: compression.ratio: must be in (0, 1], got 1.5"),
-    ({"type": "qsgd", "levels": 0}, "config: compression.levels: must be in [1, 65535], got 0"),
-    ({"type": "qsgd", "levels": 2.5}, "config: compression.levels: expected an integer, got float 2.5"),
-    ({"type": "qsgd", "bucket_size": 0}, "config: compression.bucket_size: must be >= 1, got 0"),
-    ({"type": "topk", "error_feedback": "yes"}, "config: compression.error_feedback: expected true or false"),
-    ({"error_feedback": True}, "config: compression.error_feedback: compression.type none sends every update whole"),
-    ({"typ": "topk"}, "config: compression.typ: unknown key; did you mean 'compression.type'?"),
-])
+@pytest.mark.parametrize(
+    "section, words",
+    [
+        ({"type": "zip"}, "config: compression.type: unknown compressor 'zip'; choose one of: none, qsgd, topk"),
+        ({"type": "topk", "ratio": 0}, "config: compression.ratio: must be in (0, 1], got 0"),
+        ({"type": "topk", "ratio": 1.5}, "config: compression.ratio: must be in (0, 1], got 1.5"),
+        ({"type": "qsgd", "levels": 0}, "config: compression.levels: must be in [1, 65535], got 0"),
+        ({"type": "qsgd", "levels": 2.5}, "config: compression.levels: expected an integer, got float 2.5"),
+        ({"type": "qsgd", "bucket_size": 0}, "config: compression.bucket_size: must be >= 1, got 0"),
+        ({"type": "topk", "error_feedback": "yes"}, "config: compression.error_feedback: expected true or false"),
+        (
+            {"error_feedback": True},
+            "config: compression.error_feedback: compression.type none sends every update whole",
+        ),
+        ({"typ": "topk"}, "config: compression.typ: unknown key; did you mean 'compression.type'?"),
+    ],
+)
 def test_bad_values_are_one_line_naming_the_key(section, words):
     assert refusal(**section).startswith(words)
 
 
 def test_hogwild_refuses_compression_in_one_line():
-    with pytest.raises(ConfigError, match=r"^config: compression.type: hogwild has no client updates to compress") \
-            as err:
+    with pytest.raises(
+        ConfigError, match=r"^config: compression.type: hogwild has no client updates to compress"
+    ) as err:
         load_config({"mode": "hogwild", "clients_per_round": 10, "compression": {"type": "topk"}})
     assert "\n" not in str(err.value)
 
@@ -243,8 +254,11 @@ def test_privacy_allows_compression_without_error_feedback():
     for section in ({"type": "qsgd"}, {"type": "topk", "error_feedback": False}):
         assert load_config({**private, "compression": section}).compression.type == section["type"]
     for section in ({"type": "topk"}, {"type": "qsgd", "error_feedback": True}):
-        with pytest.raises(ConfigError, match=r"^config: compression.error_feedback: cannot be used with "
-                                              r"differential privacy: .* set compression.error_feedback: false$"):
+        with pytest.raises(
+            ConfigError,
+            match=r"^config: compression.error_feedback: cannot be used with "
+            r"differential privacy: .* set compression.error_feedback: false$",
+        ):
             load_config({**private, "compression": section})
 
 
@@ -252,7 +266,8 @@ def test_options_the_compressor_does_not_read_are_warned_about_and_it_is_listed(
     cfg = load_config({"compression": {"type": "topk", "levels": 7, "ratio": 0.1}})
     assert unused_settings(cfg) == ["compression.levels is 7 but compression.type topk does not use it"]
     assert compression.unused_options(CompressionConfig(type="qsgd", ratio=0.2)) == [
-        "compression.ratio is 0.2 but compression.type qsgd does not use it"]
+        "compression.ratio is 0.2 but compression.type qsgd does not use it"
+    ]
     assert tables()["compressors"].names() == ["none", "qsgd", "topk"]
 
 
@@ -262,8 +277,13 @@ def test_residuals_and_the_byte_count_are_restored_and_a_checkpoint_this_run_can
 
     def state(feedback):
         rows = {"error_feedback": (8,)} if feedback else {}
-        return GlobalState(model, make_server_optimizer(cfg, 8, "cpu"), Algorithm(),
-                           ClientStates.of({"compression.error_feedback": rows}, 5, None), "linear")
+        return GlobalState(
+            model,
+            make_server_optimizer(cfg, 8, "cpu"),
+            Algorithm(),
+            ClientStates.of({"compression.error_feedback": rows}, 5, None),
+            "linear",
+        )
 
     saved = {**state(True).state_dict(1), "client_state": {"error_feedback": {2: torch.ones(8)}}}
     keeper = state(True)
@@ -272,10 +292,17 @@ def test_residuals_and_the_byte_count_are_restored_and_a_checkpoint_this_run_can
     assert list(held) == [2] and torch.equal(held[2], torch.ones(8))
     with pytest.raises(FedsimError, match="holds client state 'error_feedback', which this run does not keep"):
         state(False).load_state_dict(saved, tmp_path / "checkpoint.pt")
-    for bad in ({7: torch.ones(8)}, {2: torch.ones(9)}, {2: torch.ones(8, dtype=torch.float64)},
-                {2: torch.full((8,), math.nan)}):
-        with pytest.raises(FedsimError, match="holds client state 'error_feedback' for client .* it needs finite "
-                                              r"float32 of shape \(8,\)"):
+    for bad in (
+        {7: torch.ones(8)},
+        {2: torch.ones(9)},
+        {2: torch.ones(8, dtype=torch.float64)},
+        {2: torch.full((8,), math.nan)},
+    ):
+        with pytest.raises(
+            FedsimError,
+            match="holds client state 'error_feedback' for client .* it needs finite "
+            r"float32 of shape \(8,\)",
+        ):
             state(True).load_state_dict({**saved, "client_state": {"error_feedback": bad}}, tmp_path / "checkpoint.pt")
     with pytest.raises(FedsimError, match="holds a list for client_state where rows by name and client belong"):
         state(True).load_state_dict({**saved, "client_state": [torch.ones(8)]}, tmp_path / "checkpoint.pt")
@@ -288,9 +315,17 @@ def test_residuals_and_the_byte_count_are_restored_and_a_checkpoint_this_run_can
 
 # ----------------------------------------------------------------------------- in a run
 
-RUN = {"name": "compressed", "seed": 3, "device": "cpu", "rounds": 3, "workers": 0, "clients_per_round": 4,
-       "model": "mnist_2nn", "data": {"dataset": "synthetic", "num_clients": 8, "limit": 800},
-       "local": {"epochs": 1, "batch_size": 32, "lr": 0.05}}
+RUN = {
+    "name": "compressed",
+    "seed": 3,
+    "device": "cpu",
+    "rounds": 3,
+    "workers": 0,
+    "clients_per_round": 4,
+    "model": "mnist_2nn",
+    "data": {"dataset": "synthetic", "num_clients": 8, "limit": 800},
+    "local": {"epochs": 1, "batch_size": 32, "lr": 0.05},
+}
 P = 784 * 200 + 200 + 200 * 200 + 200 + 200 * 10 + 10  # mnist_2nn's weights and biases: 199,210, no buffers
 
 
@@ -299,8 +334,14 @@ def test_bytes_follow_who_receives_and_who_reports(tmp_path):
     """power_of_choice sends the model (and SCAFFOLD's control variate c) to its d = 6 candidates,
     each returns its loss (4 bytes); of the 4 chosen, the dropouts report nothing, and every other
     sends its top-k update (8 bytes per kept coordinate) and SCAFFOLD's control change (P float32)."""
-    cfg = {**RUN, "algorithm": "scaffold", "client_sampling": "power_of_choice", "sampling_candidates": 6,
-           "system": {"dropout": 0.3}, "compression": {"type": "topk", "ratio": 0.001}}
+    cfg = {
+        **RUN,
+        "algorithm": "scaffold",
+        "client_sampling": "power_of_choice",
+        "sampling_candidates": 6,
+        "system": {"dropout": 0.3},
+        "compression": {"type": "topk", "ratio": 0.001},
+    }
     history = fedsim.run(cfg, out=tmp_path / "run", quiet=True)
     records = read_clients(tmp_path / "run" / "clients.csv")
     k = round(0.001 * P)
@@ -331,7 +372,9 @@ def test_a_compressed_run_is_the_same_for_any_workers_and_resumes_exactly(tmp_pa
     ends = {name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=True) for name in ("w0", "w2", "resumed")}
     for name in ("w2", "resumed"):
         assert torch.equal(ends["w0"]["global"], ends[name]["global"]), name
-        assert ends["w0"]["client_state"]["error_feedback"].keys() == ends[name]["client_state"]["error_feedback"].keys()
+        assert (
+            ends["w0"]["client_state"]["error_feedback"].keys() == ends[name]["client_state"]["error_feedback"].keys()
+        )
         for client, residual in ends["w0"]["client_state"]["error_feedback"].items():
             assert torch.equal(residual, ends[name]["client_state"]["error_feedback"][client]), (name, client)
     for column in ("test_accuracy", "test_loss", "train_loss", "bytes_down", "bytes_up", "cumulative_bytes"):
@@ -343,11 +386,11 @@ def test_the_experiment_file_plans_its_sweep_and_plot_and_its_message_sizes_are_
     import fnmatch
     from pathlib import Path
 
+    from support import documented_commands
+
     from fedsim.cli import build_parser
     from fedsim.fl.models import MODELS
     from fedsim.runs.sweep import plan
-
-    from support import documented_commands
 
     path = Path("experiments/compression.yaml")
     text = path.read_text()
@@ -363,8 +406,10 @@ def test_the_experiment_file_plans_its_sweep_and_plot_and_its_message_sizes_are_
     cfg = runs[0].config
     n = sum(p.numel() for p in MODELS.get(cfg.model)((1, 28, 28), 10).parameters())
     assert n == 21_840 and "21,840 weights" in text
-    sizes = {run.config.compression.type: Compression(run.config.compression, 0).compressor.message_bytes(n)
-             for run in runs[1:]}
+    sizes = {
+        run.config.compression.type: Compression(run.config.compression, 0).compressor.message_bytes(n)
+        for run in runs[1:]
+    }
     assert 4 * n == 87_360 and "87,360 bytes" in text
     assert sizes["topk"] == 8 * round(0.01 * n) == 1_744 and "218 values" in text and "1,744 bytes" in text
     assert sizes["qsgd"] == math.ceil((32 * math.ceil(n / 512) + 5 * n) / 8) == 13_822 and "13,822 bytes" in text

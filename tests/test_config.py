@@ -1,8 +1,8 @@
 import pytest
 
+from fedsim.core.errors import ConfigError
 from fedsim.experiment.config import Config
 from fedsim.experiment.validation import load_config
-from fedsim.core.errors import ConfigError
 
 
 def write(tmp_path, text):
@@ -13,8 +13,17 @@ def write(tmp_path, text):
 
 def test_defaults_and_required_keys_exist():
     cfg = Config()
-    for key in ("name", "seed", "device", "rounds", "workers", "clients_per_round", "eval_every", "model",
-                "aggregator"):
+    for key in (
+        "name",
+        "seed",
+        "device",
+        "rounds",
+        "workers",
+        "clients_per_round",
+        "eval_every",
+        "model",
+        "aggregator",
+    ):
         assert hasattr(cfg, key)
     for key in ("dataset", "root", "partition", "num_clients", "limit"):
         assert hasattr(cfg.data, key)
@@ -32,8 +41,7 @@ def test_data_root_defaults_to_the_environment(monkeypatch):
 
 def test_yaml_and_overrides(tmp_path):
     path = write(tmp_path, "name: x\nrounds: 4\nlocal:\n  lr: 0.1\ndata:\n  num_clients: 20\n")
-    cfg = load_config(path, ["local.lr=0.05", "rounds=7", "data.limit=1000", "local.weight_decay=1e-4",
-                             "workers=null"])
+    cfg = load_config(path, ["local.lr=0.05", "rounds=7", "data.limit=1000", "local.weight_decay=1e-4", "workers=null"])
     assert cfg.name == "x" and cfg.rounds == 7 and cfg.local.lr == 0.05
     assert cfg.data.limit == 1000 and cfg.data.num_clients == 20
     assert cfg.local.weight_decay == 1e-4  # YAML reads 1e-4 as text; a float key takes it as a number
@@ -58,14 +66,17 @@ def test_unknown_key_is_named_with_a_suggestion(tmp_path):
         load_config({}, {"data": {"alpha": 0}})
 
 
-@pytest.mark.parametrize("text, message", [
-    ("rounds: three\n", "rounds: expected an integer, got str 'three'"),
-    ("rounds: 0\n", "rounds: must be >= 1"),
-    ("local:\n  lr: -0.1\n", "local.lr: must be > 0"),
-    ("clients_per_round: 50\n", "clients_per_round: must be <= data.num_clients"),
-    ("model: resnet9000\n", "model: unknown model 'resnet9000' (did you mean 'resnet18'?); choose one of:"),
-    ("device: tpu\n", "device: must be auto, cpu, cuda or cuda:N"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("rounds: three\n", "rounds: expected an integer, got str 'three'"),
+        ("rounds: 0\n", "rounds: must be >= 1"),
+        ("local:\n  lr: -0.1\n", "local.lr: must be > 0"),
+        ("clients_per_round: 50\n", "clients_per_round: must be <= data.num_clients"),
+        ("model: resnet9000\n", "model: unknown model 'resnet9000' (did you mean 'resnet18'?); choose one of:"),
+        ("device: tpu\n", "device: must be auto, cpu, cuda or cuda:N"),
+    ],
+)
 def test_bad_values_are_rejected_in_one_line(tmp_path, text, message):
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, text))

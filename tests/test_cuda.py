@@ -1,5 +1,6 @@
 """The same contracts on a GPU: CUDA IPC buffers, both backends, host placement, and the
 failure, interrupt and resume paths. Skipped without CUDA."""
+
 from __future__ import annotations
 
 import signal
@@ -7,9 +8,9 @@ import time
 import uuid
 
 import pytest
+from support import BASE, run_cli, start, tagged_processes, wait_for_round, write_config, write_faulty_config
 
 import fedsim
-from support import BASE, run_cli, start, tagged_processes, wait_for_round, write_config, write_faulty_config
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
@@ -60,8 +61,7 @@ def test_interrupt_and_resume_on_the_gpu(tmp_path):
 
 
 def test_the_dataset_is_on_the_device_once(tmp_path):
-    history = fedsim.run({**CUDA, "data": {"dataset": "synthetic", "num_clients": 8}}, out=tmp_path / "run",
-                         quiet=True)
+    history = fedsim.run({**CUDA, "data": {"dataset": "synthetic", "num_clients": 8}}, out=tmp_path / "run", quiet=True)
     # each worker maps the server's buffers: its own allocations stay far below a data copy
     # (synthetic: 6,000 x 784 floats = 18.8 MB)
     assert max(history.summary["worker_peak_memory_mb"]) < 18.8 + 10
@@ -70,8 +70,14 @@ def test_the_dataset_is_on_the_device_once(tmp_path):
 def test_async_rounds_on_the_gpu_start_each_slot_from_its_own_model(tmp_path):
     """FedBuff on CUDA IPC buffers: the slots' own starts reach the workers; 1 and 2 workers agree
     closely (cuDNN may pick other kernels per process) and the clients' loss falls."""
-    cfg = {**CUDA, "model": "mnist_2nn", "rounds": 4, "mode": "async", "asynchronous": {"buffer_size": 2},
-           "system": {"speed": {"lognormal": 1.0}}}
+    cfg = {
+        **CUDA,
+        "model": "mnist_2nn",
+        "rounds": 4,
+        "mode": "async",
+        "asynchronous": {"buffer_size": 2},
+        "system": {"speed": {"lognormal": 1.0}},
+    }
     one = fedsim.run(cfg, out=tmp_path / "w1", quiet=True, workers=1)
     two = fedsim.run(cfg, out=tmp_path / "w2", quiet=True, workers=2)
     assert one.simulated_time == two.simulated_time  # the clock does not depend on the device's arithmetic

@@ -4,16 +4,15 @@ import stat
 import pytest
 import torch
 import torchvision
+from support import write_fake_cifar
 
-from fedsim.experiment.config import DataConfig
+from fedsim.core.errors import DataError
+from fedsim.core.flat import FlatModel
 from fedsim.data import DATASETS, load_dataset
 from fedsim.data.augment import augmentation_for, random_crop_flip
 from fedsim.data.datasets import CIFAR10_FOLDER, CIFAR10_MEAN, CIFAR10_STD
-from fedsim.core.errors import DataError
-from fedsim.core.flat import FlatModel
+from fedsim.experiment.config import DataConfig
 from fedsim.fl.models import MODELS, build_model
-
-from support import write_fake_cifar
 
 # ----------------------------------------------------------------------------- CIFAR-10
 
@@ -50,8 +49,10 @@ def test_missing_cifar10_tries_a_download_and_fails_in_one_line(tmp_path, monkey
 
     def no_network(root, train, download):
         attempts.append((root, train, download))
-        raise RuntimeError("Error downloading cifar-10-python.tar.gz:\nTried https://example.org/, got:\n"
-                           "<urlopen error [Errno -2] Name or service not known>\n")  # torchvision's form
+        raise RuntimeError(
+            "Error downloading cifar-10-python.tar.gz:\nTried https://example.org/, got:\n"
+            "<urlopen error [Errno -2] Name or service not known>\n"
+        )  # torchvision's form
 
     monkeypatch.setattr(torchvision.datasets, "CIFAR10", no_network)
     with pytest.raises(DataError) as info:
@@ -178,6 +179,5 @@ def test_the_offline_quick_start_visibly_learns(tmp_path):
     """What the README promises: mnist_seed on generated data climbs to over 80 % in 3 rounds."""
     import fedsim
 
-    history = fedsim.run("mnist_seed", dataset="synthetic", device="cpu", workers=0, out=tmp_path / "run",
-                         quiet=True)
+    history = fedsim.run("mnist_seed", dataset="synthetic", device="cpu", workers=0, out=tmp_path / "run", quiet=True)
     assert history.test_accuracy == [0.575, 0.851, 0.954]  # the numbers the README quotes

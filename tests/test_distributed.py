@@ -1,6 +1,7 @@
 """Several ranks under torchrun (gloo on CPU, on this machine): the numbers of one process,
 whatever the number of ranks or "machines"; a rank that dies ends the job, naming it; a signal,
 or the launcher's death, stops every rank within seconds, as a single process stops."""
+
 from __future__ import annotations
 
 import csv
@@ -17,15 +18,22 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-import fedsim
 from support import start, tagged_processes, wait_for_round
 
-pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo ranks are tested on Linux"),
-              pytest.mark.slow]
+import fedsim
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo ranks are tested on Linux"),
+    pytest.mark.slow,
+]
 
 CONFIG = {
-    "name": "ranks", "seed": 5, "device": "cpu", "rounds": 3, "workers": 1, "clients_per_round": 6,
+    "name": "ranks",
+    "seed": 5,
+    "device": "cpu",
+    "rounds": 3,
+    "workers": 1,
+    "clients_per_round": 6,
     "model": "mnist_2nn",
     "data": {"dataset": "synthetic", "num_clients": 12, "limit": 1200, "partition": "dirichlet", "alpha": 0.5},
     "local": {"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.9},
@@ -41,8 +49,15 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, port: int, nnodes: int = 1, node_rank: int = 0) -> tuple[str, ...]:
-    return ("-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}",
-            f"--node-rank={node_rank}", f"--rdzv-endpoint=127.0.0.1:{port}", "--monitor-interval=0.2")
+    return (
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--monitor-interval=0.2",
+    )
 
 
 def write_config(tmp_path: Path, **changes) -> Path:
@@ -64,6 +79,7 @@ def ranked_run(tmp_path: Path, config: Path, nproc: int = 2, timeout: float = 12
 
 def same_results(a: Path, b: Path) -> None:
     """Bit for bit: every accuracy, loss and per-client record (times aside)."""
+
     def rows(path, name):
         with open(path / name) as f:
             return [{k: v for k, v in row.items() if "seconds" not in k} for row in csv.DictReader(f)]
@@ -82,8 +98,11 @@ def test_two_ranks_give_the_metrics_of_one_process(tmp_path):
     assert all(r["server_peak_memory_mb"] > 0 and len(r["worker_peak_memory_mb"]) == 1 for r in summary["ranks"])
 
 
-@pytest.mark.parametrize("changes", [{"aggregator": "krum", "aggregator_options": {"f": 1}},
-                                     {"algorithm": "scaffold"}], ids=["krum", "scaffold"])
+@pytest.mark.parametrize(
+    "changes",
+    [{"aggregator": "krum", "aggregator_options": {"f": 1}}, {"algorithm": "scaffold"}],
+    ids=["krum", "scaffold"],
+)
 def test_a_robust_rule_and_scaffold_across_ranks_equal_one_process(tmp_path, changes):
     config = write_config(tmp_path, workers=0, **changes)  # in-process training on each rank: same numbers
     single = fedsim.run(config, out=tmp_path / "single", quiet=True).run_dir
@@ -93,8 +112,10 @@ def test_a_robust_rule_and_scaffold_across_ranks_equal_one_process(tmp_path, cha
 def test_two_machines_on_loopback_give_the_same_metrics(tmp_path):
     config, port, tag = write_config(tmp_path, workers=0), free_port(), uuid.uuid4().hex
     out = tmp_path / "two-nodes"
-    nodes = [start(["run", str(config), "--out", str(out)], tag, launcher=torchrun(1, port, 2, rank), **LOOPBACK)
-             for rank in (0, 1)]
+    nodes = [
+        start(["run", str(config), "--out", str(out)], tag, launcher=torchrun(1, port, 2, rank), **LOOPBACK)
+        for rank in (0, 1)
+    ]
     results = [node.communicate(timeout=120) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], results
     assert results[1][0] == ""  # the second machine's rank prints nothing
@@ -107,8 +128,12 @@ def test_two_machines_on_loopback_give_the_same_metrics(tmp_path):
 def test_a_killed_rank_ends_the_job_naming_it(tmp_path, victim):
     tag = uuid.uuid4().hex
     config = write_config(tmp_path, rounds=500)
-    proc = start(["run", str(config), "--out", str(tmp_path / "run"), "--no-progress"], tag,
-                 launcher=torchrun(2, free_port()), **LOOPBACK)
+    proc = start(
+        ["run", str(config), "--out", str(tmp_path / "run"), "--no-progress"],
+        tag,
+        launcher=torchrun(2, free_port()),
+        **LOOPBACK,
+    )
     wait_for_round(proc, 2)
     ranks = _ranks(tag)
     assert sorted(ranks) == [0, 1]
@@ -150,8 +175,11 @@ def test_a_peer_still_exiting_when_its_socket_closes_is_named():
 
 def _ranks(tag: str) -> dict[int, int]:
     """The job's rank processes (not their workers), by rank."""
-    return {int(_environment(pid)["LOCAL_RANK"]): pid for pid in tagged_processes(tag)
-            if "LOCAL_RANK" in _environment(pid) and b"multiprocessing" not in _cmdline(pid)}
+    return {
+        int(_environment(pid)["LOCAL_RANK"]): pid
+        for pid in tagged_processes(tag)
+        if "LOCAL_RANK" in _environment(pid) and b"multiprocessing" not in _cmdline(pid)
+    }
 
 
 def _all_gone(tag: str, seconds: float = 10) -> bool:
@@ -168,8 +196,10 @@ def _interrupted_run(run_dir: Path, err: str, stopped: str = "interrupted") -> N
     rows = fedsim.load_run(run_dir).rows
     assert summary["status"] == "interrupted" and summary["rounds"] == len(rows) == summary["checkpoint_round"] >= 2
     ours = [line for line in err.splitlines() if line.startswith("fedsim:")]
-    assert ours == [f"fedsim: {stopped}; metrics so far and the checkpoint of round {len(rows)} are in {run_dir}; "
-                    f"continue with: fedsim run --resume {run_dir}"], err
+    assert ours == [
+        f"fedsim: {stopped}; metrics so far and the checkpoint of round {len(rows)} are in {run_dir}; "
+        f"continue with: fedsim run --resume {run_dir}"
+    ], err
 
 
 @pytest.mark.parametrize("target, signum, code", [("launcher", signal.SIGINT, 130), ("ranks", signal.SIGTERM, 143)])
@@ -177,8 +207,12 @@ def test_a_signal_stops_every_rank_within_seconds(tmp_path, target, signum, code
     """Ctrl-C reaches torchrun, which sends it on to every rank's process group; a scheduler's
     SIGTERM reaches every rank's group itself. Either way each rank stops where it is, at once."""
     tag, run_dir = uuid.uuid4().hex, tmp_path / "run"
-    proc = start(["run", str(write_config(tmp_path, rounds=500)), "--out", str(run_dir), "--no-progress"], tag,
-                 launcher=torchrun(2, free_port()), **LOOPBACK)
+    proc = start(
+        ["run", str(write_config(tmp_path, rounds=500)), "--out", str(run_dir), "--no-progress"],
+        tag,
+        launcher=torchrun(2, free_port()),
+        **LOOPBACK,
+    )
     wait_for_round(proc, 2)
     ranks = _ranks(tag)
     assert sorted(ranks) == [0, 1]
@@ -198,8 +232,12 @@ def test_a_signal_stops_every_rank_within_seconds(tmp_path, target, signum, code
 
 def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
     tag, run_dir = uuid.uuid4().hex, tmp_path / "run"
-    proc = start(["run", str(write_config(tmp_path, rounds=500)), "--out", str(run_dir), "--no-progress"], tag,
-                 launcher=torchrun(2, free_port()), **LOOPBACK)
+    proc = start(
+        ["run", str(write_config(tmp_path, rounds=500)), "--out", str(run_dir), "--no-progress"],
+        tag,
+        launcher=torchrun(2, free_port()),
+        **LOOPBACK,
+    )
     wait_for_round(proc, 2)
     assert sorted(_ranks(tag)) == [0, 1]
     t0 = time.monotonic()

@@ -3,6 +3,7 @@ somewhere, and the pages build as a site. A Python block is a whole program (imp
 ``__main__`` guard) and runs; a YAML block is a config section that loads; the fedsim commands
 of a bash block parse, and the experiment, keys and values they name load (running them is the
 experiments themselves: hours); a text block is a diagram."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -18,8 +19,8 @@ import pytest
 import yaml
 
 from fedsim.cli import build_parser
-from fedsim.runs.sweep import plan
 from fedsim.experiment.validation import load_config
+from fedsim.runs.sweep import plan
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -28,8 +29,10 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 def code_blocks(path: Path) -> list[tuple[str, str, str]]:
     """(where, language, text) of every fenced block of a markdown file."""
     text = path.read_text()
-    return [(f"{path.relative_to(REPO)}:{text[:m.start()].count(chr(10)) + 1}", m.group(1), m.group(2))
-            for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)]
+    return [
+        (f"{path.relative_to(REPO)}:{text[: m.start()].count(chr(10)) + 1}", m.group(1), m.group(2))
+        for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)
+    ]
 
 
 BLOCKS = [block for path in DOCS for block in code_blocks(path)]
@@ -40,8 +43,9 @@ def blocks(language: str):
 
 
 def test_every_block_says_what_it_is():
-    assert {lang for _, lang, _ in BLOCKS} <= {"python", "bash", "yaml", "text"}, \
-        [(where, lang) for where, lang, _ in BLOCKS if lang not in ("python", "bash", "yaml", "text")]
+    assert {lang for _, lang, _ in BLOCKS} <= {"python", "bash", "yaml", "text"}, [
+        (where, lang) for where, lang, _ in BLOCKS if lang not in ("python", "bash", "yaml", "text")
+    ]
     assert len(blocks("python")) >= 6 and len(blocks("bash")) >= 15
 
 
@@ -70,8 +74,9 @@ def _run_program(program: str, folder: Path) -> subprocess.CompletedProcess:
     (folder / "example.py").write_text(program)
     env = {k: v for k, v in os.environ.items() if k != "FEDSIM_DATA"}  # generated data only: nothing to fetch
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "example.py"], cwd=folder, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "example.py"], cwd=folder, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.parametrize("section", blocks("yaml"))
@@ -89,8 +94,10 @@ def test_the_commands_of_a_bash_block_parse_and_name_what_loads(script, monkeypa
             start = words.index("fedsim") + 1  # `fedsim ...`, `python -m fedsim ...`, `torchrun ... -m fedsim ...`
             _check_fedsim(words[start:])
         else:
-            assert words[0] in ("pip", "python", "export", "head=$(scontrol", "srun", "rsync", "ssh") or \
-                words[:2] == ["python", "-m"], words
+            assert words[0] in ("pip", "python", "export", "head=$(scontrol", "srun", "rsync", "ssh") or words[:2] == [
+                "python",
+                "-m",
+            ], words
 
 
 def _commands(script: str) -> list[list[str]]:
@@ -101,9 +108,7 @@ def _commands(script: str) -> list[list[str]]:
 
 def _check_fedsim(args: list[str]) -> None:
     parsed = build_parser().parse_args(args)  # a wrong flag exits (SystemExit fails the test)
-    if parsed.command == "run" and not parsed.resume:
-        load_config(parsed.config, parsed.set)
-    elif parsed.command == "partition":
+    if parsed.command == "run" and not parsed.resume or parsed.command == "partition":
         load_config(parsed.config, parsed.set)
     elif parsed.command == "sweep":
         plan(parsed.config, parsed.grid, parsed.set, parsed.seeds)
@@ -154,8 +159,11 @@ def _anchors(path: Path) -> set[str]:
 
 def _links(path: Path) -> list[str]:
     """The targets of the markdown links of a file, outside code."""
-    return [target for line in _prose(path) for target in
-            re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", line))]
+    return [
+        target
+        for line in _prose(path)
+        for target in re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", line))
+    ]
 
 
 def test_the_slugs_are_those_of_mkdocs():
@@ -169,8 +177,10 @@ def test_the_slugs_are_those_of_mkdocs():
         assert _slug(heading) == made, heading
     assert _slug("Aggregation rules") == "aggregation-rules"
     assert _slug("System heterogeneity and client sampling") == "system-heterogeneity-and-client-sampling"
-    assert _slug("Per-client evaluation (`eval_per_client`, `data.test_partition`)") == \
-        "per-client-evaluation-eval_per_client-datatest_partition"
+    assert (
+        _slug("Per-client evaluation (`eval_per_client`, `data.test_partition`)")
+        == "per-client-evaluation-eval_per_client-datatest_partition"
+    )
     assert _slug("Scaling: GPUs / machines — «fast»") == "scaling-gpus-machines-fast"
 
 
@@ -186,8 +196,9 @@ def test_every_relative_link_and_anchor_resolves(path):
         assert target.is_file(), f"{path.relative_to(REPO)}: {link}: no such file"
         assert target.is_relative_to(REPO / "docs"), f"{path.relative_to(REPO)}: {link}: outside docs/"
         if anchor:
-            assert target.suffix == ".md" and anchor in _anchors(target), \
+            assert target.suffix == ".md" and anchor in _anchors(target), (
                 f"{path.relative_to(REPO)}: {link}: no heading with that anchor in {target.name}"
+            )
 
 
 def test_the_readme_indexes_every_page():
@@ -198,7 +209,7 @@ def test_the_readme_indexes_every_page():
 def test_every_page_is_in_the_site_navigation():
     def pages(nav):
         for entry in nav:
-            for value in (entry.values() if isinstance(entry, dict) else [entry]):
+            for value in entry.values() if isinstance(entry, dict) else [entry]:
                 yield from pages(value) if isinstance(value, list) else [value]
 
     listed = list(pages(yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"]))
@@ -210,8 +221,9 @@ def test_the_readme_sets_up_as_ci_does():
     """The Set-up section's one shell block is exactly the two commands CI runs."""
     readme = (REPO / "README.md").read_text()
     setup = readme.split("\n## Set-up\n", 1)[1].split("\n## ", 1)[0]
-    assert re.findall(r"^```(\w*)\n(.*?)^```", setup, re.M | re.S) == \
-        [("bash", 'pip install -e ".[dev]"\npython -m pytest\n')]
+    assert re.findall(r"^```(\w*)\n(.*?)^```", setup, re.M | re.S) == [
+        ("bash", 'pip install -e ".[dev]"\npython -m pytest\n')
+    ]
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert 'pip install -e ".[dev]"' in ci and "python -m pytest" in ci
 
@@ -221,10 +233,24 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     """mkdocs builds the pages with the README as home page and the API reference from the
     docstrings; strict mode fails on any warning: a broken link or anchor, a page left out of
     the navigation, a docstring it cannot read."""
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
-                           str(REPO / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
-                          cwd=REPO, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(REPO / "mkdocs.yml"),
+            "--site-dir",
+            str(tmp_path / "site"),
+        ],
+        cwd=REPO,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     home = (tmp_path / "site" / "index.html").read_text()
     assert "Quick start" in home and 'href="getting-started/#set-up"' in home

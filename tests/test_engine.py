@@ -1,4 +1,5 @@
 """The multi-process round loop end to end, on CPU."""
+
 from __future__ import annotations
 
 import csv
@@ -6,11 +7,10 @@ import json
 
 import pytest
 import torch
+from support import child_pids, shm_entries, shm_left_behind
 
 import fedsim
 from fedsim.results.rundir import COLUMNS
-
-from support import child_pids, shm_entries, shm_left_behind
 
 pytestmark = pytest.mark.slow
 
@@ -119,6 +119,7 @@ def test_a_failing_model_is_one_line_with_or_without_workers(small_config, tmp_p
     assert "worker 0 failed while training client" in str(info.value) and "no such layer" in str(info.value)
     with pytest.raises(ConfigError) as info:
         fedsim.run(dict(small_config, workers=0), out=tmp_path / "built", quiet=True, model=not_built)
-    assert str(info.value) == ("keyword model: test_engine:not_built failed when it was built "
-                               "(ValueError: weights file missing)")
+    assert str(info.value) == (
+        "keyword model: test_engine:not_built failed when it was built (ValueError: weights file missing)"
+    )
     assert child_pids() == []

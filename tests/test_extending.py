@@ -1,4 +1,5 @@
 """Your own model, rule, algorithm and dataset; callbacks, clients.csv, logging."""
+
 from __future__ import annotations
 
 import json
@@ -15,19 +16,27 @@ import torch
 
 import fedsim
 from fedsim.cli import main
-from fedsim.data import from_tensors
 from fedsim.core.errors import DataError, FedsimError
+from fedsim.data import from_tensors
 
-TINY = {"name": "own", "seed": 4, "device": "cpu", "rounds": 2, "workers": 0, "clients_per_round": 3,
-        "data": {"dataset": "synthetic", "num_clients": 3, "limit": 900},
-        "local": {"lr": 0.05, "batch_size": 32}}
+TINY = {
+    "name": "own",
+    "seed": 4,
+    "device": "cpu",
+    "rounds": 2,
+    "workers": 0,
+    "clients_per_round": 3,
+    "data": {"dataset": "synthetic", "num_clients": 3, "limit": 900},
+    "local": {"lr": 0.05, "batch_size": 32},
+}
 
 
 @pytest.mark.slow
 def test_a_model_rule_algorithm_and_dataset_from_a_scripts_main_run_in_the_workers(tmp_path):
     # everything defined in __main__: the workers get the model and the algorithm by value
     script = tmp_path / "mine.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import json, sys
         import torch
         import fedsim
@@ -68,9 +77,11 @@ def test_a_model_rule_algorithm_and_dataset_from_a_scripts_main_run_in_the_worke
                                     algorithm=ServerStep(1.0), dataset=data)
             print(json.dumps({"accuracy": resumed.test_accuracy, "calls": calls,
                               "params": len(torch.load(out + "/checkpoint.pt", weights_only=True)["global"])}))
-    """))
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    """)
+    )
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["params"] == 7850  # the workers trained Net
@@ -86,22 +97,27 @@ def test_a_model_rule_algorithm_and_dataset_from_a_scripts_main_run_in_the_worke
 def test_a_script_without_the_main_guard_gets_one_line_naming_it(tmp_path):
     # every worker imports the script that started the run, and would run it again
     script = tmp_path / "unguarded.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import fedsim
 
         fedsim.run({dict(TINY, workers=2)!r}, out="run", quiet=True)
         print("the run returned")
-    """))
+    """)
+    )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.splitlines() == ['fedsim: error: this script calls fedsim.run outside an `if __name__ == '
-                                        '"__main__":` block, so every worker process, which imports the script, '
-                                        'would start the run again; put the call under that guard']
+    assert done.stderr.splitlines() == [
+        "fedsim: error: this script calls fedsim.run outside an `if __name__ == "
+        '"__main__":` block, so every worker process, which imports the script, '
+        "would start the run again; put the call under that guard"
+    ]
 
 
 @pytest.mark.slow
 def test_components_named_by_import_path_are_imported_in_every_process(tmp_path):
-    (tmp_path / "mynets.py").write_text(textwrap.dedent("""
+    (tmp_path / "mynets.py").write_text(
+        textwrap.dedent("""
         import torch
 
         def build(input_shape, num_classes):
@@ -113,33 +129,73 @@ def test_components_named_by_import_path_are_imported_in_every_process(tmp_path)
 
         def wrong_shape(input_shape, num_classes):
             return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 3))
-    """))
-    np.savez(tmp_path / "tensors.npz", train_x=np.random.default_rng(0).normal(size=(300, 1, 28, 28)),
-             train_y=np.arange(300) % 10, test_x=np.zeros((20, 1, 28, 28)), test_y=np.arange(20) % 10)
+    """)
+    )
+    np.savez(
+        tmp_path / "tensors.npz",
+        train_x=np.random.default_rng(0).normal(size=(300, 1, 28, 28)),
+        train_y=np.arange(300) % 10,
+        test_x=np.zeros((20, 1, 28, 28)),
+        test_y=np.arange(20) % 10,
+    )
     config = tmp_path / "exp.yaml"
-    config.write_text(json.dumps({**TINY, "model": "mynets:build", "aggregator": "mynets:median", "workers": 2,
-                                  "data": {"dataset": "tensors.npz", "num_clients": 3}}))
+    config.write_text(
+        json.dumps(
+            {
+                **TINY,
+                "model": "mynets:build",
+                "aggregator": "mynets:median",
+                "workers": 2,
+                "data": {"dataset": "tensors.npz", "num_clients": 3},
+            }
+        )
+    )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run([sys.executable, "-m", "fedsim", "run", str(config), "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "fedsim", "run", str(config), "--out", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert len(torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["global"]) == 784 * 32 + 32 + 330
 
-    done = subprocess.run([sys.executable, "-m", "fedsim", "run", str(config), "--out", str(tmp_path / "bad"),
-                           "--set", "model=mynets:wrong_shape"], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedsim",
+            "run",
+            str(config),
+            "--out",
+            str(tmp_path / "bad"),
+            "--set",
+            "model=mynets:wrong_shape",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.strip() == ("fedsim: error: --set model: mynets:wrong_shape returns shape (2, 3) "
-                                   "(torch.float32) for 2 inputs; expected class scores of shape (2, 10)")
+    assert done.stderr.strip() == (
+        "fedsim: error: --set model: mynets:wrong_shape returns shape (2, 3) "
+        "(torch.float32) for 2 inputs; expected class scores of shape (2, 10)"
+    )
 
 
 def test_a_dataset_of_tensors_is_checked_in_one_line():
     x, y = torch.zeros(10, 4), torch.arange(10) % 2
-    for bad, words in [((x, y.float(), x, y), "train_y must hold integer class labels"),
-                       ((x, y[:5], x, y), "train_x has shape (10, 4) and train_y (5,)"),
-                       ((x, y, torch.zeros(3, 5), y[:3]), "train inputs (4,) and test inputs (5,) differ"),
-                       ((x, y - 1, x, y), "labels must lie in 0 .. num_classes - 1"),
-                       ((x * math.nan, y, x, y), "the inputs hold NaN or Inf")]:
+    for bad, words in [
+        ((x, y.float(), x, y), "train_y must hold integer class labels"),
+        ((x, y[:5], x, y), "train_x has shape (10, 4) and train_y (5,)"),
+        ((x, y, torch.zeros(3, 5), y[:3]), "train inputs (4,) and test inputs (5,) differ"),
+        ((x, y - 1, x, y), "labels must lie in 0 .. num_classes - 1"),
+        ((x * math.nan, y, x, y), "the inputs hold NaN or Inf"),
+    ]:
         with pytest.raises(DataError) as info:
             from_tensors(*bad)
         assert words in str(info.value) and "\n" not in str(info.value)

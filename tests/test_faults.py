@@ -1,6 +1,7 @@
 """Faults of the machine and of the files around a run: one line naming the path and what to
 do, exit status 2 (bad input) or 1 (environment), no traceback, no temporary or half-written
 file, no process left behind, the diagnosis of the actual cause."""
+
 from __future__ import annotations
 
 import errno
@@ -21,13 +22,12 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from support import assert_one_line_error, run_cli, start, tagged_processes, wait_for_round
 
 import fedsim
 from fedsim.cli import main
 from fedsim.core.errors import resource_hint
 from fedsim.results.rundir import RunDirectory, safe_dir_name
-
-from support import assert_one_line_error, run_cli, start, tagged_processes, wait_for_round
 
 BASE = {
     "name": "faults",
@@ -78,10 +78,12 @@ def test_an_output_path_below_a_regular_file_is_refused_by_every_command(tmp_pat
     config = write_config(tmp_path)
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    for args in (["run", config, "--out", blocker / "run"],
-                 ["partition", config, "--out", blocker / "part"],
-                 ["sweep", config, "--grid", "seed=0,1", "--out", blocker / "sweep"],
-                 ["plot", finished, "-o", blocker / "fig.png"]):
+    for args in (
+        ["run", config, "--out", blocker / "run"],
+        ["partition", config, "--out", blocker / "part"],
+        ["sweep", config, "--grid", "seed=0,1", "--out", blocker / "sweep"],
+        ["plot", finished, "-o", blocker / "fig.png"],
+    ):
         code, err = cli(capsys, *args)
         assert code == 2 and err.count("\n") == 1, (args, err)
         assert f"{blocker} is a file, not a directory" in err, err
@@ -114,11 +116,14 @@ def test_a_run_named_like_a_path_writes_inside_runs(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target, code, words", [
-    ("checkpoint.pt", 1, "the disk is full"),
-    ("metrics.csv", 1, "the file system is read-only"),
-    ("config.yaml", 1, "permission denied"),
-])
+@pytest.mark.parametrize(
+    "target, code, words",
+    [
+        ("checkpoint.pt", 1, "the disk is full"),
+        ("metrics.csv", 1, "the file system is read-only"),
+        ("config.yaml", 1, "permission denied"),
+    ],
+)
 def test_a_failed_write_is_one_line_and_leaves_no_temporary_file(tmp_path, capsys, monkeypatch, target, code, words):
     import fedsim.results.rundir
 
@@ -142,8 +147,9 @@ def _in_private_mount(script: str) -> subprocess.CompletedProcess:
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
         pytest.skip("needs unshare -m (root in a Linux mount namespace) to mount a small file system")
     env = {**os.environ, "PYTHONPATH": str(Path(fedsim.__file__).parents[1])}
-    return subprocess.run(["unshare", "-m", "sh", "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run(
+        ["unshare", "-m", "sh", "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 @pytest.mark.slow
@@ -223,13 +229,16 @@ def _bad_label(path: Path) -> None:
         f.write((0x0801).to_bytes(4, "big") + (40).to_bytes(4, "big") + bytes([42] * 40))
 
 
-@pytest.mark.parametrize("file, damage, words", [
-    ("train-images-idx3-ubyte.gz", _truncate, "truncated or corrupt"),
-    ("t10k-labels-idx1-ubyte.gz", _random_bytes, "truncated or corrupt"),
-    ("train-labels-idx1-ubyte.gz", _wrong_magic, "not an IDX file"),
-    ("train-labels-idx1-ubyte.gz", _short_labels, "images for (7,) labels"),
-    ("train-labels-idx1-ubyte.gz", _bad_label, "label 42 outside the 10 classes"),
-])
+@pytest.mark.parametrize(
+    "file, damage, words",
+    [
+        ("train-images-idx3-ubyte.gz", _truncate, "truncated or corrupt"),
+        ("t10k-labels-idx1-ubyte.gz", _random_bytes, "truncated or corrupt"),
+        ("train-labels-idx1-ubyte.gz", _wrong_magic, "not an IDX file"),
+        ("train-labels-idx1-ubyte.gz", _short_labels, "images for (7,) labels"),
+        ("train-labels-idx1-ubyte.gz", _bad_label, "label 42 outside the 10 classes"),
+    ],
+)
 def test_a_damaged_dataset_archive_is_named(tmp_path, capsys, file, damage, words):
     raw = _fake_mnist(tmp_path / "data")
     damage(raw / file)
@@ -267,23 +276,27 @@ def test_offline_the_quick_start_says_what_works_at_once(tmp_path, capsys, monke
     assert "the download failed (urlopen error [Errno -3] no network)" in err
     assert err.strip().endswith(f"fedsim run {config} --set data.dataset=synthetic --set data.limit=null")
     assert not (tmp_path / "nothing").exists()  # the folders made for the download are gone again
-    code, _ = cli(capsys, "run", config, "--out", tmp_path / "run", "--set", "data.dataset=synthetic",
-                  "--set", "data.limit=null")
+    code, _ = cli(
+        capsys, "run", config, "--out", tmp_path / "run", "--set", "data.dataset=synthetic", "--set", "data.limit=null"
+    )
     assert code == 0  # and the suggested command works
 
 
 # ----------------------------------------------------------------------------- run directories
 
 
-@pytest.mark.parametrize("file, text", [
-    ("metrics.csv", "this is,not\nmetrics\n"),
-    ("metrics.csv", "\x89PNG\r\n\x1a\n\x00\x00binary"),
-    ("metrics.csv", "round,test_accuracy\n1,0.5\n2\n"),
-    ("summary.json", "[1, 2, 3]"),
-    ("summary.json", "{broken"),
-    ("config.yaml", "a: [unclosed"),
-    ("metrics.csv", "round,test_accuracy,test_loss\n1,high,0.5\n"),
-])
+@pytest.mark.parametrize(
+    "file, text",
+    [
+        ("metrics.csv", "this is,not\nmetrics\n"),
+        ("metrics.csv", "\x89PNG\r\n\x1a\n\x00\x00binary"),
+        ("metrics.csv", "round,test_accuracy\n1,0.5\n2\n"),
+        ("summary.json", "[1, 2, 3]"),
+        ("summary.json", "{broken"),
+        ("config.yaml", "a: [unclosed"),
+        ("metrics.csv", "round,test_accuracy,test_loss\n1,high,0.5\n"),
+    ],
+)
 def test_a_damaged_run_file_given_to_plot_is_one_line(tmp_path, capsys, finished, file, text):
     (copy_of(finished, tmp_path) / file).write_text(text)
     code, err = cli(capsys, "plot", tmp_path / "run", "-o", tmp_path / "fig.png")
@@ -323,11 +336,14 @@ def test_resume_without_metrics_or_with_another_models_checkpoint_is_refused(tmp
     assert code == 2 and err.count("\n") == 1 and f"{run / 'metrics.csv'}: missing" in err, err
 
 
-@pytest.mark.parametrize("change, words", [
-    (lambda state: state.update(round="1"), "its round is '1'"),
-    (lambda state: state["server_optimizer"].update(velocity=torch.zeros(3)), "holds server_optimizer.velocity"),
-    (lambda state: state.update(torch_rng=torch.zeros(3)), "holds shape (3,) for torch_rng"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda state: state.update(round="1"), "its round is '1'"),
+        (lambda state: state["server_optimizer"].update(velocity=torch.zeros(3)), "holds server_optimizer.velocity"),
+        (lambda state: state.update(torch_rng=torch.zeros(3)), "holds shape (3,) for torch_rng"),
+    ],
+)
 def test_resume_refuses_a_checkpoint_torn_by_hand(tmp_path, capsys, finished, change, words):
     copy_of(finished, tmp_path)
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
@@ -347,19 +363,32 @@ def _nan_in_the_weights(run: Path) -> None:
     torch.save(state, run / "checkpoint.pt")
 
 
-@pytest.mark.parametrize("damage, words", [
-    (lambda run: _cut_to_header(run / "metrics.csv"),
-     "metrics.csv: holds 0 rows up to round 1, but checkpoint.pt was saved when it held 1; the run directory's "
-     "files disagree"),
-    (lambda run: (run / "metrics.csv").write_text((run / "metrics.csv").read_text() +
-                                                  (run / "metrics.csv").read_text().splitlines(keepends=True)[1]),
-     "metrics.csv: holds 2 rows up to round 1, but checkpoint.pt was saved when it held 1"),
-    (lambda run: (run / "clients.csv").unlink(), "clients.csv: holds 0 rows up to round 1, but checkpoint.pt was "
-                                                 "saved when it held 2"),
-    (lambda run: (run / "clients.csv").write_text((run / "clients.csv").read_text() + "1,3,16,2.0,0.5,0,0,1\n"),
-     "clients.csv: holds 3 rows up to round 1"),
-    (_nan_in_the_weights, "checkpoint.pt: global holds NaN or Inf; the checkpoint is damaged"),
-], ids=["metrics cut to its header", "a metrics row twice", "clients gone", "a client row added", "NaN weights"])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (
+            lambda run: _cut_to_header(run / "metrics.csv"),
+            "metrics.csv: holds 0 rows up to round 1, but checkpoint.pt was saved when it held 1; the run directory's "
+            "files disagree",
+        ),
+        (
+            lambda run: (run / "metrics.csv").write_text(
+                (run / "metrics.csv").read_text() + (run / "metrics.csv").read_text().splitlines(keepends=True)[1]
+            ),
+            "metrics.csv: holds 2 rows up to round 1, but checkpoint.pt was saved when it held 1",
+        ),
+        (
+            lambda run: (run / "clients.csv").unlink(),
+            "clients.csv: holds 0 rows up to round 1, but checkpoint.pt was saved when it held 2",
+        ),
+        (
+            lambda run: (run / "clients.csv").write_text((run / "clients.csv").read_text() + "1,3,16,2.0,0.5,0,0,1\n"),
+            "clients.csv: holds 3 rows up to round 1",
+        ),
+        (_nan_in_the_weights, "checkpoint.pt: global holds NaN or Inf; the checkpoint is damaged"),
+    ],
+    ids=["metrics cut to its header", "a metrics row twice", "clients gone", "a client row added", "NaN weights"],
+)
 def test_resume_refuses_a_directory_whose_files_disagree(tmp_path, capsys, finished, damage, words):
     run = copy_of(finished, tmp_path)
     damage(run)
@@ -390,8 +419,7 @@ def test_a_sweep_refuses_two_spellings_of_one_value(tmp_path, capsys):
 
 def test_an_error_found_after_loading_names_where_the_value_came_from(tmp_path, capsys):
     whole = write_config(tmp_path, data={"dataset": "synthetic", "num_clients": 4})  # 6,000 samples
-    code, err = cli(capsys, "partition", whole, "--set", "data.num_clients=7000",
-                    "--out", tmp_path / "part")
+    code, err = cli(capsys, "partition", whole, "--set", "data.num_clients=7000", "--out", tmp_path / "part")
     assert code == 2 and err.strip() == "fedsim: error: --set data.num_clients: 7000 clients but only 6000 samples"
 
 
@@ -404,10 +432,13 @@ def test_plot_refuses_a_width_it_cannot_draw(tmp_path, capsys, finished, width):
 @pytest.mark.slow
 def test_an_output_that_cannot_be_written_is_one_line(tmp_path):
     with open("/dev/full", "w") as full:
-        done = subprocess.run([sys.executable, "-m", "fedsim", "list"], stdout=full, stderr=subprocess.PIPE,
-                              text=True, timeout=60)
-    assert done.returncode == 1 and done.stderr.strip() == \
-        "fedsim: error: cannot write the output: No space left on device"
+        done = subprocess.run(
+            [sys.executable, "-m", "fedsim", "list"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60
+        )
+    assert (
+        done.returncode == 1
+        and done.stderr.strip() == "fedsim: error: cannot write the output: No space left on device"
+    )
 
 
 def test_resume_refuses_a_config_edited_by_hand(tmp_path, capsys, finished):
@@ -422,15 +453,21 @@ def test_resume_refuses_a_config_edited_by_hand(tmp_path, capsys, finished):
 # ----------------------------------------------------------------------------- diagnosis
 
 
-@pytest.mark.parametrize("text, cause", [
-    ("RuntimeError: unable to write to file </torch_123_456_0>: No space left on device (28)", "shared memory"),
-    ("OSError: [Errno 28] No space left on device: 'runs/x/checkpoint.pt'", "a disk is full"),
-    ("RuntimeError: unable to open shared memory object </torch_1_2_3> in read-write mode: Too many open files (24)",
-     "too many open file descriptors"),
-    ("OSError: [Errno 24] Too many open files", "too many open file descriptors"),
-    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "the GPU is out of memory"),
-    ("RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 10 bytes", "host memory"),
-])
+@pytest.mark.parametrize(
+    "text, cause",
+    [
+        ("RuntimeError: unable to write to file </torch_123_456_0>: No space left on device (28)", "shared memory"),
+        ("OSError: [Errno 28] No space left on device: 'runs/x/checkpoint.pt'", "a disk is full"),
+        (
+            "RuntimeError: unable to open shared memory object </torch_1_2_3> in read-write mode: "
+            "Too many open files (24)",
+            "too many open file descriptors",
+        ),
+        ("OSError: [Errno 24] Too many open files", "too many open file descriptors"),
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "the GPU is out of memory"),
+        ("RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 10 bytes", "host memory"),
+    ],
+)
 def test_each_exhaustion_is_told_apart_by_its_own_words(text, cause):
     assert resource_hint(text).startswith(cause)
 
@@ -441,8 +478,9 @@ def test_a_low_descriptor_limit_is_named_before_anything_starts(tmp_path):
         resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
 
     config = write_config(tmp_path, workers=2, clients_per_round=2)
-    code, _, err, seconds, tag = run_cli(["run", str(config), "--out", str(tmp_path / "run")],
-                                         popen_options={"preexec_fn": low_limit})
+    code, _, err, seconds, tag = run_cli(
+        ["run", str(config), "--out", str(tmp_path / "run")], popen_options={"preexec_fn": low_limit}
+    )
     assert code == 1 and seconds < 60, err
     assert_one_line_error(err, "too few file descriptors", "(ulimit -n) is 40", "sharing_strategy: file_system")
     assert "shared memory" not in err
@@ -455,12 +493,22 @@ def test_a_low_descriptor_limit_is_named_before_anything_starts(tmp_path):
 @pytest.mark.slow
 def test_the_global_model_never_becomes_non_finite(tmp_path):
     # a scaling attacker's finite update makes Yogi's squared pseudo-gradient overflow
-    config = write_config(tmp_path, rounds=4, clients_per_round=4, server_optimizer="fedyogi", aggregator="mean",
-                          attack={"type": "scale", "fraction": 0.25, "scale": 1e30})
+    config = write_config(
+        tmp_path,
+        rounds=4,
+        clients_per_round=4,
+        server_optimizer="fedyogi",
+        aggregator="mean",
+        attack={"type": "scale", "fraction": 0.25, "scale": 1e30},
+    )
     code, _, err, _, tag = run_cli(["run", str(config), "--out", str(tmp_path / "run")])
     assert code == 1, err
-    assert_one_line_error(err, "the server optimizer fedyogi made the global weights non-finite",
-                          "although every client update used was finite", "the checkpoint of round 1 is kept")
+    assert_one_line_error(
+        err,
+        "the server optimizer fedyogi made the global weights non-finite",
+        "although every client update used was finite",
+        "the checkpoint of round 1 is kept",
+    )
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
     assert state["round"] == 1 and torch.isfinite(state["global"]).all()
     assert [row["round"] for row in fedsim.load_run(tmp_path / "run").rows] == [1]
@@ -492,8 +540,15 @@ def test_an_interrupt_held_through_the_last_rounds_files_finds_the_run_finished(
             if row["round"] == 2:
                 os.kill(os.getpid(), signal.SIGINT)
 
-    tiny = {"name": "tiny", "seed": 1, "device": "cpu", "rounds": 2, "workers": 0, "clients_per_round": 2,
-            "data": {"dataset": "synthetic", "num_clients": 2, "limit": 200}}
+    tiny = {
+        "name": "tiny",
+        "seed": 1,
+        "device": "cpu",
+        "rounds": 2,
+        "workers": 0,
+        "clients_per_round": 2,
+        "data": {"dataset": "synthetic", "num_clients": 2, "limit": 200},
+    }
     with pytest.raises(KeyboardInterrupt):
         fedsim.run(tiny, out=tmp_path / "run", quiet=True, callbacks=[InterruptAtTheEnd()])
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -516,8 +571,15 @@ def test_an_interrupt_just_after_the_last_round_finds_the_run_finished(tmp_path,
         return hold()
 
     monkeypatch.setattr(interrupts, "shielded", too_late)
-    tiny = {"name": "tiny", "seed": 1, "device": "cpu", "rounds": 2, "workers": 0, "clients_per_round": 2,
-            "data": {"dataset": "synthetic", "num_clients": 2, "limit": 200}}
+    tiny = {
+        "name": "tiny",
+        "seed": 1,
+        "device": "cpu",
+        "rounds": 2,
+        "workers": 0,
+        "clients_per_round": 2,
+        "data": {"dataset": "synthetic", "num_clients": 2, "limit": 200},
+    }
     with pytest.raises(KeyboardInterrupt):
         fedsim.run(tiny, out=tmp_path / "run", quiet=True)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -530,8 +592,10 @@ def test_a_run_directory_in_use_is_refused(tmp_path, finished):
     copy_of(finished, tmp_path)
     first = start(["run", "--resume", str(tmp_path / "run"), "--set", "rounds=2000"], uuid.uuid4().hex)
     wait_for_round(first, 2)
-    for args in (["run", "--resume", str(tmp_path / "run"), "--set", "rounds=3000"],
-                 ["run", str(write_config(tmp_path)), "--out", str(tmp_path / "run"), "--overwrite"]):
+    for args in (
+        ["run", "--resume", str(tmp_path / "run"), "--set", "rounds=3000"],
+        ["run", str(write_config(tmp_path)), "--out", str(tmp_path / "run"), "--overwrite"],
+    ):
         code, _, err, _, _ = run_cli(args)
         assert code == 1
         assert_one_line_error(err, f"{tmp_path / 'run'}: another fedsim process is running in this directory")
@@ -556,12 +620,15 @@ def test_a_directory_in_use_is_refused_before_torch_is_imported(tmp_path):
             print(e.code, "torch" in sys.modules)
     """)
     try:
-        for args in (["run", "--resume", str(tmp_path / "run")],
-                     ["run", str(write_config(tmp_path)), "--out", str(tmp_path / "run"), "--overwrite"]):
+        for args in (
+            ["run", "--resume", str(tmp_path / "run")],
+            ["run", str(write_config(tmp_path)), "--out", str(tmp_path / "run"), "--overwrite"],
+        ):
             done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60)
             assert done.stdout.split() == ["1", "False"], done.stdout + done.stderr
-            assert_one_line_error(done.stderr, f"{tmp_path / 'run'}: another fedsim process is running in this "
-                                               f"directory")
+            assert_one_line_error(
+                done.stderr, f"{tmp_path / 'run'}: another fedsim process is running in this directory"
+            )
     finally:
         held.unlock()
 
@@ -573,8 +640,10 @@ def _fork_server_of(pid: int) -> list[int]:
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
-                if int(stat[stat.rindex(")") + 2:].split()[1]) == pid and \
-                        b"multiprocessing.forkserver" in (entry / "cmdline").read_bytes():
+                if (
+                    int(stat[stat.rindex(")") + 2 :].split()[1]) == pid
+                    and b"multiprocessing.forkserver" in (entry / "cmdline").read_bytes()
+                ):
                     found.append(int(entry.name))
             except OSError:
                 pass
@@ -584,8 +653,11 @@ def _fork_server_of(pid: int) -> list[int]:
 @pytest.mark.slow
 def test_ctrl_c_while_the_workers_import_torch_is_one_line(tmp_path):
     config = write_config(tmp_path, workers=2)
-    proc = start(["run", str(config), "--out", str(tmp_path / "run")], uuid.uuid4().hex,
-                 popen_options={"start_new_session": True})
+    proc = start(
+        ["run", str(config), "--out", str(tmp_path / "run")],
+        uuid.uuid4().hex,
+        popen_options={"start_new_session": True},
+    )
     deadline = time.monotonic() + 60
     while not _fork_server_of(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -606,8 +678,7 @@ def test_a_reader_that_goes_away_does_not_stop_the_run(tmp_path):
     assert proc.wait(timeout=60) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "finished"
 
-    listing = subprocess.Popen([sys.executable, "-m", "fedsim", "list"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
+    listing = subprocess.Popen([sys.executable, "-m", "fedsim", "list"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     listing.stdout.readline()
     listing.stdout.close()
     assert listing.wait(timeout=60) == 0 and b"Traceback" not in listing.stderr.read()

@@ -1,4 +1,5 @@
 """mode: hogwild: the workers train one shared model lock-free (see fedsim/execution/hogwild.py)."""
+
 from __future__ import annotations
 
 import csv
@@ -13,22 +14,35 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from support import (
+    assert_one_line_error,
+    child_pids,
+    shm_entries,
+    shm_left_behind,
+    start,
+    tagged_processes,
+    wait_for_round,
+    worker_pids,
+)
 
 import fedsim
 from fedsim.core.errors import ConfigError
-from fedsim.experiment.federation import initial_model, load_federation
 from fedsim.core.streams import client_seed
-
-from support import (assert_one_line_error, child_pids, shm_entries, shm_left_behind, start, tagged_processes,
-                     wait_for_round, worker_pids)
+from fedsim.experiment.federation import initial_model, load_federation
 
 
 @pytest.fixture
 def hogwild(small_config):
     """small_config (MNIST-limited or generated data) as Hogwild: every client every round, and a
     milder momentum (every worker's steps land in one model, so its FedAvg setting overshoots)."""
-    return {**small_config, "name": "hogwild", "mode": "hogwild", "clients_per_round": 4,
-            "data": {**small_config["data"], "num_clients": 4}, "local": {**small_config["local"], "momentum": 0.5}}
+    return {
+        **small_config,
+        "name": "hogwild",
+        "mode": "hogwild",
+        "clients_per_round": 4,
+        "data": {**small_config["data"], "num_clients": 4},
+        "local": {**small_config["local"], "momentum": 0.5},
+    }
 
 
 @pytest.mark.slow
@@ -51,8 +65,10 @@ def test_hogwild_learns_writes_the_results_and_leaves_nothing_behind(hogwild, tm
     assert all(math.isnan(float(c["update_norm"])) and c["dropped"] == "0" for c in clients)
     batch = hogwild["local"]["batch_size"]
     assert all(int(c["steps"]) == -(-int(c["samples"]) // batch) for c in clients)  # one epoch each
-    assert sum(int(c["samples"]) for c in clients if c["round"] == "1") == fedsim.load_config(hogwild).data.limit \
+    assert (
+        sum(int(c["samples"]) for c in clients if c["round"] == "1") == fedsim.load_config(hogwild).data.limit
         or hogwild["data"]["dataset"] == "synthetic"
+    )
 
     assert child_pids() == []
     assert shm_left_behind(shm_before) == set()
@@ -77,9 +93,17 @@ def sequential_sgd(cfg, rounds: int) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_one_worker_is_plain_sequential_sgd_on_one_model(tmp_path):
-    cfg = {"name": "sequential", "seed": 4, "device": "cpu", "rounds": 2, "mode": "hogwild", "clients_per_round": 2,
-           "model": "mnist_cnn", "data": {"dataset": "synthetic", "num_clients": 2, "limit": 600},
-           "local": {"batch_size": 32, "lr": 0.05, "momentum": 0.5}}
+    cfg = {
+        "name": "sequential",
+        "seed": 4,
+        "device": "cpu",
+        "rounds": 2,
+        "mode": "hogwild",
+        "clients_per_round": 2,
+        "model": "mnist_cnn",
+        "data": {"dataset": "synthetic", "num_clients": 2, "limit": 600},
+        "local": {"batch_size": 32, "lr": 0.05, "momentum": 0.5},
+    }
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a worker computes: the same float reductions
     try:
@@ -125,17 +149,20 @@ def test_a_killed_hogwild_worker_ends_the_run_with_one_line(hogwild, tmp_path):
     assert tagged_processes(tag) == []
 
 
-@pytest.mark.parametrize("change, key", [
-    ({"aggregator": "median"}, "aggregator"),
-    ({"algorithm": "fedprox", "algorithm_options": {"mu": 0.01}}, "algorithm"),
-    ({"server_optimizer": "fedadam"}, "server_optimizer"),
-    ({"attack": {"type": "sign_flip", "fraction": 0.25}}, "attack.type"),
-    ({"backend": "vmap", "workers": 1}, "backend"),
-    ({"clients_per_round": 2}, "clients_per_round"),
-    ({"privacy": {"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}}, "privacy"),
-    ({"client_sampling": "by_size"}, "client_sampling"),
-    ({"system": {"availability": 1.0, "dropout": 0.1}}, "system.dropout"),
-])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"aggregator": "median"}, "aggregator"),
+        ({"algorithm": "fedprox", "algorithm_options": {"mu": 0.01}}, "algorithm"),
+        ({"server_optimizer": "fedadam"}, "server_optimizer"),
+        ({"attack": {"type": "sign_flip", "fraction": 0.25}}, "attack.type"),
+        ({"backend": "vmap", "workers": 1}, "backend"),
+        ({"clients_per_round": 2}, "clients_per_round"),
+        ({"privacy": {"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}}, "privacy"),
+        ({"client_sampling": "by_size"}, "client_sampling"),
+        ({"system": {"availability": 1.0, "dropout": 0.1}}, "system.dropout"),
+    ],
+)
 def test_settings_hogwild_would_ignore_are_refused_naming_the_key(hogwild, change, key):
     with pytest.raises(ConfigError) as info:
         fedsim.load_config({**hogwild, **change})

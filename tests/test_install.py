@@ -1,5 +1,6 @@
 """fedsim without a checkout: the shipped experiments found by name, the version, and the built
 wheel installed into an empty folder and run from an empty directory."""
+
 from __future__ import annotations
 
 import os
@@ -14,15 +15,16 @@ import yaml
 import fedsim
 from fedsim.cli import main
 from fedsim.core.errors import ConfigError
-from fedsim.experiment.validation import load_config
 from fedsim.core.yamlfile import SHIPPED, experiment_file, shipped_experiments
+from fedsim.experiment.validation import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_shipped_experiments_are_the_experiments_folder():
-    on_disk = sorted(p.relative_to(REPO / "experiments").with_suffix("").as_posix()
-                     for p in (REPO / "experiments").rglob("*.yaml"))
+    on_disk = sorted(
+        p.relative_to(REPO / "experiments").with_suffix("").as_posix() for p in (REPO / "experiments").rglob("*.yaml")
+    )
     assert sorted(shipped_experiments()) == on_disk
     assert shipped_experiments()["mnist_seed"].endswith("learn in 3 rounds?")
 
@@ -77,26 +79,52 @@ def test_the_built_wheel_runs_a_shipped_experiment_from_an_empty_directory(tmp_p
     for name in ("fedsim", "experiments"):
         shutil.copytree(REPO / name, source / name, symlinks=True, ignore=ignore)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(source)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(source)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = (tmp_path / "dist").glob("fedsim_sync-*.whl")
     target, empty = tmp_path / "site", tmp_path / "empty"
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     empty.mkdir()
-    env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FEDSIM_DATA")},
-           "PYTHONPATH": str(target)}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FEDSIM_DATA")}, "PYTHONPATH": str(target)}
 
     def fedsim_command(*args):
-        return subprocess.run([str(target / "bin" / "fedsim"), *args], cwd=empty, env=env, capture_output=True,
-                              text=True, timeout=300)
+        return subprocess.run(
+            [str(target / "bin" / "fedsim"), *args], cwd=empty, env=env, capture_output=True, text=True, timeout=300
+        )
 
-    where = subprocess.run([sys.executable, "-c", "import fedsim; print(fedsim.__file__)"], cwd=empty, env=env,
-                           capture_output=True, text=True, check=True).stdout
+    where = subprocess.run(
+        [sys.executable, "-c", "import fedsim; print(fedsim.__file__)"],
+        cwd=empty,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert Path(where.strip()).is_relative_to(target), where
     assert fedsim_command("--version").stdout == f"fedsim {fedsim.__version__}\n"
-    done = fedsim_command("run", "mnist_seed", "--set", "data.dataset=synthetic", "--set", "rounds=1",
-                          "--set", "device=cpu", "--set", "workers=2", "--out", "runs/first")
+    done = fedsim_command(
+        "run",
+        "mnist_seed",
+        "--set",
+        "data.dataset=synthetic",
+        "--set",
+        "rounds=1",
+        "--set",
+        "device=cpu",
+        "--set",
+        "workers=2",
+        "--out",
+        "runs/first",
+    )
     assert done.returncode == 0, done.stderr
     assert "final test accuracy" in done.stdout and "runs/first" in done.stdout
     assert (empty / "runs" / "first" / "metrics.csv").is_file()

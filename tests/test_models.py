@@ -39,9 +39,18 @@ def test_simple_cnn_is_niid_benchs_simple_cnn_layer_for_layer():
     fc 16*4*4 -> 120 -> 84 -> 10, ReLU between; its SimpleCNN on 3x32x32 has fc1 16*5*5 -> 120."""
     model = build_model("simple_cnn", (1, 28, 28), 10)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    assert shapes == {"conv1.weight": (6, 1, 5, 5), "conv1.bias": (6,), "conv2.weight": (16, 6, 5, 5),
-                      "conv2.bias": (16,), "fc1.weight": (120, 256), "fc1.bias": (120,), "fc2.weight": (84, 120),
-                      "fc2.bias": (84,), "fc3.weight": (10, 84), "fc3.bias": (10,)}
+    assert shapes == {
+        "conv1.weight": (6, 1, 5, 5),
+        "conv1.bias": (6,),
+        "conv2.weight": (16, 6, 5, 5),
+        "conv2.bias": (16,),
+        "fc1.weight": (120, 256),
+        "fc1.bias": (120,),
+        "fc2.weight": (84, 120),
+        "fc2.bias": (84,),
+        "fc3.weight": (10, 84),
+        "fc3.bias": (10,),
+    }
     assert count(model) == 156 + 2_416 + 30_840 + 10_164 + 850 == 44_426
     assert model(torch.randn(5, 1, 28, 28)).shape == (5, 10)
     assert not any(isinstance(m, (torch.nn.Dropout, torch.nn.Dropout2d)) for m in model.modules())
@@ -62,7 +71,14 @@ def test_pfl_cnn_is_pfl_researchs_simple_cnn_layer_for_layer():
     conv 64 3x3, max-pool 2, fc 14*14*64 -> 128 -> 10."""
     model = build_model("pfl_cnn", (3, 32, 32), 10)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    assert shapes == {"conv1.weight": (32, 3, 3, 3), "conv1.bias": (32,), "conv2.weight": (64, 32, 3, 3),
-                      "conv2.bias": (64,), "fc1.weight": (128, 12_544), "fc1.bias": (128,),
-                      "fc2.weight": (10, 128), "fc2.bias": (10,)}
+    assert shapes == {
+        "conv1.weight": (32, 3, 3, 3),
+        "conv1.bias": (32,),
+        "conv2.weight": (64, 32, 3, 3),
+        "conv2.bias": (64,),
+        "fc1.weight": (128, 12_544),
+        "fc1.bias": (128,),
+        "fc2.weight": (10, 128),
+        "fc2.bias": (10,),
+    }
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)

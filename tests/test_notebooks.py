@@ -5,6 +5,7 @@ after the cell tagged ``parameters``, so the notebook's own set-up still runs af
 data root given is empty, so every notebook takes its fallback to the generated dataset (quick,
 and the same with or without ``FEDSIM_DATA``); runs go to a temporary folder.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +16,16 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-SMALL = {"ROUNDS": 2, "SEEDS": [0, 1], "DATA_LIMIT": 800, "NUM_CLIENTS": 8, "CLIENTS_PER_ROUND": 4, "LOCAL_EPOCHS": 1, "DEVICE": "cpu", "WORKERS": 0}
+SMALL = {
+    "ROUNDS": 2,
+    "SEEDS": [0, 1],
+    "DATA_LIMIT": 800,
+    "NUM_CLIENTS": 8,
+    "CLIENTS_PER_ROUND": 4,
+    "LOCAL_EPOCHS": 1,
+    "DEVICE": "cpu",
+    "WORKERS": 0,
+}
 
 
 def with_parameters(nb, values: dict):
@@ -33,7 +43,10 @@ def files_under(folder: Path) -> set[Path]:
 
 def test_there_are_notebooks():
     assert {p.name for p in NOTEBOOKS.glob("*.ipynb")} >= {
-        "compare_aggregators.ipynb", "partitions.ipynb", "quickstart.ipynb"}
+        "compare_aggregators.ipynb",
+        "partitions.ipynb",
+        "quickstart.ipynb",
+    }
 
 
 @pytest.mark.slow
@@ -42,8 +55,9 @@ def test_notebook_runs_top_to_bottom(path, tmp_path):
     before = files_under(NOTEBOOKS)
     small = {**SMALL, "DATA_ROOT": str(tmp_path / "no-data"), "RUNS": str(tmp_path / "runs")}
     nb = with_parameters(nbformat.read(path, as_version=4), small)
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+    )
     client.execute()  # raises CellExecutionError, naming the cell, on the first error
 
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]

@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from fedsim.core import streams
-from fedsim.experiment.config import DataConfig
+from fedsim.core.errors import ConfigError
 from fedsim.data import PARTITIONS, load_dataset, options_for, partition
 from fedsim.data.partition import local_test_split
-from fedsim.core.errors import ConfigError
+from fedsim.experiment.config import DataConfig
 
 
 def shuffled_labels(class_sizes, seed=0):
@@ -112,8 +112,12 @@ def test_the_cap_narrows_client_sizes_and_classes_per_client():
     averages 0.39 and a client holds 9.3 classes; with it 0.26 and 8.4."""
     spread, classes = {}, {}
     for balanced in (False, True):
-        counts = [class_counts(partition(UNEVEN, "dirichlet", 10, seed=s, alpha=0.5, min_samples=10,
-                                         balanced=balanced), UNEVEN) for s in range(30)]
+        counts = [
+            class_counts(
+                partition(UNEVEN, "dirichlet", 10, seed=s, alpha=0.5, min_samples=10, balanced=balanced), UNEVEN
+            )
+            for s in range(30)
+        ]
         spread[balanced] = np.mean([c.sum(axis=1).std() / c.sum(axis=1).mean() for c in counts])
         classes[balanced] = np.mean([(c > 0).sum(axis=1).mean() for c in counts])
     assert spread[True] < spread[False] - 0.08 and classes[True] < classes[False] - 0.6
@@ -171,21 +175,24 @@ def test_quantity_skews_sizes_but_keeps_labels_iid():
     assert tiny_sizes.min() >= 1 and np.median(tiny_sizes) < 5 and tiny_sizes.sum() == len(EVEN)
 
 
-@pytest.mark.parametrize("method, options, key", [
-    ("dirichlet", {"alpha": 0.0}, "alpha"),
-    ("dirichlet", {"alpha": -1.0}, "alpha"),
-    ("dirichlet", {"alpha": float("inf")}, "alpha"),
-    ("dirichlet", {"min_samples": 601}, "min_samples"),
-    ("dirichlet", {"min_samples": -1}, "min_samples"),
-    ("dirichlet", {"balanced": "yes"}, "balanced"),
-    ("shards", {"shards_per_client": 7}, "shards_per_client"),
-    ("shards", {"shards_per_client": 0}, "shards_per_client"),
-    ("label_k", {"classes_per_client": 11}, "classes_per_client"),
-    ("label_k", {"classes_per_client": 0}, "classes_per_client"),
-    ("quantity", {"quantity_skew": "zipf"}, "quantity_skew"),
-    ("quantity", {"sigma": -0.5}, "sigma"),
-    ("quantity", {"quantity_skew": "dirichlet", "alpha": 0.0}, "alpha"),
-])
+@pytest.mark.parametrize(
+    "method, options, key",
+    [
+        ("dirichlet", {"alpha": 0.0}, "alpha"),
+        ("dirichlet", {"alpha": -1.0}, "alpha"),
+        ("dirichlet", {"alpha": float("inf")}, "alpha"),
+        ("dirichlet", {"min_samples": 601}, "min_samples"),
+        ("dirichlet", {"min_samples": -1}, "min_samples"),
+        ("dirichlet", {"balanced": "yes"}, "balanced"),
+        ("shards", {"shards_per_client": 7}, "shards_per_client"),
+        ("shards", {"shards_per_client": 0}, "shards_per_client"),
+        ("label_k", {"classes_per_client": 11}, "classes_per_client"),
+        ("label_k", {"classes_per_client": 0}, "classes_per_client"),
+        ("quantity", {"quantity_skew": "zipf"}, "quantity_skew"),
+        ("quantity", {"sigma": -0.5}, "sigma"),
+        ("quantity", {"quantity_skew": "dirichlet", "alpha": 0.0}, "alpha"),
+    ],
+)
 def test_invalid_options_are_refused_in_one_line_naming_the_key(method, options, key):
     with pytest.raises(ConfigError) as info:
         partition(EVEN, method, 10, seed=0, **options)
@@ -199,8 +206,15 @@ def test_more_clients_than_samples_is_refused():
 
 
 def test_options_for_reads_each_method_keys_from_the_data_config():
-    data = DataConfig(alpha=0.2, min_samples=3, balanced=True, shards_per_client=4, classes_per_client=5,
-                      sigma=2.0, quantity_skew="dirichlet")
+    data = DataConfig(
+        alpha=0.2,
+        min_samples=3,
+        balanced=True,
+        shards_per_client=4,
+        classes_per_client=5,
+        sigma=2.0,
+        quantity_skew="dirichlet",
+    )
     assert options_for("dirichlet", data) == {"alpha": 0.2, "min_samples": 3, "balanced": True}
     assert options_for("shards", data) == {"shards_per_client": 4}
     assert options_for("label_k", data) == {"classes_per_client": 5}

@@ -1,6 +1,7 @@
 """Personal models: Ditto, FedPer and FedRep against their papers' updates computed here in
 float64, each client's state kept while it is not sampled, the same bits for any workers and
 across a resume, and what is refused."""
+
 from __future__ import annotations
 
 import math
@@ -9,10 +10,10 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from test_algorithms import CLASSES, COUNTS, FEATURES, U32, initial_weights, tiny_run, tiny_samples
 
 import fedsim
 from fedsim.core.errors import ConfigError
-from test_algorithms import CLASSES, COUNTS, FEATURES, U32, initial_weights, tiny_run, tiny_samples
 
 LR, BATCH = 0.1, 2
 STEPS = [math.ceil(c / BATCH) for c in COUNTS]  # every batch of a client is its one sample: 2, 3 and 6 steps
@@ -84,8 +85,9 @@ def test_fedper_keeps_each_clients_head_and_averages_the_body(tmp_path):
     """Arivazhagan et al. 2019: a client trains the global body with its own head (here the bias,
     personal_layers [bias]), keeps the head, and the server averages the bodies; the global head
     stays as it started."""
-    run = tiny_run(tmp_path / "run", "fedper", rounds=2, clients_per_round=2,
-                   algorithm_options={"personal_layers": ["bias"]})
+    run = tiny_run(
+        tmp_path / "run", "fedper", rounds=2, clients_per_round=2, algorithm_options={"personal_layers": ["bias"]}
+    )
     x, heads = initial_weights(), {}
     for active in run.trained:
         models = {}
@@ -105,8 +107,13 @@ def test_fedper_keeps_each_clients_head_and_averages_the_body(tmp_path):
 def test_fedrep_trains_the_head_with_the_body_frozen_then_the_body_with_the_head_frozen(tmp_path):
     """Collins et al. 2021, Algorithm 1: head_epochs of the head alone, then local.epochs of the body
     alone; the server averages the bodies (here by the fedavg rule)."""
-    run = tiny_run(tmp_path / "run", "fedrep", rounds=2, clients_per_round=2,
-                   algorithm_options={"personal_layers": ["bias"], "head_epochs": 2})
+    run = tiny_run(
+        tmp_path / "run",
+        "fedrep",
+        rounds=2,
+        clients_per_round=2,
+        algorithm_options={"personal_layers": ["bias"], "head_epochs": 2},
+    )
     head = torch.zeros_like(initial_weights())
     head[WEIGHT:] = 1
     x, heads = initial_weights(), {}
@@ -125,37 +132,74 @@ def test_fedrep_trains_the_head_with_the_body_frozen_then_the_body_with_the_head
         check(row, heads[k])
 
 
-TINY = {"name": "personal", "seed": 1, "device": "cpu", "rounds": 3, "workers": 0, "clients_per_round": 3,
-        "model": "mnist_2nn", "eval_per_client": True,
-        "data": {"dataset": "synthetic", "num_clients": 6, "limit": 600, "partition": "dirichlet", "alpha": 0.1,
-                 "test_partition": True},
-        "local": {"epochs": 1, "batch_size": 32, "lr": 0.05}}
+TINY = {
+    "name": "personal",
+    "seed": 1,
+    "device": "cpu",
+    "rounds": 3,
+    "workers": 0,
+    "clients_per_round": 3,
+    "model": "mnist_2nn",
+    "eval_per_client": True,
+    "data": {
+        "dataset": "synthetic",
+        "num_clients": 6,
+        "limit": 600,
+        "partition": "dirichlet",
+        "alpha": 0.1,
+        "test_partition": True,
+    },
+    "local": {"epochs": 1, "batch_size": 32, "lr": 0.05},
+}
 
 
 def test_the_bound_on_the_clients_state_is_refused_naming_the_key(tmp_path):
     # mnist_2nn has 199,210 weights: Ditto keeps 0.76 MiB per client, 4.56 MiB for 6 clients
-    with pytest.raises(ConfigError, match=r"client_state_limit_mb: the clients' state would take up to 4.6 MiB of "
-                                          r"host memory \(algorithm ditto 0.76 MiB per client, 6 clients\), over the "
-                                          r"limit of 4.0 MiB; raise client_state_limit_mb"):
+    with pytest.raises(
+        ConfigError,
+        match=r"client_state_limit_mb: the clients' state would take up to 4.6 MiB of "
+        r"host memory \(algorithm ditto 0.76 MiB per client, 6 clients\), over the "
+        r"limit of 4.0 MiB; raise client_state_limit_mb",
+    ):
         fedsim.run({**TINY, "algorithm": "ditto", "client_state_limit_mb": 4}, out=tmp_path / "run", quiet=True)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"algorithm": "ditto", "backend": "vmap"}, "config: backend: vmap trains a group's clients in lockstep"),
-    ({"algorithm": "fedper", "privacy": {"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}},
-     "privacy: algorithm fedper cannot be used with differential privacy: it has client state"),
-    ({"algorithm": "fedrep", "mode": "hogwild", "clients_per_round": 6}, "algorithm: hogwild trains by plain local SGD"),
-    ({"algorithm": "ditto", "algorithm_options": {"lam": -1}}, "config: algorithm_options: lam must be a number > 0"),
-    ({"algorithm": "fedrep", "algorithm_options": {"head_epochs": 0}}, "config: algorithm_options: head_epochs must be "
-                                                                      "an integer >= 1, got 0"),
-    ({"algorithm": "fedper", "algorithm_options": {"personal_layers": ["fc4"]}},
-     "config: algorithm_options: personal_layers names 'fc4', which is no layer of the model (did you mean 'fc3'?); "
-     "its layers: fc1, fc2, fc3"),
-    ({"algorithm": "fedper", "algorithm_options": {"personal_layers": ["fc1", "fc2", "fc3"]}},
-     "config: algorithm_options: personal_layers names 'fc1', 'fc2', 'fc3', which would leave nothing of the model "
-     "to share"),
-    ({"algorithm": "fedper", "algorithm_options": {"head": "fc3"}}, "algorithm_options: fedper takes no option 'head'"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"algorithm": "ditto", "backend": "vmap"}, "config: backend: vmap trains a group's clients in lockstep"),
+        (
+            {"algorithm": "fedper", "privacy": {"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}},
+            "privacy: algorithm fedper cannot be used with differential privacy: it has client state",
+        ),
+        (
+            {"algorithm": "fedrep", "mode": "hogwild", "clients_per_round": 6},
+            "algorithm: hogwild trains by plain local SGD",
+        ),
+        (
+            {"algorithm": "ditto", "algorithm_options": {"lam": -1}},
+            "config: algorithm_options: lam must be a number > 0",
+        ),
+        (
+            {"algorithm": "fedrep", "algorithm_options": {"head_epochs": 0}},
+            "config: algorithm_options: head_epochs must be an integer >= 1, got 0",
+        ),
+        (
+            {"algorithm": "fedper", "algorithm_options": {"personal_layers": ["fc4"]}},
+            "config: algorithm_options: personal_layers names 'fc4', which is no layer of the model "
+            "(did you mean 'fc3'?); its layers: fc1, fc2, fc3",
+        ),
+        (
+            {"algorithm": "fedper", "algorithm_options": {"personal_layers": ["fc1", "fc2", "fc3"]}},
+            "config: algorithm_options: personal_layers names 'fc1', 'fc2', 'fc3', which would leave nothing of "
+            "the model to share",
+        ),
+        (
+            {"algorithm": "fedper", "algorithm_options": {"head": "fc3"}},
+            "algorithm_options: fedper takes no option 'head'",
+        ),
+    ],
+)
 def test_combinations_that_make_no_sense_are_refused_in_one_line(tmp_path, changes, message):
     with pytest.raises(ConfigError) as refused:
         fedsim.run({**TINY, **changes}, out=tmp_path / "run", quiet=True)

@@ -1,4 +1,5 @@
 """Figures of runs: lines, labels, panels, seed bands, axes, files; and the ``fedsim plot`` command."""
+
 from __future__ import annotations
 
 import subprocess
@@ -7,12 +8,11 @@ import sys
 import pytest
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
+from support import write_run
 
 import fedsim
 from fedsim.core.errors import FedsimError
 from fedsim.results.plot import PALETTE, plot_runs, save_accuracy_plot, save_figure
-
-from support import write_run
 
 
 def runs(tmp_path, specs):
@@ -20,11 +20,14 @@ def runs(tmp_path, specs):
 
 
 def three_runs(tmp_path):
-    return runs(tmp_path, [
-        {"name": "fedavg", "accuracies": (0.3, 0.6, 0.8)},
-        {"name": "median", "accuracies": (0.2, 0.5, 0.7), "settings": {"aggregator": "median", "data.alpha": 0.1}},
-        {"name": "krum", "accuracies": (0.1, 0.4, 0.6), "settings": {"aggregator": "krum", "data.alpha": 0.5}},
-    ])
+    return runs(
+        tmp_path,
+        [
+            {"name": "fedavg", "accuracies": (0.3, 0.6, 0.8)},
+            {"name": "median", "accuracies": (0.2, 0.5, 0.7), "settings": {"aggregator": "median", "data.alpha": 0.1}},
+            {"name": "krum", "accuracies": (0.1, 0.4, 0.6), "settings": {"aggregator": "krum", "data.alpha": 0.5}},
+        ],
+    )
 
 
 def legend_texts(fig: Figure) -> list[str]:
@@ -53,7 +56,10 @@ def test_label_from_a_config_key_dotted_or_not(tmp_path):
     assert fig.legends[0].get_title().get_text() == "aggregator"
     # two lines would read "0.5": the key that tells them apart is added
     assert legend_texts(plot_runs(histories, label="data.alpha")) == [
-        "0.5 (aggregator=fedavg)", "0.1", "0.5 (aggregator=krum)"]
+        "0.5 (aggregator=fedavg)",
+        "0.1",
+        "0.5 (aggregator=krum)",
+    ]
     with pytest.raises(FedsimError, match="data.nope: not a config key"):
         plot_runs(histories, label="data.nope")
 
@@ -67,14 +73,17 @@ def test_loss_panel_below(tmp_path):
 
 
 def test_seeds_of_one_experiment_become_a_mean_line_and_one_band(tmp_path):
-    histories = runs(tmp_path, [
-        {"name": "fedavg", "seed": 0, "accuracies": (0.2, 0.6)},
-        {"name": "fedavg", "seed": 1, "accuracies": (0.4, 0.8)},
-        {"name": "fedavg", "seed": 2, "accuracies": (0.3, 0.7)},
-        {"name": "median", "seed": 0, "accuracies": (0.1, 0.5), "settings": {"aggregator": "median"}},
-        {"name": "median", "seed": 1, "accuracies": (0.3, 0.5), "settings": {"aggregator": "median"}},
-        {"name": "krum", "seed": 0, "accuracies": (0.1, 0.2), "settings": {"aggregator": "krum"}},
-    ])
+    histories = runs(
+        tmp_path,
+        [
+            {"name": "fedavg", "seed": 0, "accuracies": (0.2, 0.6)},
+            {"name": "fedavg", "seed": 1, "accuracies": (0.4, 0.8)},
+            {"name": "fedavg", "seed": 2, "accuracies": (0.3, 0.7)},
+            {"name": "median", "seed": 0, "accuracies": (0.1, 0.5), "settings": {"aggregator": "median"}},
+            {"name": "median", "seed": 1, "accuracies": (0.3, 0.5), "settings": {"aggregator": "median"}},
+            {"name": "krum", "seed": 0, "accuracies": (0.1, 0.2), "settings": {"aggregator": "krum"}},
+        ],
+    )
     fig = plot_runs(histories, label="aggregator")
     (ax,) = fig.axes
     assert len(ax.lines) == 3 and len(bands(ax)) == 2
@@ -135,12 +144,15 @@ def test_among_several_runs_a_failed_or_empty_one_is_left_out(tmp_path, caplog):
         plot_runs(tmp_path / "run3")
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"metric": "accuracy"}, "metric: 'accuracy' is not one of"),
-    ({"x": "time"}, "x: 'time' is not one of round, seconds"),
-    ({"band": "iqr"}, "band: 'iqr'"),
-    ({"width": "wide"}, "width: 'wide'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"metric": "accuracy"}, "metric: 'accuracy' is not one of"),
+        ({"x": "time"}, "x: 'time' is not one of round, seconds"),
+        ({"band": "iqr"}, "band: 'iqr'"),
+        ({"width": "wide"}, "width: 'wide'"),
+    ],
+)
 def test_bad_options_say_so(tmp_path, kwargs, message):
     with pytest.raises(FedsimError, match=message):
         plot_runs(three_runs(tmp_path), **kwargs)
@@ -176,8 +188,9 @@ def fedsim_command(*args, cwd):
 @pytest.mark.slow
 def test_plot_command_writes_png_and_pdf(tmp_path):
     three_runs(tmp_path)
-    done = fedsim_command("plot", "run0", "run1", "run2", "--label", "aggregator", "--loss", "-o", "fig.png", "--pdf",
-                          cwd=tmp_path)
+    done = fedsim_command(
+        "plot", "run0", "run1", "run2", "--label", "aggregator", "--loss", "-o", "fig.png", "--pdf", cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "fig.pdf").read_bytes()[:4] == b"%PDF"
@@ -198,10 +211,13 @@ def test_plot_command_on_a_non_run_directory_is_one_line(tmp_path):
 
 def test_legend_names_each_line_also_for_names_that_start_with_an_underscore(tmp_path):
     # matplotlib leaves "_"-labels out of its own legend handles; a rule from a notebook is one
-    histories = runs(tmp_path, [
-        {"name": "mine", "accuracies": (0.3, 0.6), "settings": {"aggregator": "__main__:my_rule"}},
-        {"name": "avg", "accuracies": (0.2, 0.5), "settings": {"aggregator": "fedavg"}},
-    ])
+    histories = runs(
+        tmp_path,
+        [
+            {"name": "mine", "accuracies": (0.3, 0.6), "settings": {"aggregator": "__main__:my_rule"}},
+            {"name": "avg", "accuracies": (0.2, 0.5), "settings": {"aggregator": "fedavg"}},
+        ],
+    )
     fig = plot_runs(histories, label="aggregator")
     assert legend_texts(fig) == ["__main__:my_rule", "fedavg"]
     handles = fig.legends[0].legend_handles
@@ -217,8 +233,13 @@ def test_runs_of_sweep_seeds_become_one_line_and_one_band_per_configuration(tmp_
 
     (tmp_path / "base.yaml").write_text("name: cmp\nrounds: 2\ndata: {dataset: synthetic}\n")
     planned = plan(tmp_path / "base.yaml", ["aggregator=mean,median"], seeds="0,1,2")
-    histories = [History([dict.fromkeys(COLUMNS, 0.0) | {"round": r, "test_accuracy": 0.1 * (r + run.seed)}
-                          for r in (1, 2)], run.config.to_dict()) for run in planned]
+    histories = [
+        History(
+            [dict.fromkeys(COLUMNS, 0.0) | {"round": r, "test_accuracy": 0.1 * (r + run.seed)} for r in (1, 2)],
+            run.config.to_dict(),
+        )
+        for run in planned
+    ]
     fig = plot_runs(histories, band="std")
     (ax,) = fig.axes
     assert len(ax.lines) == 2 and len(bands(ax)) == 2
@@ -245,9 +266,12 @@ def with_columns(path, **columns):
 
 
 def test_spread_draws_the_clients_mean_a_deviation_band_and_the_tenth_percentile(tmp_path):
-    path = with_columns(write_run(tmp_path / "run", name="per_client", accuracies=(0.3, 0.6, 0.8)),
-                        client_accuracy_mean=(0.25, 0.5, 0.7), client_accuracy_std=(0.1, 0.2, 0.4),
-                        client_accuracy_p10=(0.1, 0.2, 0.3))
+    path = with_columns(
+        write_run(tmp_path / "run", name="per_client", accuracies=(0.3, 0.6, 0.8)),
+        client_accuracy_mean=(0.25, 0.5, 0.7),
+        client_accuracy_std=(0.1, 0.2, 0.4),
+        client_accuracy_p10=(0.1, 0.2, 0.3),
+    )
     fig = plot_runs(fedsim.load_run(path), spread=True)
     (ax,) = fig.axes
     mean, p10 = ax.lines
@@ -261,8 +285,9 @@ def test_spread_draws_the_clients_mean_a_deviation_band_and_the_tenth_percentile
 
 
 def test_spread_and_epsilon_need_runs_that_have_them(tmp_path):
-    path = with_columns(write_run(tmp_path / "run", accuracies=(0.3, 0.6)), epsilon=(None, None),
-                        client_accuracy_mean=(None, None))
+    path = with_columns(
+        write_run(tmp_path / "run", accuracies=(0.3, 0.6)), epsilon=(None, None), client_accuracy_mean=(None, None)
+    )
     history = fedsim.load_run(path)
     assert history.epsilon == [None, None] and history.client_accuracy_mean == [None, None]
     with pytest.raises(FedsimError, match="has no client_accuracy_mean values to plot; a run with eval_per_client"):
@@ -292,9 +317,13 @@ def test_accuracy_against_the_megabytes_sent(tmp_path):
 @pytest.mark.slow
 def test_accuracy_against_epsilon_and_the_spread_from_the_command(tmp_path):
     for i, z in enumerate((0.5, 1.0)):
-        with_columns(write_run(tmp_path / f"run{i}", name=f"z{z}", accuracies=(0.3, 0.6)),
-                     epsilon=(4.0 / z, 6.0 / z), client_accuracy_mean=(0.2, 0.5), client_accuracy_std=(0.1, 0.1),
-                     client_accuracy_p10=(0.1, 0.3))
+        with_columns(
+            write_run(tmp_path / f"run{i}", name=f"z{z}", accuracies=(0.3, 0.6)),
+            epsilon=(4.0 / z, 6.0 / z),
+            client_accuracy_mean=(0.2, 0.5),
+            client_accuracy_std=(0.1, 0.1),
+            client_accuracy_p10=(0.1, 0.3),
+        )
     fig = plot_runs(fedsim.load_runs(tmp_path / "run*"), x="epsilon")
     assert [list(line.get_xdata()) for line in fig.axes[0].lines] == [[8.0, 12.0], [4.0, 6.0]]
     assert fig.axes[0].get_xlabel().startswith("ε") and fig.axes[0].get_title() == "Test accuracy against ε"

@@ -1,6 +1,7 @@
 """DP-FedAvg (fedsim.fl.privacy): Poisson sampling, clipping (fixed and adaptive), the noise's scale
 and streams, accounting against Google's dp-accounting, and the one-line refusals of what the
 guarantee does not cover."""
+
 from __future__ import annotations
 
 import math
@@ -11,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim.fl import aggregation, privacy
-from fedsim.fl.aggregation import AGGREGATORS, row_norms
 from fedsim.algorithms import Algorithm
+from fedsim.core.errors import ConfigError
 from fedsim.experiment.config import Config
 from fedsim.experiment.validation import check_privacy
-from fedsim.core.errors import ConfigError
+from fedsim.fl import aggregation, privacy
+from fedsim.fl.aggregation import AGGREGATORS, row_norms
 from fedsim.fl.privacy import Privacy
 from fedsim.fl.sampling import draw, poisson_capacity
 
@@ -96,7 +97,7 @@ def test_one_client_moves_the_aggregate_by_at_most_clip_over_k():
     p = make(noise_multiplier=3.0)
     full = p.aggregate(updates, seed=4, rnd=9).double()
     for i in range(K):
-        without = torch.cat([updates[:i], updates[i + 1:]])
+        without = torch.cat([updates[:i], updates[i + 1 :]])
         moved = (full - p.aggregate(without, seed=4, rnd=9).double()).norm()
         # the noise is the same draw with or without the client; float32 rounding of the
         # noised result (|value| < ~5 z C / K) adds at most sqrt(P) 2^-24 of that
@@ -133,8 +134,12 @@ def test_the_noise_depends_on_seed_and_round_only():
     from fedsim.core import streams
 
     own = streams.privacy_noise_generator(3, 5).initial_seed()
-    assert own not in {streams.attack_generator(3, 5).initial_seed(), streams.client_seed(3, 5, 0),
-                       streams.group_seed(3, 5, 0), *(streams.client_seed(3, r, 5) for r in range(10))}
+    assert own not in {
+        streams.attack_generator(3, 5).initial_seed(),
+        streams.client_seed(3, 5, 0),
+        streams.group_seed(3, 5, 0),
+        *(streams.client_seed(3, r, 5) for r in range(10)),
+    }
 
 
 def test_zero_noise_multiplier_adds_nothing():
@@ -171,8 +176,10 @@ def test_poisson_sampling_takes_each_client_independently_with_probability_k_ove
     # an offline client that is drawn does not train: the sample is the draw among the online ones
     online = everyone[::2]
     for rnd in range(1, 20):
-        assert np.array_equal(draw("poisson", 7, rnd, online, k, np.ones(n)), np.intersect1d(
-            draw("poisson", 7, rnd, everyone, k, np.ones(n)), online))
+        assert np.array_equal(
+            draw("poisson", 7, rnd, online, k, np.ones(n)),
+            np.intersect1d(draw("poisson", 7, rnd, everyone, k, np.ones(n)), online),
+        )
 
 
 # ----------------------------------------------------------------------------- adaptive clipping
@@ -211,8 +218,14 @@ def test_adaptive_clipping_settles_at_the_target_quantile_of_the_norms():
 def test_adaptive_settings_without_a_target_quantile_are_warned_about():
     from fedsim.experiment.validation import load_config, unused_settings
 
-    cfg = load_config({"client_sampling": "poisson", "clients_per_round": 2, "data": {"num_clients": 20},
-                       "privacy": {"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-5, "count_noise": 2}})
+    cfg = load_config(
+        {
+            "client_sampling": "poisson",
+            "clients_per_round": 2,
+            "data": {"num_clients": 20},
+            "privacy": {"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-5, "count_noise": 2},
+        }
+    )
     assert unused_settings(cfg) == ["privacy.count_noise is 2 but privacy.target_quantile is null: the clip is fixed"]
 
 
@@ -283,8 +296,9 @@ def test_a_missing_dp_accounting_is_one_line_naming_the_extra(monkeypatch):
         make().epsilon(3)
     assert "\n" not in str(err.value)
     real = privacy.importlib.util.find_spec
-    monkeypatch.setattr(privacy.importlib.util, "find_spec",
-                        lambda name: None if name == "dp_accounting" else real(name))
+    monkeypatch.setattr(
+        privacy.importlib.util, "find_spec", lambda name: None if name == "dp_accounting" else real(name)
+    )
     assert 'pip install "fedsim-sync[privacy]"' in refused(config())
 
 
@@ -307,15 +321,30 @@ def test_the_section_as_mapping_or_object():
         assert (p.clip, p.noise_multiplier, p.delta, p.sample_rate) == (2.0, 0.8, 1e-6, K / N)
 
 
-@pytest.mark.parametrize("key,value,words", [
-    ("clip", 0, "normal range"), ("clip", -1.0, "normal range"), ("clip", math.inf, "normal range"),
-    ("clip", math.nan, "normal range"), ("clip", 1e39, "normal range"), ("clip", 1e-45, "normal range"),
-    ("clip", True, "normal range"), ("clip", "1", "normal range"),
-    ("noise_multiplier", -0.1, "[0,"), ("noise_multiplier", math.nan, "[0,"), ("noise_multiplier", 1e300, "[0,"),
-    ("delta", 0, "(0, 1)"), ("delta", 1, "(0, 1)"), ("delta", 1.5, "(0, 1)"), ("delta", None, "required"),
-    ("accountant", "gdp", "pld, rdp"), ("target_quantile", 1.0, "(0, 1)"), ("target_quantile", 0, "(0, 1)"),
-    ("clip_learning_rate", 0, "normal range"),
-])
+@pytest.mark.parametrize(
+    "key,value,words",
+    [
+        ("clip", 0, "normal range"),
+        ("clip", -1.0, "normal range"),
+        ("clip", math.inf, "normal range"),
+        ("clip", math.nan, "normal range"),
+        ("clip", 1e39, "normal range"),
+        ("clip", 1e-45, "normal range"),
+        ("clip", True, "normal range"),
+        ("clip", "1", "normal range"),
+        ("noise_multiplier", -0.1, "[0,"),
+        ("noise_multiplier", math.nan, "[0,"),
+        ("noise_multiplier", 1e300, "[0,"),
+        ("delta", 0, "(0, 1)"),
+        ("delta", 1, "(0, 1)"),
+        ("delta", 1.5, "(0, 1)"),
+        ("delta", None, "required"),
+        ("accountant", "gdp", "pld, rdp"),
+        ("target_quantile", 1.0, "(0, 1)"),
+        ("target_quantile", 0, "(0, 1)"),
+        ("clip_learning_rate", 0, "normal range"),
+    ],
+)
 def test_bad_values_are_one_line_naming_the_key(key, value, words):
     section = {"clip": C, "noise_multiplier": 1.0, "delta": 1e-5, key: value}
     message = refused(config(**section))
@@ -363,10 +392,15 @@ class OwnServerUpdate(Algorithm):
         return round.updates.mean(0)
 
 
-@pytest.mark.parametrize("algorithm,words", [
-    ("scaffold", "server state"), ("fednova", "client reports 'steps'"), ("feddyn", "client state 'gradient'"),
-    (OwnServerUpdate(), "its own server_update"),
-])
+@pytest.mark.parametrize(
+    "algorithm,words",
+    [
+        ("scaffold", "server state"),
+        ("fednova", "client reports 'steps'"),
+        ("feddyn", "client state 'gradient'"),
+        (OwnServerUpdate(), "its own server_update"),
+    ],
+)
 def test_algorithms_with_state_reports_or_their_own_server_update_are_refused(algorithm, words):
     cfg = config()
     cfg.algorithm = algorithm
@@ -388,12 +422,19 @@ def test_models_with_buffers_are_refused():
     assert "\n" not in str(err.value)
 
 
-
 # ----------------------------------------------------------------------------- in a run
 
-RUN = {"name": "dp", "seed": 2, "device": "cpu", "rounds": 1, "workers": 0, "clients_per_round": 1,
-       "model": "mnist_2nn", "data": {"dataset": "synthetic", "num_clients": 5, "limit": 1000},
-       "local": {"epochs": 1, "batch_size": 32, "lr": 0.05}}
+RUN = {
+    "name": "dp",
+    "seed": 2,
+    "device": "cpu",
+    "rounds": 1,
+    "workers": 0,
+    "clients_per_round": 1,
+    "model": "mnist_2nn",
+    "data": {"dataset": "synthetic", "num_clients": 5, "limit": 1000},
+    "local": {"epochs": 1, "batch_size": 32, "lr": 0.05},
+}
 
 
 def final_weights(run_dir) -> torch.Tensor:
@@ -401,9 +442,9 @@ def final_weights(run_dir) -> torch.Tensor:
 
 
 def initial_weights(cfg) -> torch.Tensor:
-    from fedsim.experiment.validation import load_config
-    from fedsim.experiment.federation import initial_model, load_federation
     from fedsim.core.flat import FlatModel
+    from fedsim.experiment.federation import initial_model, load_federation
+    from fedsim.experiment.validation import load_config
 
     cfg = load_config(cfg)
     return FlatModel(initial_model(cfg, load_federation(cfg).data), "cpu").flat.detach().clone()
@@ -441,13 +482,19 @@ def test_without_noise_or_clipping_privacy_is_the_unweighted_mean_divided_by_k(t
     weights are the clients' unequal sample counts."""
     import fedsim
 
-    cfg = {**RUN, "clients_per_round": 3, "data": {**RUN["data"], "num_clients": 3, "partition": "quantity",
-                                                   "sigma": 1.0}}  # q = 1: all three every round
-    runs = {rule: final_weights(fedsim.run({**cfg, "aggregator": rule}, out=tmp_path / rule, quiet=True).run_dir)
-            for rule in ("mean", "fedavg")}
+    cfg = {
+        **RUN,
+        "clients_per_round": 3,
+        "data": {**RUN["data"], "num_clients": 3, "partition": "quantity", "sigma": 1.0},
+    }  # q = 1: all three every round
+    runs = {
+        rule: final_weights(fedsim.run({**cfg, "aggregator": rule}, out=tmp_path / rule, quiet=True).run_dir)
+        for rule in ("mean", "fedavg")
+    }
     section = {"clip": 1e30, "noise_multiplier": 0.0, "delta": 1e-5}
-    history = fedsim.run({**cfg, "client_sampling": "poisson", "privacy": section}, out=tmp_path / "private",
-                         quiet=True)
+    history = fedsim.run(
+        {**cfg, "client_sampling": "poisson", "privacy": section}, out=tmp_path / "private", quiet=True
+    )
     got = final_weights(tmp_path / "private")
     x0 = initial_weights(cfg)
     # the mean's and privacy's sums round differently: a few float32 units of the largest |update|
@@ -464,18 +511,32 @@ def test_a_private_run_is_the_same_for_any_workers_resumes_exactly_and_reports_i
     Epsilon after round t is dp-accounting's for t rounds at q = K / N, z, delta."""
     import fedsim
 
-    cfg = {**RUN, "rounds": 3, "clients_per_round": 4, "eval_per_client": True, "client_sampling": "poisson",
-           "data": {**RUN["data"], "num_clients": 10, "partition": "dirichlet", "test_partition": True},
-           "privacy": {"clip": 0.5, "noise_multiplier": 1.1, "delta": 1e-5, "target_quantile": 0.5,
-                       "count_noise": 1.0}}
+    cfg = {
+        **RUN,
+        "rounds": 3,
+        "clients_per_round": 4,
+        "eval_per_client": True,
+        "client_sampling": "poisson",
+        "data": {**RUN["data"], "num_clients": 10, "partition": "dirichlet", "test_partition": True},
+        "privacy": {"clip": 0.5, "noise_multiplier": 1.1, "delta": 1e-5, "target_quantile": 0.5, "count_noise": 1.0},
+    }
     one = fedsim.run(cfg, out=tmp_path / "w1", quiet=True, workers=1)
     two = fedsim.run(cfg, out=tmp_path / "w2", quiet=True, workers=2)
     fedsim.run(cfg, out=tmp_path / "resumed", quiet=True, workers=1, rounds=2)
     again = fedsim.resume(tmp_path / "resumed", quiet=True, rounds=3)
     for other in ("w2", "resumed"):
         assert torch.equal(final_weights(tmp_path / "w1"), final_weights(tmp_path / other)), other
-    for column in ("test_accuracy", "test_loss", "train_loss", "epsilon", "clip", "client_accuracy_mean",
-                   "client_accuracy_std", "client_accuracy_p10", "clients"):
+    for column in (
+        "test_accuracy",
+        "test_loss",
+        "train_loss",
+        "epsilon",
+        "clip",
+        "client_accuracy_mean",
+        "client_accuracy_std",
+        "client_accuracy_p10",
+        "clients",
+    ):
         assert getattr(one, column) == getattr(two, column) == getattr(again, column), column
     assert one.clip[0] == 0.5 and len(set(one.clip)) == 3  # the clip moves every round
     sampled = [len(draw("poisson", 2, rnd, np.arange(10), 4, np.ones(10))) for rnd in (1, 2, 3)]
@@ -495,18 +556,25 @@ def test_a_model_with_buffers_is_refused_in_one_line(tmp_path):
 
     section = {"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}
     with pytest.raises(ConfigError, match=r"^config: privacy: model .*batch_norm_net has 20 buffer values") as err:
-        fedsim.run({**RUN, "client_sampling": "poisson", "privacy": section}, model=batch_norm_net, out=tmp_path / "bn", quiet=True)
+        fedsim.run(
+            {**RUN, "client_sampling": "poisson", "privacy": section},
+            model=batch_norm_net,
+            out=tmp_path / "bn",
+            quiet=True,
+        )
     assert "\n" not in str(err.value)
 
 
 def test_client_sampling_that_is_not_poisson_is_refused():
     cfg = config()
     cfg.client_sampling = "power_of_choice"
-    assert refused(cfg).startswith("client_sampling: power_of_choice cannot be used with privacy") and \
-        "loss" in refused(cfg)
+    assert refused(cfg).startswith(
+        "client_sampling: power_of_choice cannot be used with privacy"
+    ) and "loss" in refused(cfg)
     cfg.client_sampling = "uniform"
-    assert refused(cfg).startswith("client_sampling: uniform cannot be used with privacy: it samples exactly") and \
-        "use client_sampling: poisson" in refused(cfg)
+    assert refused(cfg).startswith(
+        "client_sampling: uniform cannot be used with privacy: it samples exactly"
+    ) and "use client_sampling: poisson" in refused(cfg)
     cfg = config()
     cfg.system = types.SimpleNamespace(availability=0.5)
     assert "system.availability 0.5" in refused(cfg)
@@ -516,11 +584,11 @@ def test_the_experiment_file_plans_its_sweep_and_its_plot():
     import fnmatch
     from pathlib import Path
 
+    from support import documented_commands
+
     import fedsim
     from fedsim.cli import build_parser
     from fedsim.runs.sweep import plan
-
-    from support import documented_commands
 
     path = Path("experiments/dp_fedavg.yaml")
     text = path.read_text()
@@ -528,7 +596,12 @@ def test_the_experiment_file_plans_its_sweep_and_its_plot():
     assert "McMahan, Ramage, Talwar, Zhang" in text and "ICLR 2018" in text
     cfg = fedsim.load_config(path)
     assert cfg.privacy == {"clip": 0.2, "noise_multiplier": 1.0, "delta": 1e-5} and cfg.client_sampling == "poisson"
-    assert (cfg.aggregator, cfg.algorithm, cfg.clients_per_round, cfg.data.num_clients) == ("fedavg", "fedavg", 100, 1000)
+    assert (cfg.aggregator, cfg.algorithm, cfg.clients_per_round, cfg.data.num_clients) == (
+        "fedavg",
+        "fedavg",
+        100,
+        1000,
+    )
     sweep_command, plot_command = documented_commands(path)
     args = build_parser().parse_args(sweep_command[1:])
     runs = plan(args.config, args.grid, args.set, args.seeds)  # every point validated

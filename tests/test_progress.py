@@ -1,4 +1,5 @@
 """The one-line round display: on, off, automatic; the rows it is given and the other lines."""
+
 from __future__ import annotations
 
 import io
@@ -23,8 +24,18 @@ class Clock:
 
 def row(rnd: int, accuracy: float = 0.5, **changes) -> dict:
     """A round's metrics row, as the server hands it over."""
-    return {"round": rnd, "test_accuracy": accuracy, "test_loss": 1.0, "train_loss": 1.2, "seconds": 2.0,
-            "elapsed_seconds": 2.0 * rnd, "clients": 4, "dropped_clients": 0, "attackers": 0, **changes}
+    return {
+        "round": rnd,
+        "test_accuracy": accuracy,
+        "test_loss": 1.0,
+        "train_loss": 1.2,
+        "seconds": 2.0,
+        "elapsed_seconds": 2.0 * rnd,
+        "clients": 4,
+        "dropped_clients": 0,
+        "attackers": 0,
+        **changes,
+    }
 
 
 def test_off_prints_every_line_as_it_comes():
@@ -33,9 +44,11 @@ def test_off_prints_every_line_as_it_comes():
     log("start")
     log.round_end(row(1), 2)
     log.round_end(row(2, accuracy=float("nan"), dropped_clients=1), 2)
-    assert out.getvalue() == ("start\n"
-                              "round 1/2  test acc 0.5000  test loss 1.0000  train loss 1.2000  2.00 s\n"
-                              "round 2/2  test acc    -    test loss 1.0000  train loss 1.2000  2.00 s  dropped 1\n")
+    assert out.getvalue() == (
+        "start\n"
+        "round 1/2  test acc 0.5000  test loss 1.0000  train loss 1.2000  2.00 s\n"
+        "round 2/2  test acc    -    test loss 1.0000  train loss 1.2000  2.00 s  dropped 1\n"
+    )
 
 
 def test_a_function_may_take_the_lines():
@@ -124,8 +137,15 @@ def test_a_run_with_progress_shows_one_line(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(logging.getLogger(), "handlers", [])  # pytest's own would take fedsim's messages
 
-    cfg = {"name": "p", "seed": 0, "device": "cpu", "rounds": 3, "workers": 0, "clients_per_round": 2,
-           "data": {"dataset": "synthetic", "limit": 600, "num_clients": 4}}
+    cfg = {
+        "name": "p",
+        "seed": 0,
+        "device": "cpu",
+        "rounds": 3,
+        "workers": 0,
+        "clients_per_round": 2,
+        "data": {"dataset": "synthetic", "limit": 600, "num_clients": 4},
+    }
     fedsim.run(cfg, out=tmp_path / "run", progress=True)
     out = capsys.readouterr().out
     what, starting, header, rounds, rest = out.split("\n", 4)

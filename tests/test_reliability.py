@@ -3,6 +3,7 @@
 Most tests drive the real command in a subprocess; workers are found through /proc and a
 tag in their environment, so a test can tell that none outlived the run.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,21 @@ import time
 import uuid
 
 import pytest
+from support import (
+    BASE,
+    assert_one_line_error,
+    run_cli,
+    shm_entries,
+    shm_left_behind,
+    start,
+    tagged_processes,
+    wait_for_round,
+    worker_pids,
+    write_config,
+    write_faulty_config,
+)
 
 import fedsim
-
-from support import (BASE, assert_one_line_error, run_cli, shm_entries, shm_left_behind, start, tagged_processes,
-                     wait_for_round, write_config, write_faulty_config, worker_pids)
 
 pytestmark = pytest.mark.slow
 
@@ -27,10 +38,9 @@ pytestmark = pytest.mark.slow
 # ----------------------------------------------------------------------------- worker failure
 
 
-@pytest.mark.parametrize("kind, worker, cause", [
-    ("raise", 1, "RuntimeError: injected fault"),
-    ("exit", 0, "exited with status 3"),
-])
+@pytest.mark.parametrize(
+    "kind, worker, cause", [("raise", 1, "RuntimeError: injected fault"), ("exit", 0, "exited with status 3")]
+)
 def test_a_failing_worker_ends_the_run_with_one_line(tmp_path, kind, worker, cause):
     shm_before = shm_entries()
     config, client = write_faulty_config(tmp_path, kind, 2, worker)
@@ -207,8 +217,10 @@ def test_resume_from_a_broken_or_missing_checkpoint_is_one_line(tmp_path, capsys
     fedsim.run(BASE, out=tmp_path / "run", quiet=True, rounds=1)
     checkpoint = tmp_path / "run" / "checkpoint.pt"
     checkpoint.write_bytes(b"not a checkpoint")
-    for run_dir, message in [(tmp_path / "run", f"{checkpoint}: corrupt or not a fedsim checkpoint"),
-                             (tmp_path / "nowhere", "not a run directory (no config.yaml)")]:
+    for run_dir, message in [
+        (tmp_path / "run", f"{checkpoint}: corrupt or not a fedsim checkpoint"),
+        (tmp_path / "nowhere", "not a run directory (no config.yaml)"),
+    ]:
         with pytest.raises(SystemExit) as exit_info:
             main(["run", "--resume", str(run_dir)])
         err = capsys.readouterr().err

@@ -11,10 +11,10 @@ import yaml
 from matplotlib.figure import Figure
 
 from fedsim.cli import main
-from fedsim.experiment.validation import load_config
 from fedsim.data import load_dataset, options_for, partition
-from fedsim.experiment.federation import load_federation
 from fedsim.data.report import partition_figure, partition_stats, summary_text, write_report
+from fedsim.experiment.federation import load_federation
+from fedsim.experiment.validation import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,8 +28,12 @@ def test_partition_stats_counts_samples_per_client_and_class():
 
 
 def test_summary_is_one_paragraph_of_sizes_and_classes():
-    stats = {"num_clients": 5, "num_classes": 3,
-             "class_counts": [[5, 0, 0], [2, 2, 0], [1, 1, 1], [0, 0, 0], [0, 0, 3]], "samples": [5, 4, 3, 0, 3]}
+    stats = {
+        "num_clients": 5,
+        "num_classes": 3,
+        "class_counts": [[5, 0, 0], [2, 2, 0], [1, 1, 1], [0, 0, 0], [0, 0, 3]],
+        "samples": [5, 4, 3, 0, 3],
+    }
     text = summary_text(stats)
     assert "\n" not in text
     assert "5 clients hold 15 samples of 3 classes" in text
@@ -61,7 +65,11 @@ def test_write_report_splits_the_data_as_a_run_does(tmp_path, small_config):
     parts = partition(data.train_y, "dirichlet", cfg.data.num_clients, cfg.seed, **options_for("dirichlet", cfg.data))
     assert report["samples"] == [len(p) for p in parts]
     written = json.loads((tmp_path / "out" / "partition.json").read_text())
-    assert written["class_counts"] == report["class_counts"] and written["options"] == {"alpha": 0.2, "min_samples": 1, "balanced": False}
+    assert written["class_counts"] == report["class_counts"] and written["options"] == {
+        "alpha": 0.2,
+        "min_samples": 1,
+        "balanced": False,
+    }
     assert sum(written["test_samples"]) == len(data.test_y)
     assert (tmp_path / "out" / "partition.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -72,11 +80,20 @@ def test_fedsim_partition_command_writes_json_and_png(tmp_path, small_config):
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "fedsim", "partition", str(path), "--set", "name=shardy"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "fedsim", "partition", str(path), "--set", "name=shardy"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     out = tmp_path / "runs" / "shardy-partition"
-    assert f"{config['data']['num_clients']} clients hold" in done.stdout and str(Path("runs") / "shardy-partition") in done.stdout
+    assert (
+        f"{config['data']['num_clients']} clients hold" in done.stdout
+        and str(Path("runs") / "shardy-partition") in done.stdout
+    )
     report = json.loads((out / "partition.json").read_text())
     total = config["data"].get("limit") or 6000
     assert report["num_clients"] == 8 and report["num_classes"] == 10 and report["partition"] == "shards"
@@ -90,8 +107,18 @@ def test_fedsim_partition_refuses_a_bad_option_in_one_line(tmp_path, small_confi
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(small_config))
     with pytest.raises(SystemExit) as info:
-        main(["partition", str(path), "--set", "data.partition=dirichlet", "--set", "data.alpha=-1",
-              "--out", str(tmp_path / "out")])
+        main(
+            [
+                "partition",
+                str(path),
+                "--set",
+                "data.partition=dirichlet",
+                "--set",
+                "data.alpha=-1",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("fedsim: error: --set data.alpha: must be > 0")

@@ -1,20 +1,25 @@
 """Loading run directories and tabulating them (on fabricated run directories, no training)."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
+from support import write_run
 
 import fedsim
 from fedsim.core.errors import FedsimError
 from fedsim.results.history import History, group_repeats, mean_and_sd, results_table, rounds_to_target
 
-from support import write_run
-
 
 def test_load_run_reads_metrics_config_and_summary(tmp_path):
-    write_run(tmp_path / "a", name="alpha", seed=4, accuracies=(0.25, 0.5),
-              settings={"aggregator": "median", "data.alpha": 0.3})
+    write_run(
+        tmp_path / "a",
+        name="alpha",
+        seed=4,
+        accuracies=(0.25, 0.5),
+        settings={"aggregator": "median", "data.alpha": 0.3},
+    )
     h = fedsim.load_run(tmp_path / "a")
 
     assert h.round == [1, 2] and isinstance(h.round[0], int)
@@ -39,15 +44,16 @@ def test_load_run_reads_metrics_with_fewer_columns(tmp_path):
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "metrics.csv").write_text(
         "round,test_accuracy,test_loss,train_loss,seconds,elapsed_seconds,clients,dropped_clients,attackers\n"
-        "1,0.5,1.5,1.6,2.0,2.0,4,0,0\n")
+        "1,0.5,1.5,1.6,2.0,2.0,4,0,0\n"
+    )
     h = fedsim.load_run(tmp_path / "old")
     assert h.test_accuracy == [0.5] and h.elapsed_seconds == [2.0]
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda p: None, "no such run directory"),
-    (lambda p: p.mkdir(), "not a run directory (no metrics.csv)"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [(lambda p: None, "no such run directory"), (lambda p: p.mkdir(), "not a run directory (no metrics.csv)")],
+)
 def test_load_run_of_a_non_run_directory_says_so_in_one_line(tmp_path, make, message):
     make(tmp_path / "x")
     with pytest.raises(FedsimError) as e:
@@ -91,11 +97,15 @@ def histories_of(tmp_path, specs):
 
 
 def test_runs_that_differ_only_in_seed_and_run_specific_keys_are_grouped(tmp_path):
-    runs = histories_of(tmp_path, [
-        {"name": "a", "seed": 0}, {"name": "b", "seed": 1, "settings": {"workers": 4}},
-        {"name": "c", "seed": 0, "settings": {"aggregator": "median"}},
-        {"name": "d", "seed": 2, "settings": {"data.root": "/elsewhere"}},
-    ])
+    runs = histories_of(
+        tmp_path,
+        [
+            {"name": "a", "seed": 0},
+            {"name": "b", "seed": 1, "settings": {"workers": 4}},
+            {"name": "c", "seed": 0, "settings": {"aggregator": "median"}},
+            {"name": "d", "seed": 2, "settings": {"data.root": "/elsewhere"}},
+        ],
+    )
     assert [[h.name for h in g] for g in group_repeats(runs)] == [["a", "b", "d"], ["c"]]
     assert len(group_repeats(runs, distinguish=("seed",))) == 4
     assert len(group_repeats(runs, distinguish=("name",))) == 4
@@ -103,11 +113,14 @@ def test_runs_that_differ_only_in_seed_and_run_specific_keys_are_grouped(tmp_pat
 
 
 def test_results_table_pools_seeds_and_prints_markdown(tmp_path):
-    runs = histories_of(tmp_path, [
-        {"name": "fedavg", "seed": 0, "accuracies": (0.5, 0.8)},
-        {"name": "fedavg", "seed": 1, "accuracies": (0.6, 0.9)},
-        {"name": "median", "seed": 0, "accuracies": (0.4, 0.7), "settings": {"aggregator": "median"}},
-    ])
+    runs = histories_of(
+        tmp_path,
+        [
+            {"name": "fedavg", "seed": 0, "accuracies": (0.5, 0.8)},
+            {"name": "fedavg", "seed": 1, "accuracies": (0.6, 0.9)},
+            {"name": "median", "seed": 0, "accuracies": (0.4, 0.7), "settings": {"aggregator": "median"}},
+        ],
+    )
     table = results_table(runs, keys=("name", "aggregator"))
     assert [row["name"] for row in table] == ["fedavg", "median"]
     first = table[0]
@@ -126,13 +139,16 @@ def test_results_table_pools_seeds_and_prints_markdown(tmp_path):
 
 def test_results_table_of_single_runs_has_no_runs_column(tmp_path):
     runs = histories_of(tmp_path, [{"name": "a"}, {"name": "b", "seed": 1}])
-    assert fedsim.results_table(runs).markdown().splitlines()[0] == \
-        "| name | final acc. (%) | best acc. (%) | rounds | wall (s) |"
+    assert (
+        fedsim.results_table(runs).markdown().splitlines()[0]
+        == "| name | final acc. (%) | best acc. (%) | rounds | wall (s) |"
+    )
 
 
 def test_results_table_escapes_markdown_in_values(tmp_path):
-    run = fedsim.load_run(write_run(tmp_path / "run", name="mine", accuracies=(0.5,),
-                                    settings={"aggregator": "__main__:my|rule"}))
+    run = fedsim.load_run(
+        write_run(tmp_path / "run", name="mine", accuracies=(0.5,), settings={"aggregator": "__main__:my|rule"})
+    )
     table = fedsim.results_table([run], keys=("aggregator",)).markdown()
     assert "\\_\\_main\\_\\_:my\\|rule" in table.splitlines()[2]
 
@@ -145,14 +161,17 @@ def test_rounds_to_target_is_the_first_evaluated_round_at_or_above_it():
 
 
 def test_results_table_gives_rounds_to_target_over_the_seeds_that_reached_it(tmp_path):
-    runs = histories_of(tmp_path, [
-        {"name": "fedavg", "seed": 0, "accuracies": (0.5, 0.8, 0.9, 0.95)},
-        {"name": "fedavg", "seed": 1, "accuracies": (0.6, 0.9, 0.92, 0.93)},
-        {"name": "fedavg", "seed": 2, "accuracies": (0.5, 0.6, 0.7, 0.8)},
-        {"name": "fedavg", "seed": 3, "accuracies": (0.9, 0.9, 0.9, 0.9)},
-        {"name": "median", "seed": 0, "accuracies": (0.4, 0.7), "settings": {"aggregator": "median"}},
-        {"name": "median", "seed": 1, "accuracies": (0.4, 0.6), "settings": {"aggregator": "median"}},
-    ])
+    runs = histories_of(
+        tmp_path,
+        [
+            {"name": "fedavg", "seed": 0, "accuracies": (0.5, 0.8, 0.9, 0.95)},
+            {"name": "fedavg", "seed": 1, "accuracies": (0.6, 0.9, 0.92, 0.93)},
+            {"name": "fedavg", "seed": 2, "accuracies": (0.5, 0.6, 0.7, 0.8)},
+            {"name": "fedavg", "seed": 3, "accuracies": (0.9, 0.9, 0.9, 0.9)},
+            {"name": "median", "seed": 0, "accuracies": (0.4, 0.7), "settings": {"aggregator": "median"}},
+            {"name": "median", "seed": 1, "accuracies": (0.4, 0.6), "settings": {"aggregator": "median"}},
+        ],
+    )
     table = results_table(runs, keys=("aggregator",), target=0.9)
     fedavg, median = table
     reached = [3, 2, 1]  # seed 2 never gets to 0.9
@@ -167,25 +186,35 @@ def test_results_table_gives_rounds_to_target_over_the_seeds_that_reached_it(tmp
     assert lines[2].split(" | ")[4] == f"{mean:.1f} ± {sd:.1f} (3/4)" == "2.0 ± 1.0 (3/4)"
     assert lines[3].split(" | ")[4] == "– (0/2)"
 
-    one = histories_of(tmp_path / "one", [{"name": "a", "accuracies": (0.5, 0.95)},
-                                          {"name": "b", "accuracies": (0.5,)}])
+    one = histories_of(
+        tmp_path / "one", [{"name": "a", "accuracies": (0.5, 0.95)}, {"name": "b", "accuracies": (0.5,)}]
+    )
     assert [line.split(" | ")[3] for line in results_table(one, target=0.9).markdown().splitlines()[2:]] == [
-        "2", "not reached"]
+        "2",
+        "not reached",
+    ]
 
 
 def test_results_table_takes_the_target_from_stop_at_accuracy(tmp_path):
-    runs = histories_of(tmp_path, [
-        {"name": "a", "seed": 0, "accuracies": (0.5, 0.99), "settings": {"stop_at_accuracy": 0.99}},
-        {"name": "a", "seed": 1, "accuracies": (0.5, 0.7, 0.99), "settings": {"stop_at_accuracy": 0.99}},
-        {"name": "b", "accuracies": (0.5, 0.8), "settings": {"stop_at_accuracy": 0.8}},
-        {"name": "c", "accuracies": (0.5, 0.8)},
-    ])
+    runs = histories_of(
+        tmp_path,
+        [
+            {"name": "a", "seed": 0, "accuracies": (0.5, 0.99), "settings": {"stop_at_accuracy": 0.99}},
+            {"name": "a", "seed": 1, "accuracies": (0.5, 0.7, 0.99), "settings": {"stop_at_accuracy": 0.99}},
+            {"name": "b", "accuracies": (0.5, 0.8), "settings": {"stop_at_accuracy": 0.8}},
+            {"name": "c", "accuracies": (0.5, 0.8)},
+        ],
+    )
     table = results_table(runs)
     assert [(row["name"], row["target"], row["rounds_to_target"]) for row in table] == [
-        ("a", 0.99, 2.5), ("b", 0.8, 2.0), ("c", None, None)]
+        ("a", 0.99, 2.5),
+        ("b", 0.8, 2.0),
+        ("c", None, None),
+    ]
     lines = table.markdown().splitlines()
-    assert lines[0] == ("| name | runs | final acc. (%) | best acc. (%) | target (%) | rounds to target | rounds "
-                        "| wall (s) |")
+    assert lines[0] == (
+        "| name | runs | final acc. (%) | best acc. (%) | target (%) | rounds to target | rounds | wall (s) |"
+    )
     assert [line.split(" | ")[4:6] for line in lines[2:]] == [["99", "2.5 ± 0.7 (2/2)"], ["80", "2"], ["–", "–"]]
     assert "rounds to" not in results_table(runs[3:]).markdown()  # no target anywhere: no column
 
@@ -219,8 +248,9 @@ def test_two_runs_with_the_same_seed_count_as_one(tmp_path, caplog):
     other = write_run(tmp_path / "other", seed=1, accuracies=(0.6, 0.8))
     (row,) = results_table([fedsim.load_run(p) for p in (first, again, other)])
     assert row["runs"] == 2 and row["final_accuracy_std"] == pytest.approx(math.sqrt(0.005))  # 0.7, 0.8
-    assert f"{first} and {again} ran the same experiment with seed 0; counting it once, as the latter" \
-        in caplog.messages
+    assert (
+        f"{first} and {again} ran the same experiment with seed 0; counting it once, as the latter" in caplog.messages
+    )
 
 
 def test_an_empty_accuracy_cannot_break_the_spread():
@@ -245,9 +275,19 @@ def test_load_model_gives_the_trained_module(tmp_path):
 
     from fedsim.data import load_dataset
 
-    history = fedsim.run({"name": "m", "seed": 2, "device": "cpu", "rounds": 2, "workers": 0,
-                          "clients_per_round": 2, "data": {"dataset": "synthetic", "num_clients": 4}},
-                         out=tmp_path / "run", quiet=True)
+    history = fedsim.run(
+        {
+            "name": "m",
+            "seed": 2,
+            "device": "cpu",
+            "rounds": 2,
+            "workers": 0,
+            "clients_per_round": 2,
+            "data": {"dataset": "synthetic", "num_clients": 4},
+        },
+        out=tmp_path / "run",
+        quiet=True,
+    )
     model = fedsim.load_model(history.run_dir)
     assert isinstance(model, torch.nn.Module) and not model.training
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])

@@ -1,5 +1,6 @@
 """What a run says it ran, so that runs can be told apart: the header line, the run directory's
 name, summary.json, the titles of its plots, and components recorded with their arguments."""
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,10 @@ from matplotlib.image import imread
 import fedsim
 from fedsim.experiment.components import describe
 from fedsim.experiment.config import directory_name, overrides_of
-from fedsim.results.plot import accuracy_figure, save_accuracy_plot
-from fedsim.results.history import History
-from fedsim.results.rundir import COLUMNS
 from fedsim.experiment.validation import load_config
+from fedsim.results.history import History
+from fedsim.results.plot import accuracy_figure, save_accuracy_plot
+from fedsim.results.rundir import COLUMNS
 
 
 class ServerStep(fedsim.Algorithm):
@@ -33,8 +34,13 @@ def test_the_overrides_are_the_keys_set_on_top_of_the_file_with_their_values():
     cfg = load_config("mnist_seed", ["data.dataset=synthetic", "local.lr=0.05", "device=cpu"])
     assert overrides_of(cfg) == {"data.dataset": "synthetic", "device": "cpu", "local.lr": 0.05}
     again = load_config(cfg, {"aggregator_options": {"beta": 0.2}, "aggregator": "trimmed_mean"})
-    assert overrides_of(again) == {"aggregator": "trimmed_mean", "aggregator_options.beta": 0.2,
-                                   "data.dataset": "synthetic", "device": "cpu", "local.lr": 0.05}
+    assert overrides_of(again) == {
+        "aggregator": "trimmed_mean",
+        "aggregator_options.beta": 0.2,
+        "data.dataset": "synthetic",
+        "device": "cpu",
+        "local.lr": 0.05,
+    }
     assert overrides_of(load_config("mnist_seed")) == {}
 
 
@@ -47,11 +53,13 @@ def test_a_run_directory_is_named_by_what_changes_the_run():
     assert name(["device=cpu", "workers=2", "seed=3"]) == "mnist_seed-seed=3"
     assert name(["data.dataset=synthetic", "local.lr=0.05"]) == "mnist_seed-dataset=synthetic-lr=0.05"
     assert name({"algorithm": ServerStep(0.5)}) == "mnist_seed-algorithm=ServerStep(step=0.5)"
-    long = name(["data.dataset=synthetic", "local.lr=0.05", "local.momentum=0.9", "data.partition=dirichlet",
-                 "data.alpha=0.1"])
+    long = name(
+        ["data.dataset=synthetic", "local.lr=0.05", "local.momentum=0.9", "data.partition=dirichlet", "data.alpha=0.1"]
+    )
     assert long.startswith("mnist_seed-set-") and len(long) == len("mnist_seed-set-") + 8
-    assert long != name(["data.dataset=synthetic", "local.lr=0.05", "local.momentum=0.9",
-                         "data.partition=dirichlet", "data.alpha=0.2"])
+    assert long != name(
+        ["data.dataset=synthetic", "local.lr=0.05", "local.momentum=0.9", "data.partition=dirichlet", "data.alpha=0.2"]
+    )
 
 
 def _history(accuracies, summary):
@@ -61,16 +69,19 @@ def _history(accuracies, summary):
 
 
 def test_the_accuracy_plot_reaches_down_to_chance_and_says_what_ran(tmp_path):
-    flat = _history([0.109, 0.110, 0.1095], {"num_classes": 10, "overrides": {"data.dataset": "synthetic",
-                                                                             "workers": 2}})
+    flat = _history(
+        [0.109, 0.110, 0.1095], {"num_classes": 10, "overrides": {"data.dataset": "synthetic", "workers": 2}}
+    )
     ax = accuracy_figure(flat).axes[0]
     low, high = ax.get_ylim()
     assert low <= 10 and high - low >= 20  # a flat line at 11 % is drawn flat, above the chance line
     assert any(line.get_ydata()[0] == 10 for line in ax.get_lines())
     name, *described = ax.get_title().split("\n")
     assert name == "mnist_seed"
-    assert " ".join(described) == ("synthetic (contiguous, 4 clients), model mnist_cnn, aggregator fedavg, "
-                                   "algorithm fedavg; with data.dataset=synthetic")  # workers: how, not what
+    assert " ".join(described) == (
+        "synthetic (contiguous, 4 clients), model mnist_cnn, aggregator fedavg, "
+        "algorithm fedavg; with data.dataset=synthetic"
+    )  # workers: how, not what
     climbing = accuracy_figure(_history([0.3, 0.97, 0.99], {"num_classes": 10})).axes[0]
     assert climbing.get_ylim()[0] <= 10 and climbing.get_ylim()[1] >= 99
     save_accuracy_plot(flat, tmp_path / "accuracy.png")
@@ -81,22 +92,48 @@ def test_the_accuracy_plot_reaches_down_to_chance_and_says_what_ran(tmp_path):
 def test_the_header_the_directory_and_the_summary_say_what_ran(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(logging.getLogger(), "handlers", [])  # pytest's own would take fedsim's messages
     monkeypatch.chdir(tmp_path)
-    cfg = {"name": "told", "seed": 1, "device": "cpu", "rounds": 2, "workers": 0, "clients_per_round": 2,
-           "data": {"dataset": "synthetic", "limit": 600, "num_clients": 4}}
+    cfg = {
+        "name": "told",
+        "seed": 1,
+        "device": "cpu",
+        "rounds": 2,
+        "workers": 0,
+        "clients_per_round": 2,
+        "data": {"dataset": "synthetic", "limit": 600, "num_clients": 4},
+    }
     history = fedsim.run(cfg, algorithm=ServerStep(0.5), **{"local.lr": 0.05})
     assert history.run_dir.parent.name == "runs"
     assert history.run_dir.name.startswith("told-algorithm=ServerStep_step=0.5_-lr=0.05-")  # ( ) made safe
     lines = capsys.readouterr().out.splitlines()
-    what = (f"synthetic (iid, 4 clients), model mnist_cnn, aggregator fedavg, algorithm "
-            f"{__name__}:ServerStep(step=0.5); with algorithm={__name__}:ServerStep(step=0.5), local.lr=0.05")
+    what = (
+        f"synthetic (iid, 4 clients), model mnist_cnn, aggregator fedavg, algorithm "
+        f"{__name__}:ServerStep(step=0.5); with algorithm={__name__}:ServerStep(step=0.5), local.lr=0.05"
+    )
     assert lines[:2] == [f"told: {what}", "loading synthetic on cpu"]
     assert lines[2].startswith("told: 2 rounds of 2/4 clients, 0 workers on cpu, ready in ")
     summary = json.loads((history.run_dir / "summary.json").read_text())
-    assert {key: summary[key] for key in ("dataset", "partition", "model", "aggregator", "algorithm",
-                                          "num_classes", "overrides", "resumed_at_round")} == {
-        "dataset": "synthetic", "partition": "iid", "model": "mnist_cnn", "aggregator": "fedavg",
-        "algorithm": f"{__name__}:ServerStep(step=0.5)", "num_classes": 10, "resumed_at_round": None,
-        "overrides": {"algorithm": f"{__name__}:ServerStep(step=0.5)", "local.lr": 0.05}}
+    assert {
+        key: summary[key]
+        for key in (
+            "dataset",
+            "partition",
+            "model",
+            "aggregator",
+            "algorithm",
+            "num_classes",
+            "overrides",
+            "resumed_at_round",
+        )
+    } == {
+        "dataset": "synthetic",
+        "partition": "iid",
+        "model": "mnist_cnn",
+        "aggregator": "fedavg",
+        "algorithm": f"{__name__}:ServerStep(step=0.5)",
+        "num_classes": 10,
+        "resumed_at_round": None,
+        "overrides": {"algorithm": f"{__name__}:ServerStep(step=0.5)", "local.lr": 0.05},
+    }
     fedsim.resume(history.run_dir, rounds=3, algorithm=ServerStep(0.5))
     lines = capsys.readouterr().out.splitlines()
     assert lines[2].startswith("told: rounds 3 to 3 (resumed from the checkpoint of round 2) of 2/4 clients")

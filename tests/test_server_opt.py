@@ -1,4 +1,5 @@
 """Server optimizers against their update equations, written out with numpy."""
+
 from __future__ import annotations
 
 import io
@@ -25,7 +26,7 @@ def reference(name, x, ds, lr):
     """x after applying the deltas, in float64, each rule as in Reddi et al. 2021 / Hsu et al. 2019."""
     x = x.astype(np.float64)
     b1, b2, tau = HYPER["beta1"], HYPER["beta2"], HYPER["tau"]
-    velocity, m, v = np.zeros(P), np.zeros(P), np.full(P, tau ** 2)
+    velocity, m, v = np.zeros(P), np.zeros(P), np.full(P, tau**2)
     for d in ds:
         d = d.astype(np.float64)
         if name == "none":
@@ -37,11 +38,11 @@ def reference(name, x, ds, lr):
             continue
         m = b1 * m + (1 - b1) * d
         if name == "fedadagrad":
-            v = v + d ** 2
+            v = v + d**2
         elif name == "fedadam":
-            v = b2 * v + (1 - b2) * d ** 2
+            v = b2 * v + (1 - b2) * d**2
         else:  # fedyogi
-            v = v - (1 - b2) * d ** 2 * np.sign(v - d ** 2)
+            v = v - (1 - b2) * d**2 * np.sign(v - d**2)
         x = x + lr * m / (np.sqrt(v) + tau)
     return x
 
@@ -145,8 +146,9 @@ def test_cuda_state_and_steps(name):
         opt.step(weights, torch.from_numpy(d).cuda())
     assert all(v.device.type == "cuda" for v in opt.state_dict().values())
     x0 = np.zeros(P, np.float32)  # the same elementwise arithmetic as on the CPU, so the same bound
-    assert_within(weights.cpu().numpy(), reference(name, x0, deltas(), opt.lr),
-                  rounding_bound(name, x0, deltas(), opt.lr))
+    assert_within(
+        weights.cpu().numpy(), reference(name, x0, deltas(), opt.lr), rounding_bound(name, x0, deltas(), opt.lr)
+    )
 
 
 def test_every_optimizer_is_registered_with_a_description():

@@ -1,6 +1,8 @@
 """Random streams (fedsim.core.streams): every (stream, keys) pair hashes a word list of its own."""
+
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -32,15 +34,22 @@ BUILDERS = {  # name: (builder, the keys it takes after the seed)
     "partition": (streams.partition_rng, 0),
     "attackers": (streams.attackers_rng, 0),
     "test split": (streams.test_split_rng, 0),
-    **{name: ((lambda tag: lambda *keys: streams.generator(tag, *keys))(tag), count)
-       for name, tag, count in [("sampling", streams.SAMPLING, 1), ("online", streams.ONLINE, 1),
-                                ("dropout", streams.DROPOUT, 1), ("availability", streams.AVAILABILITY, 0),
-                                ("speed", streams.SPEED, 0)]},
+    **{
+        name: (functools.partial(streams.generator, tag), count)
+        for name, tag, count in [
+            ("sampling", streams.SAMPLING, 1),
+            ("online", streams.ONLINE, 1),
+            ("dropout", streams.DROPOUT, 1),
+            ("availability", streams.AVAILABILITY, 0),
+            ("speed", streams.SPEED, 0),
+        ]
+    },
 }
 
 
 def test_a_seed_sequence_pads_with_zeros_and_splits_large_integers():
     """Why keys are not handed to numpy as they are: these lists are one stream to it."""
+
     def state(entropy):
         return np.random.SeedSequence(entropy).generate_state(4).tolist()
 
@@ -82,12 +91,15 @@ def test_the_same_keys_give_the_same_numbers():
     assert streams.client_seed(4, 9, 2) == streams.client_seed(4, 9, 2)
 
 
-@pytest.mark.parametrize("tag, keys, words", [
-    (streams.CLIENT, (3, 5), "takes 2 keys after the seed, got 1"),
-    (streams.MODEL, (3, 1), "takes 0 keys after the seed, got 1"),
-    (streams.SAMPLING, (-1, 2), "[0, 2^64), got -1"),
-    (streams.SAMPLING, (2**64, 2), "[0, 2^64)"),
-])
+@pytest.mark.parametrize(
+    "tag, keys, words",
+    [
+        (streams.CLIENT, (3, 5), "takes 2 keys after the seed, got 1"),
+        (streams.MODEL, (3, 1), "takes 0 keys after the seed, got 1"),
+        (streams.SAMPLING, (-1, 2), "[0, 2^64), got -1"),
+        (streams.SAMPLING, (2**64, 2), "[0, 2^64)"),
+    ],
+)
 def test_bad_keys_are_refused(tag, keys, words):
     with pytest.raises(ValueError) as info:
         streams.words(tag, *keys)

@@ -1,5 +1,6 @@
 """fedsim sweep: the grid, seeds as repeats, the run names, the tables, real runs through the command
 line, and the experiment files whose comments give sweep commands."""
+
 from __future__ import annotations
 
 import csv
@@ -14,6 +15,7 @@ import pytest
 import torch
 import yaml
 from matplotlib.collections import PolyCollection
+from support import child_pids, documented_commands, start, wait_for_round, worker_pids
 
 import fedsim
 import fedsim.runs.launch
@@ -23,8 +25,6 @@ from fedsim.results.history import History
 from fedsim.results.rundir import COLUMNS
 from fedsim.runs.session import check_run
 from fedsim.runs.sweep import parse_grid, plan, sweep
-
-from support import child_pids, documented_commands, start, wait_for_round, worker_pids
 
 
 @pytest.fixture
@@ -50,8 +50,10 @@ def fake_runs(monkeypatch):
 
     def start_run(cfg, out=None, overwrite=False, quiet=False, pools=None):
         calls.append((cfg, out))
-        rows = [dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": acc, "seconds": s}
-                for r, acc, s in [(1, 0.5, 9.0), (2, cfg.seed / 10, 2.0)]]
+        rows = [
+            dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": acc, "seconds": s}
+            for r, acc, s in [(1, 0.5, 9.0), (2, cfg.seed / 10, 2.0)]
+        ]
         return History(rows, cfg.to_dict(), out)
 
     replace_engine(monkeypatch, start_run)
@@ -61,8 +63,11 @@ def fake_runs(monkeypatch):
 def test_a_bad_grid_value_is_named_as_the_grid_gave_it(tmp_path):
     config = tmp_path / "base.yaml"
     config.write_text("name: g\naggregator: trimmed_mean\n")
-    with pytest.raises(ConfigError, match=r"^--grid aggregator=medain: unknown aggregator 'medain' "
-                                          r"\(did you mean 'median'\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--grid aggregator=medain: unknown aggregator 'medain' "
+        r"\(did you mean 'median'\?\)",
+    ):
         plan(config, ["aggregator=median,medain"])
     with pytest.raises(ConfigError, match=r"^--grid aggregator_options.beta=0.7 \(aggregator_options\): beta must"):
         plan(config, ["aggregator_options.beta=0.1,0.7"])
@@ -74,11 +79,15 @@ def test_a_bad_grid_value_is_named_as_the_grid_gave_it(tmp_path):
 
 def test_grid_values_are_split_on_commas():
     assert parse_grid(["aggregator=fedavg,median", "seed = 0, 1"]) == [
-        ("aggregator", ["fedavg", "median"]), ("seed", ["0", "1"])]
+        ("aggregator", ["fedavg", "median"]),
+        ("seed", ["0", "1"]),
+    ]
 
 
-@pytest.mark.parametrize("spec,words", [("aggregator", "key=value1,value2"), ("seed=0,,1", "key=value1,value2"),
-                                        ("=1,2", "key=value1,value2")])
+@pytest.mark.parametrize(
+    "spec,words",
+    [("aggregator", "key=value1,value2"), ("seed=0,,1", "key=value1,value2"), ("=1,2", "key=value1,value2")],
+)
 def test_malformed_grid_is_refused(spec, words):
     with pytest.raises(ConfigError, match=words):
         parse_grid([spec])
@@ -90,13 +99,19 @@ def test_a_key_given_twice_is_refused():
 
 
 def test_plan_is_the_cartesian_product_with_yaml_values_and_option_keys(config_file):
-    runs = plan(config_file, ["aggregator_options.beta=0.1,0.2", "seed=0,1"],
-                ["aggregator=trimmed_mean", "rounds=1"])
+    runs = plan(config_file, ["aggregator_options.beta=0.1,0.2", "seed=0,1"], ["aggregator=trimmed_mean", "rounds=1"])
     assert [run.label for run in runs] == [
-        "small-aggregator_options.beta=0.1-seed=0", "small-aggregator_options.beta=0.1-seed=1",
-        "small-aggregator_options.beta=0.2-seed=0", "small-aggregator_options.beta=0.2-seed=1"]
+        "small-aggregator_options.beta=0.1-seed=0",
+        "small-aggregator_options.beta=0.1-seed=1",
+        "small-aggregator_options.beta=0.2-seed=0",
+        "small-aggregator_options.beta=0.2-seed=1",
+    ]
     assert [(run.config.aggregator_options["beta"], run.config.seed) for run in runs] == [
-        (0.1, 0), (0.1, 1), (0.2, 0), (0.2, 1)]
+        (0.1, 0),
+        (0.1, 1),
+        (0.2, 0),
+        (0.2, 1),
+    ]
     assert all(run.config.rounds == 1 and run.config.name == run.label for run in runs)
 
 
@@ -111,8 +126,12 @@ def test_a_bad_value_fails_before_anything_runs(config_file, fake_runs, tmp_path
 def test_sweep_runs_every_point_into_its_folder_and_tables_them(config_file, fake_runs, tmp_path):
     lines = []
     runs = sweep(config_file, ["aggregator=mean,median", "seed=6,7"], out=tmp_path / "out", log=lines.append)
-    labels = ["small-aggregator=mean-seed=6", "small-aggregator=mean-seed=7",
-              "small-aggregator=median-seed=6", "small-aggregator=median-seed=7"]
+    labels = [
+        "small-aggregator=mean-seed=6",
+        "small-aggregator=mean-seed=7",
+        "small-aggregator=median-seed=6",
+        "small-aggregator=median-seed=7",
+    ]
     assert [out for _, out in fake_runs] == [tmp_path / "out" / label for label in labels]
     assert [cfg.aggregator for cfg, _ in fake_runs] == ["mean", "mean", "median", "median"]
     assert [run.history.final_accuracy for run in runs] == [0.6, 0.7, 0.6, 0.7]
@@ -135,18 +154,26 @@ def for_colour_images():
 
 def test_every_combination_is_checked_whole_before_the_first_run(config_file, fake_runs, monkeypatch, tmp_path):
     checked = []
-    monkeypatch.setattr(fedsim.runs.session, "check_run", lambda cfg, datasets=None: (checked.append(cfg),
-                                                                               check_run(cfg, datasets)))
+    monkeypatch.setattr(
+        fedsim.runs.session, "check_run", lambda cfg, datasets=None: (checked.append(cfg), check_run(cfg, datasets))
+    )
     with pytest.raises(FedsimError) as info:  # the data holds fewer samples than the second run's limit
         sweep(config_file, ["data.limit=200,100000000"], out=tmp_path / "out")
-    assert str(info.value).startswith("sweep run small-data.limit=100000000: --set data.limit: 100000000 is more "
-                                      "than the ")
+    assert str(info.value).startswith(
+        "sweep run small-data.limit=100000000: --set data.limit: 100000000 is more than the "
+    )
     with pytest.raises(ConfigError) as info:  # a model for 3 x 32 x 32 images, on 1 x 28 x 28
         sweep(config_file, ["model=mnist_cnn,test_sweep:for_colour_images"], out=tmp_path / "out")
-    assert str(info.value).startswith("sweep run small-model=test_sweep_for_colour_images: --set model: "
-                                      "test_sweep:for_colour_images fails on a batch of inputs of shape (1, 28, 28)")
-    assert [cfg.name for cfg in checked] == ["small-data.limit=200", "small-data.limit=100000000",
-                                             "small-model=mnist_cnn", "small-model=test_sweep_for_colour_images"]
+    assert str(info.value).startswith(
+        "sweep run small-model=test_sweep_for_colour_images: --set model: "
+        "test_sweep:for_colour_images fails on a batch of inputs of shape (1, 28, 28)"
+    )
+    assert [cfg.name for cfg in checked] == [
+        "small-data.limit=200",
+        "small-data.limit=100000000",
+        "small-model=mnist_cnn",
+        "small-model=test_sweep_for_colour_images",
+    ]
     assert fake_runs == [] and not (tmp_path / "out").exists()
 
 
@@ -154,12 +181,20 @@ def test_another_sweep_in_the_directory_of_one_is_refused(config_file, fake_runs
     sweep(config_file, ["aggregator=mean,median"], out=tmp_path / "out", log=lambda line: None)
     with pytest.raises(FedsimError) as info:
         sweep(config_file, ["aggregator=mean,median"], ["local.lr=0.5"], out=tmp_path / "out")
-    assert str(info.value) == (f"--out {tmp_path / 'out'}: holds another sweep (its run small-aggregator=mean has "
-                               f"local.lr: {yaml.safe_load(config_file.read_text())['local']['lr']!r}, this one 0.5); "
-                               f"give the command that started it to continue it, --overwrite to replace it, or "
-                               f"another --out")
-    sweep(config_file, ["aggregator=mean,median"], ["local.lr=0.5"], out=tmp_path / "out", overwrite=True,
-          log=lambda line: None)
+    assert str(info.value) == (
+        f"--out {tmp_path / 'out'}: holds another sweep (its run small-aggregator=mean has "
+        f"local.lr: {yaml.safe_load(config_file.read_text())['local']['lr']!r}, this one 0.5); "
+        f"give the command that started it to continue it, --overwrite to replace it, or "
+        f"another --out"
+    )
+    sweep(
+        config_file,
+        ["aggregator=mean,median"],
+        ["local.lr=0.5"],
+        out=tmp_path / "out",
+        overwrite=True,
+        log=lambda line: None,
+    )
     assert len(fake_runs) == 4
 
 
@@ -168,8 +203,16 @@ def test_an_interrupted_sweep_continues_where_it_stopped(tmp_path):
     """Ctrl-C during the first run, again during the second, then to the end: each time the same
     command continues, sweep.csv lists the finished runs only, and the message names only files
     that are there."""
-    tiny = {"name": "tiny", "device": "cpu", "rounds": 8, "workers": 0, "clients_per_round": 2, "model": "mnist_2nn",
-            "data": {"dataset": "synthetic", "num_clients": 4, "limit": 400}, "local": {"batch_size": 50}}
+    tiny = {
+        "name": "tiny",
+        "device": "cpu",
+        "rounds": 8,
+        "workers": 0,
+        "clients_per_round": 2,
+        "model": "mnist_2nn",
+        "data": {"dataset": "synthetic", "num_clients": 4, "limit": 400},
+        "local": {"batch_size": 50},
+    }
     config, out = tmp_path / "tiny.yaml", tmp_path / "sweep"
     config.write_text(yaml.safe_dump(tiny))
     command = ["sweep", str(config), "--grid", "seed=1,2,3", "--out", str(out)]
@@ -193,17 +236,24 @@ def test_an_interrupted_sweep_continues_where_it_stopped(tmp_path):
     stdout, err = interrupted_in(2)
     assert f"continuing the sweep in {out}: 0 of 3 runs finished" in stdout
     assert "[1/3] tiny-seed=1 (resuming from its checkpoint)" in stdout
-    assert err.splitlines() == [f"fedsim: sweep interrupted; 1 of 3 runs finished, tabled in {out / 'sweep.csv'}; "
-                                f"{again}"]
+    assert err.splitlines() == [
+        f"fedsim: sweep interrupted; 1 of 3 runs finished, tabled in {out / 'sweep.csv'}; {again}"
+    ]
     assert [row["run"] for row in _rows(out / "sweep.csv")] == ["tiny-seed=1"]
     first = (out / "tiny-seed=1" / "metrics.csv").read_bytes()
     lines = []  # the same sweep once more, from Python this time
     sweep(config, ["seed=1,2,3"], out=out, quiet=True, log=lines.append)
-    assert lines[:2] == [f"continuing the sweep in {out}: 1 of 3 runs finished",
-                         "[2/3] tiny-seed=2 (resuming from its checkpoint)"] and lines[2] == "[3/3] tiny-seed=3"
+    assert (
+        lines[:2]
+        == [f"continuing the sweep in {out}: 1 of 3 runs finished", "[2/3] tiny-seed=2 (resuming from its checkpoint)"]
+        and lines[2] == "[3/3] tiny-seed=3"
+    )
     assert (out / "tiny-seed=1" / "metrics.csv").read_bytes() == first
     assert [(row["run"], row["rounds"]) for row in _rows(out / "sweep.csv")] == [
-        ("tiny-seed=1", "8"), ("tiny-seed=2", "8"), ("tiny-seed=3", "8")]
+        ("tiny-seed=1", "8"),
+        ("tiny-seed=2", "8"),
+        ("tiny-seed=3", "8"),
+    ]
     whole = fedsim.run(tiny, seed=2, out=tmp_path / "whole", quiet=True)  # the resumed run, never interrupted
     assert fedsim.load_run(out / "tiny-seed=2").test_accuracy == whole.test_accuracy
 
@@ -217,9 +267,25 @@ def _rows(path: Path) -> list[dict]:
 def test_the_command_runs_a_real_sweep(config_file, tmp_path):
     out = tmp_path / "sweep"
     result = subprocess.run(
-        [sys.executable, "-m", "fedsim", "sweep", str(config_file), "--grid", "aggregator=geometric_median",
-         "--set", "rounds=1", "--out", str(out), "--quiet"],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+        [
+            sys.executable,
+            "-m",
+            "fedsim",
+            "sweep",
+            str(config_file),
+            "--grid",
+            "aggregator=geometric_median",
+            "--set",
+            "rounds=1",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     assert result.returncode == 0, result.stderr
     label = "small-aggregator=geometric_median"
     assert label in result.stdout and "final acc" in result.stdout
@@ -235,9 +301,19 @@ def test_the_runs_of_a_sweep_share_one_pool_of_workers(tmp_path, monkeypatch):
     """Runs with the same device and workers take the pool the run before left, whatever their
     model; and they compute what each run computes on its own (bit for bit on a CPU)."""
     config = tmp_path / "base.yaml"
-    config.write_text(yaml.safe_dump({"name": "shared", "seed": 2, "device": "cpu", "rounds": 2, "workers": 2,
-                                      "clients_per_round": 2, "data": {"dataset": "synthetic", "limit": 600,
-                                                                       "num_clients": 4}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "name": "shared",
+                "seed": 2,
+                "device": "cpu",
+                "rounds": 2,
+                "workers": 2,
+                "clients_per_round": 2,
+                "data": {"dataset": "synthetic", "limit": 600, "num_clients": 4},
+            }
+        )
+    )
     seen = []  # the live worker processes, at the end of every round of every run
 
     class Workers:
@@ -246,8 +322,9 @@ def test_the_runs_of_a_sweep_share_one_pool_of_workers(tmp_path, monkeypatch):
 
     real = fedsim.runs.launch.start_run
     monkeypatch.setattr(fedsim.runs.launch, "start_run", lambda *a, **k: real(*a, callbacks=[Workers()], **k))
-    runs = sweep(config, ["model=mnist_cnn,mnist_2nn", "seed=2,3"], out=tmp_path / "sweep", quiet=True,
-                 log=lambda line: None)
+    runs = sweep(
+        config, ["model=mnist_cnn,mnist_2nn", "seed=2,3"], out=tmp_path / "sweep", quiet=True, log=lambda line: None
+    )
     assert len(seen) == 2 * len(runs) == 8
     assert len(seen[0]) == 2 and all(pids == seen[0] for pids in seen)  # one pool of two workers for all
     assert child_pids() == []  # and the sweep stopped it
@@ -259,8 +336,13 @@ def test_the_runs_of_a_sweep_share_one_pool_of_workers(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_the_command_needs_a_grid(config_file):
-    result = subprocess.run([sys.executable, "-m", "fedsim", "sweep", str(config_file)],
-                            capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    result = subprocess.run(
+        [sys.executable, "-m", "fedsim", "sweep", str(config_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     assert result.returncode == 2 and "--grid" in result.stderr
 
 
@@ -275,25 +357,35 @@ def sample_sd(values):
 
 def test_seeds_repeat_every_point_under_one_name(config_file):
     runs = plan(config_file, ["aggregator=mean,median"], ["rounds=1"], seeds="0, 1,2")
-    assert [run.label for run in runs] == [f"small-aggregator={rule}-seed={seed}"
-                                           for rule in ("mean", "median") for seed in (0, 1, 2)]
+    assert [run.label for run in runs] == [
+        f"small-aggregator={rule}-seed={seed}" for rule in ("mean", "median") for seed in (0, 1, 2)
+    ]
     assert [(run.config.aggregator, run.config.seed, run.seed) for run in runs[:4]] == [
-        ("mean", 0, 0), ("mean", 1, 1), ("mean", 2, 2), ("median", 0, 0)]
+        ("mean", 0, 0),
+        ("mean", 1, 1),
+        ("mean", 2, 2),
+        ("median", 0, 0),
+    ]
     # the seeds of a point share its name, so plots and results tables pool them
     assert {run.config.name for run in runs[:3]} == {run.configuration for run in runs[:3]} == {"small-aggregator=mean"}
     assert all(run.point == [("aggregator", run.config.aggregator)] for run in runs)
 
     alone = plan(config_file, [], seeds=[4, 5])
     assert [(run.label, run.config.name, run.config.seed) for run in alone] == [
-        ("small-seed=4", "small", 4), ("small-seed=5", "small", 5)]
+        ("small-seed=4", "small", 4),
+        ("small-seed=5", "small", 5),
+    ]
 
 
-@pytest.mark.parametrize("grid, seeds, words", [
-    (["seed=0,1"], "2,3", "--seeds and --grid seed"),
-    ([], "0,x", "expected integers"),
-    ([], "1,2,1", "listed twice"),
-    ([], "0,-1", "seed"),  # the config's own check: seeds are >= 0
-])
+@pytest.mark.parametrize(
+    "grid, seeds, words",
+    [
+        (["seed=0,1"], "2,3", "--seeds and --grid seed"),
+        ([], "0,x", "expected integers"),
+        ([], "1,2,1", "listed twice"),
+        ([], "0,-1", "seed"),  # the config's own check: seeds are >= 0
+    ],
+)
 def test_bad_seeds_are_refused_before_anything_runs(config_file, fake_runs, tmp_path, grid, seeds, words):
     with pytest.raises(ConfigError, match=words):
         sweep(config_file, grid, seeds=seeds, out=tmp_path / "out")
@@ -309,16 +401,22 @@ def test_a_bad_target_is_refused(config_file, fake_runs, tmp_path):
 
 # Test accuracy per round of each (aggregator, seed): the fake engine below returns these.
 CURVES = {
-    ("mean", 0): [0.2, 0.5, 0.8], ("mean", 1): [0.3, 0.7, 0.75], ("mean", 2): [0.1, 0.3, 0.6],
-    ("median", 0): [0.1, 0.2, 0.3], ("median", 1): [0.2, 0.4, 0.2], ("median", 2): [0.1, 0.1, 0.25],
+    ("mean", 0): [0.2, 0.5, 0.8],
+    ("mean", 1): [0.3, 0.7, 0.75],
+    ("mean", 2): [0.1, 0.3, 0.6],
+    ("median", 0): [0.1, 0.2, 0.3],
+    ("median", 1): [0.2, 0.4, 0.2],
+    ("median", 2): [0.1, 0.1, 0.25],
 }
 
 
 @pytest.fixture
 def curve_runs(monkeypatch):
     def start_run(cfg, out=None, overwrite=False, quiet=False, pools=None):
-        rows = [dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": acc, "seconds": 1.0 + cfg.seed}
-                for r, acc in enumerate(CURVES[cfg.aggregator, cfg.seed], start=1)]
+        rows = [
+            dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": acc, "seconds": 1.0 + cfg.seed}
+            for r, acc in enumerate(CURVES[cfg.aggregator, cfg.seed], start=1)
+        ]
         return History(rows, cfg.to_dict(), out)
 
     replace_engine(monkeypatch, start_run)
@@ -327,8 +425,15 @@ def curve_runs(monkeypatch):
 @pytest.mark.parametrize("how", [{"target": 0.7}, {"overrides": ["stop_at_accuracy=0.7"]}])
 def test_seeds_table_gives_mean_sd_and_rounds_to_target_per_configuration(config_file, curve_runs, tmp_path, how):
     lines = []
-    sweep(config_file, ["aggregator=mean,median"], how.get("overrides", []), seeds="0,1,2", target=how.get("target"),
-          out=tmp_path / "out", log=lines.append)
+    sweep(
+        config_file,
+        ["aggregator=mean,median"],
+        how.get("overrides", []),
+        seeds="0,1,2",
+        target=how.get("target"),
+        out=tmp_path / "out",
+        log=lines.append,
+    )
 
     with open(tmp_path / "out" / "sweep.csv") as f:
         rows = list(csv.DictReader(f))
@@ -351,17 +456,40 @@ def test_seeds_table_gives_mean_sd_and_rounds_to_target_per_configuration(config
     with open(tmp_path / "out" / "runs.csv") as f:  # and one row per run beside it
         per_run = list(csv.DictReader(f))
     assert [(r["run"], r["seed"], r["rounds_to_target"]) for r in per_run[:3]] == [
-        ("small-aggregator=mean-seed=0", "0", "3"), ("small-aggregator=mean-seed=1", "1", "2"),
-        ("small-aggregator=mean-seed=2", "2", "")]
+        ("small-aggregator=mean-seed=0", "0", "3"),
+        ("small-aggregator=mean-seed=1", "1", "2"),
+        ("small-aggregator=mean-seed=2", "2", ""),
+    ]
 
     table = lines[-2].splitlines()
-    assert table[0].split() == ["configuration", "seeds", "final", "acc", "best", "acc", "rounds", "to", "0.7",
-                                "s/round"]
+    assert table[0].split() == [
+        "configuration",
+        "seeds",
+        "final",
+        "acc",
+        "best",
+        "acc",
+        "rounds",
+        "to",
+        "0.7",
+        "s/round",
+    ]
     finals = [CURVES["mean", s][-1] for s in range(3)]
     assert table[1].split() == [
-        "small-aggregator=mean", "3", f"{sum(finals) / 3:.4f}", "±", f"{sample_sd(finals):.4f}",
-        f"{(0.8 + 0.75 + 0.6) / 3:.4f}", "±", f"{sample_sd([0.8, 0.75, 0.6]):.4f}",
-        "2.5", "±", f"{sample_sd([3, 2]):.1f}", "(2/3)", "2.00"]
+        "small-aggregator=mean",
+        "3",
+        f"{sum(finals) / 3:.4f}",
+        "±",
+        f"{sample_sd(finals):.4f}",
+        f"{(0.8 + 0.75 + 0.6) / 3:.4f}",
+        "±",
+        f"{sample_sd([0.8, 0.75, 0.6]):.4f}",
+        "2.5",
+        "±",
+        f"{sample_sd([3, 2]):.1f}",
+        "(2/3)",
+        "2.00",
+    ]
     assert table[2].split()[-3:] == ["–", "(0/3)", "2.00"]
     assert lines[-1].endswith(f"runs, sweep.csv and runs.csv in {tmp_path / 'out'}")
 
@@ -375,7 +503,9 @@ def test_without_seeds_a_target_adds_rounds_to_the_per_run_table(config_file, cu
     assert table[2].split() == ["small-aggregator=mean-seed=2", "0.6000", "0.6000", "not", "reached", "3.00"]
     with open(tmp_path / "out" / "sweep.csv") as f:
         assert [(r["run"], r["target"], r["rounds_to_target"]) for r in csv.DictReader(f)] == [
-            ("small-aggregator=mean-seed=0", "0.7", "3"), ("small-aggregator=mean-seed=2", "0.7", "")]
+            ("small-aggregator=mean-seed=0", "0.7", "3"),
+            ("small-aggregator=mean-seed=2", "0.7", ""),
+        ]
     assert not (tmp_path / "out" / "runs.csv").exists()
 
 
@@ -386,13 +516,41 @@ def test_the_command_repeats_over_seeds_and_plots_them_as_one_band(config_file, 
     and results_table on its output, which pool the seeds of a configuration."""
     out = tmp_path / "sweep"
     result = subprocess.run(
-        [sys.executable, "-m", "fedsim", "sweep", str(config_file), "--seeds", "0,1", "--target", "0.15",
-         "--set", "rounds=2", "--set", "workers=0", "--set", "data.limit=800", "--set", "model=simple_cnn",
-         "--out", str(out), "--quiet"],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+        [
+            sys.executable,
+            "-m",
+            "fedsim",
+            "sweep",
+            str(config_file),
+            "--seeds",
+            "0,1",
+            "--target",
+            "0.15",
+            "--set",
+            "rounds=2",
+            "--set",
+            "workers=0",
+            "--set",
+            "data.limit=800",
+            "--set",
+            "model=simple_cnn",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["runs.csv", "small-seed=0", "small-seed=1", "sweep.csv",
-                                                     "sweep.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "runs.csv",
+        "small-seed=0",
+        "small-seed=1",
+        "sweep.csv",
+        "sweep.json",
+    ]
 
     histories = [fedsim.load_run(out / f"small-seed={seed}") for seed in (0, 1)]
     assert [h.config["seed"] for h in histories] == [0, 1] and {h.name for h in histories} == {"small"}
@@ -419,7 +577,8 @@ def test_the_command_repeats_over_seeds_and_plots_them_as_one_band(config_file, 
     bands = [c for c in ax.collections if isinstance(c, PolyCollection)]
     assert len(ax.lines) == 1 and len(bands) == 1  # one mean line, one min-max band over the two seeds
     assert list(ax.lines[0].get_ydata()) == pytest.approx(
-        [100 * (a + b) / 2 for a, b in zip(*(h.test_accuracy for h in histories))])
+        [100 * (a + b) / 2 for a, b in zip(*(h.test_accuracy for h in histories))]
+    )
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["small", "min–max over 2 seeds"]
 
     (pooled,) = fedsim.results_table(histories)
@@ -432,8 +591,12 @@ NIID_BENCH = sorted(Path("experiments/niid_bench").glob("*.yaml"))
 
 
 def test_niid_bench_files_keep_the_paper_setting_and_their_sweep_plans():
-    assert [p.name for p in NIID_BENCH] == ["fmnist_dirichlet.yaml", "fmnist_one_class.yaml",
-                                            "mnist_dirichlet.yaml", "mnist_one_class.yaml"]
+    assert [p.name for p in NIID_BENCH] == [
+        "fmnist_dirichlet.yaml",
+        "fmnist_one_class.yaml",
+        "mnist_dirichlet.yaml",
+        "mnist_one_class.yaml",
+    ]
     from fedsim.algorithms.fedprox import FedProx
     from fedsim.cli import build_parser
 
@@ -443,13 +606,27 @@ def test_niid_bench_files_keep_the_paper_setting_and_their_sweep_plans():
         assert text.startswith("# NIID-Bench") and "Li, Diao, Chen, He" in text and "ICDE 2022" in text
         cfg = fedsim.load_config(path)
         assert (cfg.rounds, cfg.clients_per_round, cfg.data.num_clients, cfg.model, cfg.algorithm) == (
-            50, 10, 10, "simple_cnn", "fedavg")
+            50,
+            10,
+            10,
+            "simple_cnn",
+            "fedavg",
+        )
         assert (cfg.local.epochs, cfg.local.batch_size, cfg.local.lr, cfg.local.momentum, cfg.local.weight_decay) == (
-            10, 64, 0.01, 0.9, 1e-5)
+            10,
+            64,
+            0.01,
+            0.9,
+            1e-5,
+        )
         assert cfg.data.dataset == ("mnist" if path.name.startswith("mnist") else "fashion_mnist")
         if "dirichlet" in path.name:
             assert (cfg.data.partition, cfg.data.alpha, cfg.data.min_samples, cfg.data.balanced) == (
-                "dirichlet", 0.5, 10, True)
+                "dirichlet",
+                0.5,
+                10,
+                True,
+            )
         else:
             assert (cfg.data.partition, cfg.data.classes_per_client) == ("label_k", 1)
 
@@ -458,7 +635,8 @@ def test_niid_bench_files_keep_the_paper_setting_and_their_sweep_plans():
         args = build_parser().parse_args(commands[0][1:])
         runs = plan(args.config, args.grid, args.set, args.seeds)
         assert [(r.config.algorithm, r.seed) for r in runs] == [
-            (a, s) for a in ("fedavg", "fedprox", "scaffold", "fednova") for s in (0, 1, 2)]
+            (a, s) for a in ("fedavg", "fedprox", "scaffold", "fednova") for s in (0, 1, 2)
+        ]
         assert {r.config.aggregator for r in runs} == {"fedavg"}  # NIID-Bench's, SCAFFOLD's too
         fedprox = build_parser().parse_args(commands[1][1:])
         assert fedsim.load_config(fedprox.config, fedprox.set).algorithm_options == {"mu": 0.01}
@@ -486,7 +664,12 @@ def test_seed_article_file_is_the_articles_run_as_fedavg():
     assert modes == ["sync", "hogwild", "hogwild"]
     cfg = fedsim.load_config(path)
     assert (cfg.rounds, cfg.workers, cfg.clients_per_round, cfg.model, cfg.algorithm) == (
-        3, 4, 4, "mnist_cnn", "fedavg")
+        3,
+        4,
+        4,
+        "mnist_cnn",
+        "fedavg",
+    )
     assert (cfg.data.dataset, cfg.data.partition, cfg.data.num_clients) == ("mnist", "contiguous", 4)
     assert (cfg.local.epochs, cfg.local.batch_size, cfg.local.lr, cfg.local.momentum) == (1, 64, 0.01, 0.5)
 
@@ -494,17 +677,24 @@ def test_seed_article_file_is_the_articles_run_as_fedavg():
 def test_a_sweep_of_private_runs_tables_the_epsilon_they_spent(config_file, monkeypatch, tmp_path):
     """The column is there once a run has a privacy section: its last row's epsilon (over seeds,
     the mean, which is the same value unless a run stopped early)."""
+
     def start_run(cfg, out=None, overwrite=False, quiet=False, pools=None):
         z = cfg.privacy["noise_multiplier"]
-        rows = [dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": 0.5, "seconds": 1.0, "epsilon": r / z}
-                for r in (1, 2)]
+        rows = [
+            dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": 0.5, "seconds": 1.0, "epsilon": r / z}
+            for r in (1, 2)
+        ]
         return History(rows, cfg.to_dict(), out)
 
     replace_engine(monkeypatch, start_run)
     lines = []
-    sweep(config_file, ["privacy.noise_multiplier=0.5,4"], ["privacy.clip=1.0", "privacy.noise_multiplier=1.0",
-                                                        "privacy.delta=1e-5", "client_sampling=poisson"],
-          out=tmp_path / "out", log=lines.append)
+    sweep(
+        config_file,
+        ["privacy.noise_multiplier=0.5,4"],
+        ["privacy.clip=1.0", "privacy.noise_multiplier=1.0", "privacy.delta=1e-5", "client_sampling=poisson"],
+        out=tmp_path / "out",
+        log=lines.append,
+    )
     table = lines[-2].splitlines()
     assert table[0].split() == ["run", "final", "acc", "best", "acc", "epsilon", "s/round"]
     assert [row.split()[-2] for row in table[1:]] == ["4", "0.5"]

@@ -7,6 +7,7 @@ The draws are seeded, so a test either always passes or always fails: the bound 
 correct implementation passes for all but a negligible share of seeds, while a wrong rate (off by
 more than a few percent of p) fails.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,12 +16,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
-from fedsim.core.yamlfile import parse_yaml
-from fedsim.core.errors import ConfigError
-from fedsim.fl.system import RoundPlan, System, SystemConfig, local_steps
-
 from support import sample_clients
+
+from fedsim.core.errors import ConfigError
+from fedsim.core.yamlfile import parse_yaml
+from fedsim.fl.system import RoundPlan, System, local_steps
+from fedsim.fl.system_config import SystemConfig
 
 SD = 5.0  # standard deviations allowed (see the module docstring)
 
@@ -122,7 +123,7 @@ def test_power_of_choice_ties_nans_and_missing_losses():
     with pytest.raises(ValueError, match="needs the losses"):
         system.round(0, 1, 6, 2, sizes)
     with pytest.raises(ValueError, match="candidate client 5"):
-        system.round(0, 1, 6, 2, sizes, losses={i: 1.0 for i in range(5)})
+        system.round(0, 1, 6, 2, sizes, losses=dict.fromkeys(range(5), 1.0))
     with pytest.raises(ValueError, match="5 losses for 6 candidates"):
         system.round(0, 1, 6, 2, sizes, losses=[1.0] * 5)
     # candidates are drawn proportional to size: with d = k = 1, exactly by_size's draw
@@ -149,10 +150,9 @@ def test_availability_rate_over_rounds_and_clients():
     assert System({"availability": 1.0}).online(0, 1, 50).all()
 
 
-@pytest.mark.parametrize("spec, mean, var", [
-    ({"uniform": [0.2, 0.6]}, 0.4, 0.4**2 / 12),
-    ({"beta": [2, 5]}, 2 / 7, 2 * 5 / (7**2 * 8)),
-])
+@pytest.mark.parametrize(
+    "spec, mean, var", [({"uniform": [0.2, 0.6]}, 0.4, 0.4**2 / 12), ({"beta": [2, 5]}, 2 / 7, 2 * 5 / (7**2 * 8))]
+)
 def test_availability_drawn_once_per_client(spec, mean, var):
     n, rounds = 2000, 100
     system = System({"availability": spec})
@@ -191,11 +191,14 @@ def test_dropout_rate_and_what_reports():
 # ----------------------------------------------------------------------------- stragglers
 
 
-@pytest.mark.parametrize("speed, p_late", [
-    # 10 steps of 1 s, deadline 8 s: late iff 10 / speed > 8, i.e. speed < 1.25
-    ({"lognormal": 0.5}, phi(math.log(1.25) / 0.5)),  # speed = exp(0.5 z): z < ln(1.25) / 0.5
-    ({"uniform": [0.5, 1.5]}, 0.75),  # (1.25 - 0.5) / (1.5 - 0.5)
-])
+@pytest.mark.parametrize(
+    "speed, p_late",
+    [
+        # 10 steps of 1 s, deadline 8 s: late iff 10 / speed > 8, i.e. speed < 1.25
+        ({"lognormal": 0.5}, phi(math.log(1.25) / 0.5)),  # speed = exp(0.5 z): z < ln(1.25) / 0.5
+        ({"uniform": [0.5, 1.5]}, 0.75),  # (1.25 - 0.5) / (1.5 - 0.5)
+    ],
+)
 def test_straggler_rate(speed, p_late):
     # speeds are drawn once per client, independently: the stragglers of a round that samples all
     # N clients are Bin(N, p_late)
@@ -214,8 +217,11 @@ def test_straggler_rate(speed, p_late):
 def test_partial_stragglers_keep_the_steps_they_finished():
     n, deadline, step = 400, 10.0, 3.0
     sizes = np.random.default_rng(1).integers(1, 400, n)
-    system = System({"speed": {"lognormal": 1.0}, "deadline": deadline, "step_seconds": step,
-                     "stragglers": "partial"}, epochs=2, batch_size=16)
+    system = System(
+        {"speed": {"lognormal": 1.0}, "deadline": deadline, "step_seconds": step, "stragglers": "partial"},
+        epochs=2,
+        batch_size=16,
+    )
     plan = system.round(2, 1, n, n, sizes)
     speeds, full = system.speeds(2, n), system.local_steps(sizes)
     late = set(plan.stragglers.tolist())
@@ -232,8 +238,12 @@ def test_partial_stragglers_keep_the_steps_they_finished():
             partial += 1
         kept += c in plan.clients
     assert partial > 20 and len(plan.dropped) > 5  # both kinds happen in this federation
-    assert plan.metrics() == {"unavailable": 0, "dropped_clients": len(plan.dropped), "stragglers": len(late),
-                              "simulated_seconds": deadline}
+    assert plan.metrics() == {
+        "unavailable": 0,
+        "dropped_clients": len(plan.dropped),
+        "stragglers": len(late),
+        "simulated_seconds": deadline,
+    }
     assert kept == len(plan.clients) == len(plan.step_limits)
     # 3 s at 0.1 s a step is 30 steps, although 3 / 0.1 is 29.999999999999996
     exact = System({"deadline": 3.0, "step_seconds": 0.1, "stragglers": "partial"}, batch_size=1)
@@ -260,13 +270,20 @@ def test_simulated_seconds():
 
 
 def _plan_fields(plan: RoundPlan) -> list:
-    return [np.asarray(getattr(plan, f)).tolist() if isinstance(getattr(plan, f), np.ndarray) else getattr(plan, f)
-            for f in plan.__dataclass_fields__]
+    return [
+        np.asarray(getattr(plan, f)).tolist() if isinstance(getattr(plan, f), np.ndarray) else getattr(plan, f)
+        for f in plan.__dataclass_fields__
+    ]
 
 
 def test_same_seed_and_round_give_the_same_plan_whatever_ran_before():
-    config = {"availability": {"beta": [2, 1]}, "dropout": 0.2, "speed": {"lognormal": 0.8}, "deadline": 6.0,
-              "stragglers": "partial"}
+    config = {
+        "availability": {"beta": [2, 1]},
+        "dropout": 0.2,
+        "speed": {"lognormal": 0.8},
+        "deadline": 6.0,
+        "stragglers": "partial",
+    }
     sizes = np.random.default_rng(0).integers(1, 100, 60)
     forward = System(config, batch_size=8)
     plans = [_plan_fields(forward.round(11, rnd, 60, 12, sizes)) for rnd in range(1, 31)]
@@ -283,9 +300,14 @@ def test_a_clients_draws_depend_on_seed_round_and_client_only():
     for rnd in range(1, 10):
         assert np.array_equal(both.online(3, rnd, 50), both.online(3, rnd, 80)[:50])
     # availability does not change with the other settings
-    masks = [System({"availability": 0.5, **extra}, client_sampling=sampling, sampling_candidates=d).online(3, 4, 100)
-             for extra, sampling, d in (({}, "uniform", None), ({"dropout": 0.4}, "by_size", None),
-                                        ({"speed": {"lognormal": 2}, "deadline": 1}, "power_of_choice", 30))]
+    masks = [
+        System({"availability": 0.5, **extra}, client_sampling=sampling, sampling_candidates=d).online(3, 4, 100)
+        for extra, sampling, d in (
+            ({}, "uniform", None),
+            ({"dropout": 0.4}, "by_size", None),
+            ({"speed": {"lognormal": 2}, "deadline": 1}, "power_of_choice", 30),
+        )
+    ]
     assert all(np.array_equal(masks[0], m) for m in masks[1:])
     # dropout of a client does not depend on k, nor on who else was sampled; a higher rate only adds
     low, high = System({"dropout": 0.2}), System({"dropout": 0.4})
@@ -320,9 +342,11 @@ stragglers: partial
     assert np.array_equal(plan.clients, plan.sampled) and plan.step_limits == (None, None, None)
     # partial without a deadline is accepted (a sweep may cross deadline: [null, 10] with it) and warned about
     assert System({"stragglers": "partial"}).warnings() == [
-        "system.stragglers is 'partial' but system.deadline is null: no client can straggle"]
+        "system.stragglers is 'partial' but system.deadline is null: no client can straggle"
+    ]
     assert System(sampling_candidates=5).warnings() == [
-        "sampling_candidates is 5 but client_sampling uniform does not use it"]
+        "sampling_candidates is 5 but client_sampling uniform does not use it"
+    ]
 
 
 def test_local_steps_count_the_last_short_batch():
@@ -332,43 +356,53 @@ def test_local_steps_count_the_last_short_batch():
     assert System(epochs=2, batch_size=10).local_steps(sizes).tolist() == [2, 2, 2, 4, 14, 14]
 
 
-@pytest.mark.parametrize("section, top, key", [
-    ({"availability": 1.5}, {}, "system.availability"),
-    ({"availability": -0.1}, {}, "system.availability"),
-    ({"availability": 0.0}, {}, "system.availability"),  # no one would ever train, as with dropout 1
-    ({"availability": {"uniform": [0, 0]}}, {}, "system.availability"),
-    ({"availability": True}, {}, "system.availability"),
-    ({"availability": "often"}, {}, "system.availability"),
-    ({"availability": {"uniform": [0.6, 0.2]}}, {}, "system.availability"),
-    ({"availability": {"uniform": [0.5, 1.2]}}, {}, "system.availability"),
-    ({"availability": {"uniform": 0.5}}, {}, "system.availability"),
-    ({"availability": {"beta": [0, 1]}}, {}, "system.availability"),
-    ({"availability": {"gamma": [1, 1]}}, {}, "system.availability"),
-    ({"dropout": 1.0}, {}, "system.dropout"),
-    ({"dropout": -0.1}, {}, "system.dropout"),
-    ({"deadline": -1}, {}, "system.deadline"),
-    ({"deadline": 0}, {}, "system.deadline"),
-    ({"deadline": float("inf")}, {}, "system.deadline"),
-    ({"deadline": "soon"}, {}, "system.deadline"),
-    ({"speed": {"lognormal": -0.5}}, {}, "system.speed"),
-    ({"speed": {"lognormal": 11}}, {}, "system.speed"),
-    ({"speed": {"gamma": 1}}, {}, "system.speed"),
-    ({"speed": {"uniform": [0, 1]}}, {}, "system.speed"),
-    ({"speed": {"uniform": [2, 1]}}, {}, "system.speed"),
-    ({"speed": 2}, {}, "system.speed"),
-    ({"speed": {"lognormal": 0.5, "uniform": [1, 2]}}, {}, "system.speed"),
-    ({"step_seconds": 0}, {}, "system.step_seconds"),
-    ({"stragglers": "wait"}, {}, "system.stragglers"),
-    ({"latency": 3}, {}, "system.latency"),
-    ([0.5], {}, "system"),
-    ({}, {"client_sampling": "random"}, "client_sampling"),
-    ({}, {"client_sampling": "power_of_choice"}, "sampling_candidates"),
-    ({}, {"client_sampling": "power_of_choice", "sampling_candidates": 2.5}, "sampling_candidates"),
-    ({}, {"sampling_candidates": True}, "sampling_candidates"),
-    ({}, {"client_sampling": "power_of_choice", "sampling_candidates": 3, "clients_per_round": 5},
-     "sampling_candidates"),
-    ({}, {"client_sampling": "power_of_choice", "sampling_candidates": 30, "num_clients": 20}, "sampling_candidates"),
-])
+@pytest.mark.parametrize(
+    "section, top, key",
+    [
+        ({"availability": 1.5}, {}, "system.availability"),
+        ({"availability": -0.1}, {}, "system.availability"),
+        ({"availability": 0.0}, {}, "system.availability"),  # no one would ever train, as with dropout 1
+        ({"availability": {"uniform": [0, 0]}}, {}, "system.availability"),
+        ({"availability": True}, {}, "system.availability"),
+        ({"availability": "often"}, {}, "system.availability"),
+        ({"availability": {"uniform": [0.6, 0.2]}}, {}, "system.availability"),
+        ({"availability": {"uniform": [0.5, 1.2]}}, {}, "system.availability"),
+        ({"availability": {"uniform": 0.5}}, {}, "system.availability"),
+        ({"availability": {"beta": [0, 1]}}, {}, "system.availability"),
+        ({"availability": {"gamma": [1, 1]}}, {}, "system.availability"),
+        ({"dropout": 1.0}, {}, "system.dropout"),
+        ({"dropout": -0.1}, {}, "system.dropout"),
+        ({"deadline": -1}, {}, "system.deadline"),
+        ({"deadline": 0}, {}, "system.deadline"),
+        ({"deadline": float("inf")}, {}, "system.deadline"),
+        ({"deadline": "soon"}, {}, "system.deadline"),
+        ({"speed": {"lognormal": -0.5}}, {}, "system.speed"),
+        ({"speed": {"lognormal": 11}}, {}, "system.speed"),
+        ({"speed": {"gamma": 1}}, {}, "system.speed"),
+        ({"speed": {"uniform": [0, 1]}}, {}, "system.speed"),
+        ({"speed": {"uniform": [2, 1]}}, {}, "system.speed"),
+        ({"speed": 2}, {}, "system.speed"),
+        ({"speed": {"lognormal": 0.5, "uniform": [1, 2]}}, {}, "system.speed"),
+        ({"step_seconds": 0}, {}, "system.step_seconds"),
+        ({"stragglers": "wait"}, {}, "system.stragglers"),
+        ({"latency": 3}, {}, "system.latency"),
+        ([0.5], {}, "system"),
+        ({}, {"client_sampling": "random"}, "client_sampling"),
+        ({}, {"client_sampling": "power_of_choice"}, "sampling_candidates"),
+        ({}, {"client_sampling": "power_of_choice", "sampling_candidates": 2.5}, "sampling_candidates"),
+        ({}, {"sampling_candidates": True}, "sampling_candidates"),
+        (
+            {},
+            {"client_sampling": "power_of_choice", "sampling_candidates": 3, "clients_per_round": 5},
+            "sampling_candidates",
+        ),
+        (
+            {},
+            {"client_sampling": "power_of_choice", "sampling_candidates": 30, "num_clients": 20},
+            "sampling_candidates",
+        ),
+    ],
+)
 def test_bad_values_are_refused_in_one_line_naming_the_key(section, top, key):
     with pytest.raises(ConfigError) as caught:
         System.check(section, **top)
@@ -376,11 +410,14 @@ def test_bad_values_are_refused_in_one_line_naming_the_key(section, top, key):
     assert message.startswith(key + ": ") and "\n" not in message, message
     bounds = {"clients_per_round", "num_clients"}
     if top.keys() & bounds:  # the bounds need the run's k and N, which check_config reads from a Config
-        cfg = SimpleNamespace(system=section, client_sampling=top.get("client_sampling", "uniform"),
-                              sampling_candidates=top.get("sampling_candidates"),
-                              local=SimpleNamespace(epochs=1, batch_size=8),
-                              clients_per_round=top.get("clients_per_round", 1),
-                              data=SimpleNamespace(num_clients=top.get("num_clients", 100)))
+        cfg = SimpleNamespace(
+            system=section,
+            client_sampling=top.get("client_sampling", "uniform"),
+            sampling_candidates=top.get("sampling_candidates"),
+            local=SimpleNamespace(epochs=1, batch_size=8),
+            clients_per_round=top.get("clients_per_round", 1),
+            data=SimpleNamespace(num_clients=top.get("num_clients", 100)),
+        )
         with pytest.raises(ConfigError, match=f"^{key}: "):
             System.check_config(cfg)
         System.from_config(cfg)  # built without the bounds, it has nothing to refuse

@@ -6,6 +6,7 @@ np and standard deviation sqrt(np(1-p)); |X - np| > 5 sd has probability about 6
 approximation, n in the hundreds or more). The runs are seeded, so each check always passes or
 always fails; the bound says a correct engine passes for all but a negligible share of seeds.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,22 +18,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from support import documented_commands
 
 import fedsim
 from fedsim.algorithms.fednova import FedNova
 from fedsim.cli import build_parser
-from fedsim.execution.client import LocalTrainer, VmapTrainer
-from fedsim.experiment.validation import load_config, unused_settings
 from fedsim.core.errors import ConfigError
-from fedsim.experiment.federation import load_federation
 from fedsim.core.flat import FlatModel
+from fedsim.execution.client import LocalTrainer, VmapTrainer
+from fedsim.experiment.federation import load_federation
+from fedsim.experiment.validation import load_config, unused_settings
+from fedsim.fl.system import System, local_steps
 from fedsim.results.rundir import RunDirectory, read_clients
 from fedsim.runs.launch import _check_same_run
 from fedsim.runs.session import run_identity
 from fedsim.runs.sweep import plan
-from fedsim.fl.system import System, local_steps
-
-from support import documented_commands
 
 U32 = 2.0**-24  # float32 unit roundoff
 SD = 5.0
@@ -98,8 +98,10 @@ def test_both_trainers_stop_partial_clients_after_their_step_limit():
     module = linear_model()
     w0, b0 = module[1].weight.detach().clone(), module[1].bias.detach().clone()
     start = torch.cat([w0.flatten(), b0])
-    expected = [sgd_reference(x, y, ix, w0, b0, s, epochs=2, batch_size=8, lr=0.3, max_steps=m)
-                for ix, s, m in zip(clients, seeds, limits)]
+    expected = [
+        sgd_reference(x, y, ix, w0, b0, s, epochs=2, batch_size=8, lr=0.3, max_steps=m)
+        for ix, s, m in zip(clients, seeds, limits)
+    ]
     assert [e[2] for e in expected] == [7, 2, 3]  # the full work would be 10, 2 and 4 steps
 
     one = LocalTrainer(FlatModel(linear_model(), "cpu"), x, y, cfg, num_classes=3)
@@ -108,7 +110,8 @@ def test_both_trainers_stop_partial_clients_after_their_step_limit():
         trained = one.train(ix, start, s, max_steps=m)
         local.append((one.model.flat.clone(), int(trained.steps), float(trained.loss)))
     weights, group = VmapTrainer(linear_model(), x, y, cfg, num_classes=3).train(
-        clients, start, seeds, group_seed=5, max_steps=limits)
+        clients, start, seeds, group_seed=5, max_steps=limits
+    )
 
     # float32 against float64: each step's logits, softmax and batch sums carry a relative error
     # of at most (12 + 3 + 8) u (the longest sums: 12 inputs, 3 classes, 8 samples); over at most
@@ -131,7 +134,12 @@ def test_both_trainers_stop_partial_clients_after_their_step_limit():
 # speeds that is Phi(ln(1 / deadline)), a third at deadline = exp(0.4307)
 DEADLINE = math.exp(0.4307)
 RATES = {
-    "name": "rates", "seed": 4, "device": "cpu", "rounds": 15, "eval_every": 15, "clients_per_round": 40,
+    "name": "rates",
+    "seed": 4,
+    "device": "cpu",
+    "rounds": 15,
+    "eval_every": 15,
+    "clients_per_round": 40,
     "model": "mnist_cnn",
     "data": {"dataset": "synthetic", "num_clients": 1000, "limit": 2000},
     "local": {"batch_size": 64, "lr": 0.05},
@@ -146,8 +154,16 @@ def test_availability_dropout_and_stragglers_at_their_rates_for_any_number_of_wo
         recorder = Recorder()
         fedsim.run(RATES, out=tmp_path / f"w{workers}", quiet=True, workers=workers, callbacks=[recorder])
         runs[workers] = recorder
-    numbers = ("test_accuracy", "test_loss", "train_loss", "clients", "dropped_clients", "unavailable",
-               "stragglers", "simulated_seconds")
+    numbers = (
+        "test_accuracy",
+        "test_loss",
+        "train_loss",
+        "clients",
+        "dropped_clients",
+        "unavailable",
+        "stragglers",
+        "simulated_seconds",
+    )
     # repr: NaN (the train loss of a lost client) compares equal to itself
     one, two = ([[repr(r[c]) for c in numbers] for r in runs[w].rows] for w in (1, 2))
     assert one == two
@@ -198,11 +214,19 @@ def test_partial_stragglers_report_their_fewer_steps_to_fednova(tmp_path, backen
     # 6 clients of lognormal sizes (data.partition quantity), batches of 10: client i's full work
     # is ceil(n_i / 10) steps of 1 simulated second at speed 1; a deadline of 10 s leaves the
     # larger clients 10 steps
-    cfg = {"name": "partial", "seed": 1, "device": "cpu", "rounds": 2, "workers": 0, "backend": backend,
-           "clients_per_round": 6, "model": "mnist_cnn",
-           "data": {"dataset": "synthetic", "num_clients": 6, "limit": 600, "partition": "quantity", "sigma": 1.0},
-           "local": {"batch_size": 10, "lr": 0.05, "momentum": 0.5},
-           "system": {"deadline": 10, "stragglers": "partial"}}
+    cfg = {
+        "name": "partial",
+        "seed": 1,
+        "device": "cpu",
+        "rounds": 2,
+        "workers": 0,
+        "backend": backend,
+        "clients_per_round": 6,
+        "model": "mnist_cnn",
+        "data": {"dataset": "synthetic", "num_clients": 6, "limit": 600, "partition": "quantity", "sigma": 1.0},
+        "local": {"batch_size": 10, "lr": 0.05, "momentum": 0.5},
+        "system": {"deadline": 10, "stragglers": "partial"},
+    }
     RecordingFedNova.reported = []
     recorder = Recorder()
     fedsim.run(cfg, algorithm=RecordingFedNova(), out=tmp_path / "run", quiet=True, callbacks=[recorder])
@@ -237,8 +261,12 @@ class HighestLoss:
         model.eval()
         candidates = self.system.candidates(self.seed, rnd, len(self.parts), self.k, self.sizes).tolist()
         self.candidates.append(candidates)
-        self.losses.append({c: float(F.cross_entropy(model(self.data.train_x[self.parts[c]]),
-                                                     self.data.train_y[self.parts[c]])) for c in candidates})
+        self.losses.append(
+            {
+                c: float(F.cross_entropy(model(self.data.train_x[self.parts[c]]), self.data.train_y[self.parts[c]]))
+                for c in candidates
+            }
+        )
 
     def on_run_start(self, run):
         self.model = run.model  # the global model; its weights change every round
@@ -251,10 +279,19 @@ class HighestLoss:
 
 @pytest.mark.slow
 def test_power_of_choice_keeps_the_candidates_the_global_model_fits_worst(tmp_path):
-    cfg = {"name": "pow-d", "seed": 2, "device": "cpu", "rounds": 3, "workers": 0, "clients_per_round": 3,
-           "client_sampling": "power_of_choice", "sampling_candidates": 6, "model": "mnist_2nn",
-           "data": {"dataset": "synthetic", "num_clients": 12, "limit": 600, "partition": "dirichlet", "alpha": 0.3},
-           "local": {"batch_size": 20, "lr": 0.05}}
+    cfg = {
+        "name": "pow-d",
+        "seed": 2,
+        "device": "cpu",
+        "rounds": 3,
+        "workers": 0,
+        "clients_per_round": 3,
+        "client_sampling": "power_of_choice",
+        "sampling_candidates": 6,
+        "model": "mnist_2nn",
+        "data": {"dataset": "synthetic", "num_clients": 12, "limit": 600, "partition": "dirichlet", "alpha": 0.3},
+        "local": {"batch_size": 20, "lr": 0.05},
+    }
     observer = HighestLoss(load_config(cfg))
     fedsim.run(cfg, out=tmp_path / "run", quiet=True, callbacks=[observer])
     for candidates, losses, sampled in zip(observer.candidates, observer.losses, observer.sampled):
@@ -267,12 +304,24 @@ def test_power_of_choice_keeps_the_candidates_the_global_model_fits_worst(tmp_pa
 
 # ----------------------------------------------------------------------------- resume, config, old files
 
-SMALL = {"name": "small-system", "seed": 3, "device": "cpu", "workers": 0, "clients_per_round": 4,
-         "model": "mnist_2nn", "client_sampling": "by_size",
-         "data": {"dataset": "synthetic", "num_clients": 10, "limit": 500, "partition": "quantity"},
-         "local": {"batch_size": 10, "lr": 0.05},
-         "system": {"availability": {"uniform": [0.5, 1.0]}, "dropout": 0.2, "speed": {"uniform": [0.5, 2.0]},
-                    "deadline": 4.0, "stragglers": "partial"}}
+SMALL = {
+    "name": "small-system",
+    "seed": 3,
+    "device": "cpu",
+    "workers": 0,
+    "clients_per_round": 4,
+    "model": "mnist_2nn",
+    "client_sampling": "by_size",
+    "data": {"dataset": "synthetic", "num_clients": 10, "limit": 500, "partition": "quantity"},
+    "local": {"batch_size": 10, "lr": 0.05},
+    "system": {
+        "availability": {"uniform": [0.5, 1.0]},
+        "dropout": 0.2,
+        "speed": {"uniform": [0.5, 2.0]},
+        "deadline": 4.0,
+        "stragglers": "partial",
+    },
+}
 
 
 @pytest.mark.slow
@@ -280,8 +329,15 @@ def test_a_resumed_run_continues_the_same_plan_and_keeps_it(tmp_path):
     full = fedsim.run(SMALL, out=tmp_path / "full", quiet=True, rounds=4)
     fedsim.run(SMALL, out=tmp_path / "part", quiet=True, rounds=2)
     resumed = fedsim.resume(tmp_path / "part", quiet=True, rounds=4)
-    for column in ("test_accuracy", "train_loss", "clients", "dropped_clients", "unavailable", "stragglers",
-                   "simulated_seconds"):
+    for column in (
+        "test_accuracy",
+        "train_loss",
+        "clients",
+        "dropped_clients",
+        "unavailable",
+        "stragglers",
+        "simulated_seconds",
+    ):
         assert getattr(resumed, column) == getattr(full, column), column
     assert (tmp_path / "part" / "clients.csv").read_text() == (tmp_path / "full" / "clients.csv").read_text()
     assert sum(full.stragglers) > 0 and sum(full.unavailable) > 0  # the settings did something
@@ -294,19 +350,38 @@ def test_the_keys_round_trip_and_settings_that_do_nothing_are_warned_about():
     again = load_config(cfg.to_dict())
     assert again.to_dict() == cfg.to_dict() and again.system.speed == {"uniform": [0.5, 2.0]}
     assert again.client_sampling == "by_size" and again.system.deadline == 4.0
-    assert load_config({}).to_dict()["system"] == {"availability": 1.0, "dropout": 0.0, "speed": None,
-                                                   "deadline": None, "step_seconds": 1.0, "stragglers": "drop"}
+    assert load_config({}).to_dict()["system"] == {
+        "availability": 1.0,
+        "dropout": 0.0,
+        "speed": None,
+        "deadline": None,
+        "step_seconds": 1.0,
+        "stragglers": "drop",
+    }
     quiet = load_config({"system": {"stragglers": "partial"}, "sampling_candidates": 10})
     assert unused_settings(quiet) == [
         "system.stragglers is 'partial' but system.deadline is null: no client can straggle",
-        "sampling_candidates is 10 but client_sampling uniform does not use it"]
+        "sampling_candidates is 10 but client_sampling uniform does not use it",
+    ]
 
 
 def test_files_of_an_older_version_stay_readable(tmp_path):
     # a resumed run rewrites the rows it keeps: cells of columns they lack stay empty and read as None
-    old = {"round": 1, "test_accuracy": 0.5, "test_loss": 1.5, "train_loss": 1.6, "seconds": 2.0,
-           "elapsed_seconds": 2.0, "clients": 4, "dropped_clients": 0, "attackers": 0, "train_seconds": 1.0,
-           "worker_seconds": 0.9, "aggregate_seconds": 0.5, "eval_seconds": 0.5}
+    old = {
+        "round": 1,
+        "test_accuracy": 0.5,
+        "test_loss": 1.5,
+        "train_loss": 1.6,
+        "seconds": 2.0,
+        "elapsed_seconds": 2.0,
+        "clients": 4,
+        "dropped_clients": 0,
+        "attackers": 0,
+        "train_seconds": 1.0,
+        "worker_seconds": 0.9,
+        "aggregate_seconds": 0.5,
+        "eval_seconds": 0.5,
+    }
     directory = RunDirectory(tmp_path)
     directory.write_rows([old])
     (row,) = directory.rows()
@@ -315,8 +390,9 @@ def test_files_of_an_older_version_stay_readable(tmp_path):
     # clients.csv before the steps column, with 1 for a non-finite update
     path = tmp_path / "clients.csv"
     path.write_text("round,client,samples,train_loss,update_norm,dropped,attacker\n1,3,50,2.1,0.5,1,0\n")
-    assert read_clients(path) == [{"round": 1, "client": 3, "samples": 50, "train_loss": 2.1, "update_norm": 0.5,
-                                   "dropped": 1, "attacker": 0}]
+    assert read_clients(path) == [
+        {"round": 1, "client": 3, "samples": 50, "train_loss": 2.1, "update_norm": 0.5, "dropped": 1, "attacker": 0}
+    ]
 
 
 def test_a_checkpoint_of_an_older_version_resumes_with_the_new_keys_at_their_defaults(tmp_path):
@@ -325,8 +401,10 @@ def test_a_checkpoint_of_an_older_version_resumes_with_the_new_keys_at_their_def
     older = {k: v for k, v in yaml.safe_load(run_identity(cfg)).items() if not k.startswith(new)}
     state = {"config": yaml.safe_dump(older)}
     _check_same_run(tmp_path, state, cfg)  # the same run: its new keys at their defaults
-    for changes, key in (({"system": {"deadline": 5.0}}, "system.deadline"),
-                         ({"aggregator_options": {"beta": 0.3}}, "aggregator_options.beta")):
+    for changes, key in (
+        ({"system": {"deadline": 5.0}}, "system.deadline"),
+        ({"aggregator_options": {"beta": 0.3}}, "aggregator_options.beta"),
+    ):
         changed = load_config({"aggregator": "trimmed_mean", "aggregator_options": {"beta": 0.2}, **changes})
         with pytest.raises(ConfigError, match=f"config.yaml says {key}: "):
             _check_same_run(tmp_path, state, changed)

@@ -3,6 +3,7 @@
 ``ALGORITHMS`` maps names to Algorithm classes. A new algorithm is a new file here (or a
 class of your own, given from Python or named by import path): nothing else changes.
 """
+
 import importlib
 import pkgutil
 

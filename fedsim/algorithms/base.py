@@ -24,10 +24,12 @@ trains it itself and keeps it (``personal_state``: the report of that name is it
 never travels to the server), ``personal_weights`` says which weights the client uses, and
 ``eval_per_client`` scores those.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -147,8 +149,9 @@ class Algorithm:
 
     # ----------------------------------------------------------------- the server
 
-    def server_update(self, round: Round, server: dict[str, torch.Tensor],
-                      clients: dict[str, torch.Tensor]) -> torch.Tensor:
+    def server_update(
+        self, round: Round, server: dict[str, torch.Tensor], clients: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         """The update Δ ([L]) of the global weights, which the server optimizer then applies (the
         global weights become x + Δ without one). Change the state here, in place: ``server`` the
         server's, ``clients`` the rows ([k, ...]) of the round's clients, ``round.clients``."""
@@ -162,8 +165,13 @@ class Algorithm:
     def needs_only_weights(self) -> bool:
         """Whether the server needs nothing of a client but its trained weights: no server or
         client state, no reports, the rule's update (what an async run can apply, one by one)."""
-        return (type(self).server_update is Algorithm.server_update and not self.server_state(1)
-                and not self.client_state(1) and not self.report_shapes(1) and not self.has_personal_model)
+        return (
+            type(self).server_update is Algorithm.server_update
+            and not self.server_state(1)
+            and not self.client_state(1)
+            and not self.report_shapes(1)
+            and not self.has_personal_model
+        )
 
     @property
     def trains_own_way(self) -> bool:

@@ -1,5 +1,6 @@
 """Ditto (Li, Hu, Beirami, Smith 2021, "Ditto: fair and robust federated learning through
 personalization"): a personal model per client beside the global one."""
+
 from types import SimpleNamespace
 
 from ..core.checks import Checks
@@ -9,8 +10,11 @@ from .base import Algorithm
 _CHECKS = Checks("algorithm_options", options=True)
 
 
-@ALGORITHMS.register("ditto", "a personal model per client, trained toward the global one with "
-                              "lam/2 ||v_k - w||^2; the global model by plain local SGD (Li et al. 2021)")
+@ALGORITHMS.register(
+    "ditto",
+    "a personal model per client, trained toward the global one with "
+    "lam/2 ||v_k - w||^2; the global model by plain local SGD (Li et al. 2021)",
+)
 class Ditto(Algorithm):
     """Each sampled client k trains two models from the round's global weights w (Algorithm 1 of
     the paper). Its personal model v_k takes ``personal_epochs`` epochs (None: local.epochs) of
@@ -39,7 +43,7 @@ class Ditto(Algorithm):
 
     def personal_weights(self, global_weights, rows):
         weights = global_weights.clone()
-        weights[:len(rows["personal"])] = rows["personal"]
+        weights[: len(rows["personal"])] = rows["personal"]
         return weights
 
     def start_client(self, clients):
@@ -49,8 +53,15 @@ class Ditto(Algorithm):
         n = len(local.personal)
         anchor = start[:n]
         personal = self.personal_weights(start, {"personal": local.personal})
-        local.trained = fit(personal, epochs=self.personal_epochs,
-                            term=lambda grad, weights: grad.add_(weights - anchor, alpha=self.lam)).weights[:n].clone()
+        local.trained = (
+            fit(
+                personal,
+                epochs=self.personal_epochs,
+                term=lambda grad, weights: grad.add_(weights - anchor, alpha=self.lam),
+            )
+            .weights[:n]
+            .clone()
+        )
         return fit(start)
 
     def client_report(self, result, local):

@@ -1,4 +1,5 @@
 """FedAvg (McMahan et al. 2017): local SGD from the global weights, nothing added."""
+
 from . import ALGORITHMS
 from .base import Algorithm
 

@@ -1,11 +1,15 @@
 """FedDyn (Acar et al. 2021, "Federated learning based on dynamic regularization")."""
+
 from ..core.checks import Checks
 from . import ALGORITHMS
 from .base import Algorithm
 
 
-@ALGORITHMS.register("feddyn", "dynamic regularization: each client's objective corrected by its last "
-                               "gradient, the server's model by h (Acar et al. 2021; option alpha)")
+@ALGORITHMS.register(
+    "feddyn",
+    "dynamic regularization: each client's objective corrected by its last "
+    "gradient, the server's model by h (Acar et al. 2021; option alpha)",
+)
 class FedDyn(Algorithm):
     """Client k minimizes L_k(w) - <g_k, w> + alpha/2 ||w - x||^2, where g_k, its state, is the
     gradient of L_k at its last local optimum: every step adds alpha (w - x) - g_k. After the

@@ -1,13 +1,17 @@
 """FedNova (Wang et al. 2020, "Tackling the objective inconsistency problem in heterogeneous
 federated optimization"): normalized averaging by each client's amount of local work."""
+
 import torch
 
 from . import ALGORITHMS
 from .base import Algorithm
 
 
-@ALGORITHMS.register("fednova", "normalized averaging: each update divided by its client's local steps, "
-                                "the average scaled by the effective steps (Wang et al. 2020)")
+@ALGORITHMS.register(
+    "fednova",
+    "normalized averaging: each update divided by its client's local steps, "
+    "the average scaled by the effective steps (Wang et al. 2020)",
+)
 class FedNova(Algorithm):
     """Clients that take more local steps (more data, more epochs) push the plain average
     towards their own optimum. FedNova divides client i's update by a_i, the length of its
@@ -33,7 +37,7 @@ class FedNova(Algorithm):
         rho = self.momentum
         if rho == 0:
             return steps
-        return (steps - rho * (1 - rho ** steps) / (1 - rho)) / (1 - rho)
+        return (steps - rho * (1 - rho**steps) / (1 - rho)) / (1 - rho)
 
     def server_update(self, round, server, clients):
         work = self.work(round.reports["steps"])

@@ -1,5 +1,6 @@
 """FedPer (Arivazhagan, Aggarwal, Singh, Choudhary 2019, "Federated learning with personalization
 layers"): a shared body, averaged by the server, and a personal head kept by each client."""
+
 from types import SimpleNamespace
 
 import torch
@@ -12,14 +13,17 @@ from .base import Algorithm
 CHECKS = Checks("algorithm_options", options=True)
 
 
-@ALGORITHMS.register("fedper", "a personal head per client (personal_layers, default the last layer), a shared "
-                               "body averaged by the server (Arivazhagan et al. 2019)")
+@ALGORITHMS.register(
+    "fedper",
+    "a personal head per client (personal_layers, default the last layer), a shared "
+    "body averaged by the server (Arivazhagan et al. 2019)",
+)
 class FedPer(Algorithm):
     """A sampled client trains the whole model by local SGD from the global body and its own head
     (the layers named in ``personal_layers``, by module or parameter name as in
-    ``named_parameters``; None: the model's last layer), keeps the head it trained, and sends the body: the head's part of
-    its update is zero, so the server averages the bodies alone and the global model's head stays
-    where it started. A client's head starts as the global one (the same initialization for
+    ``named_parameters``; None: the model's last layer), keeps the head it trained, and sends the
+    body: the head's part of its update is zero, so the server averages the bodies alone and the
+    global model's head stays where it started. A client's head starts as the global one (the same initialization for
     every client, as in the paper); ``eval_per_client`` scores the global body with the client's
     head.
     """
@@ -27,10 +31,15 @@ class FedPer(Algorithm):
     personal_state = ("head",)
 
     def __init__(self, personal_layers: list[str] | None = None):
-        if personal_layers is not None and not (isinstance(personal_layers, (list, tuple)) and personal_layers
-                                                and all(isinstance(x, str) for x in personal_layers)):
-            CHECKS.fail("personal_layers", f"must be a list of layer names (or null: the model's last layer), "
-                                           f"got {personal_layers!r}")
+        if personal_layers is not None and not (
+            isinstance(personal_layers, (list, tuple))
+            and personal_layers
+            and all(isinstance(x, str) for x in personal_layers)
+        ):
+            CHECKS.fail(
+                "personal_layers",
+                f"must be a list of layer names (or null: the model's last layer), got {personal_layers!r}",
+            )
         self.personal_layers = personal_layers
         self.head: torch.Tensor | None = None  # [n] bool: the personal coordinates of the trainable weights
 
@@ -41,15 +50,26 @@ class FedPer(Algorithm):
 
         def within(name, layer):  # a layer's own parameters, or those of the modules it holds ("": the model)
             return layer == "" or name == layer or name.startswith(layer + ".")
+
         for layer in chosen:
             if not any(within(name, layer) for name in names):
-                CHECKS.fail("personal_layers", f"names {layer!r}, which is no layer of the model"
-                                               f"{did_you_mean(layer, layers)}; its layers: {', '.join(layers)}")
-        self.head = torch.cat([torch.full((p.numel(),), any(within(name, layer) for layer in chosen))
-                               for name, p in module.named_parameters()])
+                CHECKS.fail(
+                    "personal_layers",
+                    f"names {layer!r}, which is no layer of the model"
+                    f"{did_you_mean(layer, layers)}; its layers: {', '.join(layers)}",
+                )
+        self.head = torch.cat(
+            [
+                torch.full((p.numel(),), any(within(name, layer) for layer in chosen))
+                for name, p in module.named_parameters()
+            ]
+        )
         if self.head.all():
-            CHECKS.fail("personal_layers", f"names {', '.join(map(repr, chosen))}, which would leave nothing of the "
-                                           f"model to share; name fewer layers (or parameters, such as a layer's bias)")
+            CHECKS.fail(
+                "personal_layers",
+                f"names {', '.join(map(repr, chosen))}, which would leave nothing of the "
+                f"model to share; name fewer layers (or parameters, such as a layer's bias)",
+            )
 
     def mask(self, like: torch.Tensor) -> torch.Tensor:
         return self.head.to(like.device)
@@ -65,7 +85,7 @@ class FedPer(Algorithm):
 
     def personal_weights(self, global_weights, rows):
         weights = global_weights.clone()
-        weights[:len(self.head)][self.mask(weights)] = rows["head"]
+        weights[: len(self.head)][self.mask(weights)] = rows["head"]
         return weights
 
     def start_client(self, clients):
@@ -76,9 +96,9 @@ class FedPer(Algorithm):
 
     def keep_head(self, trained, start, local):
         """Keep the head the client trained, and send the global head back unchanged."""
-        weights, mask = trained.weights[:len(self.head)], self.mask(start)
+        weights, mask = trained.weights[: len(self.head)], self.mask(start)
         local.trained = weights[mask].clone()
-        weights[mask] = start[:len(self.head)][mask]
+        weights[mask] = start[: len(self.head)][mask]
         return trained
 
     def client_report(self, result, local):

@@ -1,4 +1,5 @@
 """FedProx (Li et al. 2020): local SGD on the loss plus mu/2 ||w - w_global||^2."""
+
 from ..core.checks import Checks
 from . import ALGORITHMS
 from .base import Algorithm

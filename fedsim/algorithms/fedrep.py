@@ -1,13 +1,17 @@
 """FedRep (Collins, Hassani, Mokhtari, Shakkottai 2021, "Exploiting shared representations for
 personalized federated learning"): each round, the personal head first, then the shared body."""
+
 import dataclasses
 
-from .fedper import CHECKS, FedPer
 from . import ALGORITHMS
+from .fedper import CHECKS, FedPer
 
 
-@ALGORITHMS.register("fedrep", "a personal head trained head_epochs with the body frozen, then the shared body "
-                               "local.epochs with the head frozen; only the body is averaged (Collins et al. 2021)")
+@ALGORITHMS.register(
+    "fedrep",
+    "a personal head trained head_epochs with the body frozen, then the shared body "
+    "local.epochs with the head frozen; only the body is averaged (Collins et al. 2021)",
+)
 class FedRep(FedPer):
     """A sampled client starts from the global body and its own head (``personal_layers``, as in
     FedPer). It trains the head for ``head_epochs`` epochs with the body frozen, then the body for

@@ -1,12 +1,16 @@
 """SCAFFOLD (Karimireddy et al. 2020): local steps corrected by control variates c - c_i."""
+
 from types import SimpleNamespace
 
 from . import ALGORITHMS
 from .base import Algorithm
 
 
-@ALGORITHMS.register("scaffold", "local SGD corrected by control variates c - c_i; the new c_i is the mean "
-                                 "uncorrected gradient (option II under plain SGD; Karimireddy et al. 2020)")
+@ALGORITHMS.register(
+    "scaffold",
+    "local SGD corrected by control variates c - c_i; the new c_i is the mean "
+    "uncorrected gradient (option II under plain SGD; Karimireddy et al. 2020)",
+)
 class Scaffold(Algorithm):
     """Every step adds c - c_i, the server's control variate minus the client's. A client's new
     c_i is the mean of its uncorrected minibatch gradients over the round: with plain SGD that

@@ -7,6 +7,7 @@ An option mapping (``aggregator_options``, ``algorithm_options``) is one key hol
 options: ``Checks("aggregator_options", options=True)`` names the option in the message,
 ``aggregator_options: beta must be ...``.
 """
+
 from __future__ import annotations
 
 import math
@@ -71,8 +72,11 @@ class Checks:
     def choice(self, key: str, value, table):
         """A name registered in ``table`` (a Registry)."""
         if value not in table:
-            self.fail(key, f"unknown {table.kind} {cut(repr(value))}{did_you_mean(value, table.names())}; choose one "
-                           f"of: {', '.join(table.names())}")
+            self.fail(
+                key,
+                f"unknown {table.kind} {cut(repr(value))}{did_you_mean(value, table.names())}; choose one "
+                f"of: {', '.join(table.names())}",
+            )
         return value
 
     def number(self, key: str, value, what: str) -> float:
@@ -86,8 +90,11 @@ class Checks:
         neither overflows to inf nor becomes a subnormal or 0 (``max_norm = 1e-45`` would
         otherwise clip every update to zero)."""
         if not is_number(value) or not FLOAT32.tiny <= value <= FLOAT32.max:
-            self.fail(key, f"must be a number > 0 in float32's normal range "
-                           f"[{FLOAT32.tiny:.3g}, {FLOAT32.max:.3g}], got {value!r}")
+            self.fail(
+                key,
+                f"must be a number > 0 in float32's normal range "
+                f"[{FLOAT32.tiny:.3g}, {FLOAT32.max:.3g}], got {value!r}",
+            )
         return float(value)
 
     def non_negative(self, key: str, value) -> float:

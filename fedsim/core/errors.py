@@ -1,4 +1,5 @@
 """Errors that reach the user as one line, without a traceback."""
+
 from __future__ import annotations
 
 import errno
@@ -7,7 +8,7 @@ from contextlib import contextmanager
 
 def cut(text: str, limit: int = 60) -> str:
     """``text``, shortened to ``limit`` characters for a one-line message."""
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def did_you_mean(name, choices) -> str:
@@ -50,9 +51,11 @@ class UnguardedScript(WorkerError):
     worker, which imports the script, would start the run again (see processes.py)."""
 
     def __init__(self):
-        super().__init__('this script calls fedsim.run outside an `if __name__ == "__main__":` block, so every '
-                         'worker process, which imports the script, would start the run again; put the call '
-                         'under that guard')
+        super().__init__(
+            'this script calls fedsim.run outside an `if __name__ == "__main__":` block, so every '
+            "worker process, which imports the script, would start the run again; put the call "
+            "under that guard"
+        )
 
 
 class NonFiniteError(FedsimError):
@@ -109,21 +112,22 @@ def resource_hint(text: str) -> str | None:
     "No space left on device".
     """
     if "Too many open files" in text:
-        return ("too many open file descriptors: raise the limit (ulimit -n 65536) or set "
-                "sharing_strategy: file_system")
+        return "too many open file descriptors: raise the limit (ulimit -n 65536) or set sharing_strategy: file_system"
     if "CUDA out of memory" in text or "OutOfMemoryError" in text:
         return "the GPU is out of memory: lower workers, local.batch_size or eval_batch_size"
     if "Cannot allocate memory" in text or "can't allocate memory" in text:
         return "host memory is exhausted: lower workers or data.limit"
     if "No space left on device" in text:
         if any(where in text for where in ("shared memory", "/torch_", "/dev/shm")):
-            return ("shared memory (/dev/shm) is full: CPU runs keep the dataset and the client weights there; "
-                    "give it more room (docker run --shm-size=2g) or lower data.limit or clients_per_round")
+            return (
+                "shared memory (/dev/shm) is full: CPU runs keep the dataset and the client weights there; "
+                "give it more room (docker run --shm-size=2g) or lower data.limit or clients_per_round"
+            )
         return "a disk is full (No space left on device): free some space"
     return None
 
 
-def explain_resource_error(error: BaseException) -> "ResourceError | None":
+def explain_resource_error(error: BaseException) -> ResourceError | None:
     """A one-line ResourceError for a known exhaustion, else None (re-raise the original)."""
     text = f"{type(error).__name__}: {error}"
     hint = resource_hint(text)

@@ -5,6 +5,7 @@ Parameters (and floating-point buffers such as batch-norm statistics) become vie
 client's weights and taking an SGD step are then a handful of whole-tensor operations,
 whatever the number of layers.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,9 +29,9 @@ class FlatModel:
         offset = 0
         for t in params + buffers:
             n = t.numel()
-            t.data = self.flat[offset:offset + n].view_as(t)
+            t.data = self.flat[offset : offset + n].view_as(t)
             if offset < self.num_params:
-                t.grad = self.grad[offset:offset + n].view_as(t)
+                t.grad = self.grad[offset : offset + n].view_as(t)
             offset += n
 
     @property

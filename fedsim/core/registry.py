@@ -1,9 +1,10 @@
 """Name -> object tables, so a YAML file or a notebook can say ``model: mnist_cnn``; and import
 paths, ``pkg.module:attr``, for what is not registered."""
+
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from .errors import ConfigError, did_you_mean, user_code
 
@@ -25,8 +26,10 @@ class Registry:
 
     def get(self, name: str):
         if name not in self._entries:
-            raise ConfigError(f"unknown {self.kind} {name!r}{did_you_mean(name, self.names())}; choose one of: "
-                              f"{', '.join(self.names())}")
+            raise ConfigError(
+                f"unknown {self.kind} {name!r}{did_you_mean(name, self.names())}; choose one of: "
+                f"{', '.join(self.names())}"
+            )
         return self._entries[name][0]
 
     def names(self) -> list[str]:
@@ -47,8 +50,10 @@ def load_attr(key: str, path: str):
     """The object an import path ``pkg.module:attr`` names; one line if it cannot be had."""
     module_name, _, attr = path.partition(":")
     if attr.endswith(")"):  # how config.yaml names an object given from Python (see describe)
-        raise ConfigError(f"{key}: {path} was an object given from Python; give it again, e.g. "
-                          f"fedsim.resume(run_dir, {key.rpartition('.')[2]}=...)")
+        raise ConfigError(
+            f"{key}: {path} was an object given from Python; give it again, e.g. "
+            f"fedsim.resume(run_dir, {key.rpartition('.')[2]}=...)"
+        )
     with user_code(f"{key}: cannot import {module_name!r}", ConfigError):  # ImportError, or what the module raised
         target = importlib.import_module(module_name)
     for part in attr.split("."):
@@ -61,6 +66,8 @@ def load_attr(key: str, path: str):
 def registered(key: str, table, name: str):
     """``table``'s entry ``name``; an unknown name is refused naming the config key."""
     if name not in table:
-        raise ConfigError(f"{key}: unknown {table.kind} {name!r}{did_you_mean(name, table.names())}; choose one "
-                          f"of: {', '.join(table.names())}, or give an import path (pkg.module:name)")
+        raise ConfigError(
+            f"{key}: unknown {table.kind} {name!r}{did_you_mean(name, table.names())}; choose one "
+            f"of: {', '.join(table.names())}, or give an import path (pkg.module:name)"
+        )
     return table.get(name)

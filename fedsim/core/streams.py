@@ -20,6 +20,7 @@ the same length, and the last word is never a padding zero: different (stream, k
 different word lists, and only a collision of ``SeedSequence``'s 128-bit hash could give them
 the same numbers. A new stream takes a new tag.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -42,9 +43,23 @@ SPEED = 13  # (): each client's relative speed, drawn once (system.py)
 COMPRESSION = 14  # (round, client): the random rounding of a client's compressed update (compression.py)
 ASYNC_START = 15  # (start): which client an async run's j-th start trains, and whether it drops out
 
-_KEYS = {PARTITION: 0, TEST_SPLIT: 0, MODEL: 0, SAMPLING: 1, CLIENT: 2, VMAP_GROUP: 2, ATTACKERS: 0,
-         ATTACK_NOISE: 1, PRIVACY_NOISE: 1, ONLINE: 1, DROPOUT: 1, AVAILABILITY: 0, SPEED: 0,
-         COMPRESSION: 2, ASYNC_START: 1}
+_KEYS = {
+    PARTITION: 0,
+    TEST_SPLIT: 0,
+    MODEL: 0,
+    SAMPLING: 1,
+    CLIENT: 2,
+    VMAP_GROUP: 2,
+    ATTACKERS: 0,
+    ATTACK_NOISE: 1,
+    PRIVACY_NOISE: 1,
+    ONLINE: 1,
+    DROPOUT: 1,
+    AVAILABILITY: 0,
+    SPEED: 0,
+    COMPRESSION: 2,
+    ASYNC_START: 1,
+}
 _WORD = 2**32
 
 

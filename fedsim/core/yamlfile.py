@@ -1,4 +1,5 @@
 """Reading experiment files: PyYAML's safe loader, bounded; the shipped experiments by name."""
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,9 @@ class _BoundedLoader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         depth = getattr(self, "_depth", 0)
         if depth >= MAX_DEPTH:
-            raise RefusedYAML(problem=f"nested more than {MAX_DEPTH} levels deep",
-                              problem_mark=self.peek_event().start_mark)
+            raise RefusedYAML(
+                problem=f"nested more than {MAX_DEPTH} levels deep", problem_mark=self.peek_event().start_mark
+            )
         self._depth = depth + 1
         try:
             return super().compose_node(parent, index)
@@ -40,8 +42,9 @@ class _BoundedLoader(yaml.SafeLoader):
 
     def construct_document(self, node):
         if _expanded_size(node) > MAX_NODES:
-            raise RefusedYAML(problem=f"expands into more than {MAX_NODES:,} values (aliases included)",
-                              problem_mark=node.start_mark)
+            raise RefusedYAML(
+                problem=f"expands into more than {MAX_NODES:,} values (aliases included)", problem_mark=node.start_mark
+            )
         return super().construct_document(node)
 
     def construct_mapping(self, node, deep=False):
@@ -52,15 +55,17 @@ class _BoundedLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             if isinstance(key, (str, int, float, bool)) or key is None:
                 if key in seen:
-                    raise RefusedYAML(problem=f"key {cut(repr(key))} given twice in one mapping",
-                                      problem_mark=key_node.start_mark)
+                    raise RefusedYAML(
+                        problem=f"key {cut(repr(key))} given twice in one mapping", problem_mark=key_node.start_mark
+                    )
                 seen.add(key)
         return super().construct_mapping(node, deep)
 
 
 # YAML 1.1 (PyYAML) reads 1e-3 as text; YAML 1.2 and every user read it as the number it means
-_BoundedLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$"),
-                                     list("-+0123456789"))
+_BoundedLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 
 
 def _expanded_size(root) -> int:
@@ -108,7 +113,7 @@ def shipped_experiments() -> dict[str, str]:
             words.append(text)
         comment = " ".join(words)
         end = re.search(r"\?|(?<! al)\.(\s|$)", comment)  # its question, or its first sentence
-        found[path.relative_to(SHIPPED).with_suffix("").as_posix()] = comment[:end.start() + 1] if end else comment
+        found[path.relative_to(SHIPPED).with_suffix("").as_posix()] = comment[: end.start() + 1] if end else comment
     return found
 
 
@@ -129,8 +134,10 @@ def experiment_file(spec: str | os.PathLike) -> Path:
 def read_yaml(path: Path) -> dict:
     try:
         if path.is_file() and path.stat().st_size > MAX_FILE_BYTES:
-            raise ConfigError(f"{path}: {path.stat().st_size:,} bytes is too large for an experiment file "
-                              f"(at most {MAX_FILE_BYTES:,})")
+            raise ConfigError(
+                f"{path}: {path.stat().st_size:,} bytes is too large for an experiment file "
+                f"(at most {MAX_FILE_BYTES:,})"
+            )
         text = path.read_text()
     except FileNotFoundError:
         names = ", ".join(shipped_experiments())

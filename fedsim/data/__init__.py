@@ -1,6 +1,16 @@
 """Datasets as device-ready tensors, and their split among clients."""
+
 from .datasets import DATASETS, Dataset, check_dataset_spec, from_tensors, load_dataset
 from .partition import PARTITIONS, local_test_split, options_for, partition
 
-__all__ = ["DATASETS", "PARTITIONS", "Dataset", "check_dataset_spec", "from_tensors", "load_dataset",
-           "local_test_split", "options_for", "partition"]
+__all__ = [
+    "DATASETS",
+    "PARTITIONS",
+    "Dataset",
+    "check_dataset_spec",
+    "from_tensors",
+    "load_dataset",
+    "local_test_split",
+    "options_for",
+    "partition",
+]

@@ -1,4 +1,5 @@
 """Training-time augmentation of whole batches on the device (no per-sample Python)."""
+
 from __future__ import annotations
 
 import torch

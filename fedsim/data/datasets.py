@@ -3,6 +3,7 @@
 Each loader returns a :class:`Dataset` of CPU tensors; the server moves it to the device
 once and shares it with every worker, so no sample passes through Python on the hot path.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,7 @@ class Dataset:
         return tuple(self.train_x.shape[1:])
 
 
-def from_tensors(train_x, train_y, test_x, test_y, num_classes: int | None = None,
-                 name: str = "tensors") -> Dataset:
+def from_tensors(train_x, train_y, test_x, test_y, num_classes: int | None = None, name: str = "tensors") -> Dataset:
     """A dataset of your own, from tensors or numpy arrays: inputs ``[N, ...]`` (made float32,
     used as they are: normalize them first) and integer labels ``[N]``. ``num_classes``
     defaults to the largest label plus one. Refused in one line if the shapes, the labels or
@@ -52,22 +52,27 @@ def from_tensors(train_x, train_y, test_x, test_y, num_classes: int | None = Non
     for split in ("train", "test"):
         x, y = parts[f"{split}_x"], parts[f"{split}_y"]
         if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(y) == 0:
-            raise DataError(f"{where}: {split}_x has shape {tuple(x.shape)} and {split}_y {tuple(y.shape)}; "
-                            f"expected [N, ...] inputs and [N] labels, N > 0")
+            raise DataError(
+                f"{where}: {split}_x has shape {tuple(x.shape)} and {split}_y {tuple(y.shape)}; "
+                f"expected [N, ...] inputs and [N] labels, N > 0"
+            )
         if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
             raise DataError(f"{where}: {split}_y must hold integer class labels, got {y.dtype}")
-        if not (x.is_floating_point() or x.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32,
-                                                      torch.int64)):
+        if not (x.is_floating_point() or x.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)):
             raise DataError(f"{where}: {split}_x must hold numbers, got {x.dtype}")
     if parts["train_x"].shape[1:] != parts["test_x"].shape[1:]:
-        raise DataError(f"{where}: train inputs {tuple(parts['train_x'].shape[1:])} and test inputs "
-                        f"{tuple(parts['test_x'].shape[1:])} differ in shape")
+        raise DataError(
+            f"{where}: train inputs {tuple(parts['train_x'].shape[1:])} and test inputs "
+            f"{tuple(parts['test_x'].shape[1:])} differ in shape"
+        )
     train_y, test_y = parts["train_y"].to(torch.int64), parts["test_y"].to(torch.int64)
     classes = int(max(train_y.max(), test_y.max())) + 1 if num_classes is None else num_classes
     if min(train_y.min(), test_y.min()) < 0 or max(train_y.max(), test_y.max()) >= classes or classes < 2:
-        raise DataError(f"{where}: labels must lie in 0 .. num_classes - 1 with at least 2 classes; they span "
-                        f"{int(min(train_y.min(), test_y.min()))} .. {int(max(train_y.max(), test_y.max()))} "
-                        f"for {classes} classes")
+        raise DataError(
+            f"{where}: labels must lie in 0 .. num_classes - 1 with at least 2 classes; they span "
+            f"{int(min(train_y.min(), test_y.min()))} .. {int(max(train_y.max(), test_y.max()))} "
+            f"for {classes} classes"
+        )
     train_x, test_x = parts["train_x"].to(torch.float32), parts["test_x"].to(torch.float32)
     if not (torch.isfinite(train_x).all() and torch.isfinite(test_x).all()):
         raise DataError(f"{where}: the inputs hold NaN or Inf")
@@ -89,8 +94,9 @@ def _from_file(path: Path) -> Dataset:
         else:
             arrays = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # a damaged file: zipfile, pickle and numpy each raise their own
-        raise DataError(f"{path}: cannot read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                        ) from None
+        raise DataError(
+            f"{path}: cannot read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     if not isinstance(arrays, dict) or not set(_TENSOR_KEYS) <= set(arrays):
         found = ", ".join(sorted(map(str, arrays))) if isinstance(arrays, dict) else type(arrays).__name__
         raise DataError(f"{path}: expected the arrays {', '.join(_TENSOR_KEYS)}; found {found}")
@@ -106,8 +112,10 @@ def check_dataset_spec(spec) -> None:
     if isinstance(spec, Dataset):
         return
     if not isinstance(spec, str):
-        raise ConfigError(f"data.dataset: {type(spec).__name__} is not a dataset; from Python give "
-                          f"fedsim.data.from_tensors(train_x, train_y, test_x, test_y)")
+        raise ConfigError(
+            f"data.dataset: {type(spec).__name__} is not a dataset; from Python give "
+            f"fedsim.data.from_tensors(train_x, train_y, test_x, test_y)"
+        )
     if spec.endswith((".pt", ".npz")):
         if not Path(spec).is_file():
             raise ConfigError(f"data.dataset: {spec}: no such file")
@@ -132,17 +140,22 @@ def load_dataset(spec, root: str | Path, limit: int | None = None, download: boo
         with user_code(f"data.dataset: {spec} failed", DataError):
             data = load()
         if not isinstance(data, Dataset):
-            raise DataError(f"data.dataset: {spec} returned a {type(data).__name__}, not a Dataset "
-                            f"(build one with fedsim.data.from_tensors)")
+            raise DataError(
+                f"data.dataset: {spec} returned a {type(data).__name__}, not a Dataset "
+                f"(build one with fedsim.data.from_tensors)"
+            )
     else:
         data = DATASETS.get(spec)(Path(root), download)
         data.name = spec
     if limit is not None:
         if limit > len(data.train_y):
-            raise DataError(f"data.limit: {limit} is more than the {len(data.train_y)} training samples of "
-                            f"{data.name if isinstance(spec, Dataset) else spec}")
-        data = Dataset(data.train_x[:limit], data.train_y[:limit], data.test_x, data.test_y, data.num_classes,
-                       data.name)
+            raise DataError(
+                f"data.limit: {limit} is more than the {len(data.train_y)} training samples of "
+                f"{data.name if isinstance(spec, Dataset) else spec}"
+            )
+        data = Dataset(
+            data.train_x[:limit], data.train_y[:limit], data.test_x, data.test_y, data.num_classes, data.name
+        )
     return data
 
 
@@ -168,15 +181,17 @@ def read_idx(path: Path) -> np.ndarray:
     if len(raw) < 4 or magic >> 8 != 0x08:  # 0x08 = unsigned byte, the only type these datasets use
         raise _corrupt(path, f"not an IDX file of unsigned bytes (magic {magic:#x})")
     ndim = magic & 0xFF
-    shape = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    shape = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
     if len(raw) != 4 + 4 * ndim + math.prod(shape):
         raise _corrupt(path, f"{len(raw):,} bytes where its header promises {4 + 4 * ndim + math.prod(shape):,}")
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
 def _corrupt(path: Path, reason: str) -> DataError:
-    return DataError(f"{path}: truncated or corrupt ({reason}); delete it to download it again, or set "
-                     f"data.root (FEDSIM_DATA) to a folder with a good copy")
+    return DataError(
+        f"{path}: truncated or corrupt ({reason}); delete it to download it again, or set "
+        f"data.root (FEDSIM_DATA) to a folder with a good copy"
+    )
 
 
 def _find_idx(folder: Path, stem: str) -> Path | None:
@@ -202,8 +217,9 @@ def _mnist_like(root: Path, download: bool, folder: str, torchvision_name: str, 
     for split in ("train", "test"):
         images, labels = arrays[f"{split}_x"], arrays[f"{split}_y"]
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
-            raise _corrupt(paths[f"{split}_x"], f"{images.shape} images for {labels.shape} labels of "
-                                                f"{paths[f'{split}_y'].name}")
+            raise _corrupt(
+                paths[f"{split}_x"], f"{images.shape} images for {labels.shape} labels of {paths[f'{split}_y'].name}"
+            )
         if labels.size and labels.max() > 9:
             raise _corrupt(paths[f"{split}_y"], f"label {labels.max()} outside the 10 classes")
 
@@ -222,8 +238,11 @@ def _mnist_like(root: Path, download: bool, folder: str, torchvision_name: str, 
 def _download(root: Path, files: Path, torchvision_name: str, allowed: bool) -> None:
     """Fetch a torchvision dataset into ``root``; ``files`` is where its files should then be."""
     if not allowed:
-        raise DataError(f"data.root: no {torchvision_name} files in {files} (data.download is false); "
-                        f"set data.root or FEDSIM_DATA to a folder that holds them", missing=True)
+        raise DataError(
+            f"data.root: no {torchvision_name} files in {files} (data.download is false); "
+            f"set data.root or FEDSIM_DATA to a folder that holds them",
+            missing=True,
+        )
     import torchvision
 
     cls = getattr(torchvision.datasets, torchvision_name)
@@ -240,7 +259,8 @@ def _download(root: Path, files: Path, torchvision_name: str, allowed: bool) -> 
         reason = lines[-1] if lines else type(e).__name__  # torchvision puts the cause last
         raise DataError(
             f"data.root: no {torchvision_name} files in {files} and the download failed ({reason}); "
-            f"set data.root or FEDSIM_DATA to a folder that holds them", missing=True,
+            f"set data.root or FEDSIM_DATA to a folder that holds them",
+            missing=True,
         ) from None
 
 
@@ -269,8 +289,12 @@ class _ArraysOnly(pickle.Unpickler):
     """Unpickles dicts, lists, strings, numbers and numpy arrays, and refuses anything else: a
     pickle can name any callable to run while it loads, and a dataset file may come from anyone."""
 
-    _ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-                ("numpy", "ndarray"), ("numpy", "dtype")}
+    _ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+    }
 
     def find_class(self, module, name):
         if (module, name) in self._ALLOWED:
@@ -339,8 +363,7 @@ def cifar10(root: Path, download: bool = True) -> Dataset:
 
 
 @DATASETS.register("synthetic", "generated 1x28x28 images of 10 classes, stroke templates plus noise (no files needed)")
-def synthetic(root: Path, download: bool = True, num_train: int = 6000, num_test: int = 1000,
-              seed: int = 0) -> Dataset:
+def synthetic(root: Path, download: bool = True, num_train: int = 6000, num_test: int = 1000, seed: int = 0) -> Dataset:
     """Ten class templates of three random strokes each, like digits drawn with a ruler; every
     image is its class's template moved by up to a pixel each way, plus Gaussian pixel noise.
 

@@ -6,6 +6,7 @@ that returns one index array per client. ``labels`` is a numpy int array and ``r
 a bad value raises ConfigError naming its key. The parts are disjoint and together cover the
 data, except where a method's description says otherwise (``label_k``).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -33,8 +34,10 @@ def partition(labels, method: str, num_clients: int, seed: int, **options) -> li
     accepted = set(inspect.signature(fn).parameters) - {"labels", "num_clients", "rng"}
     unknown = set(options) - accepted
     if unknown:
-        raise ConfigError(f"partition '{method}' takes no option {sorted(unknown)[0]!r}; it takes: "
-                          f"{', '.join(sorted(accepted)) or 'no options'}")
+        raise ConfigError(
+            f"partition '{method}' takes no option {sorted(unknown)[0]!r}; it takes: "
+            f"{', '.join(sorted(accepted)) or 'no options'}"
+        )
     parts = fn(labels, num_clients, partition_rng(seed), **options)
     return [torch.as_tensor(np.asarray(p), dtype=torch.int64) for p in parts]
 
@@ -54,8 +57,9 @@ def local_test_split(train_labels, parts, test_labels, seed: int) -> list[torch.
     training label mix and sizes follow training sizes. The splits are disjoint; test samples
     of a class that no client trains on are left out.
     """
-    train_labels, test_labels = (np.asarray(t.cpu() if isinstance(t, torch.Tensor) else t)
-                                 for t in (train_labels, test_labels))
+    train_labels, test_labels = (
+        np.asarray(t.cpu() if isinstance(t, torch.Tensor) else t) for t in (train_labels, test_labels)
+    )
     classes, test_sizes = np.unique(test_labels, return_counts=True)
     width = int(max(train_labels.max(initial=0), classes.max(initial=0))) + 1
     held = np.stack([np.bincount(train_labels[np.asarray(p)], minlength=width) for p in parts], axis=1)[classes]
@@ -110,7 +114,7 @@ def _parts_from_owner(owner: np.ndarray, num_clients: int) -> list[np.ndarray]:
     """One ascending index array per client from each sample's owner (-1: nobody)."""
     order = np.argsort(owner, kind="stable")
     counts = np.bincount(owner[owner >= 0], minlength=num_clients)
-    assigned = order[np.count_nonzero(owner < 0):]
+    assigned = order[np.count_nonzero(owner < 0) :]
     return np.split(assigned, np.cumsum(counts)[:-1])
 
 
@@ -129,9 +133,12 @@ def contiguous(labels, num_clients, rng):
     return [np.arange(bounds[i], bounds[i + 1]) for i in range(num_clients)]
 
 
-@PARTITIONS.register("dirichlet", "label skew: each class spread over the clients by shares drawn from "
-                                  "Dir(data.alpha); re-drawn until every client has data.min_samples; "
-                                  "data.balanced: NIID-Bench's cap of N / num_clients per client")
+@PARTITIONS.register(
+    "dirichlet",
+    "label skew: each class spread over the clients by shares drawn from "
+    "Dir(data.alpha); re-drawn until every client has data.min_samples; "
+    "data.balanced: NIID-Bench's cap of N / num_clients per client",
+)
 def dirichlet(labels, num_clients, rng, alpha=0.5, min_samples=1, balanced=False):
     """Each class's samples go to the clients by shares drawn from Dir(alpha), the whole split
     drawn again until every client has ``min_samples``. ``balanced``: NIID-Bench's rule (Li et al.
@@ -142,8 +149,11 @@ def dirichlet(labels, num_clients, rng, alpha=0.5, min_samples=1, balanced=False
     fedsim rounds them (counts within one sample of share x class size either way)."""
     _check_positive("alpha", alpha)
     if not isinstance(min_samples, numbers.Integral) or not 0 <= min_samples * num_clients <= len(labels):
-        raise _invalid("min_samples", f"an integer from 0 to {len(labels) // num_clients} "
-                                      f"({len(labels)} samples over {num_clients} clients)", min_samples)
+        raise _invalid(
+            "min_samples",
+            f"an integer from 0 to {len(labels) // num_clients} ({len(labels)} samples over {num_clients} clients)",
+            min_samples,
+        )
     if not isinstance(balanced, bool):
         raise _invalid("balanced", "true or false", balanced)
     class_sizes = np.unique(labels, return_counts=True)[1]
@@ -155,9 +165,11 @@ def dirichlet(labels, num_clients, rng, alpha=0.5, min_samples=1, balanced=False
             counts = _split_counts(shares, class_sizes)
         if counts is not None and counts.sum(axis=0).min() >= min_samples:
             return _deal_by_class(labels, counts, rng)
-    raise ConfigError(f"data.min_samples: no draw of {MAX_DIRICHLET_DRAWS} from Dir({alpha}) gave each of "
-                      f"{num_clients} clients {min_samples} samples; lower data.min_samples, raise data.alpha "
-                      f"or use fewer clients")
+    raise ConfigError(
+        f"data.min_samples: no draw of {MAX_DIRICHLET_DRAWS} from Dir({alpha}) gave each of "
+        f"{num_clients} clients {min_samples} samples; lower data.min_samples, raise data.alpha "
+        f"or use fewer clients"
+    )
 
 
 def _capped_counts(rng, alpha, class_sizes, num_clients: int, cap: float) -> np.ndarray | None:
@@ -175,16 +187,21 @@ def _capped_counts(rng, alpha, class_sizes, num_clients: int, cap: float) -> np.
     return counts
 
 
-@PARTITIONS.register("shards", "McMahan et al.'s pathological split: sorted by label, cut into "
-                               "num_clients x data.shards_per_client equal shards dealt at random")
+@PARTITIONS.register(
+    "shards",
+    "McMahan et al.'s pathological split: sorted by label, cut into "
+    "num_clients x data.shards_per_client equal shards dealt at random",
+)
 def shards(labels, num_clients, rng, shards_per_client=2):
     if not isinstance(shards_per_client, numbers.Integral) or shards_per_client < 1:
         raise _invalid("shards_per_client", "an integer >= 1", shards_per_client)
     num_shards = num_clients * shards_per_client
     if len(labels) % num_shards:
-        raise ConfigError(f"data.shards_per_client: {len(labels)} samples cannot be cut into {num_clients} "
-                          f"clients x {shards_per_client} = {num_shards} equal shards; choose data.num_clients "
-                          f"x data.shards_per_client dividing {len(labels)}")
+        raise ConfigError(
+            f"data.shards_per_client: {len(labels)} samples cannot be cut into {num_clients} "
+            f"clients x {shards_per_client} = {num_shards} equal shards; choose data.num_clients "
+            f"x data.shards_per_client dividing {len(labels)}"
+        )
     # A shard that straddles a class boundary gives its client a few samples of an extra class,
     # as in the original split; only class sizes that are multiples of the shard size avoid it.
     shard_owner = rng.permutation(np.repeat(np.arange(num_clients), shards_per_client))
@@ -193,8 +210,10 @@ def shards(labels, num_clients, rng, shards_per_client=2):
     return _parts_from_owner(owner, num_clients)
 
 
-@PARTITIONS.register("label_k", "each client holds data.classes_per_client classes; each class is split "
-                                "equally among the clients holding it")
+@PARTITIONS.register(
+    "label_k",
+    "each client holds data.classes_per_client classes; each class is split equally among the clients holding it",
+)
 def label_k(labels, num_clients, rng, classes_per_client=2):
     """Client i's first class is the (i mod C)-th of a random order of the C classes, so every
     class is held once there are at least C clients; its other k-1 classes are drawn uniformly
@@ -219,8 +238,11 @@ def label_k(labels, num_clients, rng, classes_per_client=2):
     return _deal_by_class(labels, counts.T, rng)
 
 
-@PARTITIONS.register("quantity", "IID labels, skewed client sizes: data.quantity_skew lognormal (data.sigma) "
-                                 "or dirichlet (data.alpha); every client gets at least one sample")
+@PARTITIONS.register(
+    "quantity",
+    "IID labels, skewed client sizes: data.quantity_skew lognormal (data.sigma) "
+    "or dirichlet (data.alpha); every client gets at least one sample",
+)
 def quantity(labels, num_clients, rng, quantity_skew="lognormal", sigma=1.0, alpha=0.5):
     if quantity_skew == "lognormal":
         if not (isinstance(sigma, numbers.Real) and math.isfinite(sigma) and sigma >= 0):

@@ -3,6 +3,7 @@
 ``write_report`` loads the data and splits it exactly as a run does, so what it shows is what
 the clients of that experiment train on.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ _ANNOTATE_UP_TO = 200  # cells; beyond this, numbers in the cells become unreada
 def partition_stats(parts, labels, num_classes: int) -> dict:
     """Per-client sample counts and per-class counts (``class_counts[client][class]``)."""
     labels = np.asarray(labels.cpu() if hasattr(labels, "cpu") else labels)
-    counts = np.stack([np.bincount(labels[np.asarray(p, dtype=np.int64)], minlength=num_classes)
-                       for p in parts]).astype(np.int64)
+    counts = np.stack(
+        [np.bincount(labels[np.asarray(p, dtype=np.int64)], minlength=num_classes) for p in parts]
+    ).astype(np.int64)
     return {
         "num_clients": len(parts),
         "num_classes": num_classes,
@@ -37,9 +39,11 @@ def summary_text(stats: dict) -> str:
     """One paragraph: client sizes (min / median / max) and how many classes a client holds."""
     counts = np.asarray(stats["class_counts"]).reshape(stats["num_clients"], stats["num_classes"])
     sizes, held = counts.sum(axis=1), (counts > 0).sum(axis=1)
-    text = (f"{stats['num_clients']} clients hold {sizes.sum():,} samples of {stats['num_classes']} classes; "
-            f"client sizes: min {sizes.min():,}, median {np.median(sizes):,.0f}, max {sizes.max():,}; "
-            f"a client holds {held.mean():.2f} classes on average (min {held.min()}, max {held.max()}).")
+    text = (
+        f"{stats['num_clients']} clients hold {sizes.sum():,} samples of {stats['num_classes']} classes; "
+        f"client sizes: min {sizes.min():,}, median {np.median(sizes):,.0f}, max {sizes.max():,}; "
+        f"a client holds {held.mean():.2f} classes on average (min {held.min()}, max {held.max()})."
+    )
     empty = int((sizes == 0).sum())
     if empty:
         text += f" {empty} client{' gets' if empty == 1 else 's get'} no samples, which a run refuses."
@@ -70,8 +74,9 @@ def partition_figure(stats: dict, title: str) -> Figure:
     wide_range = bool(nonzero.size) and nonzero.max() > 100 * np.percentile(nonzero, 10)
     norm = LogNorm(vmin=nonzero.min(), vmax=nonzero.max()) if wide_range else None
     shown = np.ma.masked_equal(counts, 0)  # masked cells show the axes' white background
-    image = heat_ax.imshow(shown, aspect="auto", interpolation="nearest", cmap="viridis", norm=norm,
-                           vmin=None if wide_range else 0)
+    image = heat_ax.imshow(
+        shown, aspect="auto", interpolation="nearest", cmap="viridis", norm=norm, vmin=None if wide_range else 0
+    )
     heat_ax.set_xlabel("client")
     heat_ax.set_ylabel("class")
     heat_ax.xaxis.set_major_locator(MaxNLocator(nbins=min(num_clients, 25), integer=True))
@@ -94,6 +99,7 @@ def _annotate(ax, counts: np.ndarray, image) -> None:
 
 def _json_text(report: dict) -> str:
     """JSON with one key per line and one client per line of each matrix, to read by eye."""
+
     def value(v):
         if isinstance(v, list) and v and isinstance(v[0], list):
             return "[\n  " + ",\n  ".join(json.dumps(row) for row in v) + "\n ]"
@@ -111,8 +117,15 @@ def write_report(config, federation, out_dir) -> dict:
     options = options_for(d.partition, d)
     data, parts = federation.data, federation.parts
     stats = partition_stats(parts, data.train_y, data.num_classes)
-    report = {"name": config.name, "dataset": data.name, "partition": d.partition, "options": options,
-              "seed": config.seed, "summary": summary_text(stats), **stats}
+    report = {
+        "name": config.name,
+        "dataset": data.name,
+        "partition": d.partition,
+        "options": options,
+        "seed": config.seed,
+        "summary": summary_text(stats),
+        **stats,
+    }
     if d.test_partition:
         test_parts = local_test_split(data.train_y, parts, data.test_y, config.seed)
         test_stats = partition_stats(test_parts, data.test_y, data.num_classes)

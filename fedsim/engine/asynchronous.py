@@ -14,6 +14,7 @@ batches are functions of the event order alone, so the numbers do not depend on 
 workers; the clients in flight (what they started from, or their trained weights) are part of
 the checkpoint, so a resumed run trains the same batches and continues exactly.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..fl.asynchronous import make_method
 from ..core.errors import FedsimError, NonFiniteError
 from ..core.streams import async_start_generator
+from ..fl.asynchronous import make_method
 from .loop import Engine, RoundResult
 from .records import ClientRecord, RoundRow
 from .update import check_finite
@@ -61,10 +62,17 @@ class Schedule:
 
     def state_dict(self) -> dict:
         starts = {job.version: job.start_weights.cpu() for job in self.jobs if job.start_weights is not None}
-        jobs = [{**vars(job), "start_weights": None, "weights": None if job.weights is None else job.weights.cpu()}
-                for job in self.jobs]
-        return {"clock": self.clock, "version": self.version, "next_number": self.next_number, "starts": starts,
-                "jobs": jobs}
+        jobs = [
+            {**vars(job), "start_weights": None, "weights": None if job.weights is None else job.weights.cpu()}
+            for job in self.jobs
+        ]
+        return {
+            "clock": self.clock,
+            "version": self.version,
+            "next_number": self.next_number,
+            "starts": starts,
+            "jobs": jobs,
+        }
 
     def load_state_dict(self, state: dict, source, like: torch.Tensor) -> None:
         """Continue from ``state``; ``like`` is the global weights, whose shape and device every
@@ -79,6 +87,7 @@ class Schedule:
 
         def fits(t) -> bool:
             return isinstance(t, torch.Tensor) and t.shape == like.shape and bool(torch.isfinite(t).all())
+
         starts = {v: t.to(like.device) for v, t in starts.items() if fits(t)}
         for job in jobs:
             if not job.dropout:
@@ -110,8 +119,8 @@ class AsyncEngine(Engine):
             s.jobs.remove(job)
             s.clock = job.finishes_at
             if job.dropout:
-                records.append(ClientRecord.lost(rnd, job.client, int(self.sizes[job.client]), "dropout", 0,
-                                                 model_version=job.version))
+                size = int(self.sizes[job.client])
+                records.append(ClientRecord.lost(rnd, job.client, size, "dropout", 0, model_version=job.version))
                 continue
             if job.weights is None:
                 t = time.perf_counter()
@@ -119,10 +128,7 @@ class AsyncEngine(Engine):
                 train_seconds, busy = train_seconds + time.perf_counter() - t, busy + max(self.executor.busy_seconds)
             staleness = s.version - job.version
             finite = bool(torch.isfinite(job.weights).all())
-            records.append(ClientRecord(rnd, job.client, int(self.sizes[job.client]), job.loss,
-                                        float((job.weights - job.start_weights).norm()) if finite else math.nan,
-                                        0 if finite else "nonfinite", 0, job.steps, model_version=job.version,
-                                        staleness=staleness))
+            records.append(self._arrived(rnd, job, finite, staleness))
             if not finite:
                 self._refuse_nonfinite(rnd, job, records, used)
                 continue
@@ -138,15 +144,43 @@ class AsyncEngine(Engine):
         down, up = started * self.message, len(used) * self.message
         self.state.bytes_sent += down + up
         self.state.simulated_time = s.clock
-        row = RoundRow(round=rnd, **scores, train_loss=sum(r.train_loss * r.samples for r in used) / samples,
-                       seconds=round(time.perf_counter() - t0, 4), clients=len(records), attackers=0,
-                       train_seconds=round(train_seconds, 4), worker_seconds=round(busy, 4),
-                       aggregate_seconds=round(t_updated - t_trained, 4),
-                       eval_seconds=round(time.perf_counter() - t_updated, 4),
-                       bytes_down=down, bytes_up=up, cumulative_bytes=self.state.bytes_sent, unavailable=0,
-                       dropped_clients=len(records) - len(used), stragglers=0,
-                       simulated_seconds=s.clock - began, simulated_time=s.clock)
+        row = RoundRow(
+            round=rnd,
+            **scores,
+            train_loss=sum(r.train_loss * r.samples for r in used) / samples,
+            seconds=round(time.perf_counter() - t0, 4),
+            clients=len(records),
+            attackers=0,
+            train_seconds=round(train_seconds, 4),
+            worker_seconds=round(busy, 4),
+            aggregate_seconds=round(t_updated - t_trained, 4),
+            eval_seconds=round(time.perf_counter() - t_updated, 4),
+            bytes_down=down,
+            bytes_up=up,
+            cumulative_bytes=self.state.bytes_sent,
+            unavailable=0,
+            dropped_clients=len(records) - len(used),
+            stragglers=0,
+            simulated_seconds=s.clock - began,
+            simulated_time=s.clock,
+        )
         return RoundResult(row.as_row(), records, evaluated, torch.tensor([r.client for r in used], dtype=torch.int64))
+
+    def _arrived(self, rnd: int, job: Job, finite: bool, staleness: int) -> ClientRecord:
+        """The record of a client whose work reached the server: its update's norm where finite."""
+        norm = float((job.weights - job.start_weights).norm()) if finite else math.nan
+        return ClientRecord(
+            rnd,
+            job.client,
+            int(self.sizes[job.client]),
+            job.loss,
+            norm,
+            0 if finite else "nonfinite",
+            0,
+            job.steps,
+            model_version=job.version,
+            staleness=staleness,
+        )
 
     # ------------------------------------------------------------------ the clock
 
@@ -164,8 +198,17 @@ class AsyncEngine(Engine):
             client = int(idle[rng.integers(len(idle))])
             dropout = bool(rng.random() < self.system.spec.dropout)
             seconds = float(self.steps[client]) * self.system.spec.step_seconds / float(self.speeds[client])
-            s.jobs.append(Job(s.next_number, client, s.version, s.clock, s.clock + seconds, dropout,
-                              None if dropout else self._current_start()))
+            s.jobs.append(
+                Job(
+                    s.next_number,
+                    client,
+                    s.version,
+                    s.clock,
+                    s.clock + seconds,
+                    dropout,
+                    None if dropout else self._current_start(),
+                )
+            )
             s.next_number += 1
             count += 1
         return count
@@ -181,12 +224,16 @@ class AsyncEngine(Engine):
     def _refuse_nonfinite(self, rnd: int, job: Job, records: list, used: list) -> None:
         lost = sum(r.dropped == "nonfinite" for r in records)
         if self.cfg.on_nonfinite == "fail":
-            raise NonFiniteError(f"round {rnd}: client {job.client} sent non-finite (NaN/Inf) weights "
-                                 f"(on_nonfinite: fail; use drop to leave such clients out)")
+            raise NonFiniteError(
+                f"round {rnd}: client {job.client} sent non-finite (NaN/Inf) weights "
+                f"(on_nonfinite: fail; use drop to leave such clients out)"
+            )
         if not used and lost >= self.cfg.clients_per_round:  # as many as can be in flight, and none usable
-            raise NonFiniteError(f"round {rnd}: the last {lost} client updates are all non-finite (NaN/Inf); "
-                                 f"nothing of this round was saved and {self.state.kept()}; lower local.lr, or "
-                                 f"check the model's output")
+            raise NonFiniteError(
+                f"round {rnd}: the last {lost} client updates are all non-finite (NaN/Inf); "
+                f"nothing of this round was saved and {self.state.kept()}; lower local.lr, or "
+                f"check the model's output"
+            )
 
     # ------------------------------------------------------------------ training and the update
 
@@ -194,8 +241,9 @@ class AsyncEngine(Engine):
         """Train ``needed`` and every other client in flight not trained yet, in one batch (by
         start), each from the model it started from."""
         b = self.buffers
-        jobs = sorted([needed] + [j for j in self.schedule.jobs if j.weights is None and not j.dropout],
-                      key=lambda j: j.number)
+        jobs = sorted(
+            [needed] + [j for j in self.schedule.jobs if j.weights is None and not j.dropout], key=lambda j: j.number
+        )
         clients, k = [job.client for job in jobs], len(jobs)
         for i, job in enumerate(jobs):
             b.slot_starts[i].copy_(job.start_weights)
@@ -213,6 +261,11 @@ class AsyncEngine(Engine):
         state, n = self.state, self.state.model.num_params
         state.server_optimizer.step(state.model.params, delta[:n])
         state.model.flat[n:].add_(delta[n:])  # buffers (batch-norm statistics) are averaged as they are
-        check_finite(state, state.model.flat, rnd, f"{self.cfg.asynchronous.method}'s update made the global "
-                                                   f"weights non-finite", " although every client update used was "
-                                                   "finite", "lower local.lr or asynchronous.mixing")
+        check_finite(
+            state,
+            state.model.flat,
+            rnd,
+            f"{self.cfg.asynchronous.method}'s update made the global weights non-finite",
+            " although every client update used was finite",
+            "lower local.lr or asynchronous.mixing",
+        )

@@ -1,6 +1,7 @@
 """The tensors a round is trained through, allocated once by the server and handed to the
 workers once at start-up (CUDA IPC on a GPU, shared memory on a CPU): nothing is pickled per
 round but a few-byte message."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,17 +35,22 @@ class RoundBuffers:
     reports: dict[str, torch.Tensor]  # [k, ...] each: what each slot's client reported
 
     @classmethod
-    def allocate(cls, cfg, state, data, parts, data_device: torch.device, algorithm, keeps_copies: bool,
-                 workers: int) -> "RoundBuffers":
+    def allocate(
+        cls, cfg, state, data, parts, data_device: torch.device, algorithm, keeps_copies: bool, workers: int
+    ) -> RoundBuffers:
         """The buffers of a run (``state``: its GlobalState): the data where it lives, the rest on the
         state's device; the algorithm's state is the global state's own tensors. A row per client
         a round can hold: clients_per_round, or the largest sample of the run's rounds under
         poisson sampling."""
-        k = poisson_capacity(cfg.seed, cfg.rounds, cfg.data.num_clients, cfg.clients_per_round) \
-            if cfg.client_sampling == "poisson" else cfg.clients_per_round
+        k = (
+            poisson_capacity(cfg.seed, cfg.rounds, cfg.data.num_clients, cfg.clients_per_round)
+            if cfg.client_sampling == "poisson"
+            else cfg.clients_per_round
+        )
         n, dev = state.model.num_params, state.model.flat.device
         return cls(
-            train_x=data.train_x.to(data_device), train_y=data.train_y.to(data_device),
+            train_x=data.train_x.to(data_device),
+            train_y=data.train_y.to(data_device),
             client_indices=torch.cat(parts).to(data_device),
             client_offsets=torch.tensor([0] + torch.tensor([len(q) for q in parts]).cumsum(0).tolist()),
             num_classes=data.num_classes,
@@ -58,10 +64,10 @@ class RoundBuffers:
             progress=torch.zeros(max(workers, 1), dtype=torch.int64),
             attackers=attacker_mask(cfg.seed, cfg.data.num_clients, cfg.attack),
             server_state=state.server_state,
-            client_state={name: torch.zeros(k, *shape, device=dev)
-                          for name, shape in algorithm.client_state(n).items()},
-            reports={name: torch.zeros(k, *shape, device=dev)
-                     for name, shape in algorithm.report_shapes(n).items()},
+            client_state={
+                name: torch.zeros(k, *shape, device=dev) for name, shape in algorithm.client_state(n).items()
+            },
+            reports={name: torch.zeros(k, *shape, device=dev) for name, shape in algorithm.report_shapes(n).items()},
         ).share_cpu_tensors()
 
     def tensors(self):
@@ -71,7 +77,7 @@ class RoundBuffers:
             elif isinstance(value, dict):
                 yield from value.values()
 
-    def share_cpu_tensors(self) -> "RoundBuffers":
+    def share_cpu_tensors(self) -> RoundBuffers:
         for tensor in self.tensors():
             if tensor.device.type == "cpu":
                 tensor.share_memory_()
@@ -79,4 +85,4 @@ class RoundBuffers:
 
     def client_samples(self, client: int) -> torch.Tensor:
         """The indices into train_x of one client's samples."""
-        return self.client_indices[int(self.client_offsets[client]): int(self.client_offsets[client + 1])]
+        return self.client_indices[int(self.client_offsets[client]) : int(self.client_offsets[client + 1])]

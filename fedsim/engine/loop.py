@@ -7,21 +7,23 @@ clients, and a resumed run continues exactly where it stopped. The loop knows no
 algorithm, rule or attack (it calls their interfaces), and no particular way of running
 clients (an ``Executor``) or of updating the global model (an update strategy, update.py).
 """
+
 from __future__ import annotations
 
 import copy
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..experiment.components import describe
 from ..core.errors import user_code
 from ..core.flat import FlatModel
+from ..experiment.components import describe
 from ..fl.system import RoundPlan
 from .buffers import RoundBuffers
 from .records import ClientRecord, RoundRow
@@ -56,7 +58,7 @@ class Executor(Protocol):
         """After the leader has recorded round ``rnd``: the other parts of the run, if any, learn
         whether to go on and take the new global state."""
 
-    def follow(self, engine: "Engine", first_round: int) -> None:
+    def follow(self, engine: Engine, first_round: int) -> None:
         """The rounds of a part of the run that does not lead (a rank other than 0)."""
         raise NotImplementedError("only a run over several ranks has parts that follow the leader")
 
@@ -94,8 +96,18 @@ class Engine:
     scores the global model on every client's test split (or None); ``privacy`` reports the
     privacy spent (or None)."""
 
-    def __init__(self, cfg, state: GlobalState, buffers: RoundBuffers, executor: Executor, strategy, system,
-                 test: tuple[torch.Tensor, torch.Tensor], client_eval=None, privacy=None):
+    def __init__(
+        self,
+        cfg,
+        state: GlobalState,
+        buffers: RoundBuffers,
+        executor: Executor,
+        strategy,
+        system,
+        test: tuple[torch.Tensor, torch.Tensor],
+        client_eval=None,
+        privacy=None,
+    ):
         self.cfg, self.state, self.buffers, self.executor, self.strategy = cfg, state, buffers, executor, strategy
         self.system, self.test, self.client_eval, self.privacy = system, test, client_eval, privacy
         self.sizes = np.diff(buffers.client_offsets.numpy())  # the clients' sample counts
@@ -109,13 +121,17 @@ class Engine:
         clients = torch.from_numpy(plan.clients)
         # 2. train them from the global weights, their own state in the round's rows
         for name, rows in self.state.client_rows(plan.clients.tolist()).items():
-            self.buffers.client_state[name][:len(rows)].copy_(rows)
+            self.buffers.client_state[name][: len(rows)].copy_(rows)
         self.executor.train(rnd, clients, self.state.model.flat)
         t_trained = time.perf_counter()
         # 3. their updates as the server sees them, and one record per sampled client
         round_, records = self.strategy.collect(rnd, clients)
-        records += [ClientRecord.lost(rnd, c, int(self.sizes[c]), plan.outcome(c), int(self.buffers.attackers[c]),
-                                      model_version=rnd - 1) for c in plan.dropped.tolist()]
+        records += [
+            ClientRecord.lost(
+                rnd, c, int(self.sizes[c]), plan.outcome(c), int(self.buffers.attackers[c]), model_version=rnd - 1
+            )
+            for c in plan.dropped.tolist()
+        ]
         clip = self.privacy.current_clip if self.privacy else None  # this round's, before adaptive clipping moves it
         # 4. the new global state (under privacy also from no client: the noise is released)
         if len(round_.clients) or self.privacy:
@@ -125,18 +141,24 @@ class Engine:
         evaluated, scores = self.evaluate_round(rnd)
         if self.state.simulated_time is not None:
             self.state.simulated_time += plan.simulated_seconds
-        row = RoundRow(round=rnd, **scores, **self._train_metrics(round_, records),
-                       seconds=round(time.perf_counter() - t0, 4), clients=len(records),
-                       attackers=sum(r.attacker for r in records),
-                       train_seconds=round(t_trained - t0, 4),
-                       worker_seconds=round(max(self.executor.busy_seconds), 4),
-                       aggregate_seconds=round(t_updated - t_trained, 4),
-                       eval_seconds=round(time.perf_counter() - t_updated, 4),
-                       epsilon=self.privacy.epsilon(rnd) if self.privacy else None, clip=clip,
-                       **self._traffic(plan),
-                       # dropped_clients: the lost work of the plan, and the non-finite updates left out
-                       **plan.metrics(left_out=len(plan.clients) - len(round_.clients)),
-                       simulated_time=self.state.simulated_time)
+        row = RoundRow(
+            round=rnd,
+            **scores,
+            **self._train_metrics(round_, records),
+            seconds=round(time.perf_counter() - t0, 4),
+            clients=len(records),
+            attackers=sum(r.attacker for r in records),
+            train_seconds=round(t_trained - t0, 4),
+            worker_seconds=round(max(self.executor.busy_seconds), 4),
+            aggregate_seconds=round(t_updated - t_trained, 4),
+            eval_seconds=round(time.perf_counter() - t_updated, 4),
+            epsilon=self.privacy.epsilon(rnd) if self.privacy else None,
+            clip=clip,
+            **self._traffic(plan),
+            # dropped_clients: the lost work of the plan, and the non-finite updates left out
+            **plan.metrics(left_out=len(plan.clients) - len(round_.clients)),
+            simulated_time=self.state.simulated_time,
+        )
         return RoundResult(row.as_row(), records, evaluated, clients)
 
     def plan(self, rnd: int) -> RoundPlan:
@@ -149,8 +171,8 @@ class Engine:
             losses = None
         plan = self.system.round(cfg.seed, rnd, cfg.data.num_clients, cfg.clients_per_round, self.sizes, losses)
         limits = [-1 if limit is None else limit for limit in plan.step_limits]
-        self.buffers.step_limits[:len(limits)] = torch.tensor(limits, dtype=torch.int64)
-        self.buffers.slot_keys[:len(limits)] = rnd
+        self.buffers.step_limits[: len(limits)] = torch.tensor(limits, dtype=torch.int64)
+        self.buffers.slot_keys[: len(limits)] = rnd
         return plan
 
     def _traffic(self, plan: RoundPlan) -> dict:
@@ -200,8 +222,12 @@ class Engine:
             personal = self.personal_model or FlatModel(copy.deepcopy(module), self.state.model.flat.device)
             self.personal_model = personal
             per_client = self.client_eval.score_personal(
-                personal.module, lambda c: personal.flat.copy_(self.state.personal_weights(c)), *self.test,
-                cfg.eval_batch_size, rnd)
+                personal.module,
+                lambda c: personal.flat.copy_(self.state.personal_weights(c)),
+                *self.test,
+                cfg.eval_batch_size,
+                rnd,
+            )
         return {"test_accuracy": accuracy, "test_loss": loss, **per_client}
 
     def _train_metrics(self, round_, records: list[ClientRecord]) -> dict:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Optional, Union
 
 
 @dataclass(kw_only=True)
@@ -18,7 +17,7 @@ class RoundRow:
     test_loss: float
     train_loss: float  # the mean over the kept clients' samples (NaN where no client's work counted)
     seconds: float  # the round's wall time; its parts are train_, aggregate_ and eval_seconds
-    elapsed_seconds: Optional[float] = None  # since the run began (a resumed run's from its first start)
+    elapsed_seconds: float | None = None  # since the run began (a resumed run's from its first start)
     clients: int  # sampled (an async server update: whose work arrived, used or not)
     dropped_clients: int  # whose work did not count: lost, or left out as non-finite
     attackers: int
@@ -26,18 +25,18 @@ class RoundRow:
     worker_seconds: float  # the busiest worker's training time
     aggregate_seconds: float
     eval_seconds: float
-    epsilon: Optional[float] = None  # privacy spent so far (privacy)
-    clip: Optional[float] = None  # this round's clip bound (privacy)
-    client_accuracy_mean: Optional[float] = None  # over the clients' own test splits (eval_per_client)
-    client_accuracy_std: Optional[float] = None
-    client_accuracy_p10: Optional[float] = None
-    simulated_seconds: Optional[float] = None  # this round on the simulated clock
-    simulated_time: Optional[float] = None  # the clock since round 1 (None where nothing keeps it)
+    epsilon: float | None = None  # privacy spent so far (privacy)
+    clip: float | None = None  # this round's clip bound (privacy)
+    client_accuracy_mean: float | None = None  # over the clients' own test splits (eval_per_client)
+    client_accuracy_std: float | None = None
+    client_accuracy_p10: float | None = None
+    simulated_seconds: float | None = None  # this round on the simulated clock
+    simulated_time: float | None = None  # the clock since round 1 (None where nothing keeps it)
     unavailable: int
     stragglers: int
-    bytes_down: Optional[int] = None  # None where nothing travels (hogwild)
-    bytes_up: Optional[int] = None
-    cumulative_bytes: Optional[int] = None
+    bytes_down: int | None = None  # None where nothing travels (hogwild)
+    bytes_up: int | None = None
+    cumulative_bytes: int | None = None
 
     def as_row(self) -> dict:
         return asdict(self)
@@ -53,18 +52,19 @@ class ClientRecord:
     samples: int
     train_loss: float  # the mean loss of its local training (NaN where its work was lost)
     update_norm: float  # ||client weights - global weights|| (NaN where there is no update of its own)
-    dropped: Union[int, str]  # 0, or why its work did not count: nonfinite, dropout, straggler
+    dropped: int | str  # 0, or why its work did not count: nonfinite, dropout, straggler
     attacker: int
     steps: int  # local steps taken: fewer than its full work for a partial straggler, 0 where lost
-    model_version: Optional[int] = None  # the server updates applied before it started: the model it trained
-    staleness: Optional[int] = None  # the server updates applied while it trained (None where its work was lost)
+    model_version: int | None = None  # the server updates applied before it started: the model it trained
+    staleness: int | None = None  # the server updates applied while it trained (None where its work was lost)
 
     def as_row(self) -> dict:
         return dict(vars(self))
 
     @classmethod
-    def lost(cls, rnd: int, client: int, samples: int, why: str, attacker: int,
-             model_version: Optional[int] = None) -> "ClientRecord":
+    def lost(
+        cls, rnd: int, client: int, samples: int, why: str, attacker: int, model_version: int | None = None
+    ) -> ClientRecord:
         """A sampled client whose work never reached the server: no loss, no update, no steps."""
         return cls(rnd, client, samples, math.nan, math.nan, why, attacker, 0, model_version)
 

@@ -2,6 +2,7 @@
 algorithm's server state, privacy's (the adaptive clip), every client's own state (the
 algorithm's rows and compression's residuals, see client_state.py) and the bytes sent so far.
 All of it, and nothing else, is what a checkpoint holds."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,10 +10,10 @@ from pathlib import Path
 import torch
 
 from ..core.checks import is_integer
-from ..fl.client_state import ClientStates
 from ..core.errors import FedsimError
 from ..core.flat import FlatModel
 from ..experiment.keys import flatten_config
+from ..fl.client_state import ClientStates
 
 
 class GlobalState:
@@ -21,8 +22,15 @@ class GlobalState:
     shared with the workers through the round's buffers (they read it, the server changes it);
     ``clients`` holds every client's rows, which reach the workers as the round's rows."""
 
-    def __init__(self, model: FlatModel, server_optimizer, algorithm, clients: ClientStates, description: str,
-                 privacy_state: dict[str, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        model: FlatModel,
+        server_optimizer,
+        algorithm,
+        clients: ClientStates,
+        description: str,
+        privacy_state: dict[str, torch.Tensor] | None = None,
+    ):
         n, device = model.num_params, model.flat.device
         self.model, self.server_optimizer, self.description = model, server_optimizer, description
         self.algorithm, self.clients = algorithm, clients
@@ -32,8 +40,9 @@ class GlobalState:
         self.bytes_sent: int | None = 0
         self.simulated_time: float | None = 0.0  # simulated seconds since round 1 (None: as bytes_sent)
         self.schedule = None  # an async run's clients in flight (engine/asynchronous.py's Schedule)
-        self.server_state = {name: torch.zeros(*shape, device=device)
-                             for name, shape in algorithm.server_state(n).items()}
+        self.server_state = {
+            name: torch.zeros(*shape, device=device) for name, shape in algorithm.server_state(n).items()
+        }
         self.algorithm_rows = tuple(algorithm.client_state(n))  # the names of the algorithm's rows in clients
         self.saved_round = 0  # the round of the last state saved (or resumed from); 0: none
 
@@ -86,40 +95,53 @@ class GlobalState:
     def _check(self, state: dict, source: Path) -> None:
         """Every tensor the run restores must be there with this run's shape, finite, and nothing
         else: a checkpoint copied from another run (or torn by hand) is refused in one line."""
-        expected = {"global": self.model.flat, "torch_rng": torch.get_rng_state(),
-                    **{f"server_optimizer.{k}": v for k, v in self.server_optimizer.state_dict().items()},
-                    **{f"algorithm.server.{k}": v for k, v in self.server_state.items()},
-                    **{f"privacy.{k}": v for k, v in self.privacy_state.items()}}
+        expected = {
+            "global": self.model.flat,
+            "torch_rng": torch.get_rng_state(),
+            **{f"server_optimizer.{k}": v for k, v in self.server_optimizer.state_dict().items()},
+            **{f"algorithm.server.{k}": v for k, v in self.server_state.items()},
+            **{f"privacy.{k}": v for k, v in self.privacy_state.items()},
+        }
         saved = dict(flatten_config({key: state.get(key) for key in ("server_optimizer", "algorithm", "privacy")}))
         unexpected = sorted(k for k, v in saved.items() if isinstance(v, torch.Tensor) and k not in expected)
         if unexpected:
-            raise FedsimError(f"{source}: holds {unexpected[0]}, which this run does not keep; it is not this "
-                              f"run's checkpoint")
+            raise FedsimError(
+                f"{source}: holds {unexpected[0]}, which this run does not keep; it is not this run's checkpoint"
+            )
         for key, like in expected.items():
             value = state
             for part in key.split("."):
                 value = value.get(part) if isinstance(value, dict) else None
             if not isinstance(value, torch.Tensor) or value.shape != like.shape or value.dtype != like.dtype:
                 got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "nothing"
-                raise FedsimError(f"{source}: holds {got} for {key} where this run ({self.description}) needs "
-                                  f"{tuple(like.shape)}; it is not this run's checkpoint")
+                raise FedsimError(
+                    f"{source}: holds {got} for {key} where this run ({self.description}) needs "
+                    f"{tuple(like.shape)}; it is not this run's checkpoint"
+                )
             if value.is_floating_point() and not torch.isfinite(value).all():  # a run never saves one
-                raise FedsimError(f"{source}: {key} holds NaN or Inf; the checkpoint is damaged and cannot be "
-                                  f"resumed from")
+                raise FedsimError(
+                    f"{source}: {key} holds NaN or Inf; the checkpoint is damaged and cannot be resumed from"
+                )
         if (self.schedule is not None) != ("schedule" in state):
             has = "lacks" if self.schedule is not None else "holds"
-            raise FedsimError(f"{source}: {has} the clients in flight of an async run (mode: async); it is not this "
-                              f"run's checkpoint")
+            raise FedsimError(
+                f"{source}: {has} the clients in flight of an async run (mode: async); it is not this run's checkpoint"
+            )
         clock = state.get("simulated_time")
         if clock is not None and not (isinstance(clock, float) and clock >= 0):
-            raise FedsimError(f"{source}: holds {clock!r} for simulated_time where simulated seconds belong; it is "
-                              f"not this run's checkpoint")
+            raise FedsimError(
+                f"{source}: holds {clock!r} for simulated_time where simulated seconds belong; it is "
+                f"not this run's checkpoint"
+            )
         sent = state.get("bytes_sent")
         if sent is not None and not (is_integer(sent) and sent >= 0):
-            raise FedsimError(f"{source}: holds {sent!r} for bytes_sent where a count of bytes belongs; it is not "
-                              f"this run's checkpoint")
+            raise FedsimError(
+                f"{source}: holds {sent!r} for bytes_sent where a count of bytes belongs; it is not "
+                f"this run's checkpoint"
+            )
 
     def kept(self) -> str:
         """What a run that stops now still has on disk, for its error message."""
-        return f"the checkpoint of round {self.saved_round} is kept" if self.saved_round else \
-            "no checkpoint was written"
+        return (
+            f"the checkpoint of round {self.saved_round} is kept" if self.saved_round else "no checkpoint was written"
+        )

@@ -10,16 +10,17 @@ through the server optimizer.
 A strategy whose clients train the global weights themselves adopts them instead (see
 ``AdoptSharedWeights`` in the execution package).
 """
+
 from __future__ import annotations
 
 import logging
 
 import torch
 
-from ..fl.aggregation import row_norms
 from ..algorithms import Round
 from ..core.errors import NonFiniteError, user_code
 from ..core.streams import attack_generator
+from ..fl.aggregation import row_norms
 from .buffers import RoundBuffers
 from .records import ClientRecord
 from .state import GlobalState
@@ -30,19 +31,34 @@ logger = logging.getLogger("fedsim")
 def check_finite(state: GlobalState, tensor: torch.Tensor, rnd: int, what: str, why: str, advice: str) -> None:
     """The global state must stay finite: stop before a non-finite one is evaluated or saved."""
     if not torch.isfinite(tensor).all():
-        raise NonFiniteError(f"round {rnd}: {what} (NaN/Inf){why}; nothing of this round was saved and "
-                             f"{state.kept()}; {advice}")
+        raise NonFiniteError(
+            f"round {rnd}: {what} (NaN/Inf){why}; nothing of this round was saved and {state.kept()}; {advice}"
+        )
 
 
 class AggregateUpdates:
     """``names`` describes the algorithm, rule and server optimizer for error messages."""
 
-
-    def __init__(self, cfg, state: GlobalState, buffers: RoundBuffers, algorithm, aggregate, privacy, attack,
-                 names: dict, compression=None):
+    def __init__(
+        self,
+        cfg,
+        state: GlobalState,
+        buffers: RoundBuffers,
+        algorithm,
+        aggregate,
+        privacy,
+        attack,
+        names: dict,
+        compression=None,
+    ):
         self.cfg, self.state, self.buffers = cfg, state, buffers
-        self.algorithm, self.aggregate, self.privacy, self.attack, self.names = \
-            algorithm, aggregate, privacy, attack, names
+        self.algorithm, self.aggregate, self.privacy, self.attack, self.names = (
+            algorithm,
+            aggregate,
+            privacy,
+            attack,
+            names,
+        )
         self.compression = compression  # compression.Compression, or None: updates travel whole
 
     def message_bytes(self) -> tuple[int, int]:
@@ -53,10 +69,14 @@ class AggregateUpdates:
         state, n = self.state, self.state.model.num_params
         length, size = len(state.model), state.model.flat.element_size()
         down = size * (length + sum(state.server_state[name].numel() for name in self.algorithm.sent_to_clients))
-        update = self.compression.compressor.message_bytes(n) + size * (length - n) if self.compression \
-            else size * length
-        reports = sum(r[0].numel() * r.element_size() for name, r in self.buffers.reports.items()
-                      if name not in self.algorithm.personal_state)
+        update = (
+            self.compression.compressor.message_bytes(n) + size * (length - n) if self.compression else size * length
+        )
+        reports = sum(
+            r[0].numel() * r.element_size()
+            for name, r in self.buffers.reports.items()
+            if name not in self.algorithm.personal_state
+        )
         return down, update + reports
 
     def collect(self, rnd: int, clients: torch.Tensor) -> tuple[Round, list[ClientRecord]]:
@@ -73,36 +93,58 @@ class AggregateUpdates:
         for report in b.reports.values():
             finite &= torch.isfinite(report[:k].reshape(k, -1)).all(dim=1)
         if self.compression:  # what each client sends instead (see compression.py for why after the attack)
-            self.compression.compress(updates[:, :self.state.model.num_params], clients.tolist(), finite, rnd)
+            self.compression.compress(updates[:, : self.state.model.num_params], clients.tolist(), finite, rnd)
         keep = finite.nonzero().flatten()
         bad = clients[(~finite).cpu()].tolist()
         if bad:
             if cfg.on_nonfinite == "fail":
-                raise NonFiniteError(f"round {rnd}: client {bad[0]} sent non-finite (NaN/Inf) weights "
-                                     f"(on_nonfinite: fail; use drop to leave such clients out)")
+                raise NonFiniteError(
+                    f"round {rnd}: client {bad[0]} sent non-finite (NaN/Inf) weights "
+                    f"(on_nonfinite: fail; use drop to leave such clients out)"
+                )
             logger.warning(f"round {rnd}: dropped {len(bad)} client(s) with non-finite weights: {bad}")
         norms, stats = row_norms(updates), b.stats[:k].cpu()
-        records = [ClientRecord(rnd, int(c), int(stats[i, 0]), float(stats[i, 1]), float(norms[i]),
-                                0 if finite[i] else "nonfinite", int(attacking[i]), int(stats[i, 2]),
-                                model_version=rnd - 1, staleness=0)  # every client trained this round's model
-                   for i, c in enumerate(clients.tolist())]
+        records = [
+            ClientRecord(
+                rnd,
+                int(c),
+                int(stats[i, 0]),
+                float(stats[i, 1]),
+                float(norms[i]),
+                0 if finite[i] else "nonfinite",
+                int(attacking[i]),
+                int(stats[i, 2]),
+                model_version=rnd - 1,
+                staleness=0,
+            )  # every client trained this round's model
+            for i, c in enumerate(clients.tolist())
+        ]
         if k and not len(keep):  # no update to learn from, and none would come in the next rounds
-            raise NonFiniteError(f"round {rnd}: every client's update ({k}) is non-finite (NaN/Inf); nothing of "
-                                 f"this round was saved and {self.state.kept()}; lower local.lr, or check the "
-                                 f"model's output")
-        round_ = Round(updates=updates[keep], weights=b.stats[keep, 0],
-                       clients=clients[keep.cpu()].to(b.global_flat.device),
-                       reports={name: report[keep] for name, report in b.reports.items()},
-                       aggregate=self.privacy.rule(cfg.seed, rnd) if self.privacy else self._rule(rnd),
-                       global_weights=self.state.model.flat, num_params=self.state.model.num_params,
-                       num_clients=cfg.data.num_clients, slots=keep)
+            raise NonFiniteError(
+                f"round {rnd}: every client's update ({k}) is non-finite (NaN/Inf); nothing of "
+                f"this round was saved and {self.state.kept()}; lower local.lr, or check the "
+                f"model's output"
+            )
+        round_ = Round(
+            updates=updates[keep],
+            weights=b.stats[keep, 0],
+            clients=clients[keep.cpu()].to(b.global_flat.device),
+            reports={name: report[keep] for name, report in b.reports.items()},
+            aggregate=self.privacy.rule(cfg.seed, rnd) if self.privacy else self._rule(rnd),
+            global_weights=self.state.model.flat,
+            num_params=self.state.model.num_params,
+            num_clients=cfg.data.num_clients,
+            slots=keep,
+        )
         return round_, records
 
     def _rule(self, rnd: int):
         """The run's rule, named in one line if it raises (it may be the user's)."""
+
         def aggregate(updates, weights):
             with user_code(f"aggregator {self.names['aggregator']} failed in round {rnd}"):
                 return self.aggregate(updates, weights)
+
         return aggregate
 
     def update(self, rnd: int, round_: Round) -> None:
@@ -115,12 +157,24 @@ class AggregateUpdates:
             delta = self.algorithm.server_update(round_, state.server_state, rows)
         why = " although every client update used was finite"
         advice = "lower server_lr or attack.scale, or bound updates with aggregator: norm_clip"
-        check_finite(state, delta, rnd, f"the update of {names['algorithm']} with the rule {names['aggregator']} "
-                                        f"is non-finite", why, advice)
+        check_finite(
+            state,
+            delta,
+            rnd,
+            f"the update of {names['algorithm']} with the rule {names['aggregator']} is non-finite",
+            why,
+            advice,
+        )
         state.server_optimizer.step(state.model.params, delta[:n])
         state.model.flat[n:].add_(delta[n:])  # buffers (batch-norm statistics) are averaged as they are
-        check_finite(state, state.model.flat, rnd, f"the server optimizer {names['server_optimizer']} made the "
-                                                   f"global weights non-finite", why, advice)
+        check_finite(
+            state,
+            state.model.flat,
+            rnd,
+            f"the server optimizer {names['server_optimizer']} made the global weights non-finite",
+            why,
+            advice,
+        )
         for name, tensor in state.server_state.items():
             check_finite(state, tensor, rnd, f"the algorithm's state {name!r} became non-finite", why, advice)
         clients = round_.clients.tolist()

@@ -7,6 +7,7 @@ gradient before momentum (``Algorithm.adjust_gradient``) and may ask for the mea
 gradients (``keeps_mean_gradient``). Two trainers: ``LocalTrainer`` trains clients one after
 another, ``VmapTrainer`` a group of clients in lockstep. Neither knows any particular algorithm.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -44,8 +45,17 @@ def _batch(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor, device: torch.
 class LocalTrainer:
     """Trains clients one after another on one flat model; one per worker process."""
 
-    def __init__(self, model: FlatModel, train_x: torch.Tensor, train_y: torch.Tensor, local, *,
-                 num_classes: int, algorithm: Algorithm | None = None, augment=None):
+    def __init__(
+        self,
+        model: FlatModel,
+        train_x: torch.Tensor,
+        train_y: torch.Tensor,
+        local,
+        *,
+        num_classes: int,
+        algorithm: Algorithm | None = None,
+        augment=None,
+    ):
         self.model = model
         self.train_x, self.train_y = train_x, train_y
         self.local = local
@@ -56,9 +66,19 @@ class LocalTrainer:
         self.loss_sum = torch.zeros((), device=model.flat.device)
         self.autocast = _autocast(local, model.flat.device)
 
-    def train(self, indices: torch.Tensor, start: torch.Tensor | None, seed: int, *, local_state=None,
-              relabel=None, max_steps: int | None = None, epochs: int | None = None,
-              trainable: torch.Tensor | None = None, term=None) -> Trained:
+    def train(
+        self,
+        indices: torch.Tensor,
+        start: torch.Tensor | None,
+        seed: int,
+        *,
+        local_state=None,
+        relabel=None,
+        max_steps: int | None = None,
+        epochs: int | None = None,
+        trainable: torch.Tensor | None = None,
+        term=None,
+    ) -> Trained:
         """Train from ``start`` on the samples ``indices``; the result is left in ``model.flat``.
         ``max_steps``: stop after that many SGD steps (a partial straggler's work, see system.py);
         None: all ``local.epochs`` epochs.
@@ -96,24 +116,31 @@ class LocalTrainer:
                 loss = F.cross_entropy(model.module(x), y)
             grad.zero_()
             loss.backward()
-            if local.weight_decay:
-                grad.add_(params, alpha=local.weight_decay)
-            if gradient_sum is not None:
-                gradient_sum.add_(grad)
-            if term is not None:
-                term(grad[None], params[None])
-            if trainable is not None:  # frozen coordinates keep their values exactly
-                grad.mul_(trainable)
-            step = grad
-            if self.momentum is not None:
-                step = self.momentum.mul_(local.momentum).add_(grad)
-            params.add_(step, alpha=-local.lr)
+            self._descend(gradient_sum, term, trainable)
             self.loss_sum.add_(loss.detach(), alpha=len(batch))
             steps += 1
             seen += len(batch)
         mean_gradient = None if gradient_sum is None else (gradient_sum / steps)[None]
-        return Trained((self.loss_sum / seen)[None],
-                       torch.tensor([steps], device=model.flat.device), mean_gradient, model.flat)
+        return Trained(
+            (self.loss_sum / seen)[None], torch.tensor([steps], device=model.flat.device), mean_gradient, model.flat
+        )
+
+    def _descend(self, gradient_sum: torch.Tensor | None, term, trainable: torch.Tensor | None) -> None:
+        """One SGD step from the gradient in ``model.grad``: weight decay, the algorithm's term,
+        frozen coordinates, momentum."""
+        params, grad, local = self.model.params, self.model.grad, self.local
+        if local.weight_decay:
+            grad.add_(params, alpha=local.weight_decay)
+        if gradient_sum is not None:
+            gradient_sum.add_(grad)
+        if term is not None:
+            term(grad[None], params[None])
+        if trainable is not None:  # frozen coordinates keep their values exactly
+            grad.mul_(trainable)
+        step = grad
+        if self.momentum is not None:
+            step = self.momentum.mul_(local.momentum).add_(grad)
+        params.add_(step, alpha=-local.lr)
 
 
 class VmapTrainer:
@@ -128,8 +155,17 @@ class VmapTrainer:
     Only models without buffers (no batch-norm statistics) can be trained this way.
     """
 
-    def __init__(self, module: torch.nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, local, *,
-                 num_classes: int, algorithm: Algorithm | None = None, augment=None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        train_x: torch.Tensor,
+        train_y: torch.Tensor,
+        local,
+        *,
+        num_classes: int,
+        algorithm: Algorithm | None = None,
+        augment=None,
+    ):
         from torch.func import functional_call, grad_and_value, vmap
 
         self.train_x, self.train_y, self.local = train_x, train_y, local
@@ -155,7 +191,7 @@ class VmapTrainer:
         views, offset = {}, 0
         for name, shape in self.shapes.items():
             n = shape.numel()
-            views[name] = stacked[:, offset:offset + n].view(len(stacked), *shape)
+            views[name] = stacked[:, offset : offset + n].view(len(stacked), *shape)
             offset += n
         return views
 
@@ -172,9 +208,18 @@ class VmapTrainer:
         shape = (len(clients_indices), steps, b)
         return index.view(shape).transpose(0, 1), weight.view(shape).transpose(0, 1)
 
-    def train(self, clients_indices: list[torch.Tensor], start: torch.Tensor, client_seeds: list[int],
-              group_seed: int, *, local_state=None, relabel=None, attacked: torch.Tensor | None = None,
-              max_steps: list[int | None] | None = None) -> tuple[torch.Tensor, Trained]:
+    def train(
+        self,
+        clients_indices: list[torch.Tensor],
+        start: torch.Tensor,
+        client_seeds: list[int],
+        group_seed: int,
+        *,
+        local_state=None,
+        relabel=None,
+        attacked: torch.Tensor | None = None,
+        max_steps: list[int | None] | None = None,
+    ) -> tuple[torch.Tensor, Trained]:
         """Train the group from ``start``; return its ``[c, P]`` weights and what it did.
         ``relabel`` replaces the labels of the clients marked in ``attacked`` ([c] bool);
         ``max_steps[i]``: client i stops after that many steps (None: all its epochs)."""
@@ -191,7 +236,6 @@ class VmapTrainer:
         start_params = start[: weights.shape[1]]
         momentum = torch.zeros_like(weights) if local.momentum else None
         loss_sum = torch.zeros(c, device=self.device)
-        adjusts = algorithm.has_gradient_term
         gradient_sum = torch.zeros_like(weights) if algorithm.keeps_mean_gradient else None
         for _ in range(local.epochs):
             used = [min(n, s * b) for n, s in zip(sizes, left)]  # what each client trains on this epoch
@@ -208,19 +252,26 @@ class VmapTrainer:
                     y = torch.where(attacked[:, None], relabel(y, self.num_classes), y)
                 grads, losses = self.step(params, x, y, w)
                 grad = torch.cat([grads[name].reshape(c, -1) for name in self.shapes], dim=1)
-                if local.weight_decay:
-                    grad.add_(weights, alpha=local.weight_decay)
                 active = (w.sum(dim=1) > 0).to(weights.dtype)[:, None]  # clients that have this step
-                if gradient_sum is not None:
-                    gradient_sum.add_(grad * active)
-                if adjusts:
-                    algorithm.adjust_gradient(grad, weights, start_params, local_state)
-                step = grad
-                if momentum is not None:
-                    momentum.copy_(torch.where(active > 0, momentum * local.momentum + grad, momentum))
-                    step = momentum
-                weights.sub_(step * active, alpha=local.lr)
+                self._descend(grad, weights, active, momentum, gradient_sum, (start_params, local_state))
                 loss_sum.add_(losses * w.sum(dim=1))
         steps = torch.tensor(steps, device=self.device)
         mean_gradient = None if gradient_sum is None else gradient_sum / steps[:, None].to(weights.dtype)
         return weights, Trained(loss_sum / torch.tensor(seen, device=self.device), steps, mean_gradient)
+
+    def _descend(self, grad, weights, active, momentum, gradient_sum, term_arguments: tuple) -> None:
+        """One SGD step of every client that has it (``active``, [c, 1]): weight decay, the
+        algorithm's term, momentum; a client without this step keeps its weights and momentum.
+        ``term_arguments``: the start and the clients' own state, for ``adjust_gradient``."""
+        local, algorithm = self.local, self.algorithm
+        if local.weight_decay:
+            grad.add_(weights, alpha=local.weight_decay)
+        if gradient_sum is not None:
+            gradient_sum.add_(grad * active)
+        if algorithm.has_gradient_term:
+            algorithm.adjust_gradient(grad, weights, *term_arguments)
+        step = grad
+        if momentum is not None:
+            momentum.copy_(torch.where(active > 0, momentum * local.momentum + grad, momentum))
+            step = momentum
+        weights.sub_(step * active, alpha=local.lr)

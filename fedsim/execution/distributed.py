@@ -21,9 +21,11 @@ joined (where it runs) and, as it leaves, how it ended. A signal stops each rank
 so after one the ranks are no longer at the same collective and none is started; a rank whose
 collective fails because a peer left reads from the store whether that peer ended or died.
 """
+
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import signal
 import socket
@@ -59,14 +61,16 @@ def launch_numbers() -> tuple[int, int]:
         try:
             numbers.append(int(text))
         except ValueError:
-            raise FedsimError(f"{name}={text!r}: expected a whole number (torchrun sets it; by hand, set it for "
-                              f"each rank)") from None
+            raise FedsimError(
+                f"{name}={text!r}: expected a whole number (torchrun sets it; by hand, set it for each rank)"
+            ) from None
     rank, world = numbers
     if world < 1:
         raise FedsimError(f"WORLD_SIZE={world}: expected the number of ranks, at least 1")
     if not 0 <= rank < world:
-        raise FedsimError(f"RANK={rank} with WORLD_SIZE={world}: no such rank; the ranks of this job are 0 to "
-                          f"{world - 1}")
+        raise FedsimError(
+            f"RANK={rank} with WORLD_SIZE={world}: no such rank; the ranks of this job are 0 to {world - 1}"
+        )
     return rank, world
 
 
@@ -109,7 +113,7 @@ class Ranks:
         return self.world > 1
 
     @classmethod
-    def join(cls, timeout_seconds: float = 1800.0) -> "Ranks":
+    def join(cls, timeout_seconds: float = 1800.0) -> Ranks:
         """Join the job (torchrun's, or ranks started by hand with RANK, WORLD_SIZE, MASTER_ADDR and
         MASTER_PORT): meet the other ranks within the rendezvous bound, then a gloo group for
         everything at first, whose collectives wait at most ``timeout_seconds``."""
@@ -121,8 +125,13 @@ class Ranks:
         ranks.store = _meet(ranks.rank, ranks.world, rendezvous_seconds(), ranks.agent_store)
         ranks.identities = [_read(ranks.store, _key("joined", r)).split() for r in range(ranks.world)]
         ranks.identities = [(host, int(pid)) for host, pid in ranks.identities]
-        dist.init_process_group("gloo", store=ranks.store, rank=ranks.rank, world_size=ranks.world,
-                                timeout=datetime.timedelta(seconds=timeout_seconds))
+        dist.init_process_group(
+            "gloo",
+            store=ranks.store,
+            rank=ranks.rank,
+            world_size=ranks.world,
+            timeout=datetime.timedelta(seconds=timeout_seconds),
+        )
         watch_launcher()
         return ranks
 
@@ -142,7 +151,7 @@ class Ranks:
 
     def groups(self, all_groups: list[list[int]]) -> list[list[int]]:
         """This rank's share of the round's slot groups."""
-        return all_groups[self.rank::self.world]
+        return all_groups[self.rank :: self.world]
 
     def agree(self, error: str | None, what: str) -> None:
         """Every rank says whether its part went well; if one did not, every rank stops: the
@@ -170,11 +179,13 @@ class Ranks:
 
         def pack(slots):
             parts = [buffers.client_weights[slots], buffers.stats[slots]]
-            parts += [r[slots].reshape(len(slots), -1).to(buffers.client_weights.dtype) for r in buffers.reports.values()]
+            parts += [
+                r[slots].reshape(len(slots), -1).to(buffers.client_weights.dtype) for r in buffers.reports.values()
+            ]
             return torch.cat(parts, dim=1)
 
         mine = [s for group in self.groups(groups) for s in group]
-        per_rank = [[s for g in groups[r::self.world] for s in g] for r in range(self.world)]
+        per_rank = [[s for g in groups[r :: self.world] for s in g] for r in range(self.world)]
         longest = max(len(p) for p in per_rank)
         width = pack(mine[:1] or [0]).shape[1]
         send = torch.zeros(longest, width, device=buffers.client_weights.device)
@@ -193,11 +204,11 @@ class Ranks:
         p = buffers.client_weights.shape[1]
         buffers.client_weights[slots] = rows[:, :p]
         width = buffers.stats.shape[1]
-        buffers.stats[slots] = rows[:, p:p + width]
+        buffers.stats[slots] = rows[:, p : p + width]
         offset = p + width
         for report in buffers.reports.values():
             size = report[0].numel()
-            report[slots] = rows[:, offset:offset + size].reshape(len(slots), *report.shape[1:]).to(report.dtype)
+            report[slots] = rows[:, offset : offset + size].reshape(len(slots), *report.shape[1:]).to(report.dtype)
             offset += size
 
     def share(self, tensors: list[torch.Tensor], what: str) -> None:
@@ -208,7 +219,7 @@ class Ranks:
 
         for tensor in tensors:
             staged = self._out(tensor.contiguous())
-            self._collective(lambda: dist.broadcast(staged, 0, group=self.data_group), what)
+            self._collective(functools.partial(dist.broadcast, staged, 0, group=self.data_group), what)
             if staged is not tensor:
                 tensor.copy_(staged)
 
@@ -298,8 +309,11 @@ class Ranks:
         deadline, here = time.monotonic() + grace, socket.gethostname()
         while True:
             ended = self.ended()  # read again each time: a peer may say how it ended meanwhile
-            peers = [(rank, pid) for rank, (host, pid) in enumerate(getattr(self, "identities", ()))
-                     if rank != self.rank and rank not in ended and host == here]
+            peers = [
+                (rank, pid)
+                for rank, (host, pid) in enumerate(getattr(self, "identities", ()))
+                if rank != self.rank and rank not in ended and host == here
+            ]
             lost = [rank for rank, pid in peers if not _alive(pid)]
             if lost or not peers or time.monotonic() >= deadline:
                 return lost
@@ -352,25 +366,42 @@ def _meet(rank: int, world: int, seconds: float, agent_store: bool):
     bound = f"within {seconds:g} s (FEDSIM_RENDEZVOUS_TIMEOUT)"
     hosts = rank == 0 and not agent_store
     if not hosts and not _reachable(host, port, deadline):
-        raise FedsimError(f"rank {rank}: nothing answers at MASTER_ADDR={host} MASTER_PORT={port} {bound}; "
-                          f"start rank 0 there, or correct the address")
+        raise FedsimError(
+            f"rank {rank}: nothing answers at MASTER_ADDR={host} MASTER_PORT={port} {bound}; "
+            f"start rank 0 there, or correct the address"
+        )
     try:
-        store = TCPStore(host, port, world, is_master=hosts, wait_for_workers=False, multi_tenant=True,
-                         timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+        store = TCPStore(
+            host,
+            port,
+            world,
+            is_master=hosts,
+            wait_for_workers=False,
+            multi_tenant=True,
+            timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
+        )
         store.set(_key("joined", rank), f"{socket.gethostname()} {os.getpid()}")
     except RuntimeError as e:
-        raise FedsimError(f"rank {rank}: cannot {'open' if hosts else 'use'} the job's store at {host}:{port} "
-                          f"({str(e).splitlines()[0]})") from None
+        raise FedsimError(
+            f"rank {rank}: cannot {'open' if hosts else 'use'} the job's store at {host}:{port} "
+            f"({str(e).splitlines()[0]})"
+        ) from None
     keys, told = [_key("joined", r) for r in range(world)], time.monotonic() + 10.0
     # polled rather than store.wait, whose time-out c10d also logs on stderr
     while not store.check(keys):
         missing = [r for r in range(world) if not store.check([keys[r]])]
         if time.monotonic() >= deadline:
-            raise FedsimError(f"rank {rank}: {ranks_named(missing)} of {world} (WORLD_SIZE) did not join {bound}; "
-                              f"start every rank, or give them longer")
+            raise FedsimError(
+                f"rank {rank}: {ranks_named(missing)} of {world} (WORLD_SIZE) did not join {bound}; "
+                f"start every rank, or give them longer"
+            )
         if time.monotonic() >= told:  # say once what it waits for, when that takes a while
-            print(f"fedsim: rank {rank}: waiting for {ranks_named(missing)} of {world} to join (at most {seconds:g} "
-                  f"s: FEDSIM_RENDEZVOUS_TIMEOUT)", file=sys.stderr, flush=True)
+            print(
+                f"fedsim: rank {rank}: waiting for {ranks_named(missing)} of {world} to join (at most {seconds:g} "
+                f"s: FEDSIM_RENDEZVOUS_TIMEOUT)",
+                file=sys.stderr,
+                flush=True,
+            )
             told = float("inf")
         time.sleep(0.1)
     return store

@@ -1,4 +1,5 @@
 """Choosing a run's pool of workers, and restarting one whose workers fail."""
+
 from __future__ import annotations
 
 import logging
@@ -44,4 +45,3 @@ class Restarting(Wrapper):
 
     def close(self, finished: bool = True, ended_by: BaseException | None = None) -> None:
         self.inner.close(finished, ended_by)
-

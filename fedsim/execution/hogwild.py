@@ -20,6 +20,7 @@ the scheduler, so with more than one worker the numbers differ from run to run a
 ``workers``. With one worker (or ``workers: 0``) the clients are trained one after another, and
 the run is exactly repeatable.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,10 +28,10 @@ import math
 import torch
 
 from ..algorithms import Round
-from ..engine.records import ClientRecord
-from ..engine.update import check_finite
 from ..core.flat import FlatModel
 from ..core.streams import client_seed
+from ..engine.records import ClientRecord
+from ..engine.update import check_finite
 from .runner import ClientRunner
 
 
@@ -55,7 +56,6 @@ class AdoptSharedWeights:
     """The update strategy of hogwild: the shared weights, as the workers left them, become the
     global model."""
 
-
     def __init__(self, cfg, state, buffers):
         self.cfg, self.state, self.buffers = cfg, state, buffers
 
@@ -68,16 +68,31 @@ class AdoptSharedWeights:
         shared weights), so update_norm is NaN, and none can be dropped."""
         b, k = self.buffers, len(clients)
         stats = b.stats[:k].cpu()
-        records = [ClientRecord(rnd, int(c), int(stats[i, 0]), float(stats[i, 1]), math.nan, 0, 0, int(stats[i, 2]))
-                   for i, c in enumerate(clients.tolist())]
-        round_ = Round(updates=b.client_weights, weights=b.stats[:k, 0], clients=clients, reports={},
-                       aggregate=None, global_weights=self.state.model.flat, num_params=self.state.model.num_params,
-                       num_clients=self.cfg.data.num_clients)
+        records = [
+            ClientRecord(rnd, int(c), int(stats[i, 0]), float(stats[i, 1]), math.nan, 0, 0, int(stats[i, 2]))
+            for i, c in enumerate(clients.tolist())
+        ]
+        round_ = Round(
+            updates=b.client_weights,
+            weights=b.stats[:k, 0],
+            clients=clients,
+            reports={},
+            aggregate=None,
+            global_weights=self.state.model.flat,
+            num_params=self.state.model.num_params,
+            num_clients=self.cfg.data.num_clients,
+        )
         return round_, records
 
     def update(self, rnd: int, round_: Round) -> None:
         """Non-finite shared weights stop the run (whatever on_nonfinite says: there is no
         client's update to leave out)."""
-        check_finite(self.state, self.buffers.global_flat, rnd, "the shared weights became non-finite",
-                     " during training (mode: hogwild)", "lower local.lr")
+        check_finite(
+            self.state,
+            self.buffers.global_flat,
+            rnd,
+            "the shared weights became non-finite",
+            " during training (mode: hogwild)",
+            "lower local.lr",
+        )
         self.state.model.flat.copy_(self.buffers.global_flat)

@@ -4,6 +4,7 @@ A run writes its files in short critical sections (a round's row, checkpoint and
 summary and plot at the end). A signal that arrives inside one is held until the section
 ends, so an interrupt never leaves those files half-written or out of step with each other.
 """
+
 from __future__ import annotations
 
 import atexit

@@ -24,6 +24,7 @@ server waits on the pipes and the process sentinels together, so an arrival, an 
 report, a death and a timeout are all seen at once, and a failure ends the round with a
 message naming worker, client and round.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -34,12 +35,22 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
-from ..experiment.config import vmap_group_size
+from ..core.errors import UnguardedScript, WorkerError, exception_text, resource_hint, user_code
 from ..engine.buffers import RoundBuffers
 from ..engine.loop import Executor
-from ..core.errors import UnguardedScript, WorkerError, exception_text, resource_hint, user_code
+from ..experiment.config import vmap_group_size
 from .processes import UNGUARDED_SCRIPT, worker_context
-from .resources import (STOP_SIGNALS, born_ignoring_stop_signals, check_descriptors, die_with_parent, exit_cause, name_this_process, raise_descriptor_limit, reset_peak_memory, stop_resource_sharer)
+from .resources import (
+    STOP_SIGNALS,
+    born_ignoring_stop_signals,
+    check_descriptors,
+    die_with_parent,
+    exit_cause,
+    name_this_process,
+    raise_descriptor_limit,
+    reset_peak_memory,
+    stop_resource_sharer,
+)
 from .runner import ClientRunner
 
 STARTING, IDLE = -2, -1  # RoundBuffers.progress values besides a client id
@@ -106,8 +117,14 @@ class WorkerPool(Executor):
     outlives its run: ``close`` hands it back to the keeper, and its processes serve the next run.
     """
 
-    def __init__(self, config, num_workers: int, device: torch.device, runner: type = ClientRunner,
-                 keeper: PoolKeeper | None = None):
+    def __init__(
+        self,
+        config,
+        num_workers: int,
+        device: torch.device,
+        runner: type = ClientRunner,
+        keeper: PoolKeeper | None = None,
+    ):
         self.num_workers, self.device, self.keeper = num_workers, device, keeper
         self.sharing_strategy = config.sharing_strategy  # set once in each worker, so one per pool
         self._closed = False
@@ -129,8 +146,12 @@ class WorkerPool(Executor):
         context = worker_context()
         for rank in range(self.num_workers):
             parent_end, child_end = context.Pipe()
-            process = context.Process(target=_worker_main, name=f"fedsim-worker-{rank}", daemon=True,
-                                      args=(rank, str(self.device), self.sharing_strategy, child_end))
+            process = context.Process(
+                target=_worker_main,
+                name=f"fedsim-worker-{rank}",
+                daemon=True,
+                args=(rank, str(self.device), self.sharing_strategy, child_end),
+            )
             with born_ignoring_stop_signals():
                 process.start()
             child_end.close()
@@ -166,13 +187,14 @@ class WorkerPool(Executor):
         b.assignment[: len(clients)] = clients
         groups = slot_groups(self.config, len(clients)) if groups is None else groups
         timeout = self.config.worker_timeout or (
-            FIRST_ROUND_TIMEOUT if not self.slowest else max(120.0, 10 * self.slowest))
+            FIRST_ROUND_TIMEOUT if not self.slowest else max(120.0, 10 * self.slowest)
+        )
         self.round, self._in_round = rnd, True
         if b.global_flat.is_cuda:
             torch.cuda.synchronize(b.global_flat.device)  # the global weights are written
         for rank, conn in enumerate(self.conns):
             try:
-                conn.send(("train", rnd, groups[rank::self.num_workers]))
+                conn.send(("train", rnd, groups[rank :: self.num_workers]))
             except (BrokenPipeError, OSError):
                 self.processes[rank].join(1)
                 raise WorkerError(self._failure(rank, exit_cause(self.processes[rank].exitcode))) from None
@@ -236,8 +258,10 @@ class WorkerPool(Executor):
             doing = f"did not finish client {client} of round {self.round}"
         else:
             doing = f"did not finish round {self.round}"
-        return (f"worker {rank} {doing} within {timeout:.0f} s (worker_timeout){others}; "
-                f"raise worker_timeout if rounds are really this slow")
+        return (
+            f"worker {rank} {doing} within {timeout:.0f} s (worker_timeout){others}; "
+            f"raise worker_timeout if rounds are really this slow"
+        )
 
     def close(self, finished: bool = True, ended_by: BaseException | None = None) -> None:
         """End the run. A pool with a keeper whose workers are idle and alive goes back to the
@@ -322,7 +346,6 @@ class InlinePool(Executor):
         self.busy_seconds, self.peak_memory = [time.perf_counter() - started], [self.runner.peak_memory()]
 
 
-
 class Wrapper(Executor):
     """An executor around another, ``inner``, whose workers do the training."""
 
@@ -378,7 +401,7 @@ class PoolKeeper:
             pool.keeper = None
             pool.close()
 
-    def __enter__(self) -> "PoolKeeper":
+    def __enter__(self) -> PoolKeeper:
         return self
 
     def __exit__(self, *exc) -> None:

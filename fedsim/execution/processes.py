@@ -22,6 +22,7 @@ server reports in one line naming the guard.
 
 This module imports no torch: the command line uses it before anything else.
 """
+
 from __future__ import annotations
 
 import multiprocessing

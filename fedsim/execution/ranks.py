@@ -3,14 +3,15 @@ own (its worker pool), the leader (rank 0) then holds every rank's rows, and aft
 update every rank takes the new state. The engine on the leader sees one executor that trains
 the whole round; the other ranks run ``follow``, the same rounds without collecting, updating
 or recording. See distributed.py for how the ranks talk."""
+
 from __future__ import annotations
 
 import socket
 
 import torch
 
-from .distributed import RankStopped, Ranks
 from ..core.errors import FedsimError
+from .distributed import Ranks, RankStopped
 from .interrupts import Terminated
 from .pool import Wrapper, slot_groups
 from .resources import peak_memory_mb
@@ -33,8 +34,9 @@ class RanksExecutor(Wrapper):
         fails says so to the others, and every rank stops."""
         groups = slot_groups(self.config, len(clients))
         # the leader's rows of the clients' own state (the others keep none)
-        self.ranks.share([rows[:len(clients)] for rows in self.buffers.client_state.values()],
-                         f"round {rnd}'s client state")
+        self.ranks.share(
+            [rows[: len(clients)] for rows in self.buffers.client_state.values()], f"round {rnd}'s client state"
+        )
         error = None
         try:
             self.inner.train(rnd, clients, start_from, groups=self.ranks.groups(groups))
@@ -78,9 +80,13 @@ class RanksExecutor(Wrapper):
         others when it stops early, and every rank reports its memory to the leader. A signal
         stops each rank wherever it is, not at the same collective, so then none is started; a
         rank that is gone makes them fail, and then there is nothing to tell or collect."""
-        memory = {"rank": self.ranks.rank, "host": socket.gethostname(), "device": str(self.device),
-                  "server_peak_memory_mb": peak_memory_mb(self.device),
-                  "worker_peak_memory_mb": [round(b / 2**20, 1) for b in self.inner.peak_memory]}
+        memory = {
+            "rank": self.ranks.rank,
+            "host": socket.gethostname(),
+            "device": str(self.device),
+            "server_peak_memory_mb": peak_memory_mb(self.device),
+            "worker_peak_memory_mb": [round(b / 2**20, 1) for b in self.inner.peak_memory],
+        }
         self.inner.close()
         if isinstance(ended_by, (KeyboardInterrupt, Terminated)):
             return

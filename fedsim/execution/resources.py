@@ -1,5 +1,6 @@
 """What a run asks of the operating system: memory figures, open descriptors, signals for child
 processes."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,6 +15,7 @@ import threading
 import torch
 
 from ..core.errors import ResourceError
+
 
 def die_with_parent() -> None:
     """Ask Linux to kill this worker if its parent dies (even by SIGKILL): no orphans. A worker's
@@ -144,5 +146,7 @@ def check_descriptors(buffers, num_workers: int) -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < needed:
         alternative = " or set sharing_strategy: file_system" if per_tensor else ""
-        raise ResourceError(f"too few file descriptors: {num_workers} worker(s) need about {needed} open at "
-                            f"once and the limit (ulimit -n) is {soft}; raise it (ulimit -n 65536){alternative}")
+        raise ResourceError(
+            f"too few file descriptors: {num_workers} worker(s) need about {needed} open at "
+            f"once and the limit (ulimit -n) is {soft}; raise it (ulimit -n 65536){alternative}"
+        )

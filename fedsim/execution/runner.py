@@ -1,18 +1,19 @@
 """What a worker does with its share of a round: train the clients of some slots from the
 global weights into their rows of the round's buffers. The same code runs in a worker process
 and, with ``workers: 0``, in the server itself."""
+
 from __future__ import annotations
 
 import torch
 
-from ..experiment import components
 from ..algorithms import Clients, LocalResult
-from ..fl.attacks import make_attack
-from .client import LocalTrainer, VmapTrainer
-from ..data.augment import augmentation_for
-from ..engine.buffers import RoundBuffers
 from ..core.flat import FlatModel
 from ..core.streams import client_seed, group_seed
+from ..data.augment import augmentation_for
+from ..engine.buffers import RoundBuffers
+from ..experiment import components
+from ..fl.attacks import make_attack
+from .client import LocalTrainer, VmapTrainer
 from .resources import peak_rss_bytes
 
 
@@ -29,8 +30,11 @@ class ClientRunner:
         self.algorithm.setup(config)
         self.algorithm.bind(module)
         self.attack = make_attack(config.attack)
-        options = dict(num_classes=buffers.num_classes, algorithm=self.algorithm,
-                       augment=augmentation_for(config.data, input_shape))
+        options = dict(
+            num_classes=buffers.num_classes,
+            algorithm=self.algorithm,
+            augment=augmentation_for(config.data, input_shape),
+        )
         if config.backend == "vmap":
             self.trainer = VmapTrainer(module.to(device), buffers.train_x, buffers.train_y, config.local, **options)
         else:
@@ -46,8 +50,9 @@ class ClientRunner:
         clients = [int(b.assignment[slot]) for slot in slots]
         rows = slice(slots[0], slots[-1] + 1)
         ids = torch.tensor(clients, device=b.global_flat.device)
-        local_state = self.algorithm.start_client(Clients(
-            ids, rnd, b.server_state, {name: state[rows].clone() for name, state in b.client_state.items()}))
+        local_state = self.algorithm.start_client(
+            Clients(ids, rnd, b.server_state, {name: state[rows].clone() for name, state in b.client_state.items()})
+        )
         indices = [b.client_samples(c) for c in clients]
         attacked = b.attackers[clients]
         relabel = self.attack.relabel if self.attack.relabels and bool(attacked.any()) else None
@@ -58,17 +63,25 @@ class ClientRunner:
         start = b.slot_starts[rows] if async_ else b.global_flat
         if cfg.backend == "vmap":
             weights, trained = self.trainer.train(
-                indices, start, [client_seed(cfg.seed, key, c) for key, c in zip(keys, clients)],
-                group_seed(cfg.seed, keys[0], slots[0]), local_state=local_state, relabel=relabel,
-                attacked=attacked.to(self.device), max_steps=limits)
+                indices,
+                start,
+                [client_seed(cfg.seed, key, c) for key, c in zip(keys, clients)],
+                group_seed(cfg.seed, keys[0], slots[0]),
+                local_state=local_state,
+                relabel=relabel,
+                attacked=attacked.to(self.device),
+                max_steps=limits,
+            )
             b.client_weights[rows].copy_(weights)
         else:
             seed = client_seed(cfg.seed, keys[0], clients[0])
             start = start[0] if async_ else start
 
             def fit(start, **phase):
-                return self.trainer.train(indices[0], start, seed, local_state=local_state, relabel=relabel,
-                                          max_steps=limits[0], **phase)
+                return self.trainer.train(
+                    indices[0], start, seed, local_state=local_state, relabel=relabel, max_steps=limits[0], **phase
+                )
+
             trained = self.algorithm.train_client(fit, start, local_state)
             b.client_weights[rows].copy_(self.model.flat)
         sizes = torch.tensor([len(ix) for ix in indices], dtype=b.stats.dtype)
@@ -76,8 +89,8 @@ class ClientRunner:
         b.stats[rows, 1].copy_(trained.loss)
         b.stats[rows, 2].copy_(trained.steps)
         reports = self.algorithm.client_report(
-            LocalResult(start, b.client_weights[rows], trained.steps, sizes, trained.mean_gradient),
-            local_state)
+            LocalResult(start, b.client_weights[rows], trained.steps, sizes, trained.mean_gradient), local_state
+        )
         for name, value in reports.items():
             b.reports[name][rows].copy_(value)
 

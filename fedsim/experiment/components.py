@@ -14,6 +14,7 @@ class defined in a notebook cell or a script's ``__main__`` works there too. Wha
 be used is refused in one line, before any worker is handed anything: not importable, the
 wrong kind of object, the wrong signature, the wrong output on a probe call.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,18 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
+from ..algorithms import ALGORITHMS, Algorithm
+from ..core.errors import ConfigError, cut, user_code
+from ..core.registry import is_import_path, load_attr, registered
+from ..data import DATASETS, PARTITIONS, Dataset, check_dataset_spec
 from ..fl import aggregation
 from ..fl.aggregation import AGGREGATORS
-from ..algorithms import ALGORITHMS, Algorithm
 from ..fl.asynchronous import ASYNC_METHODS
 from ..fl.attacks import ATTACKS
 from ..fl.compression import COMPRESSORS
-from ..data import DATASETS, PARTITIONS, Dataset, check_dataset_spec
-from ..core.errors import ConfigError, cut, user_code
 from ..fl.models import MODELS
-from ..core.registry import is_import_path, load_attr, registered
-from ..fl.server_opt import SERVER_OPTIMIZERS
 from ..fl.sampling import CLIENT_SAMPLINGS
+from ..fl.server_opt import SERVER_OPTIMIZERS
 
 KEYS = ("model", "aggregator", "algorithm", "data.dataset")
 
@@ -70,8 +71,13 @@ def _arguments(obj) -> str:
         parameters = inspect.signature(type(obj).__init__).parameters.values()
     except (TypeError, ValueError):
         return ""
-    kept = [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-            and p.name in getattr(obj, "__dict__", {})]
+    kept = [
+        p.name
+        for p in parameters
+        if p.name != "self"
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and p.name in getattr(obj, "__dict__", {})
+    ]
     return ", ".join(f"{name}={cut(repr(getattr(obj, name)), 40)}" for name in kept)
 
 
@@ -132,19 +138,30 @@ def probe_model(spec, module: torch.nn.Module, sample: torch.Tensor, num_classes
     was_training = module.training
     module.eval()
     try:
-        with torch.no_grad(), user_code(f"model: {describe(spec)} fails on a batch of inputs of shape "
-                                        f"{tuple(sample.shape[1:])}", ConfigError):
+        with (
+            torch.no_grad(),
+            user_code(
+                f"model: {describe(spec)} fails on a batch of inputs of shape {tuple(sample.shape[1:])}", ConfigError
+            ),
+        ):
             out = module(sample[:2])
     finally:
         module.train(was_training)
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (len(sample[:2]), num_classes) \
-            or not out.is_floating_point():
+    if (
+        not isinstance(out, torch.Tensor)
+        or tuple(out.shape) != (len(sample[:2]), num_classes)
+        or not out.is_floating_point()
+    ):
         got = f"shape {tuple(out.shape)} ({out.dtype})" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ConfigError(f"model: {describe(spec)} returns {got} for {len(sample[:2])} inputs; expected class "
-                          f"scores of shape ({len(sample[:2])}, {num_classes})")
+        raise ConfigError(
+            f"model: {describe(spec)} returns {got} for {len(sample[:2])} inputs; expected class "
+            f"scores of shape ({len(sample[:2])}, {num_classes})"
+        )
     if not torch.isfinite(out).all():  # its clients' updates would all be non-finite, round after round
-        raise ConfigError(f"model: {describe(spec)} returns non-finite class scores (NaN/Inf) for {len(sample[:2])} "
-                          f"inputs with its initial weights")
+        raise ConfigError(
+            f"model: {describe(spec)} returns non-finite class scores (NaN/Inf) for {len(sample[:2])} "
+            f"inputs with its initial weights"
+        )
 
 
 # ----------------------------------------------------------------------------- aggregation rules
@@ -171,8 +188,9 @@ def probe_aggregator(spec, rule, k: int) -> None:
         out = rule(updates, torch.ones(k))
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (3,):
         got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ConfigError(f"aggregator: {describe(spec)} returns {got} for {k} updates of 3 values; expected "
-                          f"shape (3,)")
+        raise ConfigError(
+            f"aggregator: {describe(spec)} returns {got} for {k} updates of 3 values; expected shape (3,)"
+        )
 
 
 # ----------------------------------------------------------------------------- algorithms
@@ -184,7 +202,7 @@ def algorithm(spec, options: dict):
 
     target = _resolve("algorithm", spec, ALGORITHMS)
     if inspect.isclass(target) and issubclass(target, Algorithm):
-        accepted = [n for n in inspect.signature(target).parameters]
+        accepted = list(inspect.signature(target).parameters)
         unknown = sorted(set(options) - set(accepted))
         if unknown:
             takes = f"it takes: {', '.join(accepted)}" if accepted else "it takes no options"
@@ -193,8 +211,10 @@ def algorithm(spec, options: dict):
             return target(**options)
     if isinstance(target, Algorithm):
         if options:
-            raise ConfigError(f"algorithm_options: {describe(spec)} is an algorithm object, built already; "
-                              f"give its options to its constructor")
+            raise ConfigError(
+                f"algorithm_options: {describe(spec)} is an algorithm object, built already; "
+                f"give its options to its constructor"
+            )
         return target
     raise ConfigError(f"algorithm: {describe(spec)} is not a fedsim Algorithm (subclass fedsim.Algorithm)")
 
@@ -214,8 +234,10 @@ def aggregator_warning(cfg) -> str | None:
     paper, rule = paper_aggregator(cfg.algorithm), describe(cfg.aggregator)
     if paper is None or rule == paper:
         return None
-    return (f"aggregator is {rule}, but the {describe(cfg.algorithm)} paper aggregates with {paper} "
-            f"(what the run gets when aggregator is not set)")
+    return (
+        f"aggregator is {rule}, but the {describe(cfg.algorithm)} paper aggregates with {paper} "
+        f"(what the run gets when aggregator is not set)"
+    )
 
 
 # ----------------------------------------------------------------------------- checks and shipping
@@ -277,6 +299,15 @@ def from_server(cfg):
 
 def tables() -> dict:
     """Every name table, for validation and ``fedsim list``."""
-    return {"datasets": DATASETS, "partitions": PARTITIONS, "models": MODELS, "algorithms": ALGORITHMS,
-            "aggregators": AGGREGATORS, "server optimizers": SERVER_OPTIMIZERS, "attacks": ATTACKS,
-            "client samplings": CLIENT_SAMPLINGS, "compressors": COMPRESSORS, "async methods": ASYNC_METHODS}
+    return {
+        "datasets": DATASETS,
+        "partitions": PARTITIONS,
+        "models": MODELS,
+        "algorithms": ALGORITHMS,
+        "aggregators": AGGREGATORS,
+        "server optimizers": SERVER_OPTIMIZERS,
+        "attacks": ATTACKS,
+        "client samplings": CLIENT_SAMPLINGS,
+        "compressors": COMPRESSORS,
+        "async methods": ASYNC_METHODS,
+    }

@@ -5,6 +5,7 @@ default, so a file only says what differs. Errors name the file (or ``--set``), 
 key and what is allowed, in one line. What the values may be, and how they combine, is
 checked by validation.py, which also loads a config whole (``load_config``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,18 +18,18 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
-from ..fl.asynchronous import AsyncConfig
 from ..core.checks import shown
-from ..fl.compression import CompressionConfig
 from ..core.errors import ConfigError, FedsimError, cut
-from ..fl.system import SystemConfig
 from ..core.files import atomic_write_text
-from .keys import defining, flatten_config
 from ..core.yamlfile import RefusedYAML, parse_yaml
+from ..fl.asynchronous import AsyncConfig
+from ..fl.compression import CompressionConfig
+from ..fl.system_config import SystemConfig
+from .keys import defining, flatten_config
 
 
 def default_data_root() -> str:
@@ -41,7 +42,7 @@ class DataConfig:
     root: str = field(default_factory=default_data_root)
     partition: str = "iid"
     num_clients: int = 10
-    limit: Optional[int] = None  # use only the first N training samples
+    limit: int | None = None  # use only the first N training samples
     download: bool = True  # fetch a missing dataset into root (torchvision's sources)
     placement: str = "auto"  # device | host | auto: on the device when it takes <= half its free memory
     # partition options; each partition reads the ones it needs
@@ -53,7 +54,7 @@ class DataConfig:
     sigma: float = 1.0  # quantity: log-normal spread of client sizes
     quantity_skew: str = "lognormal"  # quantity: lognormal | dirichlet
     test_partition: bool = False  # also split the test set per client, same distribution
-    augment: Optional[bool] = None  # training-time augmentation; None = the dataset's default
+    augment: bool | None = None  # training-time augmentation; None = the dataset's default
 
 
 @dataclass
@@ -79,35 +80,35 @@ class Config:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     rounds: int = 10
-    workers: Optional[int] = None  # None: min(clients_per_round, CPU cores), capped on a GPU; 0: none
+    workers: int | None = None  # None: min(clients_per_round, CPU cores), capped on a GPU; 0: none
     mode: str = "sync"  # sync | async (see asynchronous.py) | hogwild: one shared model trained lock-free (hogwild.py)
     backend: str = "process"  # process | vmap
     vmap_group_size: int = 0  # vmap: clients trained together in one group; 0 = the whole round
     clients_per_round: int = 10
     client_sampling: str = "uniform"  # uniform | by_size | poisson | power_of_choice (see sampling.py)
-    sampling_candidates: Optional[int] = None  # power_of_choice: d candidates, clients_per_round <= d
+    sampling_candidates: int | None = None  # power_of_choice: d candidates, clients_per_round <= d
     eval_every: int = 1
     eval_batch_size: int = 2000
     eval_per_client: bool = False  # also score the global model on every client's test split (data.test_partition)
-    stop_at_accuracy: Optional[float] = None
+    stop_at_accuracy: float | None = None
     model: Any = "mnist_cnn"  # model, algorithm, aggregator: a name, an import path or an object
     algorithm: Any = "fedavg"
     algorithm_options: dict = field(default_factory=dict)
     aggregator: Any = "fedavg"  # load_config: unset or null gives the algorithm's paper's rule (mean for scaffold)
     aggregator_options: dict = field(default_factory=dict)
     server_optimizer: str = "none"
-    server_lr: Optional[float] = None  # None: the optimizer's own default
+    server_lr: float | None = None  # None: the optimizer's own default
     server_momentum: float = 0.9
     server_beta1: float = 0.9
     server_beta2: float = 0.99
     server_tau: float = 1e-3
     checkpoint_every: int = 1
-    worker_timeout: Optional[float] = None  # seconds; None: generous and scaled to the round
+    worker_timeout: float | None = None  # seconds; None: generous and scaled to the round
     on_worker_failure: str = "stop"  # stop | restart
     on_nonfinite: str = "drop"  # drop | fail
     sharing_strategy: str = "file_descriptor"  # file_descriptor | file_system (CPU runs)
-    client_state_limit_mb: Optional[float] = None  # the most the clients' state may take; None: half the host's memory
-    privacy: Optional[dict] = None  # DP-FedAvg: {clip, noise_multiplier, delta} (see privacy.py); null: off
+    client_state_limit_mb: float | None = None  # the most the clients' state may take; None: half the host's memory
+    privacy: dict | None = None  # DP-FedAvg: {clip, noise_multiplier, delta} (see privacy.py); null: off
     data: DataConfig = field(default_factory=DataConfig)
     local: LocalConfig = field(default_factory=LocalConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
@@ -120,8 +121,9 @@ class Config:
         from .components import describe
 
         def plain(value):
-            if isinstance(value, (Config, DataConfig, LocalConfig, AttackConfig, SystemConfig, CompressionConfig,
-                                  AsyncConfig)):
+            if isinstance(
+                value, (Config, DataConfig, LocalConfig, AttackConfig, SystemConfig, CompressionConfig, AsyncConfig)
+            ):
                 return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
             if isinstance(value, dict):
                 return {k: plain(v) for k, v in value.items()}
@@ -172,10 +174,11 @@ def apply_overrides(raw: dict, overrides, origin: str = "config") -> dict[str, s
             if node.get(part) is None:
                 node[part] = {}
             elif not isinstance(node[part], dict):
-                section = ".".join(parts[:depth + 1])
+                section = ".".join(parts[: depth + 1])
                 where = spelled if section in {k for k, _ in items} else f"{origin}:"
-                raise ConfigError(f"{where} {section}: expected a mapping of keys (for {spelled} {key}), "
-                                  f"got {shown(node[part])}")
+                raise ConfigError(
+                    f"{where} {section}: expected a mapping of keys (for {spelled} {key}), got {shown(node[part])}"
+                )
             node = node[part]
         node[parts[-1]] = value
     return {key: spelled for key, _ in items}
@@ -194,7 +197,8 @@ def _flatten(d: dict, prefix: str = ""):
 
 _SECTIONS = {f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)}
 _KEYS = {f.name for f in dataclasses.fields(Config)} | {
-    f"{section}.{f.name}" for section in _SECTIONS for f in dataclasses.fields(getattr(Config(), section))}
+    f"{section}.{f.name}" for section in _SECTIONS for f in dataclasses.fields(getattr(Config(), section))
+}
 
 
 # ----------------------------------------------------------------------------- typing
@@ -237,22 +241,29 @@ def build(cls, raw: dict, prefix: str, origin: str, from_overrides: dict[str, st
             if value is None:  # `local:` with every key commented out
                 value = {}
             if not isinstance(value, dict):
-                raise ConfigError(f"{where(origin, dotted, from_overrides)}: expected a mapping of keys, "
-                                  f"got {shown(value)}")
+                raise ConfigError(
+                    f"{where(origin, dotted, from_overrides)}: expected a mapping of keys, got {shown(value)}"
+                )
             kwargs[key] = build(hint, value, dotted + ".", origin, from_overrides)
         else:
             kwargs[key] = _coerce(value, hint, where(origin, dotted, from_overrides))
     return cls(**kwargs)
 
 
-_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping",
-               Any: "a name, an import path (pkg.module:name) or, from Python, the object"}
+_TYPE_WORDS = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "true or false",
+    dict: "a mapping",
+    Any: "a name, an import path (pkg.module:name) or, from Python, the object",
+}
 _MOVED = {"local.mu": "algorithm_options.mu (with algorithm: fedprox)"}
 # Integers become int64 tensors and seeds, floats float32 tensor values: beyond these the
 # engine cannot represent a value, so validation refuses it rather than a later traceback.
 MAX_INT = 2**63 - 1
-MAX_FLOAT = float(3.4e38)
-MIN_FLOAT = float(1.18e-38)  # smaller magnitudes are float32 subnormals: an lr of 1e-45 would be 0
+MAX_FLOAT = 3.4e38
+MIN_FLOAT = 1.18e-38  # smaller magnitudes are float32 subnormals: an lr of 1e-45 would be 0
 MAX_TIMEOUT = 1_000_000  # seconds
 MAX_CLIENTS = 100_000_000
 
@@ -278,13 +289,17 @@ def _coerce(value, hint, where: str):
     if not ok:
         raise ConfigError(f"{where}: expected {_TYPE_WORDS[hint]}, got {shown(value)}")
     if hint is int and abs(value) > MAX_INT:
-        raise ConfigError(f"{where}: must be within ±(2^63 - 1), the 64-bit integers the engine computes "
-                          f"with; got a {value.bit_length()}-bit integer")
+        raise ConfigError(
+            f"{where}: must be within ±(2^63 - 1), the 64-bit integers the engine computes "
+            f"with; got a {value.bit_length()}-bit integer"
+        )
     if hint is float:
         value = float(value)
         if not math.isfinite(value) or abs(value) > MAX_FLOAT or 0 < abs(value) < MIN_FLOAT:
-            raise ConfigError(f"{where}: must be a finite number within ±3.4e38 (float32), and 0 or at least "
-                              f"1.2e-38 in size, got {value}")
+            raise ConfigError(
+                f"{where}: must be a finite number within ±3.4e38 (float32), and 0 or at least "
+                f"1.2e-38 in size, got {value}"
+            )
     if hint is str and ("\0" in value or len(value) > 1000):
         raise ConfigError(f"{where}: must be text of at most 1,000 characters without NUL bytes")
     return value
@@ -307,8 +322,9 @@ def overrides_of(cfg: Config) -> dict:
     with the values the run has for them: ``{"data.dataset": "synthetic", "aggregator_options.bound": 0.5}``."""
     _, keys = getattr(cfg, "origin", ("config", {}))
     values = dict(flatten_config(cfg.to_dict()))
-    return {key: value for key, value in sorted(values.items())
-            if any(key == k or key.startswith(k + ".") for k in keys)}
+    return {
+        key: value for key, value in sorted(values.items()) if any(key == k or key.startswith(k + ".") for k in keys)
+    }
 
 
 def directory_name(cfg: Config) -> str:

@@ -3,15 +3,16 @@
 Runs, ``fedsim partition`` and the benchmarks all start here, so they see the same clients and
 the same initial weights for the same config.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from . import components
-from ..data import Dataset, load_dataset, options_for, partition
 from ..core.streams import model_seed
+from ..data import Dataset, load_dataset, options_for, partition
+from . import components
 
 
 @dataclass
@@ -30,8 +31,9 @@ def load_federation(cfg, datasets: dict | None = None) -> Federation:
         data = load_dataset(d.dataset, d.root, d.limit, d.download)
         if datasets is not None:
             datasets[key] = data
-    return Federation(data, partition(data.train_y, d.partition, d.num_clients, cfg.seed,
-                                      **options_for(d.partition, d)))
+    return Federation(
+        data, partition(data.train_y, d.partition, d.num_clients, cfg.seed, **options_for(d.partition, d))
+    )
 
 
 def initial_model(cfg, data: Dataset) -> torch.nn.Module:

@@ -12,10 +12,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 # where and how fast a run goes, not what it computes
-PLACEMENT_KEYS = frozenset({
-    "workers", "worker_timeout", "checkpoint_every", "on_worker_failure", "eval_batch_size", "device",
-    "client_state_limit_mb", "sharing_strategy", "data.root", "data.download", "data.placement",
-})
+PLACEMENT_KEYS = frozenset(
+    {
+        "workers",
+        "worker_timeout",
+        "checkpoint_every",
+        "on_worker_failure",
+        "eval_batch_size",
+        "device",
+        "client_state_limit_mb",
+        "sharing_strategy",
+        "data.root",
+        "data.download",
+        "data.placement",
+    }
+)
 # what a resumed run may change: those, how long it runs and how often it reports
 RESUMABLE_KEYS = PLACEMENT_KEYS | {"rounds", "stop_at_accuracy", "eval_every"}
 # what runs that repeat one experiment may differ in: those, their name and seed, and the backend

@@ -3,6 +3,7 @@ say together (a component against its options, privacy against the rule, hogwild
 rest). Every check raises a one-line ConfigError that names the key, and ``load_config`` adds
 where its value came from (the file, or ``--set``). Only the top of the package (runs, sweep,
 cli) imports this module: the features it combines never import it back."""
+
 from __future__ import annotations
 
 import copy
@@ -11,26 +12,34 @@ import os
 import re
 from collections.abc import Mapping
 
-from ..fl import asynchronous, compression
-from . import components
+from ..algorithms import Algorithm
 from ..core.checks import Checks, shown
-from .config import MAX_CLIENTS, MAX_TIMEOUT, Config, DataConfig, apply_overrides, build, groups_per_round, where
-from ..data import options_for
 from ..core.errors import ConfigError, cut
+from ..core.registry import is_import_path
+from ..core.yamlfile import experiment_file, read_yaml
+from ..data import options_for
+from ..fl import asynchronous, compression
 from ..fl.aggregation import AGGREGATORS
 from ..fl.compression import feeds_back
 from ..fl.privacy import RULES, Privacy
-from ..algorithms import Algorithm
-from ..core.registry import is_import_path
-from ..fl.system import System, SystemConfig
-from ..core.yamlfile import experiment_file, read_yaml
+from ..fl.system import System
+from ..fl.system_config import SystemConfig
+from . import components
+from .config import MAX_CLIENTS, MAX_TIMEOUT, Config, DataConfig, apply_overrides, build, groups_per_round, where
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-_PARTITION_KEYS = ("alpha", "min_samples", "balanced", "shards_per_client", "classes_per_client", "sigma",
-                   "quantity_skew")
+_PARTITION_KEYS = (
+    "alpha",
+    "min_samples",
+    "balanced",
+    "shards_per_client",
+    "classes_per_client",
+    "sigma",
+    "quantity_skew",
+)
 
 
-def load_config(source: "str | os.PathLike | dict | Config" = None, overrides=None) -> Config:
+def load_config(source: str | os.PathLike | dict | Config = None, overrides=None) -> Config:
     """Build a validated Config from a YAML path (or the name of a shipped experiment,
     ``"mnist_seed"``), a dict or a Config, plus overrides.
 
@@ -81,9 +90,12 @@ def validate(cfg: Config) -> None:
         checks.fail("eval_per_client", "needs data.test_partition: true, which gives every client its own test split")
     components.check(cfg)
     if cfg.backend == "vmap" and components.algorithm(cfg.algorithm, cfg.algorithm_options).trains_own_way:
-        checks.fail("backend", f"vmap trains a group's clients in lockstep by one local SGD; algorithm "
-                               f"{components.describe(cfg.algorithm)} trains each client its own way: use backend: "
-                               f"process")
+        checks.fail(
+            "backend",
+            f"vmap trains a group's clients in lockstep by one local SGD; algorithm "
+            f"{components.describe(cfg.algorithm)} trains each client its own way: use backend: "
+            f"process",
+        )
     compression.check(cfg.compression)
     asynchronous.check(cfg.asynchronous)
     if cfg.mode == "hogwild":  # first: it refuses whole sections that the checks below detail
@@ -107,25 +119,35 @@ def _check_run(cfg: Config, checks: Checks) -> None:
         checks.fail("data.num_clients", f"must be at most {MAX_CLIENTS:,}, got {cfg.data.num_clients:,}")
     checks.at_least("clients_per_round", cfg.clients_per_round, 1)
     if cfg.clients_per_round > cfg.data.num_clients:
-        checks.fail("clients_per_round", f"must be <= data.num_clients ({cfg.data.num_clients}), "
-                                         f"got {cfg.clients_per_round}")
+        checks.fail(
+            "clients_per_round", f"must be <= data.num_clients ({cfg.data.num_clients}), got {cfg.clients_per_round}"
+        )
     if cfg.workers is not None:
         checks.at_least("workers", cfg.workers, 0)
         if cfg.workers > cfg.clients_per_round:
-            checks.fail("workers", f"must be <= clients_per_round ({cfg.clients_per_round}): "
-                                   f"a worker without a client would idle, got {cfg.workers}")
+            checks.fail(
+                "workers",
+                f"must be <= clients_per_round ({cfg.clients_per_round}): "
+                f"a worker without a client would idle, got {cfg.workers}",
+            )
     checks.at_least("vmap_group_size", cfg.vmap_group_size, 0)
     if cfg.backend == "vmap" and cfg.workers is not None and cfg.workers > groups_per_round(cfg):
-        checks.fail("workers", f"must be <= the {groups_per_round(cfg)} vmap group(s) of a round (clients_per_round "
-                               f"/ vmap_group_size, rounded up), got {cfg.workers}")
+        checks.fail(
+            "workers",
+            f"must be <= the {groups_per_round(cfg)} vmap group(s) of a round (clients_per_round "
+            f"/ vmap_group_size, rounded up), got {cfg.workers}",
+        )
     checks.at_least("eval_every", cfg.eval_every, 1)
     checks.at_least("eval_batch_size", cfg.eval_batch_size, 1)
     checks.at_least("checkpoint_every", cfg.checkpoint_every, 0)
     if cfg.stop_at_accuracy is not None and not 0 < cfg.stop_at_accuracy <= 1:
         checks.fail("stop_at_accuracy", f"must be a fraction in (0, 1], got {cfg.stop_at_accuracy}")
     if cfg.worker_timeout is not None and not 0 < cfg.worker_timeout <= MAX_TIMEOUT:
-        checks.fail("worker_timeout", f"must be > 0 and at most {MAX_TIMEOUT:,} seconds (waits are counted in "
-                                      f"milliseconds of a C int), got {cfg.worker_timeout}")
+        checks.fail(
+            "worker_timeout",
+            f"must be > 0 and at most {MAX_TIMEOUT:,} seconds (waits are counted in "
+            f"milliseconds of a C int), got {cfg.worker_timeout}",
+        )
     checks.one_of("mode", cfg.mode, ("sync", "async", "hogwild"))
     checks.one_of("backend", cfg.backend, ("process", "vmap"))
     checks.one_of("on_worker_failure", cfg.on_worker_failure, ("stop", "restart"))
@@ -163,7 +185,9 @@ def _check_training(cfg: Config, checks: Checks) -> None:
     for key in ("server_momentum", "server_beta1", "server_beta2"):
         checks.within(key, getattr(cfg, key), 0, 1, "[)")
     if not 0 < cfg.server_tau <= 1e18:
-        checks.fail("server_tau", f"must be > 0 and at most 1e18 (its square must fit in float32), got {cfg.server_tau}")
+        checks.fail(
+            "server_tau", f"must be > 0 and at most 1e18 (its square must fit in float32), got {cfg.server_tau}"
+        )
     Checks("attack").within("fraction", cfg.attack.fraction, 0, 1, "[)")
 
 
@@ -171,8 +195,13 @@ def check_hogwild(cfg: Config, checks: Checks) -> None:
     """``mode: hogwild`` (execution/hogwild.py): refuse, naming the key, every setting it would
     silently ignore."""
     n = cfg.data.num_clients
-    system = [f"system.{f.name}" for f in dataclasses.fields(cfg.system)
-              if getattr(cfg.system, f.name) != getattr(SystemConfig(), f.name)]
+    system = [
+        f"system.{f.name}"
+        for f in dataclasses.fields(cfg.system)
+        if getattr(cfg.system, f.name) != getattr(SystemConfig(), f.name)
+    ]
+    # a table, kept as written: each entry's key, test and reason
+    # fmt: off
     refused = [
         ("algorithm", components.describe(cfg.algorithm) != "fedavg",
          "hogwild trains by plain local SGD, with no client term and no server update; use algorithm: fedavg"),
@@ -199,6 +228,7 @@ def check_hogwild(cfg: Config, checks: Checks) -> None:
         (system[0] if system else "system", bool(system),
          "system heterogeneity is simulated for synchronous rounds only; leave the system section out"),
     ]
+    # fmt: on
     _refuse(checks, refused, "hogwild")
 
 
@@ -207,6 +237,8 @@ def check_async(cfg: Config, checks: Checks) -> None:
     silently ignore or apply wrongly."""
     algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
     method = cfg.asynchronous.method
+    # a table, kept as written: each entry's key, test and reason
+    # fmt: off
     refused = [
         ("algorithm", not algorithm.needs_only_weights,
          f"FedBuff and FedAsync apply each client's trained weights as they arrive; algorithm "
@@ -233,6 +265,7 @@ def check_async(cfg: Config, checks: Checks) -> None:
         ("system.stragglers", cfg.system.stragglers != "drop",
          "without a deadline nobody straggles; leave it out"),
     ]
+    # fmt: on
     _refuse(checks, refused, "async")
 
 
@@ -250,16 +283,30 @@ def unused_settings(cfg: Config) -> list[str]:
     paper fixes."""
     used, default = options_for(cfg.data.partition, cfg.data), DataConfig()
     privacy = cfg.privacy if isinstance(cfg.privacy, dict) else {}
-    return [f"data.{key} is {getattr(cfg.data, key)!r} but data.partition {cfg.data.partition} does not use it"
-            for key in _PARTITION_KEYS if key not in used and getattr(cfg.data, key) != getattr(default, key)] + \
-        [f"privacy.{key} is {privacy[key]!r} but privacy.target_quantile is null: the clip is fixed"
-         for key in ("clip_learning_rate", "count_noise")
-         if privacy.get(key) is not None and privacy.get("target_quantile") is None] + \
-        compression.unused_options(cfg.compression) + System.from_config(cfg).warnings() + \
-        (asynchronous.unused_options(cfg.asynchronous) if cfg.mode == "async" else
-         [f"asynchronous.{key} is set but mode is {cfg.mode}: set mode: async to use it"
-          for key, value in vars(cfg.asynchronous).items() if value != getattr(asynchronous.AsyncConfig(), key)]) + \
-        [w for w in [components.aggregator_warning(cfg)] if w]
+    return (
+        [
+            f"data.{key} is {getattr(cfg.data, key)!r} but data.partition {cfg.data.partition} does not use it"
+            for key in _PARTITION_KEYS
+            if key not in used and getattr(cfg.data, key) != getattr(default, key)
+        ]
+        + [
+            f"privacy.{key} is {privacy[key]!r} but privacy.target_quantile is null: the clip is fixed"
+            for key in ("clip_learning_rate", "count_noise")
+            if privacy.get(key) is not None and privacy.get("target_quantile") is None
+        ]
+        + compression.unused_options(cfg.compression)
+        + System.from_config(cfg).warnings()
+        + (
+            asynchronous.unused_options(cfg.asynchronous)
+            if cfg.mode == "async"
+            else [
+                f"asynchronous.{key} is set but mode is {cfg.mode}: set mode: async to use it"
+                for key, value in vars(cfg.asynchronous).items()
+                if value != getattr(asynchronous.AsyncConfig(), key)
+            ]
+        )
+        + [w for w in [components.aggregator_warning(cfg)] if w]
+    )
 
 
 # ----------------------------------------------------------------------------- privacy and the rest
@@ -283,14 +330,20 @@ def _privacy_and_aggregator(spec) -> None:
     if registered and spec in RULES:
         return
     if registered and spec in AGGREGATORS:
-        why = "its output is not a sum of per-client contributions each bounded by privacy.clip, so the Gaussian " \
-              "mechanism's sensitivity bound does not hold"
+        why = (
+            "its output is not a sum of per-client contributions each bounded by privacy.clip, so the Gaussian "
+            "mechanism's sensitivity bound does not hold"
+        )
     else:
-        why = "fedsim cannot tell that its output is a sum of per-client contributions each bounded by " \
-              "privacy.clip, which the Gaussian mechanism's sensitivity bound needs"
-    raise ConfigError(f"privacy: aggregator {components.describe(spec)} cannot be used with differential privacy: "
-                      f"{why}; use aggregator fedavg or mean (under privacy both are the unweighted mean of the "
-                      f"clipped updates)")
+        why = (
+            "fedsim cannot tell that its output is a sum of per-client contributions each bounded by "
+            "privacy.clip, which the Gaussian mechanism's sensitivity bound needs"
+        )
+    raise ConfigError(
+        f"privacy: aggregator {components.describe(spec)} cannot be used with differential privacy: "
+        f"{why}; use aggregator fedavg or mean (under privacy both are the unweighted mean of the "
+        f"clipped updates)"
+    )
 
 
 def _privacy_and_algorithm(cfg) -> None:
@@ -298,30 +351,39 @@ def _privacy_and_algorithm(cfg) -> None:
     name = components.describe(cfg.algorithm)
     try:
         algorithm.setup(cfg)
-        kept = [("server state", algorithm.server_state(1)), ("client state", algorithm.client_state(1)),
-                ("client reports", algorithm.report_shapes(1))]
+        kept = [
+            ("server state", algorithm.server_state(1)),
+            ("client state", algorithm.client_state(1)),
+            ("client reports", algorithm.report_shapes(1)),
+        ]
     except ConfigError:
         raise
     except Exception as e:  # the user's code: say whose, in one line
-        raise ConfigError(f"algorithm: {name} failed when asked for its state ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise ConfigError(
+            f"algorithm: {name} failed when asked for its state ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     reasons = [f"{what} {', '.join(map(repr, shapes))}" for what, shapes in kept if shapes]
     if type(algorithm).server_update is not Algorithm.server_update:
         reasons.append("its own server_update")
     if reasons:
         listed = reasons[0] if len(reasons) == 1 else f"{', '.join(reasons[:-1])} and {reasons[-1]}"
-        raise ConfigError(f"privacy: algorithm {name} cannot be used with differential privacy: it has {listed}, "
-                          f"which see the clients' un-noised data and so would leak it; use an algorithm that only "
-                          f"changes local training (fedavg, fedprox)")
+        raise ConfigError(
+            f"privacy: algorithm {name} cannot be used with differential privacy: it has {listed}, "
+            f"which see the clients' un-noised data and so would leak it; use an algorithm that only "
+            f"changes local training (fedavg, fedprox)"
+        )
 
 
 def _privacy_and_compression(cfg) -> None:
     section = getattr(cfg, "compression", None)
     if section is not None and feeds_back(section):
-        raise ConfigError("compression.error_feedback: cannot be used with differential privacy: each client's "
-                          "residual is state kept from the rounds it took part in, which the accounting (each "
-                          "round's contribution a function of the client's data and the current model) does not "
-                          "cover, as with an algorithm's client state; set compression.error_feedback: false")
+        raise ConfigError(
+            "compression.error_feedback: cannot be used with differential privacy: each client's "
+            "residual is state kept from the rounds it took part in, which the accounting (each "
+            "round's contribution a function of the client's data and the current model) does not "
+            "cover, as with an algorithm's client state; set compression.error_feedback: false"
+        )
 
 
 def _privacy_and_sampling(cfg) -> None:
@@ -329,18 +391,24 @@ def _privacy_and_sampling(cfg) -> None:
     sampling of clients that are always online."""
     sampling = getattr(cfg, "client_sampling", "uniform")
     if sampling != "poisson":
-        why = {"uniform": "it samples exactly clients_per_round clients, for which the Poisson accounting is not "
-                          "a proven bound",
-               "power_of_choice": "it makes some clients likelier to be sampled, by their loss on their own "
-                                  "data, which is not noised"}.get(sampling, "it makes some clients likelier to be "
-                                                                             "sampled than others")
-        raise ConfigError(f"client_sampling: {sampling} cannot be used with privacy: {why}; use client_sampling: "
-                          f"poisson (each client joins a round with probability clients_per_round / "
-                          f"data.num_clients, as DP-FedAvg assumes)")
+        why = {
+            "uniform": "it samples exactly clients_per_round clients, for which the Poisson accounting is not "
+            "a proven bound",
+            "power_of_choice": "it makes some clients likelier to be sampled, by their loss on their own "
+            "data, which is not noised",
+        }.get(sampling, "it makes some clients likelier to be sampled than others")
+        raise ConfigError(
+            f"client_sampling: {sampling} cannot be used with privacy: {why}; use client_sampling: "
+            f"poisson (each client joins a round with probability clients_per_round / "
+            f"data.num_clients, as DP-FedAvg assumes)"
+        )
     system = getattr(cfg, "system", None)
-    availability = system.get("availability", 1.0) if isinstance(system, Mapping) else \
-        getattr(system, "availability", 1.0)
+    availability = (
+        system.get("availability", 1.0) if isinstance(system, Mapping) else getattr(system, "availability", 1.0)
+    )
     if availability != 1:
-        raise ConfigError(f"privacy: system.availability {availability!r} cannot be used with differential privacy: "
-                          f"clients that are online more often are sampled more often than clients_per_round / "
-                          f"data.num_clients, the sampling rate the accountant assumes; leave availability at 1")
+        raise ConfigError(
+            f"privacy: system.availability {availability!r} cannot be used with differential privacy: "
+            f"clients that are online more often are sampled more often than clients_per_round / "
+            f"data.num_clients, the sampling rate the accountant assumes; leave availability at 1"
+        )

@@ -16,17 +16,18 @@ Every rule maps finite updates to a finite aggregate, however large (float32 upd
 sums never exceed the largest value, rather than sums divided afterwards; norms and distances
 are accumulated in float64 (``_norms``, ``squared_distances``), where float32 squares overflow.
 """
+
 from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Callable
 
 import torch
 
-from ..core.errors import ConfigError
 from ..core.checks import Checks, is_number
+from ..core.errors import ConfigError
 from ..core.registry import Registry
 
 Rule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -91,8 +92,8 @@ def float64_blocks(rows: torch.Tensor):
     columns = max(1, min(p, _BLOCK // max(1, k)))
     buffer = rows.new_empty((k, columns), dtype=torch.float64)
     for start in range(0, p, columns):
-        block = buffer[:, :min(columns, p - start)]
-        block.copy_(rows[:, start:start + columns])
+        block = buffer[:, : min(columns, p - start)]
+        block.copy_(rows[:, start : start + columns])
         yield start, block
 
 
@@ -109,7 +110,7 @@ def _norms(rows: torch.Tensor, point: torch.Tensor | None = None) -> torch.Tenso
     parts = []
     for start, block in float64_blocks(rows):
         if point is not None:
-            block -= point[start:start + block.shape[1]]
+            block -= point[start : start + block.shape[1]]
         parts.append(torch.linalg.vector_norm(block, dim=1))
     return torch.linalg.vector_norm(torch.stack(parts), dim=0)
 
@@ -145,8 +146,10 @@ def mean() -> Rule:
     return rule
 
 
-@AGGREGATORS.register("norm_clip", "clip each update's L2 norm to max_norm (default: the round's median norm), "
-                                    "then the sample-weighted mean")
+@AGGREGATORS.register(
+    "norm_clip",
+    "clip each update's L2 norm to max_norm (default: the round's median norm), then the sample-weighted mean",
+)
 def norm_clip(max_norm=None) -> Rule:
     """Norm bounding (Sun et al. 2019, "Can you really backdoor federated learning?").
 
@@ -171,8 +174,9 @@ def norm_clip(max_norm=None) -> Rule:
 # ----------------------------------------------------------------------------- order statistics
 
 
-@AGGREGATORS.register("median", "coordinate-wise median; for an even count, the mean of the two middle values "
-                                 "(Yin et al. 2018)")
+@AGGREGATORS.register(
+    "median", "coordinate-wise median; for an even count, the mean of the two middle values (Yin et al. 2018)"
+)
 def median() -> Rule:
     """Coordinate-wise median (Yin et al. 2018, "Byzantine-robust distributed learning").
 
@@ -187,8 +191,11 @@ def median() -> Rule:
     return rule
 
 
-@AGGREGATORS.register("trimmed_mean", "coordinate-wise mean after dropping the floor(beta k) smallest and largest "
-                                       "values (beta default 0.1; Yin et al. 2018)")
+@AGGREGATORS.register(
+    "trimmed_mean",
+    "coordinate-wise mean after dropping the floor(beta k) smallest and largest "
+    "values (beta default 0.1; Yin et al. 2018)",
+)
 def trimmed_mean(beta=0.1) -> Rule:
     """Coordinate-wise trimmed mean (Yin et al. 2018).
 
@@ -212,7 +219,7 @@ def trimmed_mean(beta=0.1) -> Rule:
         drop = math.floor(exact_beta * k)
         if drop == 0:
             return _mean(updates)
-        return _mean(updates.sort(dim=0).values[drop:k - drop])
+        return _mean(updates.sort(dim=0).values[drop : k - drop])
 
     return rule
 
@@ -224,7 +231,7 @@ def squared_distances(updates: torch.Tensor) -> torch.Tensor:
     """``[k, k]`` squared Euclidean distances between the rows, via the Gram matrix.
 
     ``||a - b||^2 = ||a||^2 + ||b||^2 - 2 <a, b>`` costs one ``[k, P] x [P, k]`` product
-    instead of k^2 row differences (~100x faster on a CPU for k = 100, P = 1.7M). Its
+    instead of k^2 row differences (far fewer passes over the stack). Its
     weakness is cancellation: the rounding error of ``<a, b>`` scales with ``||a|| ||b||``,
     so it swamps the distance between updates that are close compared to their length, and
     its size depends on the BLAS's summation order, so on the machine. Distances do not
@@ -243,8 +250,8 @@ def squared_distances(updates: torch.Tensor) -> torch.Tensor:
     block = 1 << 18
     gram = torch.zeros(updates.shape[0], updates.shape[0], dtype=torch.float64, device=updates.device)
     for start in range(0, updates.shape[1], block):
-        chunk = updates[:, start:start + block].to(torch.float64, copy=True)  # the input stays as it is
-        chunk -= centre[start:start + block]
+        chunk = updates[:, start : start + block].to(torch.float64, copy=True)  # the input stays as it is
+        chunk -= centre[start : start + block]
         gram.addmm_(chunk, chunk.T)
     squared = gram.diagonal()
     return (squared[:, None] + squared[None, :] - 2 * gram).clamp_(min=0)
@@ -262,8 +269,10 @@ def _assumed_attackers(rule: str, needs: str, k: int, f: int | None, largest: in
     if f is None:
         return largest
     if f > largest:
-        _fail(f"f = {f} is too large for k = {k} clients per round: {rule} needs {needs}, "
-              f"so aggregator_options.f must be in [0, {largest}]")
+        _fail(
+            f"f = {f} is too large for k = {k} clients per round: {rule} needs {needs}, "
+            f"so aggregator_options.f must be in [0, {largest}]"
+        )
     return f
 
 
@@ -276,8 +285,10 @@ def krum_scores(updates: torch.Tensor, f: int) -> torch.Tensor:
     return distances.sort(dim=1).values[:, : k - f - 2].sum(dim=1)
 
 
-@AGGREGATORS.register("krum", "the update closest to its k-f-2 nearest others (f default: the largest "
-                               "with k > 2f+2; Blanchard et al. 2017)")
+@AGGREGATORS.register(
+    "krum",
+    "the update closest to its k-f-2 nearest others (f default: the largest with k > 2f+2; Blanchard et al. 2017)",
+)
 def krum(f=None) -> Rule:
     """Krum (Blanchard et al. 2017, "Machine learning with adversaries").
 
@@ -295,8 +306,9 @@ def krum(f=None) -> Rule:
     return rule
 
 
-@AGGREGATORS.register("multi_krum", "unweighted mean of the m best Krum-scored updates (m default k-f; "
-                                     "Blanchard et al. 2017)")
+@AGGREGATORS.register(
+    "multi_krum", "unweighted mean of the m best Krum-scored updates (m default k-f; Blanchard et al. 2017)"
+)
 def multi_krum(f=None, m=None) -> Rule:
     """Multi-Krum (Blanchard et al. 2017): the unweighted mean of the ``m`` updates with the
     lowest Krum scores, ties going to the lower rows. ``f`` as for ``krum``; ``m`` must be in
@@ -311,8 +323,10 @@ def multi_krum(f=None, m=None) -> Rule:
         assumed = _check_krum(k, f)
         chosen = k - assumed if m is None else m
         if chosen > k - assumed:
-            _fail(f"m = {m} is too large for k = {k} clients per round and f = {assumed}: "
-                  f"aggregator_options.m must be in [1, {k - assumed}]")
+            _fail(
+                f"m = {m} is too large for k = {k} clients per round and f = {assumed}: "
+                f"aggregator_options.m must be in [1, {k - assumed}]"
+            )
         order = krum_scores(updates, assumed).sort(stable=True).indices
         # weight 1 / m on the chosen rows and 0 on the others: no copy of the chosen rows
         selected = updates.new_zeros(k)
@@ -349,9 +363,12 @@ def _krum_picks(updates: torch.Tensor, f: int, count: int) -> torch.Tensor:
     return torch.stack(picks)
 
 
-@AGGREGATORS.register("bulyan", "Krum picks k-2f updates one by one; per coordinate, the mean of the k-4f picked "
-                                 "values nearest their median (f default: the largest with k >= 4f+3; "
-                                 "El Mhamdi et al. 2018)")
+@AGGREGATORS.register(
+    "bulyan",
+    "Krum picks k-2f updates one by one; per coordinate, the mean of the k-4f picked "
+    "values nearest their median (f default: the largest with k >= 4f+3; "
+    "El Mhamdi et al. 2018)",
+)
 def bulyan(f=None) -> Rule:
     """Bulyan (El Mhamdi, Guerraoui, Rouault 2018, "The hidden vulnerability of distributed
     learning in Byzantium").
@@ -365,8 +382,8 @@ def bulyan(f=None) -> Rule:
     even theta the mean of the two middle values), ties going to the earlier pick. ``f`` is the
     number of attackers assumed among the ``k`` clients of a round and must satisfy
     ``k >= 4f + 3``; ``f: null`` takes the largest such f, and ``f = 0`` is the plain mean. Sample
-    counts are ignored. The picks cost theta passes over a [k, k] matrix (milliseconds for k = 100,
-    seconds for k = 1000 on a CPU); the aggregation about 6x the stack's memory.
+    counts are ignored. The picks cost theta passes over a [k, k] matrix (docs/algorithms.md gives
+    the times); the aggregation takes about 6x the stack's memory.
     """
     _OPTIONS.count("f", f, 0, optional=True)
 
@@ -376,7 +393,7 @@ def bulyan(f=None) -> Rule:
         selected = updates[_krum_picks(updates, assumed, k - 2 * assumed)]
         # halves: the distances of values near the float limit do not overflow
         distance = (selected / 2 - _middle(selected) / 2).abs_()
-        nearest = distance.argsort(dim=0, stable=True)[:k - 4 * assumed]
+        nearest = distance.argsort(dim=0, stable=True)[: k - 4 * assumed]
         return _mean(selected.gather(0, nearest))
 
     return rule
@@ -385,8 +402,9 @@ def bulyan(f=None) -> Rule:
 # ----------------------------------------------------------------------------- geometric median
 
 
-@AGGREGATORS.register("geometric_median", "sample-weighted geometric median by smoothed Weiszfeld iterations "
-                                           "(RFA, Pillutla et al. 2022)")
+@AGGREGATORS.register(
+    "geometric_median", "sample-weighted geometric median by smoothed Weiszfeld iterations (RFA, Pillutla et al. 2022)"
+)
 def geometric_median(eps=1e-6, tol=1e-5, max_iter=100) -> Rule:
     """Robust federated aggregation (Pillutla et al. 2022, "Robust aggregation for federated
     learning"): ``z = argmin sum_i a_i max(eps, ||z - u_i||)`` with ``a_i`` the normalized sample

@@ -36,6 +36,7 @@ Experiment file (every key optional; shown with its default)::
       staleness_a: 0.5          # polynomial's exponent, hinge's slope
       staleness_b: 4            # hinge: the staleness up to which an update counts in full
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -75,11 +76,17 @@ def check(section: AsyncConfig) -> None:
 def unused_options(section: AsyncConfig) -> list[str]:
     """Keys set to other than their default that the chosen method or staleness does not read."""
     default = AsyncConfig()
-    unread = {"fedbuff": ["mixing"], "fedasync": ["buffer_size"]}[section.method] + \
-        {"constant": ["staleness_a", "staleness_b"], "polynomial": ["staleness_b"], "hinge": []}[section.staleness]
-    return [f"asynchronous.{key} is {getattr(section, key)!r} but it is not read by asynchronous.method "
-            f"{section.method} with staleness {section.staleness}"
-            for key in unread if getattr(section, key) != getattr(default, key)]
+    unread = {"fedbuff": ["mixing"], "fedasync": ["buffer_size"]}[section.method] + {
+        "constant": ["staleness_a", "staleness_b"],
+        "polynomial": ["staleness_b"],
+        "hinge": [],
+    }[section.staleness]
+    return [
+        f"asynchronous.{key} is {getattr(section, key)!r} but it is not read by asynchronous.method "
+        f"{section.method} with staleness {section.staleness}"
+        for key in unread
+        if getattr(section, key) != getattr(default, key)
+    ]
 
 
 def staleness_weight(section: AsyncConfig, staleness: int) -> float:
@@ -93,8 +100,9 @@ def staleness_weight(section: AsyncConfig, staleness: int) -> float:
     return 1.0 / (section.staleness_a * (staleness - section.staleness_b) + 1.0)
 
 
-@ASYNC_METHODS.register("fedbuff", "apply the mean of K buffered updates, each weighted by its staleness "
-                                   "(Nguyen et al. 2022)")
+@ASYNC_METHODS.register(
+    "fedbuff", "apply the mean of K buffered updates, each weighted by its staleness (Nguyen et al. 2022)"
+)
 class FedBuff:
     """A server update from ``buffer_size`` client updates: (1/K) sum_i s(tau_i) (y_i - x_start_i),
     then the server optimizer."""
@@ -102,16 +110,18 @@ class FedBuff:
     def __init__(self, section: AsyncConfig):
         self.section, self.updates_per_step = section, section.buffer_size
 
-    def contribution(self, trained: torch.Tensor, start: torch.Tensor, current: torch.Tensor,
-                     staleness: int) -> torch.Tensor:
+    def contribution(
+        self, trained: torch.Tensor, start: torch.Tensor, current: torch.Tensor, staleness: int
+    ) -> torch.Tensor:
         return (trained - start).mul_(staleness_weight(self.section, staleness))
 
     def step(self, total: torch.Tensor, count: int) -> torch.Tensor:
         return total.div_(count)
 
 
-@ASYNC_METHODS.register("fedasync", "mix every update into the global model on arrival, weighted by its "
-                                    "staleness (Xie et al. 2019)")
+@ASYNC_METHODS.register(
+    "fedasync", "mix every update into the global model on arrival, weighted by its staleness (Xie et al. 2019)"
+)
 class FedAsync:
     """A server update from each client update: x <- (1 - a) x + a y_i, a = mixing s(tau_i), as the
     step a (y_i - x) (server_optimizer none adds it)."""
@@ -121,8 +131,9 @@ class FedAsync:
     def __init__(self, section: AsyncConfig):
         self.section = section
 
-    def contribution(self, trained: torch.Tensor, start: torch.Tensor, current: torch.Tensor,
-                     staleness: int) -> torch.Tensor:
+    def contribution(
+        self, trained: torch.Tensor, start: torch.Tensor, current: torch.Tensor, staleness: int
+    ) -> torch.Tensor:
         return (trained - current).mul_(self.section.mixing * staleness_weight(self.section, staleness))
 
     def step(self, total: torch.Tensor, count: int) -> torch.Tensor:

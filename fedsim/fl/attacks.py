@@ -4,6 +4,7 @@ A seeded set of clients (``attack.fraction`` of all clients, fixed for the run) 
 whenever it is sampled. An attack rewrites the attackers' rows of the stacked updates on the
 server before aggregation (``rewrite``), or changes the labels they train on (``relabel``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -73,4 +74,3 @@ def attacker_mask(seed: int, num_clients: int, attack_config) -> torch.Tensor:
         count = int(round(attack_config.fraction * num_clients))
         mask[torch.from_numpy(attackers_rng(seed).choice(num_clients, size=count, replace=False))] = True
     return mask
-

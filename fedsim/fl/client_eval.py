@@ -28,6 +28,7 @@ A client whose split is empty (a class mix so small that rounding leaves it no t
 no accuracy: it is left out of the three numbers, and its rows in ``client_accuracy.csv`` say
 0 samples and accuracy nan.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,11 @@ def spread(accuracies) -> dict:
     values = values[~np.isnan(values)]
     if not len(values):
         return dict.fromkeys(CLIENT_ACCURACY_COLUMNS, math.nan)
-    return {"client_accuracy_mean": float(values.mean()), "client_accuracy_std": float(values.std()),
-            "client_accuracy_p10": float(np.percentile(values, 10))}
+    return {
+        "client_accuracy_mean": float(values.mean()),
+        "client_accuracy_std": float(values.std()),
+        "client_accuracy_p10": float(np.percentile(values, 10)),
+    }
 
 
 class ClientEvaluation:
@@ -66,15 +70,17 @@ class ClientEvaluation:
         self.last: list[dict] = []
 
     @classmethod
-    def for_run(cls, cfg, data, parts, device: torch.device) -> "ClientEvaluation":
+    def for_run(cls, cfg, data, parts, device: torch.device) -> ClientEvaluation:
         return cls(local_test_split(data.train_y, parts, data.test_y, cfg.seed), device)
 
     def warning(self) -> str | None:
         empty = int((self.samples == 0).sum())
         if not empty:
             return None
-        return (f"eval_per_client: {empty} of {len(self.samples)} clients get no test sample from data.test_partition; "
-                f"they are left out of client_accuracy_mean, _std and _p10")
+        return (
+            f"eval_per_client: {empty} of {len(self.samples)} clients get no test sample from data.test_partition; "
+            f"they are left out of client_accuracy_mean, _std and _p10"
+        )
 
     @torch.inference_mode()
     def score(self, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int, rnd: int) -> dict:
@@ -90,8 +96,9 @@ class ClientEvaluation:
         return self._spread(correct, rnd, "global")
 
     @torch.inference_mode()
-    def score_personal(self, module: torch.nn.Module, load, x: torch.Tensor, y: torch.Tensor, batch_size: int,
-                       rnd: int) -> dict:
+    def score_personal(
+        self, module: torch.nn.Module, load, x: torch.Tensor, y: torch.Tensor, batch_size: int, rnd: int
+    ) -> dict:
         """The three columns for every client's own model: ``load(c)`` puts client c's weights into
         ``module``, which then scores c's split."""
         module.eval()
@@ -106,6 +113,8 @@ class ClientEvaluation:
 
     def _spread(self, correct: torch.Tensor, rnd: int, model: str) -> dict:
         accuracies = correct.cpu().double() / self.samples  # 0 / 0: NaN, a client without samples
-        self.last = [{"round": rnd, "client": c, "model": model, "samples": int(n), "accuracy": float(a)}
-                     for c, (n, a) in enumerate(zip(self.samples.tolist(), accuracies.tolist()))]
+        self.last = [
+            {"round": rnd, "client": c, "model": model, "samples": int(n), "accuracy": float(a)}
+            for c, (n, a) in enumerate(zip(self.samples.tolist(), accuracies.tolist()))
+        ]
         return spread(accuracies.numpy())

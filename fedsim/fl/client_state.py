@@ -13,6 +13,7 @@ The server alone reads and writes them. The round's rows travel to the workers i
 buffers (``RoundBuffers.client_state``, one row per slot), filled before the workers train, so
 the numbers are the same for any number of workers or ranks.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,16 +39,23 @@ class ClientStates:
     """``shapes``: name -> the shape of one client's row; ``owners``: name -> who keeps it (for
     messages: "algorithm scaffold", "compression.error_feedback")."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], owners: dict[str, str], num_clients: int,
-                 limit_mb: float | None = None):
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        owners: dict[str, str],
+        num_clients: int,
+        limit_mb: float | None = None,
+    ):
         self.shapes, self.owners, self.num_clients = dict(shapes), dict(owners), num_clients
         self.rows: dict[str, dict[int, torch.Tensor]] = {name: {} for name in shapes}
         limit = host_memory_mb() / 2 if limit_mb is None else limit_mb
         if self.bound_mb() > limit:
             what = ", ".join(f"{owner} {self.row_bytes(name) / 2**20:.2f} MiB" for name, owner in self.owners.items())
-            raise ConfigError(f"{LIMIT_KEY}: the clients' state would take up to {self.bound_mb():,.1f} MiB of host "
-                              f"memory ({what} per client, {num_clients:,} clients), over the limit of {limit:,.1f} "
-                              f"MiB; raise {LIMIT_KEY}, or use fewer clients or a smaller model")
+            raise ConfigError(
+                f"{LIMIT_KEY}: the clients' state would take up to {self.bound_mb():,.1f} MiB of host "
+                f"memory ({what} per client, {num_clients:,} clients), over the limit of {limit:,.1f} "
+                f"MiB; raise {LIMIT_KEY}, or use fewer clients or a smaller model"
+            )
 
     @classmethod
     def of(cls, owners: dict[str, dict[str, tuple[int, ...]]], num_clients: int, limit_mb: float | None):
@@ -56,8 +64,10 @@ class ClientStates:
         for owner, rows in owners.items():
             for name, shape in rows.items():
                 if name in shapes:
-                    raise ConfigError(f"{owner.split()[0]}: {owner} keeps a client state named {name!r}, as "
-                                      f"{owner_of[name]} does; one of them must use another name")
+                    raise ConfigError(
+                        f"{owner.split()[0]}: {owner} keeps a client state named {name!r}, as "
+                        f"{owner_of[name]} does; one of them must use another name"
+                    )
                 shapes[name], owner_of[name] = tuple(shape), owner
         return cls(shapes, owner_of, num_clients, limit_mb)
 
@@ -77,8 +87,11 @@ class ClientStates:
     def gather(self, name: str, clients: list[int], start: torch.Tensor) -> torch.Tensor:
         """The rows of ``clients`` ([k, ...], on ``start``'s device); ``start`` for a client without one."""
         held = self.rows[name]
-        return torch.stack([held[c].to(start.device) if c in held else start for c in clients]) if clients \
+        return (
+            torch.stack([held[c].to(start.device) if c in held else start for c in clients])
+            if clients
             else start.new_zeros(0, *start.shape)
+        )
 
     def scatter(self, name: str, clients: list[int], values: torch.Tensor) -> None:
         for client, value in zip(clients, values):
@@ -87,16 +100,21 @@ class ClientStates:
     def describe(self) -> str:
         """The start-up line: what is kept per client and the most it can take."""
         each = ", ".join(f"{owner} {self.row_bytes(name) / 2**20:.2f} MiB" for name, owner in self.owners.items())
-        return (f"client state in host memory: {each} per client that has one; at most {self.num_clients:,} clients, "
-                f"{self.bound_mb():,.1f} MiB")
+        return (
+            f"client state in host memory: {each} per client that has one; at most {self.num_clients:,} clients, "
+            f"{self.bound_mb():,.1f} MiB"
+        )
 
     def summary(self) -> dict:
         """What the rows hold now, for summary.json."""
         if not self.shapes:
             return {}
         size = sum(t.numel() * 4 for held in self.rows.values() for t in held.values())
-        return {"client_state_clients": {name: len(held) for name, held in self.rows.items()},
-                "client_state_mb": round(size / 2**20, 2), "client_state_bound_mb": round(self.bound_mb(), 2)}
+        return {
+            "client_state_clients": {name: len(held) for name, held in self.rows.items()},
+            "client_state_mb": round(size / 2**20, 2),
+            "client_state_bound_mb": round(self.bound_mb(), 2),
+        }
 
     def state_dict(self) -> dict:
         return {name: dict(held) for name, held in self.rows.items()}
@@ -105,18 +123,29 @@ class ClientStates:
         """The rows of a checkpoint, each checked: a float32 row of this run's shape, for a client
         of the federation, under a name this run keeps."""
         if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
-            raise FedsimError(f"{source}: holds a {type(saved).__name__} for client_state where rows by name and "
-                              f"client belong; it is not this run's checkpoint")
+            raise FedsimError(
+                f"{source}: holds a {type(saved).__name__} for client_state where rows by name and "
+                f"client belong; it is not this run's checkpoint"
+            )
         for name, held in saved.items():
             if held and name not in self.shapes:
-                raise FedsimError(f"{source}: holds client state {name!r}, which this run does not keep; it is not "
-                                  f"this run's checkpoint")
+                raise FedsimError(
+                    f"{source}: holds client state {name!r}, which this run does not keep; it is not "
+                    f"this run's checkpoint"
+                )
             for client, value in held.items():
-                if not (is_integer(client) and 0 <= client < self.num_clients and isinstance(value, torch.Tensor)
-                        and tuple(value.shape) == tuple(self.shapes[name]) and value.dtype == torch.float32
-                        and torch.isfinite(value).all()):
-                    raise FedsimError(f"{source}: holds client state {name!r} for client {client!r} that this run "
-                                      f"({self.num_clients} clients) cannot use: it needs finite float32 of shape "
-                                      f"{tuple(self.shapes[name])}; it is not this run's checkpoint")
+                if not (
+                    is_integer(client)
+                    and 0 <= client < self.num_clients
+                    and isinstance(value, torch.Tensor)
+                    and tuple(value.shape) == tuple(self.shapes[name])
+                    and value.dtype == torch.float32
+                    and torch.isfinite(value).all()
+                ):
+                    raise FedsimError(
+                        f"{source}: holds client state {name!r} for client {client!r} that this run "
+                        f"({self.num_clients} clients) cannot use: it needs finite float32 of shape "
+                        f"{tuple(self.shapes[name])}; it is not this run's checkpoint"
+                    )
         for name in self.shapes:
             self.rows[name] = dict(saved.get(name, {}))

@@ -45,17 +45,17 @@ index per coordinate kept); qsgd, ceil((32 B + n (1 + ceil(log2(s + 1)))) / 8) b
 ceil(n / bucket_size) buckets: a float32 norm per bucket and, per coordinate, a sign bit and xi
 in ceil(log2(s + 1)) bits, packed (the paper's Elias coding of the levels can be shorter).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 from ..core.checks import Checks
-from .client_state import ClientStates
 from ..core.registry import Registry
 from ..core.streams import compression_generator
+from .client_state import ClientStates
 
 COMPRESSORS = Registry("compressor")
 MAX_LEVELS = 2**16 - 1  # a level in 16 bits; with more, a coordinate costs over half of its float32
@@ -70,8 +70,8 @@ class CompressionConfig:
     type: str = "none"  # none | topk | qsgd
     ratio: float = 0.01  # topk: the share of the coordinates a client sends
     levels: int = 15  # qsgd: s quantization levels of |v_i| / ||v||
-    bucket_size: Optional[int] = 512  # qsgd: coordinates that share one norm; None: the whole update
-    error_feedback: Optional[bool] = None  # None: the compressor's usual choice (topk on, qsgd off)
+    bucket_size: int | None = 512  # qsgd: coordinates that share one norm; None: the whole update
+    error_feedback: bool | None = None  # None: the compressor's usual choice (topk on, qsgd off)
 
 
 class Compressor:
@@ -95,8 +95,11 @@ class Compressor:
 COMPRESSORS.register("none", "send every update whole (float32)")(Compressor)
 
 
-@COMPRESSORS.register("topk", "send the ratio x n largest-magnitude coordinates, values and indices "
-                              "(Stich et al. 2018; error feedback on by default)")
+@COMPRESSORS.register(
+    "topk",
+    "send the ratio x n largest-magnitude coordinates, values and indices "
+    "(Stich et al. 2018; error feedback on by default)",
+)
 class TopK(Compressor):
     options = ("ratio",)
     error_feedback = True
@@ -114,8 +117,11 @@ class TopK(Compressor):
         return 8 * self.kept(n)  # a float32 value and an int32 index per coordinate kept
 
 
-@COMPRESSORS.register("qsgd", "send per bucket its norm, per coordinate a sign and a level in 0..levels "
-                              "rounded at random without bias (Alistarh et al. 2017)")
+@COMPRESSORS.register(
+    "qsgd",
+    "send per bucket its norm, per coordinate a sign and a level in 0..levels "
+    "rounded at random without bias (Alistarh et al. 2017)",
+)
 class QSGD(Compressor):
     options = ("levels", "bucket_size")
     random = True
@@ -150,8 +156,11 @@ def check(section: CompressionConfig) -> None:
     if section.bucket_size is not None:
         _CHECKS.at_least("bucket_size", section.bucket_size, 1)
     if section.type == "none" and section.error_feedback:
-        _CHECKS.fail("error_feedback", "compression.type none sends every update whole, so nothing is left to feed "
-                                       "back; choose compression.type topk or qsgd")
+        _CHECKS.fail(
+            "error_feedback",
+            "compression.type none sends every update whole, so nothing is left to feed "
+            "back; choose compression.type topk or qsgd",
+        )
 
 
 def feeds_back(section: CompressionConfig) -> bool:
@@ -164,9 +173,11 @@ def feeds_back(section: CompressionConfig) -> bool:
 def unused_options(section: CompressionConfig) -> list[str]:
     """Options set to other than their default that the chosen compressor does not read."""
     default, reads = CompressionConfig(), COMPRESSORS.get(section.type).options
-    return [f"compression.{key} is {getattr(section, key)!r} but compression.type {section.type} does not use it"
-            for key in ("ratio", "levels", "bucket_size")
-            if key not in reads and getattr(section, key) != getattr(default, key)]
+    return [
+        f"compression.{key} is {getattr(section, key)!r} but compression.type {section.type} does not use it"
+        for key in ("ratio", "levels", "bucket_size")
+        if key not in reads and getattr(section, key) != getattr(default, key)
+    ]
 
 
 def client_shapes(section: CompressionConfig, n: int) -> dict[str, tuple[int, ...]]:
@@ -186,7 +197,7 @@ class Compression:
         self.states: ClientStates | None = None  # set by use_states
 
     @classmethod
-    def from_config(cls, cfg) -> "Compression | None":
+    def from_config(cls, cfg) -> Compression | None:
         """The run's Compression, or None when every update is sent whole."""
         return None if cfg.compression.type == "none" else cls(cfg.compression, cfg.seed)
 

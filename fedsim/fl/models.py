@@ -3,6 +3,7 @@
 Models return class scores; training and evaluation use cross-entropy on them (for a model
 that already ends in log-softmax this equals the negative log-likelihood).
 """
+
 from __future__ import annotations
 
 import math
@@ -80,7 +81,7 @@ class CifarCNN(nn.Module):
         self.conv1 = nn.Conv2d(in_channels, 6, kernel_size=5)
         self.conv2 = nn.Conv2d(6, 16, kernel_size=5)
         after_convs = ((side - 4) // 2 - 4) // 2  # 5 for 32x32 inputs, 4 for 28x28
-        self.fc1 = nn.Linear(16 * after_convs ** 2, 120)
+        self.fc1 = nn.Linear(16 * after_convs**2, 120)
         self.fc2 = nn.Linear(120, 84)
         self.fc3 = nn.Linear(84, num_classes)
 
@@ -107,9 +108,11 @@ class SimpleCNN(nn.Module):
         self.conv2 = nn.Conv2d(6, 16, 5)
         after_convs = ((side - 4) // 2 - 4) // 2  # 4 for 28x28 inputs, 5 for 32x32
         if after_convs < 1:
-            raise ValueError(f"images of {side}x{side} pixels are too small for its two 5x5 convolutions "
-                             f"and 2x2 poolings (16x16 at least)")
-        self.fc1 = nn.Linear(16 * after_convs ** 2, 120)
+            raise ValueError(
+                f"images of {side}x{side} pixels are too small for its two 5x5 convolutions "
+                f"and 2x2 poolings (16x16 at least)"
+            )
+        self.fc1 = nn.Linear(16 * after_convs**2, 120)
         self.fc2 = nn.Linear(120, 84)
         self.fc3 = nn.Linear(84, num_classes)
 
@@ -156,8 +159,9 @@ class BasicBlock(nn.Module):
         self.norm2 = _group_norm(channels)
         self.shortcut = nn.Identity()
         if stride != 1 or in_channels != channels:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, channels, 1, stride=stride, bias=False),
-                                          _group_norm(channels))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, channels, 1, stride=stride, bias=False), _group_norm(channels)
+            )
 
     def forward(self, x):
         out = F.relu(self.norm1(self.conv1(x)))
@@ -211,8 +215,9 @@ def cifar_cnn(input_shape, num_classes):
     return CifarCNN(input_shape[0], num_classes, side=input_shape[-1])
 
 
-@MODELS.register("simple_cnn", "NIID-Bench's simple-cnn (Li et al. 2022): conv 6, conv 16, fc 120-84, "
-                                "44,426 parameters on 1x28x28")
+@MODELS.register(
+    "simple_cnn", "NIID-Bench's simple-cnn (Li et al. 2022): conv 6, conv 16, fc 120-84, 44,426 parameters on 1x28x28"
+)
 def simple_cnn(input_shape, num_classes):
     return SimpleCNN(input_shape[0], num_classes, side=input_shape[-1])
 
@@ -222,7 +227,8 @@ def resnet18(input_shape, num_classes):
     return ResNet18(input_shape[0], num_classes)
 
 
-@MODELS.register("pfl_cnn", "pfl-research's CIFAR-10 benchmark CNN: conv 32, conv 64, fc 128 "
-                            "(1,626,442 parameters on 3x32x32)")
+@MODELS.register(
+    "pfl_cnn", "pfl-research's CIFAR-10 benchmark CNN: conv 32, conv 64, fc 128 (1,626,442 parameters on 3x32x32)"
+)
 def pfl_cnn(input_shape, num_classes):
     return PflCNN(input_shape[0], num_classes, side=input_shape[-1])

@@ -55,28 +55,28 @@ Accounting. ``epsilon(rounds)`` is the epsilon at ``delta`` after ``rounds`` rou
 Poisson-subsampled Gaussian mechanism (rate q, noise multiplier z), from Google's
 ``dp-accounting`` library, under the add/remove-one-client relation: ``accountant: pld`` (the
 default) composes privacy loss distributions (Koskela et al. 2020; Doroshenko et al. 2022), a
-valid and tight bound, discretised pessimistically at 1e-3 so that each round's number takes
-tens of milliseconds; ``accountant: rdp`` is the Renyi-DP bound of the sampled Gaussian mechanism
-(Mironov, Talwar, Zhang 2019), valid but looser (1.1 to 3.1 times the PLD epsilon at common
-settings). The noise is torch's floating-point Gaussian, as in Opacus; floating-point attacks on
-noise samplers (Mironov 2012) are outside this simulation's model. Non-finite updates that the
+valid and tight bound, discretised pessimistically at 1e-3 so that each round's number is
+quick to compute; ``accountant: rdp`` is the Renyi-DP bound of the sampled Gaussian mechanism
+(Mironov, Talwar, Zhang 2019), valid but looser (docs/privacy.md says by how much). The noise is
+torch's floating-point Gaussian, as in Opacus; floating-point attacks on noise samplers (Mironov
+2012) are outside this simulation's model. Non-finite updates that the
 engine drops, and clients that fail, only remove contributions, which the analysis allows.
 """
+
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import logging
 import math
-from collections.abc import Mapping
-from typing import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
-from .aggregation import float64_blocks, row_norms
 from ..core.checks import FLOAT32, Checks, is_integer, is_number
 from ..core.errors import ConfigError
 from ..core.streams import privacy_noise_generator
+from .aggregation import float64_blocks, row_norms
 
 RULES = ("fedavg", "mean")  # the rules that privacy's clipped, noised mean replaces
 REQUIRED = ("clip", "noise_multiplier", "delta")
@@ -107,8 +107,18 @@ class Privacy:
     adaptive clip, in ``state`` (a checkpoint holds it), so a resumed run continues exactly.
     """
 
-    def __init__(self, clip, noise_multiplier, delta, clients_per_round: int, num_clients: int,
-                 accountant: str = "pld", target_quantile=None, clip_learning_rate=0.2, count_noise=None):
+    def __init__(
+        self,
+        clip,
+        noise_multiplier,
+        delta,
+        clients_per_round: int,
+        num_clients: int,
+        accountant: str = "pld",
+        target_quantile=None,
+        clip_learning_rate=0.2,
+        count_noise=None,
+    ):
         self.clip = _CHECKS.positive("clip", clip)  # float32's normal range: a clip of 1e-45 would zero every update
         if not is_number(noise_multiplier) or not 0 <= noise_multiplier <= FLOAT32.max:
             # bounded as config floats are: z C then stays finite in float64
@@ -124,8 +134,9 @@ class Privacy:
             _TOP.fail("clients_per_round", f"must be <= data.num_clients ({num_clients}), got {clients_per_round}")
         self.sample_rate = self.clients_per_round / self.num_clients  # q
         self.clip_learning_rate = _CHECKS.positive("clip_learning_rate", clip_learning_rate)
-        self.count_noise = self.clients_per_round / 20 if count_noise is None else \
-            _CHECKS.positive("count_noise", count_noise)
+        self.count_noise = (
+            self.clients_per_round / 20 if count_noise is None else _CHECKS.positive("count_noise", count_noise)
+        )
         self.update_noise = self.noise_multiplier  # z_u: what the updates get (all of z without adaptive clipping)
         self.state: dict[str, torch.Tensor] = {}
         if target_quantile is not None:
@@ -134,21 +145,25 @@ class Privacy:
 
     def _adaptive(self, target_quantile) -> None:
         if not is_number(target_quantile) or not 0 < target_quantile < 1:
-            _CHECKS.fail("target_quantile", f"must be a number in (0, 1), or null for a fixed clip, "
-                                            f"got {target_quantile!r}")
+            _CHECKS.fail(
+                "target_quantile", f"must be a number in (0, 1), or null for a fixed clip, got {target_quantile!r}"
+            )
         self.target_quantile = float(target_quantile)
         if self.noise_multiplier > 0:
             if not 2 * self.count_noise > self.noise_multiplier:
-                _CHECKS.fail("count_noise", f"must be > noise_multiplier / 2 ({self.noise_multiplier / 2:g}) for "
-                                            f"adaptive clipping to leave noise for the updates, got "
-                                            f"{self.count_noise:g} (the default is clients_per_round / 20)")
-            self.update_noise = (self.noise_multiplier**-2 - (2 * self.count_noise)**-2) ** -0.5
+                _CHECKS.fail(
+                    "count_noise",
+                    f"must be > noise_multiplier / 2 ({self.noise_multiplier / 2:g}) for "
+                    f"adaptive clipping to leave noise for the updates, got "
+                    f"{self.count_noise:g} (the default is clients_per_round / 20)",
+                )
+            self.update_noise = (self.noise_multiplier**-2 - (2 * self.count_noise) ** -2) ** -0.5
         self.state["clip"] = torch.tensor([self.clip], dtype=torch.float64)
 
     # ----------------------------------------------------------------- from a config
 
     @classmethod
-    def from_config(cls, cfg) -> "Privacy | None":
+    def from_config(cls, cfg) -> Privacy | None:
         """The run's Privacy, or None without a ``privacy`` section (absent or null). The section
         is a mapping or an object with the attributes ``clip``, ``noise_multiplier``, ``delta``
         (and optionally the other KEYS), which it validates. What privacy cannot be combined with
@@ -179,9 +194,11 @@ class Privacy:
         client data, so they would need the noise too, and noise can make a running variance
         negative. Opacus refuses BatchNorm for the same reason; fedsim's models use GroupNorm."""
         if length > num_params:
-            raise ConfigError(f"privacy: model {model} has {length - num_params:,} buffer values (batch-norm "
-                              f"running statistics, say) computed from client data, which DP-FedAvg cannot release; "
-                              f"use a model without buffers (GroupNorm instead of BatchNorm)")
+            raise ConfigError(
+                f"privacy: model {model} has {length - num_params:,} buffer values (batch-norm "
+                f"running statistics, say) computed from client data, which DP-FedAvg cannot release; "
+                f"use a model without buffers (GroupNorm instead of BatchNorm)"
+            )
 
     # ----------------------------------------------------------------- one round
 
@@ -222,8 +239,11 @@ class Privacy:
         total += noise.to(total.device).mul_(self.update_noise * clip)
         if "clip" in self.state:
             within = float((scales == 1).sum())  # norm <= C (up to the 1e-9 margin above)
-            share = (within - len(scales) / 2 + self.count_noise * float(torch.randn(1, generator=generator,
-                     dtype=torch.float64))) / self.clients_per_round + 0.5
+            share = (
+                within
+                - len(scales) / 2
+                + self.count_noise * float(torch.randn(1, generator=generator, dtype=torch.float64))
+            ) / self.clients_per_round + 0.5
             self.state["clip"].mul_(math.exp(-self.clip_learning_rate * (share - self.target_quantile)))
         limit = torch.finfo(updates.dtype).max
         return total.div_(self.clients_per_round).clamp_(-limit, limit).to(updates.dtype)
@@ -246,24 +266,26 @@ class Privacy:
         if self.noise_multiplier == 0:
             return math.inf
         if rounds not in self._epsilons:
-            self._epsilons[rounds] = self._pld_epsilon(rounds) if self.accountant == "pld" else \
-                self._rdp_epsilon(rounds)
+            self._epsilons[rounds] = (
+                self._pld_epsilon(rounds) if self.accountant == "pld" else self._rdp_epsilon(rounds)
+            )
         return self._epsilons[rounds]
 
     def _pld_epsilon(self, rounds: int) -> float:
         if self._loss_distribution is None:
             pld = _import("dp_accounting.pld.privacy_loss_distribution")
             self._loss_distribution = pld.from_gaussian_mechanism(
-                self.noise_multiplier, sampling_prob=self.sample_rate,
-                value_discretization_interval=PLD_DISCRETIZATION)
+                self.noise_multiplier, sampling_prob=self.sample_rate, value_discretization_interval=PLD_DISCRETIZATION
+            )
         composed = self._loss_distribution.self_compose(rounds) if rounds > 1 else self._loss_distribution
         return float(composed.get_epsilon_for_delta(self.delta))
 
     def _rdp_epsilon(self, rounds: int) -> float:
         dp = _import("dp_accounting")
         accountant = _import("dp_accounting.rdp").RdpAccountant()
-        accountant.compose(dp.PoissonSampledDpEvent(self.sample_rate, dp.GaussianDpEvent(self.noise_multiplier)),
-                           rounds)
+        accountant.compose(
+            dp.PoissonSampledDpEvent(self.sample_rate, dp.GaussianDpEvent(self.noise_multiplier)), rounds
+        )
         return float(accountant.get_epsilon(self.delta))
 
 
@@ -282,7 +304,7 @@ def _weighted_sum(rows: torch.Tensor, coefficients: torch.Tensor) -> torch.Tenso
     out = torch.empty(rows.shape[1], dtype=torch.float64, device=rows.device)
     coefficients = coefficients.to(device=rows.device, dtype=torch.float64)
     for start, block in float64_blocks(rows):
-        torch.mv(block.T, coefficients, out=out[start:start + block.shape[1]])
+        torch.mv(block.T, coefficients, out=out[start : start + block.shape[1]])
     return out
 
 

@@ -24,9 +24,10 @@ Experiment file (top-level keys, shown with their defaults)::
 Every draw comes from the stream ``streams.SAMPLING`` of (seed, round), so the sample is the same in
 every worker and rank and after a resume.
 """
+
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -38,9 +39,9 @@ SAMPLINGS = {
     "uniform": "k online clients, equally likely, without replacement (the default)",
     "by_size": "k online clients without replacement, each draw proportional to the number of samples",
     "poisson": "each client independently with probability clients_per_round / num_clients (DP-FedAvg's "
-               "sampling; needed by privacy)",
+    "sampling; needed by privacy)",
     "power_of_choice": "of d candidates drawn by size, the k whose loss on the global model is highest "
-                       "(Cho et al. 2020; d is sampling_candidates)",
+    "(Cho et al. 2020; d is sampling_candidates)",
 }
 CLIENT_SAMPLINGS = Registry("client sampling")  # for `fedsim list`
 for _name, _line in SAMPLINGS.items():
@@ -49,8 +50,9 @@ for _name, _line in SAMPLINGS.items():
 _CHECKS = Checks()  # client_sampling and sampling_candidates are top-level keys
 
 
-def check_sampling(client_sampling, sampling_candidates, clients_per_round: Optional[int] = None,
-                   num_clients: Optional[int] = None) -> Optional[int]:
+def check_sampling(
+    client_sampling, sampling_candidates, clients_per_round: int | None = None, num_clients: int | None = None
+) -> int | None:
     """d (``sampling_candidates``) as an int, or None; a one-line ConfigError naming the key for a
     bad value. The bounds k <= d <= N are checked only when ``clients_per_round`` (k) and
     ``num_clients`` (N) are given."""
@@ -59,12 +61,17 @@ def check_sampling(client_sampling, sampling_candidates, clients_per_round: Opti
     d = _CHECKS.count("sampling_candidates", sampling_candidates, 1, optional=True)
     if d is None:
         if client_sampling == "power_of_choice":
-            _CHECKS.fail("sampling_candidates", "client_sampling power_of_choice needs d, the number of candidates "
-                                                "(clients_per_round <= d <= data.num_clients)")
+            _CHECKS.fail(
+                "sampling_candidates",
+                "client_sampling power_of_choice needs d, the number of candidates "
+                "(clients_per_round <= d <= data.num_clients)",
+            )
         return None
     if clients_per_round is not None and d < clients_per_round:
-        _CHECKS.fail("sampling_candidates", f"must be >= clients_per_round ({clients_per_round}): the round keeps "
-                                            f"k of its d candidates, got {d}")
+        _CHECKS.fail(
+            "sampling_candidates",
+            f"must be >= clients_per_round ({clients_per_round}): the round keeps k of its d candidates, got {d}",
+        )
     if num_clients is not None and d > num_clients:
         _CHECKS.fail("sampling_candidates", f"must be <= data.num_clients ({num_clients}), got {d}")
     return d
@@ -111,8 +118,10 @@ def choose(candidates: np.ndarray, k: int, losses) -> np.ndarray:
     if len(candidates) <= k:
         return candidates
     if losses is None:
-        raise ValueError(f"power_of_choice: round() needs the losses of the {len(candidates)} candidates "
-                         f"(System.candidates) to keep {k}")
+        raise ValueError(
+            f"power_of_choice: round() needs the losses of the {len(candidates)} candidates "
+            f"(System.candidates) to keep {k}"
+        )
     if isinstance(losses, Mapping):
         missing = [int(c) for c in candidates if int(c) not in losses]
         if missing:

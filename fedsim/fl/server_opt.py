@@ -9,6 +9,7 @@ Each optimizer is built with the keyword arguments of ``make_server_optimizer``:
 (``server_lr``; ``None`` means the optimizer's ``default_lr``), ``momentum``, ``beta1``,
 ``beta2``, ``tau``, ``num_params`` and ``device``; each takes the ones it needs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,8 +43,9 @@ class NoServerOptimizer(ServerOptimizer):
         weights.add_(delta)
 
 
-@SERVER_OPTIMIZERS.register("fedavgm", "server momentum: v = momentum v + delta, x += server_lr v "
-                                       "(default lr 1; Hsu et al. 2019)")
+@SERVER_OPTIMIZERS.register(
+    "fedavgm", "server momentum: v = momentum v + delta, x += server_lr v (default lr 1; Hsu et al. 2019)"
+)
 class FedAvgM(ServerOptimizer):
     """FedAvgM (Hsu et al. 2019, "Measuring the effects of non-identical data distribution"):
     heavy-ball momentum on the pseudo-gradient, ``v <- beta v + delta; x <- x + lr v``, with
@@ -101,8 +103,9 @@ class AdaptiveServerOptimizer(ServerOptimizer):
         return {"first_moment": self.first_moment.clone(), "second_moment": self.second_moment.clone()}
 
 
-@SERVER_OPTIMIZERS.register("fedadagrad", "Adagrad on the pseudo-gradient: v += delta^2 (default lr 0.1; "
-                                          "Reddi et al. 2021)")
+@SERVER_OPTIMIZERS.register(
+    "fedadagrad", "Adagrad on the pseudo-gradient: v += delta^2 (default lr 0.1; Reddi et al. 2021)"
+)
 class FedAdagrad(AdaptiveServerOptimizer):
     """FedAdagrad (Reddi et al. 2021): ``v <- v + delta^2``. Since ``v`` only grows, the step
     shrinks over rounds, so the default ``lr`` is ten times that of FedAdam and FedYogi."""
@@ -113,8 +116,9 @@ class FedAdagrad(AdaptiveServerOptimizer):
         self.second_moment.add_(squared)
 
 
-@SERVER_OPTIMIZERS.register("fedadam", "Adam on the pseudo-gradient, no bias correction (default lr 0.01; "
-                                       "Reddi et al. 2021)")
+@SERVER_OPTIMIZERS.register(
+    "fedadam", "Adam on the pseudo-gradient, no bias correction (default lr 0.01; Reddi et al. 2021)"
+)
 class FedAdam(AdaptiveServerOptimizer):
     """FedAdam (Reddi et al. 2021): ``v <- beta2 v + (1 - beta2) delta^2``."""
 
@@ -122,8 +126,9 @@ class FedAdam(AdaptiveServerOptimizer):
         self.second_moment.mul_(self.beta2).add_(squared, alpha=1 - self.beta2)
 
 
-@SERVER_OPTIMIZERS.register("fedyogi", "Yogi on the pseudo-gradient, no bias correction (default lr 0.01; "
-                                       "Reddi et al. 2021)")
+@SERVER_OPTIMIZERS.register(
+    "fedyogi", "Yogi on the pseudo-gradient, no bias correction (default lr 0.01; Reddi et al. 2021)"
+)
 class FedYogi(AdaptiveServerOptimizer):
     """FedYogi (Reddi et al. 2021; Yogi of Zaheer et al. 2018):
     ``v <- v - (1 - beta2) delta^2 sign(v - delta^2)``: ``v`` moves towards ``delta^2`` by a
@@ -136,5 +141,12 @@ class FedYogi(AdaptiveServerOptimizer):
 
 def make_server_optimizer(config, num_params: int, device) -> ServerOptimizer:
     cls = SERVER_OPTIMIZERS.get(config.server_optimizer)
-    return cls(lr=config.server_lr, momentum=config.server_momentum, beta1=config.server_beta1,
-               beta2=config.server_beta2, tau=config.server_tau, num_params=num_params, device=device)
+    return cls(
+        lr=config.server_lr,
+        momentum=config.server_momentum,
+        beta1=config.server_beta1,
+        beta2=config.server_beta2,
+        tau=config.server_tau,
+        num_params=num_params,
+        device=device,
+    )

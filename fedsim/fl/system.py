@@ -13,19 +13,7 @@ are late, in FLGo's vocabulary (Wang et al., FLGo's ``flgo.simulator``):
 Who is sampled among the online clients (``client_sampling``: uniform, by_size, power_of_choice)
 is sampling.py's.
 
-Experiment file (every key optional; shown with its default unless marked as an example)::
-
-    system:
-      availability: 1.0           # p in (0, 1]: every client online with probability p each round;
-                                  #   or per-client probabilities, drawn once per client:
-                                  #   {uniform: [low, high]} (0 <= low <= high <= 1, high > 0) or {beta: [a, b]} (a, b > 0)
-      dropout: 0.0                # in [0, 1): a sampled client fails before reporting
-      speed: null                 # null: every client 1; {lognormal: sigma} (median 1, 0 <= sigma <= 10)
-                                  #   or {uniform: [low, high]} (0 < low <= high), drawn once per client
-      deadline: null              # simulated seconds a round waits; null: no deadline, no stragglers
-      step_seconds: 1.0           # simulated seconds one local SGD step takes at speed 1
-      stragglers: drop            # drop | partial (accepted without a deadline, where it does nothing:
-                                  #   see System.warnings)
+Its ``system:`` section and its checks are system_config.py's.
 
 Randomness. Every draw comes from a stream keyed by what it is for (see ``streams.py``), never by a
 process's history, so a plan is the same in every worker and rank and after a resume:
@@ -56,133 +44,20 @@ Use on the server, once per round::
 
 The module is pure: it keeps no state between calls except a cache of the per-client constants.
 """
+
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.checks import Checks, is_number, shown
-from ..core.errors import cut
-from .sampling import check_sampling, choose, draw
 from ..core.streams import AVAILABILITY, DROPOUT, ONLINE, SPEED, generator
+from .sampling import choose, draw
+from .system_config import parse_system
 
-
-@dataclass
-class SystemConfig:
-    """The ``system:`` section; the defaults simulate none. ``availability`` is a probability or a
-    one-key mapping, ``speed`` null or a one-key mapping: typed loosely so that the message of the
-    checks below, listing every form, is the one a bad value gets."""
-
-    availability: Optional[Any] = 1.0  # online probability: p, {uniform: [low, high]} or {beta: [a, b]}
-    dropout: float = 0.0  # a sampled client fails before reporting
-    speed: Optional[Any] = None  # relative compute speed: null (all 1), {lognormal: sigma}, {uniform: [lo, hi]}
-    deadline: Optional[float] = None  # simulated seconds a round waits; null: no stragglers
-    step_seconds: float = 1.0  # simulated seconds of one local step at speed 1
-    stragglers: str = "drop"  # drop | partial: keep the steps finished by the deadline
-
-
-KEYS = tuple(f.name for f in fields(SystemConfig))
-STRAGGLERS = ("drop", "partial")
-AVAILABILITY_DISTRIBUTIONS = ("uniform", "beta")
-SPEED_DISTRIBUTIONS = ("lognormal", "uniform")
-MAX_SIGMA = 10.0  # beyond this, lognormal speeds of a large federation over- and underflow float64
 # A step that ends within a billionth (relative) of the deadline counts as in time: 3 s / 0.1 s is
 # 30 steps, although 3 / 0.1 is 29.999999999999996 in floating point.
 _IN_TIME = 1e-9
-_CHECKS = Checks("system")
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-@dataclass(frozen=True)
-class _Spec:
-    sampling: str
-    candidates: Optional[int]
-    availability: tuple  # ("constant", p) | ("uniform", low, high) | ("beta", a, b)
-    dropout: float
-    speed: tuple  # ("constant", 1.0) | ("lognormal", sigma) | ("uniform", low, high)
-    deadline: Optional[float]
-    step_seconds: float
-    stragglers: str
-
-
-def _one_key(key: str, value, names: Sequence[str], forms: str):
-    """A distribution written as a one-key mapping, ``{name: parameters}``."""
-    if not isinstance(value, Mapping) or len(value) != 1:
-        _CHECKS.fail(key, f"must be {forms}, got {shown(value)}")
-    (name, params), = value.items()
-    if name not in names:
-        _CHECKS.fail(key, f"unknown distribution {cut(str(name))!r}; choose one of: {', '.join(names)} ({forms})")
-    return name, params
-
-
-def _pair(key: str, name: str, params, what: str) -> tuple[float, float]:
-    if not isinstance(params, (list, tuple)) or len(params) != 2 or not all(is_number(p) for p in params):
-        _CHECKS.fail(key, f"{name} takes [{what}], two finite numbers, got {shown(params)}")
-    return float(params[0]), float(params[1])
-
-
-def _availability(value) -> tuple:
-    # as dropout 1 loses every client's work, availability 0 would put every client offline
-    key, forms = "availability", "a probability in (0, 1], {uniform: [low, high]} or {beta: [a, b]}"
-    offline = " (0 would keep every client offline, and no round would train anyone)"
-    if not isinstance(value, Mapping):
-        p = _CHECKS.number(key, value, f"must be {forms}")
-        if not 0 < p <= 1:
-            _CHECKS.fail(key, f"must be a probability in (0, 1], got {p}{offline if p == 0 else ''}")
-        return ("constant", p)
-    name, params = _one_key(key, value, AVAILABILITY_DISTRIBUTIONS, forms)
-    if name == "uniform":
-        low, high = _pair(key, name, params, "low, high")
-        if not (0 <= low <= high <= 1 and high > 0):
-            _CHECKS.fail(key, f"uniform [low, high] needs 0 <= low <= high <= 1 (probabilities) and high above 0, "
-                              f"got [{low}, {high}]{offline if high == 0 else ''}")
-        return ("uniform", low, high)
-    a, b = _pair(key, name, params, "a, b")
-    if not (a > 0 and b > 0):
-        _CHECKS.fail(key, f"beta [a, b] needs a > 0 and b > 0, got [{a}, {b}]")
-    return ("beta", a, b)
-
-
-def _speed(value) -> tuple:
-    key, forms = "speed", "null (every client 1), {lognormal: sigma} or {uniform: [low, high]}"
-    if value is None:
-        return ("constant", 1.0)
-    name, params = _one_key(key, value, SPEED_DISTRIBUTIONS, forms)
-    if name == "lognormal":
-        sigma = _CHECKS.number(key, params, "lognormal takes sigma, a finite number")
-        if not 0 <= sigma <= MAX_SIGMA:
-            _CHECKS.fail(key, f"lognormal sigma must be in [0, {MAX_SIGMA:g}], got {sigma}")
-        return ("lognormal", sigma)
-    low, high = _pair(key, name, params, "low, high")
-    if not 0 < low <= high:
-        _CHECKS.fail(key, f"uniform [low, high] needs 0 < low <= high (a speed of 0 never finishes), "
-                          f"got [{low}, {high}]")
-    return ("uniform", low, high)
-
-
-def _seconds(key: str, value, null: str = "") -> float:
-    """Simulated seconds > 0; ``null`` says what null means where it is allowed."""
-    seconds = _CHECKS.number(key, value, f"must be a number of simulated seconds > 0{null}")
-    if not seconds > 0:
-        _CHECKS.fail(key, f"must be > 0 simulated seconds{null}, got {seconds}")
-    return seconds
-
-
-def _parse(section, client_sampling, sampling_candidates, clients_per_round=None, num_clients=None) -> _Spec:
-    candidates = check_sampling(client_sampling, sampling_candidates, clients_per_round, num_clients)
-    values = {**_CHECKS.mapping(SystemConfig(), KEYS), **_CHECKS.mapping(section, KEYS)}
-    dropout = _CHECKS.number("dropout", values["dropout"], "must be a probability in [0, 1)")
-    deadline = values["deadline"]
-    return _Spec(sampling=client_sampling, candidates=candidates, availability=_availability(values["availability"]),
-                 dropout=_CHECKS.within("dropout", dropout, 0, 1, "[)", " (1 would lose every client's work)"),
-                 speed=_speed(values["speed"]),
-                 deadline=None if deadline is None else _seconds("deadline", deadline, ", or null for none"),
-                 step_seconds=_seconds("step_seconds", values["step_seconds"]),
-                 stragglers=_CHECKS.one_of("stragglers", values["stragglers"], STRAGGLERS))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -220,7 +95,7 @@ class RoundPlan:
     seconds: np.ndarray  # aligned with sampled: the simulated seconds of its full work
     simulated_seconds: float  # the round's simulated duration (see System.round)
 
-    def step_limit(self, client: int) -> Optional[int]:
+    def step_limit(self, client: int) -> int | None:
         """The steps ``client`` may take (None: all); KeyError if it does not report."""
         where = np.searchsorted(self.clients, client)
         if where == len(self.clients) or self.clients[where] != client:
@@ -241,8 +116,12 @@ class RoundPlan:
     def metrics(self, left_out: int = 0) -> dict:
         """The round's columns for metrics.csv. ``left_out``: reporting clients the engine left out
         afterwards (non-finite updates), added to ``dropped_clients``."""
-        return {"unavailable": self.unavailable, "dropped_clients": len(self.dropped) + int(left_out),
-                "stragglers": len(self.stragglers), "simulated_seconds": self.simulated_seconds}
+        return {
+            "unavailable": self.unavailable,
+            "dropped_clients": len(self.dropped) + int(left_out),
+            "stragglers": len(self.stragglers),
+            "simulated_seconds": self.simulated_seconds,
+        }
 
 
 # ----------------------------------------------------------------------------- the system
@@ -254,35 +133,56 @@ class System:
     ``section``: the ``system:`` section (a mapping, a SystemConfig or None); bad values raise a
     one-line ConfigError that starts with the key (``system.availability: ...``)."""
 
-    def __init__(self, section=None, *, client_sampling: str = "uniform", sampling_candidates: Optional[int] = None,
-                 epochs: int = 1, batch_size: int = 64):
-        self.spec = _parse(section, client_sampling, sampling_candidates)
+    def __init__(
+        self,
+        section=None,
+        *,
+        client_sampling: str = "uniform",
+        sampling_candidates: int | None = None,
+        epochs: int = 1,
+        batch_size: int = 64,
+    ):
+        self.spec = parse_system(section, client_sampling, sampling_candidates)
         if int(epochs) < 1 or int(batch_size) < 1:
             raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
         self.epochs, self.batch_size = int(epochs), int(batch_size)
         self._cache: tuple = (None, None, None)
 
     @classmethod
-    def from_config(cls, cfg) -> "System":
+    def from_config(cls, cfg) -> System:
         """From a Config: ``cfg.system``, ``cfg.client_sampling``, ``cfg.sampling_candidates`` (each
         optional) and ``cfg.local.epochs``, ``cfg.local.batch_size``."""
-        return cls(getattr(cfg, "system", None), client_sampling=getattr(cfg, "client_sampling", "uniform"),
-                   sampling_candidates=getattr(cfg, "sampling_candidates", None), epochs=cfg.local.epochs,
-                   batch_size=cfg.local.batch_size)
+        return cls(
+            getattr(cfg, "system", None),
+            client_sampling=getattr(cfg, "client_sampling", "uniform"),
+            sampling_candidates=getattr(cfg, "sampling_candidates", None),
+            epochs=cfg.local.epochs,
+            batch_size=cfg.local.batch_size,
+        )
 
     @staticmethod
-    def check(section=None, *, client_sampling: str = "uniform", sampling_candidates: Optional[int] = None,
-              clients_per_round: Optional[int] = None, num_clients: Optional[int] = None) -> None:
+    def check(
+        section=None,
+        *,
+        client_sampling: str = "uniform",
+        sampling_candidates: int | None = None,
+        clients_per_round: int | None = None,
+        num_clients: int | None = None,
+    ) -> None:
         """Refuse bad values: a ConfigError of one line, ``key: what is allowed, got what``. With
         ``clients_per_round`` and ``num_clients`` it also checks the bounds of sampling_candidates."""
-        _parse(section, client_sampling, sampling_candidates, clients_per_round, num_clients)
+        parse_system(section, client_sampling, sampling_candidates, clients_per_round, num_clients)
 
     @staticmethod
     def check_config(cfg) -> None:
         """``check`` on a Config (for ``config.validate``)."""
-        System.check(getattr(cfg, "system", None), client_sampling=getattr(cfg, "client_sampling", "uniform"),
-                     sampling_candidates=getattr(cfg, "sampling_candidates", None),
-                     clients_per_round=cfg.clients_per_round, num_clients=cfg.data.num_clients)
+        System.check(
+            getattr(cfg, "system", None),
+            client_sampling=getattr(cfg, "client_sampling", "uniform"),
+            sampling_candidates=getattr(cfg, "sampling_candidates", None),
+            clients_per_round=cfg.clients_per_round,
+            num_clients=cfg.data.num_clients,
+        )
 
     def warnings(self) -> list[str]:
         """Settings that are valid but do nothing here, for the run to log (as unused_settings)."""
@@ -306,8 +206,11 @@ class System:
 
     def _constants(self, seed: int, num_clients: int) -> tuple[np.ndarray, np.ndarray]:
         if self._cache[0] != (seed, num_clients):
-            self._cache = ((seed, num_clients), self._availabilities(seed, num_clients),
-                           self._speeds(seed, num_clients))
+            self._cache = (
+                (seed, num_clients),
+                self._availabilities(seed, num_clients),
+                self._speeds(seed, num_clients),
+            )
         return self._cache[1], self._cache[2]
 
     def _availabilities(self, seed: int, n: int) -> np.ndarray:
@@ -351,8 +254,9 @@ class System:
         (every online client when at most d are online), whose losses ``round`` then needs; for
         the other samplings the sample itself."""
         self._arguments(num_clients, k, sizes)
-        return self._draw(seed, rnd, np.flatnonzero(self.online(seed, rnd, num_clients)), k,
-                          np.asarray(sizes, dtype=np.float64))
+        return self._draw(
+            seed, rnd, np.flatnonzero(self.online(seed, rnd, num_clients)), k, np.asarray(sizes, dtype=np.float64)
+        )
 
     def _draw(self, seed: int, rnd: int, online: np.ndarray, k: int, sizes: np.ndarray) -> np.ndarray:
         s = self.spec
@@ -387,31 +291,48 @@ class System:
         steps = self.local_steps(np.asarray(sizes, dtype=np.int64)[sampled])
         speed = self._constants(seed, num_clients)[1][sampled]
         seconds = steps * s.step_seconds / speed
-        if s.deadline is not None:
-            capacity = np.minimum(s.deadline * speed / s.step_seconds * (1 + _IN_TIME), 2.0**62)
-            budget = np.floor(capacity).astype(np.int64)  # steps finished by the deadline
-            late = ~out & (steps > budget)
-        else:
-            budget = None
-            late = np.zeros(len(sampled), dtype=bool)
+        budget = self._budget(speed)
+        late = ~out & (steps > budget) if budget is not None else np.zeros(len(sampled), dtype=bool)
         if s.stragglers == "partial" and budget is not None:
             lost = out | (late & (budget == 0))
         else:
             lost = out | late
         reports = ~lost
         limits = tuple(int(budget[i]) if late[i] else None for i in np.flatnonzero(reports))
+        simulated = self._waited(late, seconds[reports])
+        return RoundPlan(
+            round=int(rnd),
+            unavailable=int(num_clients - len(online)),
+            candidates=_ids(candidates),
+            sampled=_ids(sampled),
+            clients=_ids(sampled[reports]),
+            step_limits=limits,
+            dropouts=_ids(sampled[out]),
+            stragglers=_ids(sampled[late]),
+            dropped=_ids(sampled[lost]),
+            steps=steps,
+            seconds=seconds,
+            simulated_seconds=simulated,
+        )
+
+    def _budget(self, speed: np.ndarray) -> np.ndarray | None:
+        """The steps each client finishes by the deadline at its ``speed``; None without a deadline."""
+        s = self.spec
+        if s.deadline is None:
+            return None
+        capacity = np.minimum(s.deadline * speed / s.step_seconds * (1 + _IN_TIME), 2.0**62)
+        return np.floor(capacity).astype(np.int64)
+
+    def _waited(self, late: np.ndarray, reporting_seconds: np.ndarray) -> float:
+        """The round's simulated seconds: the deadline when someone is late, else the slowest
+        reporting client's time (at most the deadline), 0.0 when nobody reports."""
+        deadline = self.spec.deadline
         if late.any():
-            simulated = float(s.deadline)
-        elif reports.any():
-            simulated = float(seconds[reports].max())
-            if s.deadline is not None:
-                simulated = min(simulated, float(s.deadline))
-        else:
-            simulated = 0.0
-        return RoundPlan(round=int(rnd), unavailable=int(num_clients - len(online)), candidates=_ids(candidates),
-                         sampled=_ids(sampled), clients=_ids(sampled[reports]), step_limits=limits,
-                         dropouts=_ids(sampled[out]), stragglers=_ids(sampled[late]), dropped=_ids(sampled[lost]),
-                         steps=steps, seconds=seconds, simulated_seconds=simulated)
+            return float(deadline)
+        if not len(reporting_seconds):
+            return 0.0
+        slowest = float(reporting_seconds.max())
+        return slowest if deadline is None else min(slowest, float(deadline))
 
     @staticmethod
     def _arguments(num_clients: int, k: int, sizes) -> None:

@@ -4,7 +4,7 @@ loaded as Histories and compared (``history.py``), plots (``plot.py``) and the r
 
 ``fedsim.results.load_run`` and the other names below keep their public path.
 """
-from .history import (History, group_repeats, load_run, load_runs, mean_and_sd, results_table,
-                      rounds_to_target)
+
+from .history import History, group_repeats, load_run, load_runs, mean_and_sd, results_table, rounds_to_target
 
 __all__ = ["History", "group_repeats", "load_run", "load_runs", "mean_and_sd", "results_table", "rounds_to_target"]

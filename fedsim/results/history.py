@@ -1,6 +1,7 @@
 """Runs read back from their run directories (see ``fedsim.rundir``): History, loading runs,
 grouping repeats over seeds, and results tables.
 """
+
 from __future__ import annotations
 
 import glob
@@ -13,9 +14,9 @@ from pathlib import Path
 from statistics import fmean, stdev
 
 from ..core.errors import ConfigError, FedsimError, cut
+from ..core.yamlfile import parse_yaml
 from ..experiment.keys import RUN_SPECIFIC_KEYS, flatten_config
 from .rundir import COLUMNS, read_client_accuracy, read_clients, read_mapping, read_metrics
-from ..core.yamlfile import parse_yaml
 
 logger = logging.getLogger("fedsim")
 
@@ -26,12 +27,18 @@ class History:
     Columns are attributes holding lists (``h.round``, ``h.test_accuracy``, ...); ``h.rows``
     holds the same as dicts, ``h.client_records`` one dict per sampled client per round (the
     rows of clients.csv), ``h.client_accuracy`` one dict per client per evaluated round (the rows
-    of client_accuracy.csv, with eval_per_client), ``h.config`` the resolved config as a dict, ``h.summary`` the summary,
-    ``h.run_dir`` where the files are.
+    of client_accuracy.csv, with eval_per_client), ``h.config`` the resolved config as a dict,
+    ``h.summary`` the summary, ``h.run_dir`` where the files are.
     """
 
-    def __init__(self, rows=None, config: dict | None = None, run_dir: Path | None = None,
-                 summary: dict | None = None, client_records: list[dict] | None = None):
+    def __init__(
+        self,
+        rows=None,
+        config: dict | None = None,
+        run_dir: Path | None = None,
+        summary: dict | None = None,
+        client_records: list[dict] | None = None,
+    ):
         self.rows: list[dict] = list(rows or [])
         self.config = config or {}
         self.run_dir = run_dir
@@ -100,8 +107,10 @@ class History:
 
     def __repr__(self) -> str:
         where = f" in {self.run_dir}" if self.run_dir else ""
-        return (f"History({self.name!r}: {len(self.rows)} evaluated rounds, "
-                f"final accuracy {self.final_accuracy:.4f}{where})")
+        return (
+            f"History({self.name!r}: {len(self.rows)} evaluated rounds, "
+            f"final accuracy {self.final_accuracy:.4f}{where})"
+        )
 
 
 def load_run(run_dir: str | os.PathLike) -> History:
@@ -166,15 +175,18 @@ def _one_per_seed(group: list[History]) -> list[History]:
     for history in group:
         seed = history.config.get("seed")
         if seed in by_seed:
-            logger.warning(f"{by_seed[seed].run_dir or by_seed[seed].name} and {history.run_dir or history.name} ran "
-                           f"the same experiment with seed {seed}; counting it once, as the latter")
+            logger.warning(
+                f"{by_seed[seed].run_dir or by_seed[seed].name} and {history.run_dir or history.name} ran "
+                f"the same experiment with seed {seed}; counting it once, as the latter"
+            )
         by_seed[seed] = history
     return list(by_seed.values())
 
 
 def _experiment_key(config: dict, distinguish: set) -> tuple:
-    return tuple(sorted((k, repr(v)) for k, v in flatten_config(config)
-                        if k not in RUN_SPECIFIC_KEYS or k in distinguish))
+    return tuple(
+        sorted((k, repr(v)) for k, v in flatten_config(config) if k not in RUN_SPECIFIC_KEYS or k in distinguish)
+    )
 
 
 def describe_run(config: dict, overrides: dict | None = None) -> str:
@@ -183,10 +195,15 @@ def describe_run(config: dict, overrides: dict | None = None) -> str:
     summary.json keeps them), cut short where long."""
     data = config.get("data") or {}
     # an async run weighs updates by staleness, not by its (refused) rule
-    server = f"async {(config.get('asynchronous') or {}).get('method')}" if config.get("mode") == "async" else \
-        f"aggregator {config.get('aggregator')}"
-    text = (f"{data.get('dataset')} ({data.get('partition')}, {data.get('num_clients')} clients), "
-            f"model {config.get('model')}, {server}, algorithm {config.get('algorithm')}")
+    server = (
+        f"async {(config.get('asynchronous') or {}).get('method')}"
+        if config.get("mode") == "async"
+        else f"aggregator {config.get('aggregator')}"
+    )
+    text = (
+        f"{data.get('dataset')} ({data.get('partition')}, {data.get('num_clients')} clients), "
+        f"model {config.get('model')}, {server}, algorithm {config.get('algorithm')}"
+    )
     if overrides:
         text += "; with " + cut(", ".join(f"{key}={_plain(value)}" for key, value in overrides.items()), 120)
     return text
@@ -207,8 +224,10 @@ class ResultsTable(list):
         repeated = any(row["runs"] > 1 for row in self)
         columns = [c for c in self.columns if c != "runs" or repeated]
         headers = [_header(c, self) for c in columns]
-        lines = ["| " + " | ".join(headers) + " |",
-                 "|" + "|".join("---:" if c in _HEADERS else "---" for c in columns) + "|"]
+        lines = [
+            "| " + " | ".join(headers) + " |",
+            "|" + "|".join("---:" if c in _HEADERS else "---" for c in columns) + "|",
+        ]
         for row in self:
             lines.append("| " + " | ".join(_cell(row, c) for c in columns) + " |")
         return "\n".join(lines)
@@ -216,9 +235,15 @@ class ResultsTable(list):
     __str__ = __repr__ = _repr_markdown_ = markdown  # Jupyter renders _repr_markdown_
 
 
-_HEADERS = {"runs": "runs", "final_accuracy": "final acc. (%)", "best_accuracy": "best acc. (%)",
-            "target": "target (%)", "rounds_to_target": "rounds to target", "rounds": "rounds",
-            "wall_seconds": "wall (s)"}
+_HEADERS = {
+    "runs": "runs",
+    "final_accuracy": "final acc. (%)",
+    "best_accuracy": "best acc. (%)",
+    "target": "target (%)",
+    "rounds_to_target": "rounds to target",
+    "rounds": "rounds",
+    "wall_seconds": "wall (s)",
+}
 
 
 def _header(column: str, rows) -> str:
@@ -275,12 +300,22 @@ def target_stats(histories, target: float | None) -> dict:
     ``reached`` (how many did) and ``runs``."""
     histories = list(histories)
     if target is None:
-        return {"target": None, "rounds_to_target": None, "rounds_to_target_std": None, "reached": None,
-                "runs": len(histories)}
+        return {
+            "target": None,
+            "rounds_to_target": None,
+            "rounds_to_target_std": None,
+            "reached": None,
+            "runs": len(histories),
+        }
     reached = [r for r in (rounds_to_target(h, target) for h in histories) if r is not None]
     mean, sd = mean_and_sd(reached)
-    return {"target": target, "rounds_to_target": mean, "rounds_to_target_std": sd, "reached": len(reached),
-            "runs": len(histories)}
+    return {
+        "target": target,
+        "rounds_to_target": mean,
+        "rounds_to_target_std": sd,
+        "reached": len(reached),
+        "runs": len(histories),
+    }
 
 
 def format_rounds_to_target(stats: dict) -> str:
@@ -297,8 +332,7 @@ def format_rounds_to_target(stats: dict) -> str:
 
 def check_target(target, spelled: str = "target") -> float | None:
     """A target test accuracy: a fraction in (0, 1], or None; else a ConfigError naming ``spelled``."""
-    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
-                               or not 0 < target <= 1):
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1):
         raise ConfigError(f"{spelled}: must be a test accuracy, a fraction in (0, 1], got {target!r}")
     return target
 
@@ -322,19 +356,21 @@ def results_table(histories, keys=("name",), target: float | None = None) -> Res
         final, final_sd = mean_and_sd(h.final_accuracy for h in group)
         goal = target if target is not None else group[0].config.get("stop_at_accuracy")
         stats = target_stats(group, goal)
-        rows.append({
-            **{key: group[0].config_value(key) for key in keys},
-            "runs": len(group),
-            "final_accuracy": final,
-            "final_accuracy_std": final_sd,
-            "best_accuracy": fmean([h.best_accuracy for h in group]),
-            "target": stats["target"],
-            "rounds_to_target": stats["rounds_to_target"],
-            "rounds_to_target_std": stats["rounds_to_target_std"],
-            "reached": stats["reached"],
-            "rounds": group[0].rows[-1]["round"] if group[0].rows else 0,
-            "wall_seconds": fmean([h.summary.get("wall_seconds") or _last(h, "elapsed_seconds") for h in group]),
-        })
+        rows.append(
+            {
+                **{key: group[0].config_value(key) for key in keys},
+                "runs": len(group),
+                "final_accuracy": final,
+                "final_accuracy_std": final_sd,
+                "best_accuracy": fmean([h.best_accuracy for h in group]),
+                "target": stats["target"],
+                "rounds_to_target": stats["rounds_to_target"],
+                "rounds_to_target_std": stats["rounds_to_target_std"],
+                "reached": stats["reached"],
+                "rounds": group[0].rows[-1]["round"] if group[0].rows else 0,
+                "wall_seconds": fmean([h.summary.get("wall_seconds") or _last(h, "elapsed_seconds") for h in group]),
+            }
+        )
     columns = [*keys, *_HEADERS]
     targets = {row["target"] for row in rows}
     if targets == {None}:  # nobody asked for rounds to a target
@@ -351,9 +387,7 @@ def _last(history: History, column: str) -> float:
 def _yaml_mapping(text: str):
     import yaml
 
-
     try:
         return parse_yaml(text)
     except yaml.YAMLError as e:
         raise ValueError(" ".join(str(e).split())) from None
-

@@ -3,8 +3,10 @@
 ``plot_runs`` overlays runs (History objects, run directories or glob patterns); runs that
 share a label and differ only in seed become one line, their mean, with a shaded band.
 """
+
 from __future__ import annotations
 
+import functools
 import glob
 import math
 from pathlib import Path
@@ -17,9 +19,9 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from ..core.errors import FedsimError, write_error
+from ..core.files import write_atomically
 from ..experiment.keys import RUN_SPECIFIC_KEYS, defining, flatten_config
 from .history import History, describe_run, finished, group_repeats, load_run, load_runs
-from ..core.files import write_atomically
 from .rundir import COLUMNS, check_output_path
 
 # Okabe & Ito's palette, which stays distinct under the common colour-vision deficiencies;
@@ -28,23 +30,38 @@ PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#0
 LINESTYLES = ("-", "--", ":", "-.")  # after the eight colours, lines differ by dash too
 WIDTHS = {"single": 3.5, "double": 7.0}  # inches: one and two columns of a two-column paper
 BANDS = {"minmax": "min–max", "std": "± 1 s.d."}
-X_AXES = {"round": "round", "seconds": "wall time (s)", "epsilon": "ε (privacy spent, at privacy.delta)",
-          "bytes": "MB sent, up and down, since round 1", "simulated_seconds": "simulated time (s)"}
+X_AXES = {
+    "round": "round",
+    "seconds": "wall time (s)",
+    "epsilon": "ε (privacy spent, at privacy.delta)",
+    "bytes": "MB sent, up and down, since round 1",
+    "simulated_seconds": "simulated time (s)",
+}
 # the column of an x axis, by name
 _X_COLUMNS = {"seconds": "elapsed_seconds", "bytes": "cumulative_bytes", "simulated_seconds": "simulated_time"}
 _X_SCALES = {"bytes": 1e-6}  # the bytes axis reads in MB
 METRICS = tuple(c for c in COLUMNS if c != "round")
 SPREAD = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")  # what spread=True draws
-_HAS = {"epsilon": "a run with a privacy section has it",
-        "cumulative_bytes": "every run counts them except in mode: hogwild, where nothing travels",
-        "simulated_time": "every run keeps the simulated clock (runs resumed from an older version's checkpoint "
-                          "do not)", **dict.fromkeys(
-    SPREAD, "a run with eval_per_client: true and data.test_partition: true has it")}
+_HAS = {
+    "epsilon": "a run with a privacy section has it",
+    "cumulative_bytes": "every run counts them except in mode: hogwild, where nothing travels",
+    "simulated_time": "every run keeps the simulated clock (runs resumed from an older version's checkpoint do not)",
+    **dict.fromkeys(SPREAD, "a run with eval_per_client: true and data.test_partition: true has it"),
+}
 
 
-def plot_runs(runs, *, metric: str = "test_accuracy", x: str = "round", label: str | None = None,
-              loss: bool = False, band: str = "minmax", width="double", title: str | None = None,
-              spread: bool = False) -> Figure:
+def plot_runs(
+    runs,
+    *,
+    metric: str = "test_accuracy",
+    x: str = "round",
+    label: str | None = None,
+    loss: bool = False,
+    band: str = "minmax",
+    width="double",
+    title: str | None = None,
+    spread: bool = False,
+) -> Figure:
     """A figure of ``metric`` per round for each run, overlaid.
 
     ``runs``: History objects, run directories or glob patterns (mixed freely). ``label``: a
@@ -79,24 +96,35 @@ def plot_runs(runs, *, metric: str = "test_accuracy", x: str = "round", label: s
         metrics = [metric, "test_loss"] if loss else [metric]
         handles = []  # by hand: matplotlib leaves out labels that start with "_" (__main__:my_rule)
         for i, (group, name) in enumerate(zip(groups, names)):
-            style = {"color": PALETTE[i % len(PALETTE)],
-                     "linestyle": LINESTYLES[i // len(PALETTE) % len(LINESTYLES)]}
-            lines = [_draw_spread(ax, group, x, style, name) if spread and column == SPREAD[0] else
-                     _draw(ax, group, column, x, band, style, name) for ax, column in zip(axes, metrics)]
+            style = {"color": PALETTE[i % len(PALETTE)], "linestyle": LINESTYLES[i // len(PALETTE) % len(LINESTYLES)]}
+            lines = [
+                _draw_spread(ax, group, x, style, name)
+                if spread and column == SPREAD[0]
+                else _draw(ax, group, column, x, band, style, name)
+                for ax, column in zip(axes, metrics)
+            ]
             handles.append(lines[0])
-        for ax, column in zip(axes, metrics):
-            ax.set_ylabel("client accuracy (%)" if spread and column == SPREAD[0] else _axis_label(column))
-            ax.grid(True, alpha=0.3, linewidth=0.6)
-        axes[-1].set_xlabel(X_AXES[x])
-        if x == "round":
-            axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
+        _label_axes(axes, metrics, x, spread)
         axes[0].set_title(title if title is not None else _default_title(histories, metric, x))
         if legend:
-            keys = [Patch(color="0.5", alpha=0.35, linewidth=0),  # the band's entry, and spread's dashes
-                    Line2D([], [], color="0.4", linestyle="--", linewidth=1)]
-            handles += keys[:len(legend) - len(handles)]
-            fig.legend(handles, legend, title=label, loc="outside lower center", ncols=columns, frameon=False)
+            _add_legend(fig, handles, legend, label, columns)
     return fig
+
+
+def _add_legend(fig: Figure, handles: list, legend: list[str], label: str | None, columns: int) -> None:
+    """The lines' entries, then the band's and the spread's dashes where the legend names them."""
+    keys = [Patch(color="0.5", alpha=0.35, linewidth=0), Line2D([], [], color="0.4", linestyle="--", linewidth=1)]
+    handles = handles + keys[: len(legend) - len(handles)]
+    fig.legend(handles, legend, title=label, loc="outside lower center", ncols=columns, frameon=False)
+
+
+def _label_axes(axes, metrics: list[str], x: str, spread: bool) -> None:
+    for ax, column in zip(axes, metrics):
+        ax.set_ylabel("client accuracy (%)" if spread and column == SPREAD[0] else _axis_label(column))
+        ax.grid(True, alpha=0.3, linewidth=0.6)
+    axes[-1].set_xlabel(X_AXES[x])
+    if x == "round":
+        axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
 
 
 def _checked_options(histories, metric: str, x: str, band: str, spread: bool, width) -> tuple[str, float]:
@@ -156,8 +184,8 @@ def save_figure(fig: Figure, path, pdf: bool = False) -> list[Path]:
         except OSError as e:
             raise write_error(target.parent, e, "choose another file with -o") from None
         # 300 dpi is print resolution; a PDF keeps lines and text as vectors
-        write_atomically(target, lambda tmp: fig.savefig(tmp, dpi=300, format=target.suffix[1:].lower()),
-                         "choose another file with -o")
+        save = functools.partial(fig.savefig, dpi=300, format=target.suffix[1:].lower())
+        write_atomically(target, save, "choose another file with -o")
     return paths
 
 
@@ -177,8 +205,15 @@ def accuracy_figure(history) -> Figure:
     if classes:
         ax, chance = figure.axes[0], 100.0 / classes
         ax.axhline(chance, color="0.45", linestyle=":", linewidth=1)
-        ax.annotate(f"chance ({chance:.3g} %)", (0, chance), xycoords=("axes fraction", "data"),
-                    xytext=(3, 2), textcoords="offset points", fontsize="x-small", color="0.45")
+        ax.annotate(
+            f"chance ({chance:.3g} %)",
+            (0, chance),
+            xycoords=("axes fraction", "data"),
+            xytext=(3, 2),
+            textcoords="offset points",
+            fontsize="x-small",
+            color="0.45",
+        )
         values = [100 * v for v in history.test_accuracy]
         low = min(chance, *values)
         high = max(max(values), low + 20)  # at least 20 points high: a flat line stays flat
@@ -215,8 +250,14 @@ def _draw_spread(ax, group: list[History], x: str, style: dict, name: str):
     p10 = [100 * fmean(v) for v in _aligned(group, SPREAD[2], x)[1]]
     marker = "o" if len(xs) <= 12 else None
     (line,) = ax.plot(xs, means, marker=marker, markersize=2.5, label=name, **style)
-    ax.fill_between(xs, [max(m - s, 0.0) for m, s in zip(means, sds)], [min(m + s, 100.0) for m, s in zip(means, sds)],
-                    color=style["color"], alpha=0.2, linewidth=0)
+    ax.fill_between(
+        xs,
+        [max(m - s, 0.0) for m, s in zip(means, sds)],
+        [min(m + s, 100.0) for m, s in zip(means, sds)],
+        color=style["color"],
+        alpha=0.2,
+        linewidth=0,
+    )
     ax.plot(xs, p10, color=style["color"], linestyle="--", linewidth=1)
     return line
 
@@ -244,9 +285,11 @@ def _check_has(histories: list[History], columns) -> None:
                 why = f"; {_HAS[column]}" if column in _HAS else ""
                 raise FedsimError(f"{history.run_dir or history.name}: has no {column} values to plot{why}")
             if column == "epsilon" and not all(math.isfinite(v) for v in values):
-                raise FedsimError(f"{history.run_dir or history.name}: its epsilon is infinite "
-                                  f"(privacy.noise_multiplier 0: no noise, no guarantee); it has no place on an "
-                                  f"epsilon axis")
+                raise FedsimError(
+                    f"{history.run_dir or history.name}: its epsilon is infinite "
+                    f"(privacy.noise_multiplier 0: no noise, no guarantee); it has no place on an "
+                    f"epsilon axis"
+                )
 
 
 def _labels(groups: list[list[History]], key: str | None) -> list[str]:
@@ -256,8 +299,9 @@ def _labels(groups: list[list[History]], key: str | None) -> list[str]:
     for text in {t for t in labels if labels.count(t) > 1}:
         alike = [i for i, t in enumerate(labels) if t == text]
         configs = [dict(flatten_config(groups[i][0].config)) for i in alike]
-        differing = sorted(k for k in set().union(*configs) - RUN_SPECIFIC_KEYS
-                           if len({repr(c.get(k)) for c in configs}) > 1)
+        differing = sorted(
+            k for k in set().union(*configs) - RUN_SPECIFIC_KEYS if len({repr(c.get(k)) for c in configs}) > 1
+        )
         for i, config in zip(alike, configs):
             if differing:
                 labels[i] += " (" + ", ".join(f"{k}={_format(config.get(k))}" for k in differing[:2]) + ")"
@@ -309,8 +353,13 @@ def _default_title(histories: list[History], metric: str, x: str) -> str:
         described = {describe_run(h.config, defining(h.summary.get("overrides") or {})) for h in histories if h.config}
         return "\n".join([names.pop(), *_wrapped(described.pop(), 60)]) if len(described) == 1 else names.pop()
     what = _axis_label(metric).split(" (")[0].capitalize()
-    return {"round": f"{what} per round", "seconds": f"{what} over wall time", "epsilon": f"{what} against ε",
-            "bytes": f"{what} against bytes sent", "simulated_seconds": f"{what} over simulated time"}[x]
+    return {
+        "round": f"{what} per round",
+        "seconds": f"{what} over wall time",
+        "epsilon": f"{what} against ε",
+        "bytes": f"{what} against bytes sent",
+        "simulated_seconds": f"{what} over simulated time",
+    }[x]
 
 
 def _wrapped(text: str, width: int) -> list[str]:
@@ -335,15 +384,22 @@ def _font_size(inches: float) -> int:
 def _style(inches: float) -> dict:
     size = _font_size(inches)
     return {
-        "font.size": size, "axes.titlesize": size + 1, "axes.labelsize": size,
-        "xtick.labelsize": size - 1, "ytick.labelsize": size - 1,
-        "legend.fontsize": size - 1, "legend.title_fontsize": size - 1,
-        "lines.linewidth": 1.4, "axes.spines.top": False, "axes.spines.right": False,
-        "axes.linewidth": 0.7, "xtick.major.width": 0.7, "ytick.major.width": 0.7,
+        "font.size": size,
+        "axes.titlesize": size + 1,
+        "axes.labelsize": size,
+        "xtick.labelsize": size - 1,
+        "ytick.labelsize": size - 1,
+        "legend.fontsize": size - 1,
+        "legend.title_fontsize": size - 1,
+        "lines.linewidth": 1.4,
+        "axes.spines.top": False,
+        "axes.spines.right": False,
+        "axes.linewidth": 0.7,
+        "xtick.major.width": 0.7,
+        "ytick.major.width": 0.7,
     }
 
 
 def _check_choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise FedsimError(f"{name}: {value!r} is not one of {', '.join(allowed)}")
-

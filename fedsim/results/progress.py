@@ -7,6 +7,7 @@ that line and then prints as usual. With the display off, every line prints as i
 is what a log file or a CI job wants. A notebook user silences or redirects the messages with
 the logging module (``logging.getLogger("fedsim").setLevel(logging.WARNING)``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,9 @@ class RoundLog:
     ``write``: a function that takes each line instead (no display).
     """
 
-    def __init__(self, progress: bool | None = None, stream=None, clock=time.monotonic, quiet: bool = False,
-                 write=None):
+    def __init__(
+        self, progress: bool | None = None, stream=None, clock=time.monotonic, quiet: bool = False, write=None
+    ):
         self.progress = False if write is not None else progress
         self.quiet = quiet
         self._stream = stream
@@ -113,7 +115,7 @@ class RoundLog:
         if isatty and isatty():
             room = shutil.get_terminal_size().columns - 1 - taken
             if len(rest) > room:
-                return rest[:max(room - 3, 0)] + "..."
+                return rest[: max(room - 3, 0)] + "..."
         return rest
 
 

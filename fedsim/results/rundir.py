@@ -13,6 +13,7 @@ A run directory holds::
 Every file is written whole or not at all (``write_atomically``); the readers turn a damaged or
 foreign file into one line naming it. ``fedsim.results`` reads runs back as Histories.
 """
+
 from __future__ import annotations
 
 import csv
@@ -30,13 +31,40 @@ from ..engine.records import METRIC_COLUMNS as COLUMNS  # metrics.csv's, in orde
 # columns of what a run may leave off (privacy, eval_per_client, the bytes of hogwild), and columns
 # that rows of an older version lack (a resumed run rewrites those rows): empty in metrics.csv, None
 # in a History
-OPTIONAL_COLUMNS = {"epsilon", "clip", "client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10",
-                    "simulated_seconds", "simulated_time", "unavailable", "stragglers", "bytes_down", "bytes_up",
-                    "cumulative_bytes"}
-_INT_COLUMNS = {"round", "clients", "dropped_clients", "attackers", "unavailable", "stragglers", "bytes_down",
-                "bytes_up", "cumulative_bytes"}
-RUN_FILES = ("config.yaml", "metrics.csv", "clients.csv", "client_accuracy.csv", "summary.json", "accuracy.png",
-             "checkpoint.pt")
+OPTIONAL_COLUMNS = {
+    "epsilon",
+    "clip",
+    "client_accuracy_mean",
+    "client_accuracy_std",
+    "client_accuracy_p10",
+    "simulated_seconds",
+    "simulated_time",
+    "unavailable",
+    "stragglers",
+    "bytes_down",
+    "bytes_up",
+    "cumulative_bytes",
+}
+_INT_COLUMNS = {
+    "round",
+    "clients",
+    "dropped_clients",
+    "attackers",
+    "unavailable",
+    "stragglers",
+    "bytes_down",
+    "bytes_up",
+    "cumulative_bytes",
+}
+RUN_FILES = (
+    "config.yaml",
+    "metrics.csv",
+    "clients.csv",
+    "client_accuracy.csv",
+    "summary.json",
+    "accuracy.png",
+    "checkpoint.pt",
+)
 
 
 class RunDirectory:
@@ -68,12 +96,13 @@ class RunDirectory:
         if path.exists() and not path.is_dir():
             raise FedsimError(f"--out {path}: exists and is not a directory")
         if path.is_dir() and any(path.iterdir()) and not overwrite:
-            raise FedsimError(f"--out {path}: directory exists and is not empty; "
-                              f"pass --overwrite to replace its run files")
+            raise FedsimError(
+                f"--out {path}: directory exists and is not empty; pass --overwrite to replace its run files"
+            )
         return path
 
     @classmethod
-    def create(cls, path: Path, overwrite: bool = False) -> "RunDirectory":
+    def create(cls, path: Path, overwrite: bool = False) -> RunDirectory:
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -119,6 +148,7 @@ class RunDirectory:
 
     def write_rows(self, rows: list[dict]) -> None:
         """Replace metrics.csv by the header and ``rows``, whole or not at all."""
+
         def write(tmp):
             with open(tmp, "w", newline="") as f:
                 writer = csv.writer(f)
@@ -146,12 +176,16 @@ class RunDirectory:
         try:
             state = torch.load(path, weights_only=True, map_location="cpu")
         except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
-            raise FedsimError(f"{path}: corrupt or not a fedsim checkpoint; the run cannot be resumed "
-                              f"from it") from None
+            raise FedsimError(
+                f"{path}: corrupt or not a fedsim checkpoint; the run cannot be resumed from it"
+            ) from None
         if not isinstance(state, dict) or "round" not in state or "global" not in state:
             raise FedsimError(f"{path}: not a fedsim checkpoint (no round and global weights)")
-        if not isinstance(state["round"], int) or state["round"] < 0 or \
-                not isinstance(state.get("elapsed_seconds", 0.0), (int, float)):
+        if (
+            not isinstance(state["round"], int)
+            or state["round"] < 0
+            or not isinstance(state.get("elapsed_seconds", 0.0), (int, float))
+        ):
             raise FedsimError(f"{path}: not a fedsim checkpoint (its round is {state['round']!r})")
         return state
 
@@ -167,9 +201,11 @@ class RunDirectory:
             missing = not path.is_file() and name == "clients.csv"  # a missing metrics.csv is named by its reader
             rows = 0 if missing else sum(row["round"] <= rnd for row in read(path))
             if rows != counted[name]:
-                raise FedsimError(f"{path}: holds {rows} rows up to round {rnd}, but checkpoint.pt was saved when it "
-                                  f"held {counted[name]}; the run directory's files disagree, so the run cannot be "
-                                  f"continued (restore the file, or start a new run)")
+                raise FedsimError(
+                    f"{path}: holds {rows} rows up to round {rnd}, but checkpoint.pt was saved when it "
+                    f"held {counted[name]}; the run directory's files disagree, so the run cannot be "
+                    f"continued (restore the file, or start a new run)"
+                )
 
 
 class RunInUseError(FedsimError):
@@ -198,8 +234,9 @@ def _lock(path: Path, exclusive: bool) -> int:
         fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise RunInUseError(f"{path}: another fedsim process is running in this directory; "
-                            f"wait for it to finish (or stop it) first") from None
+        raise RunInUseError(
+            f"{path}: another fedsim process is running in this directory; wait for it to finish (or stop it) first"
+        ) from None
     return fd
 
 
@@ -268,8 +305,10 @@ def read_client_accuracy(path: Path) -> list[dict]:
     """The rows of a client_accuracy.csv, numbers as numbers (accuracy nan: no test samples)."""
     try:
         with open(path, newline="") as f:
-            return [{k: (float(v) if k == "accuracy" else v if k == "model" else int(v)) for k, v in row.items()}
-                    for row in csv.DictReader(f)]
+            return [
+                {k: (float(v) if k == "accuracy" else v if k == "model" else int(v)) for k, v in row.items()}
+                for row in csv.DictReader(f)
+            ]
     except (OSError, UnicodeDecodeError, csv.Error, TypeError, ValueError) as e:
         raise FedsimError(f"{path}: not a fedsim client accuracy file ({type(e).__name__})") from None
 
@@ -301,7 +340,7 @@ def safe_dir_name(name: str) -> str:
     text = _UNSAFE.sub("_", name).lstrip(".") or "run"
     if len(text) > _MAX_DIR_NAME:
         digest = hashlib.sha1(name.encode()).hexdigest()[:8]
-        text = f"{text[:_MAX_DIR_NAME - 9]}-{digest}"
+        text = f"{text[: _MAX_DIR_NAME - 9]}-{digest}"
     return text
 
 

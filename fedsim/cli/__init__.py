@@ -1,0 +1,52 @@
+"""The ``fedsim`` command: run (and resume), sweep, partition, plot, list.
+
+User errors print one line on stderr and exit with status 2 (``--debug`` shows the
+traceback). Ctrl-C and SIGTERM stop the run after stopping the workers, keep what was
+written, and exit with 130 and 143; a second Ctrl-C ends everything at once.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..core.errors import FedsimError
+from ..execution.interrupts import Terminated, exiting
+from .parser import build_parser
+
+__all__ = ["build_parser", "main"]
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args)
+    except FedsimError as e:
+        if args.debug:
+            raise
+        if str(e):  # a rank stopped by another has nothing to add: that one says why
+            print(f"fedsim: error: {e}", file=sys.stderr)
+        code = e.exit_code
+    except KeyboardInterrupt:  # before a command's own handling began (fedsim run while importing torch)
+        print("fedsim: interrupted", file=sys.stderr)
+        code = 130
+    except Terminated:
+        code = 143
+    except BrokenPipeError:  # `fedsim list | head`: the reader has all it wanted
+        from ..results.progress import write_or_silence
+
+        write_or_silence(sys.stdout, "")
+        code = 0
+    except OSError as e:  # the output itself failed (fedsim list > /dev/full)
+        # only that: a failed write to the output names no file, fedsim's own files are named by
+        # their own errors, and an OSError of the user's code by its component (errors.user_code)
+        if args.debug or e.filename is not None:
+            raise
+        from ..results.progress import write_or_silence
+
+        write_or_silence(sys.stdout, "")
+        print(f"fedsim: error: cannot write the output: {e.strerror or e}", file=sys.stderr)
+        code = 1
+    if argv is None:  # the process's own command line (not a call from Python): its signals are its own
+        exiting()
+    sys.exit(code)

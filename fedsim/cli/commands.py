@@ -1,0 +1,262 @@
+"""The commands: run (and resume), sweep, partition, plot, list; each ``cmd_*`` takes the parsed
+arguments and returns the exit status."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+from ..core.errors import FedsimError
+from ..core.yamlfile import experiment_file, read_yaml, shipped_experiments
+from ..execution.interrupts import Terminated, install_handlers
+from ..results.rundir import refuse_if_in_use
+
+
+def cmd_run(args) -> int:
+    """Run or resume; under torchrun, as one of several ranks (see distributed.py)."""
+    from ..execution.processes import start_fork_server
+
+    if args.resume or args.out:
+        refuse_if_in_use(args.resume or args.out)
+    if _may_use_workers(args):
+        start_fork_server()  # the workers' torch is imported in the fork server while this process imports its own
+    from ..execution.distributed import Ranks, launched
+
+    ranks = Ranks.join() if launched() else Ranks()
+    ending = "failed"
+    try:
+        code = _run(args, ranks)
+        ending = "was interrupted" if code in (130, 143) else "finished"
+        return code
+    except (KeyboardInterrupt, Terminated):  # while the config was shared, before the run began
+        ending = "was interrupted"
+        raise
+    finally:
+        ranks.close(ending)
+
+
+def _may_use_workers(args) -> bool:
+    """False where the experiment file (or the run directory's config.yaml) with ``--set``, and a
+    sweep's ``--grid``, say ``workers: 0`` for every run: such runs never fork a worker, and a fork
+    server started for them would import torch for nothing, on the core this process needs. A
+    glance, not a validation (that comes later, and a run that does use workers starts the fork
+    server then)."""
+    for text in getattr(args, "grid", None) or []:
+        key, _, values = text.partition("=")
+        if key.strip() == "workers":
+            return any(value.strip() != "0" for value in values.split(","))
+    for text in reversed(args.set or []):
+        key, _, value = text.partition("=")
+        if key.strip() == "workers":
+            return value.strip() != "0"
+    resume = getattr(args, "resume", None)
+    source = Path(resume) / "config.yaml" if resume else args.config and experiment_file(args.config)
+    try:
+        raw = read_yaml(source) if source else {}
+    except FedsimError:
+        return True
+    return not (isinstance(raw, dict) and raw.get("workers") == 0)
+
+
+def _run(args, ranks) -> int:
+    from ..core.errors import DataError
+    from ..execution.pool import kill_all_pools
+    from ..results.progress import write_or_silence
+
+    runner, path, cfg = _runner(args, ranks)
+    install_handlers(kill_all_pools)
+    try:
+        history = runner()
+    except (KeyboardInterrupt, Terminated) as e:
+        message = _stopped_message(ranks, path)
+        if message:
+            print(f"fedsim: {message}", file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else 143
+    except DataError as e:
+        if e.missing and not args.resume:  # offer what works at once, without the files
+            limit = " --set data.limit=null" if cfg.data.limit else ""
+            raise DataError(
+                f"{e}; or try it now on generated data: fedsim run {args.config} --set data.dataset=synthetic{limit}"
+            ) from None
+        raise
+    summary = history.summary if history is not None and ranks.is_root else {}
+    if summary.get("final_test_accuracy") is not None:
+        write_or_silence(
+            sys.stdout,
+            f"final test accuracy {summary['final_test_accuracy']:.4f} after round "
+            f"{summary['rounds']} ({summary['wall_seconds']:.1f} s); results in "
+            f"{history.run_dir}\n",
+        )
+    return 0
+
+
+def _runner(args, ranks):
+    """The run that ``fedsim run`` asks for, as a call: (the call, its run directory, its config;
+    a resumed run's come from its directory)."""
+    from ..experiment.config import directory_name
+    from ..experiment.validation import load_config
+    from ..results.rundir import RunDirectory
+    from ..runs.callbacks import TensorBoard
+    from ..runs.launch import agree_on_config, resume_run, start_run
+
+    callbacks = [TensorBoard()] if args.tensorboard else []
+    shown = {"quiet": args.quiet, "progress": args.progress, "callbacks": callbacks, "ranks": ranks}
+    if args.resume:
+        if args.config:
+            raise FedsimError("give either an experiment FILE or --resume RUN_DIR, not both")
+        if args.out or args.overwrite:
+            raise FedsimError(
+                f"--{'out' if args.out else 'overwrite'} does not apply to --resume: a run "
+                f"continues in its own directory"
+            )
+        return functools.partial(resume_run, args.resume, args.set, **shown), args.resume, None
+
+    def load():
+        if not args.config:
+            raise FedsimError("missing the experiment FILE (or --resume RUN_DIR)")
+        loaded = load_config(args.config, args.set)
+        RunDirectory.target(args.out, directory_name(loaded), args.overwrite)  # refuse a taken --out at once
+        return loaded
+
+    cfg = agree_on_config(ranks, load)
+    path = RunDirectory.target(args.out, directory_name(cfg), args.overwrite) if ranks.is_root else None
+    return functools.partial(start_run, cfg, out=path, overwrite=args.overwrite, **shown), path, cfg
+
+
+def _stopped_message(ranks, path) -> str | None:
+    """What a rank stopped by a signal says, if anything. Under torchrun a SIGTERM most often
+    comes from the agent stopping the job because another rank died: say which, when that can
+    be seen from this machine; or this rank stopped itself because its launcher is gone."""
+    from ..execution.distributed import launcher_gone, ranks_named
+
+    lost = ranks.lost() if ranks.several else []
+    if not ranks.is_root:
+        return (
+            "rank 0 died; the job stopped (rank 0's run directory holds what it wrote)"
+            if 0 in lost and not launcher_gone()
+            else None
+        )  # rank 0 cannot say it any more
+    message = _interrupted_message(path)
+    if launcher_gone():
+        return message.replace("interrupted", "stopped because its launcher (torchrun) is gone", 1)
+    if lost:
+        return message.replace("interrupted", f"stopped because {ranks_named(lost)} died", 1)
+    return message
+
+
+def _interrupted_message(path) -> str:
+    """What an interrupted run left on disk, read from the disk itself."""
+    from ..results.history import load_run
+
+    path = Path(path)
+    if not path.is_dir() or not any(path.iterdir()):
+        return "interrupted during start-up; nothing was written"
+    try:
+        history = load_run(path)
+    except FedsimError:
+        return f"interrupted during start-up; what was written is in {path}"
+    status, checkpoint = history.summary.get("status"), history.summary.get("checkpoint_round")
+    if status == "finished":
+        return f"interrupted after the run finished; its results are in {path}"
+    if not history.summary:
+        return f"interrupted during start-up; {path} holds its config and no rounds yet"
+    if not checkpoint:
+        return f"interrupted before the first checkpoint; what was written is in {path}"
+    return (
+        f"interrupted; metrics so far and the checkpoint of round {checkpoint} are in {path}; "
+        f"continue with: fedsim run --resume {path}"
+    )
+
+
+def cmd_list(args) -> int:
+    from ..experiment.components import tables
+
+    experiments = shipped_experiments()
+    sections = {
+        "experiments (fedsim run NAME)": list(experiments.items()),
+        **{kind: list(table.describe()) for kind, table in tables().items()},
+    }
+    for kind, entries in sections.items():
+        print(f"{kind}:")
+        width = max(len(name) for name, _ in entries)
+        for name, description in entries:
+            print(f"  {name:<{width}}  {description}")
+    return 0
+
+
+def cmd_partition(args) -> int:
+    from pathlib import Path
+
+    from ..data.report import write_report
+    from ..experiment.config import locate
+    from ..experiment.federation import load_federation
+    from ..experiment.validation import load_config
+    from ..results.rundir import check_output_path, safe_dir_name
+
+    cfg = load_config(args.config, args.set)
+    out = Path(args.out) if args.out else Path("runs") / f"{safe_dir_name(cfg.name)}-partition"
+    check_output_path(out)
+    try:
+        report = write_report(cfg, load_federation(cfg), out)
+    except FedsimError as e:
+        raise locate(cfg, e) from None
+    print(report["summary"])
+    print(f"wrote {out / 'partition.json'} and {out / 'partition.png'}")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from ..results.plot import plot_runs, save_figure
+    from ..results.progress import RoundLog, console_logging
+
+    with console_logging(RoundLog(progress=False)):  # runs left out are said as warnings
+        fig = plot_runs(
+            args.runs,
+            metric=args.metric,
+            x=args.x,
+            label=args.label,
+            loss=args.loss,
+            band=args.band,
+            width=args.width,
+            title=args.title,
+            spread=args.spread,
+        )
+    for path in save_figure(fig, args.output, pdf=args.pdf):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from ..execution.processes import start_fork_server
+
+    if _may_use_workers(args):
+        start_fork_server()
+    from ..execution.pool import kill_all_pools
+    from ..runs.sweep import prepare
+
+    if not args.grid and args.seeds is None:
+        raise FedsimError(
+            "give at least one --grid KEY=V1,V2,... or --seeds S1,S2,..., e.g. "
+            "--grid aggregator=fedavg,median or --seeds 0,1,2"
+        )
+    install_handlers(kill_all_pools)
+    planned = None
+    try:
+        planned = prepare(
+            args.config,
+            args.grid,
+            args.set,
+            out=args.out,
+            overwrite=args.overwrite,
+            seeds=args.seeds,
+            target=args.target,
+        )
+        planned.run(quiet=args.quiet)
+    except (KeyboardInterrupt, Terminated) as e:
+        message = (
+            planned.interrupted_message() if planned else "sweep interrupted while it was checked; nothing was written"
+        )
+        print(f"fedsim: {message}", file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else 143
+    return 0
