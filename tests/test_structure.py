@@ -8,8 +8,6 @@ alone: the import graph then has no cycle, and a layer can be read without those
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parent.parent / "fedsim"
 LAYERS = ["cli", "runs", "results", "execution", "engine", "experiment", "fl", "algorithms", "data", "core"]
 
