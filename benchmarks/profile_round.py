@@ -85,7 +85,7 @@ class Setup:
         from fedsim.experiment.federation import initial_model, load_federation
         from fedsim.experiment.validation import load_config
         from fedsim.fl.sampling import draw
-        from fedsim.runs.session import resolve_device
+        from fedsim.runs.parts import resolve_device
 
         cfg = self.cfg = load_config(spec["config"], spec["overrides"])
         self.device = resolve_device(cfg.device)

@@ -1,4 +1,4 @@
-"""The package's shape: layers that import only downward.
+"""The package's shape: layers that import only downward, and public functions with type hints.
 
 The layers are the folders of docs/architecture.md, top to bottom. A module may import its own
 layer and those below it, never one above, not even inside a function or for type checking
@@ -7,6 +7,8 @@ alone: the import graph then has no cycle, and a layer can be read without those
 
 import ast
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fedsim"
 LAYERS = ["cli", "runs", "results", "execution", "engine", "experiment", "fl", "algorithms", "data", "core"]
@@ -62,3 +64,34 @@ def test_no_module_imports_a_layer_above_its_own():
             if other is not None and other < own:
                 upward.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {'.'.join(target)}")
     assert upward == []
+
+
+def public_functions():
+    """(where, function) for every public function and method of a public class."""
+    for path, _ in modules():
+        tree = ast.parse(path.read_text())
+        scopes = [(tree, "")]
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                scopes.append((node, node.name + "."))
+        for scope, prefix in scopes:
+            for node in scope.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                    not node.name.startswith("_") or node.name == "__init__"
+                ):
+                    yield f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {prefix}{node.name}", node
+
+
+@pytest.mark.parametrize("what", ["parameters", "return"])
+def test_every_public_function_has_type_hints(what):
+    missing = []
+    for where, node in public_functions():
+        args = node.args
+        params = [*args.posonlyargs, *args.args, *args.kwonlyargs, *filter(None, [args.vararg, args.kwarg])]
+        if what == "parameters":
+            bare = [a.arg for a in params if a.annotation is None and a.arg not in ("self", "cls")]
+            if bare:
+                missing.append(f"{where}: {', '.join(bare)}")
+        elif node.returns is None and node.name != "__init__":
+            missing.append(where)
+    assert missing == [], f"{len(missing)} without type hints on their {what}"

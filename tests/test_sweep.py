@@ -19,11 +19,11 @@ from support import child_pids, documented_commands, start, wait_for_round, work
 
 import fedsim
 import fedsim.runs.launch
-import fedsim.runs.session
+import fedsim.runs.parts
 from fedsim.core.errors import ConfigError, FedsimError
 from fedsim.results.history import History
 from fedsim.results.rundir import COLUMNS
-from fedsim.runs.session import check_run
+from fedsim.runs.parts import check_run
 from fedsim.runs.sweep import parse_grid, plan, sweep
 
 
@@ -39,7 +39,7 @@ def replace_engine(monkeypatch, start_run) -> list:
     its workers start (tested with the engine below); returns the configs those checks got."""
     checked = []
     monkeypatch.setattr(fedsim.runs.launch, "start_run", start_run)
-    monkeypatch.setattr(fedsim.runs.session, "check_run", lambda cfg, datasets=None: checked.append(cfg))
+    monkeypatch.setattr(fedsim.runs.parts, "check_run", lambda cfg, datasets=None: checked.append(cfg))
     return checked
 
 
@@ -155,7 +155,7 @@ def for_colour_images():
 def test_every_combination_is_checked_whole_before_the_first_run(config_file, fake_runs, monkeypatch, tmp_path):
     checked = []
     monkeypatch.setattr(
-        fedsim.runs.session, "check_run", lambda cfg, datasets=None: (checked.append(cfg), check_run(cfg, datasets))
+        fedsim.runs.parts, "check_run", lambda cfg, datasets=None: (checked.append(cfg), check_run(cfg, datasets))
     )
     with pytest.raises(FedsimError) as info:  # the data holds fewer samples than the second run's limit
         sweep(config_file, ["data.limit=200,100000000"], out=tmp_path / "out")

@@ -87,7 +87,7 @@ class Algorithm:
     # client in a deployment (no traffic), committed before server_update sees the rows
     personal_state: tuple[str, ...] = ()
 
-    def setup(self, config) -> None:
+    def setup(self, config: Any) -> None:
         """Called once in the server and once in every worker with the run's Config, before any
         other method: the place to read settings such as ``config.local.momentum``."""
         self.config = config
@@ -123,7 +123,7 @@ class Algorithm:
 
     # ----------------------------------------------------------------- a client (in a worker)
 
-    def train_client(self, fit, start: torch.Tensor, local) -> Any:
+    def train_client(self, fit: Callable[..., Any], start: torch.Tensor, local: Any) -> Any:
         """A client's local training. ``fit(start, epochs=None, trainable=None, term=None)`` runs
         local SGD from the weights ``start`` ([P]) for ``epochs`` (None: local.epochs), changing
         only the coordinates where the [n] mask ``trainable`` is 1 (None: all), with the gradient
@@ -138,12 +138,12 @@ class Algorithm:
         below (a correction to add at every step, say)."""
         return None
 
-    def adjust_gradient(self, grad: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, local) -> None:
+    def adjust_gradient(self, grad: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, local: Any) -> None:
         """Add the algorithm's term to ``grad`` ([c, n], in place) at weights ``weights`` ([c, n])
         of clients that started from ``start`` ([n]; [c, n] in an async run, where each client
         started from a model of its own); weight decay is already in ``grad``."""
 
-    def client_report(self, result: LocalResult, local) -> dict[str, torch.Tensor]:
+    def client_report(self, result: LocalResult, local: Any) -> dict[str, torch.Tensor]:
         """After the last step: the reports, each ``[c, *shape]``."""
         return {}
 

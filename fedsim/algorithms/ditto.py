@@ -1,11 +1,17 @@
 """Ditto (Li, Hu, Beirami, Smith 2021, "Ditto: fair and robust federated learning through
 personalization"): a personal model per client beside the global one."""
 
+from __future__ import annotations
+
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
+
+import torch
 
 from ..core.checks import Checks
 from . import ALGORITHMS
-from .base import Algorithm
+from .base import Algorithm, Clients, LocalResult
 
 _CHECKS = Checks("algorithm_options", options=True)
 
@@ -32,24 +38,24 @@ class Ditto(Algorithm):
         self.lam = _CHECKS.non_negative("lam", lam)
         self.personal_epochs = _CHECKS.count("personal_epochs", personal_epochs, 1, optional=True)
 
-    def client_state(self, num_params):
+    def client_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"personal": (num_params,)}
 
-    def report_shapes(self, num_params):
+    def report_shapes(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"personal": (num_params,)}
 
-    def new_client_state(self, global_weights, num_params):
+    def new_client_state(self, global_weights: torch.Tensor, num_params: int) -> dict[str, torch.Tensor]:
         return {"personal": global_weights[:num_params].clone()}
 
-    def personal_weights(self, global_weights, rows):
+    def personal_weights(self, global_weights: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
         weights = global_weights.clone()
         weights[: len(rows["personal"])] = rows["personal"]
         return weights
 
-    def start_client(self, clients):
+    def start_client(self, clients: Clients) -> SimpleNamespace:
         return SimpleNamespace(personal=clients.state["personal"][0], trained=None)
 
-    def train_client(self, fit, start, local):
+    def train_client(self, fit: Callable[..., Any], start: torch.Tensor, local: SimpleNamespace) -> Any:
         n = len(local.personal)
         anchor = start[:n]
         personal = self.personal_weights(start, {"personal": local.personal})
@@ -64,5 +70,5 @@ class Ditto(Algorithm):
         )
         return fit(start)
 
-    def client_report(self, result, local):
+    def client_report(self, result: LocalResult, local: SimpleNamespace) -> dict[str, torch.Tensor]:
         return {"personal": local.trained[None]}

@@ -1,8 +1,12 @@
 """FedDyn (Acar et al. 2021, "Federated learning based on dynamic regularization")."""
 
+from __future__ import annotations
+
+import torch
+
 from ..core.checks import Checks
 from . import ALGORITHMS
-from .base import Algorithm
+from .base import Algorithm, Clients, Round
 
 
 @ALGORITHMS.register(
@@ -25,19 +29,23 @@ class FedDyn(Algorithm):
     def __init__(self, alpha: float = 0.01):
         self.alpha = Checks("algorithm_options", options=True).positive("alpha", alpha)
 
-    def server_state(self, num_params):
+    def server_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"h": (num_params,)}
 
-    def client_state(self, num_params):
+    def client_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"gradient": (num_params,)}
 
-    def start_client(self, clients):
+    def start_client(self, clients: Clients) -> torch.Tensor:
         return clients.state["gradient"]
 
-    def adjust_gradient(self, grad, weights, start, local):
+    def adjust_gradient(
+        self, grad: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, local: torch.Tensor
+    ) -> None:
         grad.add_(weights - start, alpha=self.alpha).sub_(local)
 
-    def server_update(self, round, server, clients):
+    def server_update(
+        self, round: Round, server: dict[str, torch.Tensor], clients: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         n, alpha = round.num_params, self.alpha
         moved = round.updates[:, :n]
         clients["gradient"] -= alpha * moved

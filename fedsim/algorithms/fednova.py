@@ -1,10 +1,14 @@
 """FedNova (Wang et al. 2020, "Tackling the objective inconsistency problem in heterogeneous
 federated optimization"): normalized averaging by each client's amount of local work."""
 
+from __future__ import annotations
+
+from typing import Any
+
 import torch
 
 from . import ALGORITHMS
-from .base import Algorithm
+from .base import Algorithm, LocalResult, Round
 
 
 @ALGORITHMS.register(
@@ -22,14 +26,14 @@ class FedNova(Algorithm):
     normalized updates, so FedNova combines with any of them.
     """
 
-    def setup(self, config):
+    def setup(self, config: Any) -> None:
         super().setup(config)
         self.momentum = config.local.momentum
 
-    def report_shapes(self, num_params):
+    def report_shapes(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"steps": ()}
 
-    def client_report(self, result, local):
+    def client_report(self, result: LocalResult, local: Any) -> dict[str, torch.Tensor]:
         return {"steps": result.steps.to(result.weights.dtype)}
 
     def work(self, steps: torch.Tensor) -> torch.Tensor:
@@ -39,7 +43,9 @@ class FedNova(Algorithm):
             return steps
         return (steps - rho * (1 - rho**steps) / (1 - rho)) / (1 - rho)
 
-    def server_update(self, round, server, clients):
+    def server_update(
+        self, round: Round, server: dict[str, torch.Tensor], clients: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         work = self.work(round.reports["steps"])
         if bool((work == work[0]).all()):  # equal work: normalizing changes nothing but the rounding
             return round.aggregate(round.updates, round.weights)

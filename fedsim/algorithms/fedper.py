@@ -1,14 +1,18 @@
 """FedPer (Arivazhagan, Aggarwal, Singh, Choudhary 2019, "Federated learning with personalization
 layers"): a shared body, averaged by the server, and a personal head kept by each client."""
 
+from __future__ import annotations
+
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 from ..core.checks import Checks
 from ..core.errors import did_you_mean
 from . import ALGORITHMS
-from .base import Algorithm
+from .base import Algorithm, Clients, LocalResult
 
 CHECKS = Checks("algorithm_options", options=True)
 
@@ -43,7 +47,7 @@ class FedPer(Algorithm):
         self.personal_layers = personal_layers
         self.head: torch.Tensor | None = None  # [n] bool: the personal coordinates of the trainable weights
 
-    def bind(self, module):
+    def bind(self, module: torch.nn.Module) -> None:
         names = [name for name, _ in module.named_parameters()]
         layers = sorted({name.rpartition(".")[0] for name in names})
         chosen = self.personal_layers or [names[-1].rpartition(".")[0]]
@@ -74,32 +78,32 @@ class FedPer(Algorithm):
     def mask(self, like: torch.Tensor) -> torch.Tensor:
         return self.head.to(like.device)
 
-    def client_state(self, num_params):
+    def client_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"head": (int(self.head.sum()) if self.head is not None else num_params,)}
 
-    def report_shapes(self, num_params):
+    def report_shapes(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return self.client_state(num_params)
 
-    def new_client_state(self, global_weights, num_params):
+    def new_client_state(self, global_weights: torch.Tensor, num_params: int) -> dict[str, torch.Tensor]:
         return {"head": global_weights[:num_params][self.mask(global_weights)].clone()}
 
-    def personal_weights(self, global_weights, rows):
+    def personal_weights(self, global_weights: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
         weights = global_weights.clone()
         weights[: len(self.head)][self.mask(weights)] = rows["head"]
         return weights
 
-    def start_client(self, clients):
+    def start_client(self, clients: Clients) -> SimpleNamespace:
         return SimpleNamespace(head=clients.state["head"][0], trained=None)
 
-    def train_client(self, fit, start, local):
+    def train_client(self, fit: Callable[..., Any], start: torch.Tensor, local: SimpleNamespace) -> Any:
         return self.keep_head(fit(self.personal_weights(start, {"head": local.head})), start, local)
 
-    def keep_head(self, trained, start, local):
+    def keep_head(self, trained: Any, start: torch.Tensor, local: SimpleNamespace) -> Any:
         """Keep the head the client trained, and send the global head back unchanged."""
         weights, mask = trained.weights[: len(self.head)], self.mask(start)
         local.trained = weights[mask].clone()
         weights[mask] = start[: len(self.head)][mask]
         return trained
 
-    def client_report(self, result, local):
+    def client_report(self, result: LocalResult, local: SimpleNamespace) -> dict[str, torch.Tensor]:
         return {"head": local.trained[None]}

@@ -1,5 +1,11 @@
 """FedProx (Li et al. 2020): local SGD on the loss plus mu/2 ||w - w_global||^2."""
 
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
 from ..core.checks import Checks
 from . import ALGORITHMS
 from .base import Algorithm
@@ -13,5 +19,5 @@ class FedProx(Algorithm):
     def __init__(self, mu: float = 0.01):
         self.mu = Checks("algorithm_options", options=True).non_negative("mu", mu)
 
-    def adjust_gradient(self, grad, weights, start, local):
+    def adjust_gradient(self, grad: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, local: Any) -> None:
         grad.add_(weights - start, alpha=self.mu)

@@ -1,7 +1,14 @@
 """FedRep (Collins, Hassani, Mokhtari, Shakkottai 2021, "Exploiting shared representations for
 personalized federated learning"): each round, the personal head first, then the shared body."""
 
+from __future__ import annotations
+
 import dataclasses
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
 
 from . import ALGORITHMS
 from .fedper import CHECKS, FedPer
@@ -24,7 +31,7 @@ class FedRep(FedPer):
         super().__init__(personal_layers)
         self.head_epochs = CHECKS.count("head_epochs", head_epochs, 1)
 
-    def train_client(self, fit, start, local):
+    def train_client(self, fit: Callable[..., Any], start: torch.Tensor, local: SimpleNamespace) -> Any:
         head = self.mask(start).to(start.dtype)
         with_head = self.personal_weights(start, {"head": local.head})
         head_phase = fit(with_head, epochs=self.head_epochs, trainable=head)

@@ -1,9 +1,13 @@
 """SCAFFOLD (Karimireddy et al. 2020): local steps corrected by control variates c - c_i."""
 
+from __future__ import annotations
+
 from types import SimpleNamespace
 
+import torch
+
 from . import ALGORITHMS
-from .base import Algorithm
+from .base import Algorithm, Clients, LocalResult, Round
 
 
 @ALGORITHMS.register(
@@ -26,26 +30,30 @@ class Scaffold(Algorithm):
     sent_to_clients = ("control",)  # c goes down with the global weights; the change of c_i comes back as a report
     paper_aggregator = "mean"
 
-    def server_state(self, num_params):
+    def server_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"control": (num_params,)}
 
-    def client_state(self, num_params):
+    def client_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"control": (num_params,)}
 
-    def report_shapes(self, num_params):
+    def report_shapes(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"control_change": (num_params,)}
 
-    def start_client(self, clients):
+    def start_client(self, clients: Clients) -> SimpleNamespace:
         own = clients.state["control"]
         return SimpleNamespace(control=own, correction=clients.server["control"] - own)
 
-    def adjust_gradient(self, grad, weights, start, local):
+    def adjust_gradient(
+        self, grad: torch.Tensor, weights: torch.Tensor, start: torch.Tensor, local: SimpleNamespace
+    ) -> None:
         grad.add_(local.correction)
 
-    def client_report(self, result, local):
+    def client_report(self, result: LocalResult, local: SimpleNamespace) -> dict[str, torch.Tensor]:
         return {"control_change": result.mean_gradient - local.control}
 
-    def server_update(self, round, server, clients):
+    def server_update(
+        self, round: Round, server: dict[str, torch.Tensor], clients: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         changes = round.reports["control_change"]
         server["control"].add_(changes.sum(dim=0), alpha=1 / round.num_clients)
         clients["control"] += changes

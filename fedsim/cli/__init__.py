@@ -8,6 +8,7 @@ written, and exit with 130 and 143; a second Ctrl-C ends everything at once.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 from ..core.errors import FedsimError
 from ..execution.interrupts import Terminated, exiting
@@ -16,7 +17,7 @@ from .parser import build_parser
 __all__ = ["build_parser", "main"]
 
 
-def main(argv=None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

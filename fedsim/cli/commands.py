@@ -3,6 +3,7 @@ arguments and returns the exit status."""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from ..execution.interrupts import Terminated, install_handlers
 from ..results.rundir import refuse_if_in_use
 
 
-def cmd_run(args) -> int:
+def cmd_run(args: argparse.Namespace) -> int:
     """Run or resume; under torchrun, as one of several ranks (see distributed.py)."""
     from ..execution.processes import start_fork_server
 
@@ -169,7 +170,7 @@ def _interrupted_message(path) -> str:
     )
 
 
-def cmd_list(args) -> int:
+def cmd_list(args: argparse.Namespace) -> int:
     from ..experiment.components import tables
 
     experiments = shipped_experiments()
@@ -185,7 +186,7 @@ def cmd_list(args) -> int:
     return 0
 
 
-def cmd_partition(args) -> int:
+def cmd_partition(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..data.report import write_report
@@ -206,7 +207,7 @@ def cmd_partition(args) -> int:
     return 0
 
 
-def cmd_plot(args) -> int:
+def cmd_plot(args: argparse.Namespace) -> int:
     from ..results.plot import plot_runs, save_figure
     from ..results.progress import RoundLog, console_logging
 
@@ -227,7 +228,7 @@ def cmd_plot(args) -> int:
     return 0
 
 
-def cmd_sweep(args) -> int:
+def cmd_sweep(args: argparse.Namespace) -> int:
     from ..execution.processes import start_fork_server
 
     if _may_use_workers(args):

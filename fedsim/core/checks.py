@@ -11,18 +11,19 @@ options: ``Checks("aggregator_options", options=True)`` names the option in the 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import NoReturn
 
 import numpy as np
 import torch
 
 from .errors import ConfigError, cut, did_you_mean
+from .registry import Registry
 
 FLOAT32 = torch.finfo(torch.float32)
 
 
-def is_number(value) -> bool:
+def is_number(value: object) -> bool:
     """A finite int or float (numpy's too), not a bool. An int is finite however large
     (math.isfinite would raise OverflowError above 1.8e308)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
@@ -30,11 +31,11 @@ def is_number(value) -> bool:
     return isinstance(value, (int, np.integer)) or math.isfinite(value)
 
 
-def is_integer(value) -> bool:
+def is_integer(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def shown(value, limit: int = 60) -> str:
+def shown(value: object, limit: int = 60) -> str:
     """A value for an error message: its type and repr, cut short (it may be huge)."""
     text = repr(value)
     return f"{type(value).__name__} {cut(text, limit)}"
@@ -51,12 +52,12 @@ class Checks:
             raise ConfigError(f"{self.section}: {key} {message}")
         raise ConfigError(f"{self.section}.{key}: {message}" if self.section else f"{key}: {message}")
 
-    def at_least(self, key: str, value, low):
+    def at_least(self, key: str, value: float, low: float) -> float:
         if value < low:
             self.fail(key, f"must be >= {low}, got {value}")
         return value
 
-    def within(self, key: str, value, low, high, bounds: str = "[]", why: str = ""):
+    def within(self, key: str, value: float, low: float, high: float, bounds: str = "[]", why: str = "") -> float:
         """``low <= value <= high``, with ``bounds`` saying which ends are open: "[)", "(]", ..."""
         above = value > low if bounds[0] == "(" else value >= low
         below = value < high if bounds[1] == ")" else value <= high
@@ -64,12 +65,12 @@ class Checks:
             self.fail(key, f"must be in {bounds[0]}{low}, {high}{bounds[1]}{why}, got {value}")
         return value
 
-    def one_of(self, key: str, value, allowed):
+    def one_of(self, key: str, value: object, allowed: Collection[str]) -> str:
         if value not in allowed:
             self.fail(key, f"must be one of {', '.join(allowed)}, got {cut(repr(value))}{did_you_mean(value, allowed)}")
         return value
 
-    def choice(self, key: str, value, table):
+    def choice(self, key: str, value: object, table: Registry) -> str:
         """A name registered in ``table`` (a Registry)."""
         if value not in table:
             self.fail(
@@ -79,13 +80,13 @@ class Checks:
             )
         return value
 
-    def number(self, key: str, value, what: str) -> float:
+    def number(self, key: str, value: object, what: str) -> float:
         """A finite number; ``what`` says what is expected when it is not one."""
         if not is_number(value):
             self.fail(key, f"{what}, got {shown(value)}")
         return float(value)
 
-    def positive(self, key: str, value) -> float:
+    def positive(self, key: str, value: object) -> float:
         """A number > 0 that float32 holds at full precision: in its normal range, so that it
         neither overflows to inf nor becomes a subnormal or 0 (``max_norm = 1e-45`` would
         otherwise clip every update to zero)."""
@@ -97,18 +98,18 @@ class Checks:
             )
         return float(value)
 
-    def non_negative(self, key: str, value) -> float:
+    def non_negative(self, key: str, value: object) -> float:
         """0, or a positive number as above."""
         return 0.0 if is_number(value) and value == 0 else self.positive(key, value)
 
-    def count(self, key: str, value, low: int, optional: bool = False) -> int | None:
+    def count(self, key: str, value: object, low: int, optional: bool = False) -> int | None:
         if value is None and optional:
             return None
         if not is_integer(value) or value < low:
             self.fail(key, f"must be an integer >= {low}{' (or null)' if optional else ''}, got {value!r}")
         return int(value)
 
-    def mapping(self, value, keys) -> dict:
+    def mapping(self, value: object, keys: Collection[str]) -> dict:
         """A section given as a mapping (or a dataclass instance) of the ``keys`` alone."""
         if value is None:
             return {}

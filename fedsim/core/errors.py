@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import os
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 
@@ -11,7 +13,7 @@ def cut(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def did_you_mean(name, choices) -> str:
+def did_you_mean(name: object, choices: Iterable[object]) -> str:
     """``" (did you mean 'median'?)"`` for a name close to one of ``choices``, else ``""``."""
     import difflib
 
@@ -71,7 +73,7 @@ class UserCodeError(FedsimError):
 
 
 @contextmanager
-def user_code(what: str, error: type = UserCodeError):
+def user_code(what: str, error: type = UserCodeError) -> Iterator[None]:
     """Run code the user brought. Whatever it raises, an OSError or a sys.exit() included, becomes
     ``error``: one line, ``what`` followed by the exception, never taken for a failure of fedsim's
     own (a write, a worker) nor a reason to exit quietly. fedsim's own errors raised from inside
@@ -148,7 +150,9 @@ _WRITE_CAUSES = {
 }
 
 
-def write_error(path, error: OSError, advice: str = "choose another place with --out") -> FedsimError:
+def write_error(
+    path: str | os.PathLike, error: OSError, advice: str = "choose another place with --out"
+) -> FedsimError:
     """One line for a file that could not be written: the path, the cause, what to do."""
     cause, environment = _WRITE_CAUSES.get(error.errno, (error.strerror or str(error), True))
     message = f"cannot write {path}: {cause}; {advice}"

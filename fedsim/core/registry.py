@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 from .errors import ConfigError, did_you_mean, user_code
 
@@ -24,7 +25,7 @@ class Registry:
 
         return add
 
-    def get(self, name: str):
+    def get(self, name: str) -> Any:
         if name not in self._entries:
             raise ConfigError(
                 f"unknown {self.kind} {name!r}{did_you_mean(name, self.names())}; choose one of: "
@@ -46,7 +47,7 @@ def is_import_path(text: str) -> bool:
     return ":" in text
 
 
-def load_attr(key: str, path: str):
+def load_attr(key: str, path: str) -> Any:
     """The object an import path ``pkg.module:attr`` names; one line if it cannot be had."""
     module_name, _, attr = path.partition(":")
     if attr.endswith(")"):  # how config.yaml names an object given from Python (see describe)
@@ -63,7 +64,7 @@ def load_attr(key: str, path: str):
     return target
 
 
-def registered(key: str, table, name: str):
+def registered(key: str, table: Registry, name: str) -> Any:
     """``table``'s entry ``name``; an unknown name is refused naming the config key."""
     if name not in table:
         raise ConfigError(

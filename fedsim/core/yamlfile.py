@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -95,7 +96,7 @@ def _children(node) -> list:
     return []
 
 
-def parse_yaml(text: str):
+def parse_yaml(text: str) -> Any:
     """``yaml.safe_load`` within the bounds of ``_BoundedLoader``."""
     return yaml.load(text, Loader=_BoundedLoader)
 

@@ -1,5 +1,6 @@
 """Datasets as device-ready tensors, and their split among clients."""
 
+from . import cifar100, hub, leaf  # noqa: F401 (they register their datasets)
 from .datasets import DATASETS, Dataset, check_dataset_spec, from_tensors, load_dataset
 from .partition import PARTITIONS, local_test_split, options_for, partition
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-AUGMENT_BY_DEFAULT = {"cifar10"}  # datasets whose usual recipe augments; others opt in
+AUGMENT_BY_DEFAULT = {"cifar10", "cifar100"}  # datasets whose usual recipe augments; others opt in
 
 
-def augmentation_for(data_config, input_shape: tuple[int, ...]):
+def augmentation_for(data_config: Any, input_shape: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The batch transform for this dataset, or None when augmentation is off."""
     enabled = data_config.augment
     if enabled is None:

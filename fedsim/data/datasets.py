@@ -11,7 +11,6 @@ import gzip
 import math
 import pickle
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,25 +18,21 @@ import torch
 
 from ..core.errors import ConfigError, DataError, user_code
 from ..core.registry import Registry, is_import_path, load_attr, registered
+from .hub import PREFIX as HUB
+from .hub import load_hub
+from .tensors import Dataset
 
 DATASETS = Registry("dataset")
 
 
-@dataclass
-class Dataset:
-    train_x: torch.Tensor  # float32 [N, ...] (images [N, C, H, W]), normalized
-    train_y: torch.Tensor  # int64 [N], in 0 .. num_classes - 1
-    test_x: torch.Tensor
-    test_y: torch.Tensor
-    num_classes: int
-    name: str = "tensors"  # how config.yaml names a dataset given as an object
-
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        return tuple(self.train_x.shape[1:])
-
-
-def from_tensors(train_x, train_y, test_x, test_y, num_classes: int | None = None, name: str = "tensors") -> Dataset:
+def from_tensors(
+    train_x: torch.Tensor | np.ndarray,
+    train_y: torch.Tensor | np.ndarray,
+    test_x: torch.Tensor | np.ndarray,
+    test_y: torch.Tensor | np.ndarray,
+    num_classes: int | None = None,
+    name: str = "tensors",
+) -> Dataset:
     """A dataset of your own, from tensors or numpy arrays: inputs ``[N, ...]`` (made float32,
     used as they are: normalize them first) and integer labels ``[N]``. ``num_classes``
     defaults to the largest label plus one. Refused in one line if the shapes, the labels or
@@ -105,9 +100,9 @@ def _from_file(path: Path) -> Dataset:
     return from_tensors(*(arrays[key] for key in _TENSOR_KEYS), num_classes=classes, name=str(path))
 
 
-def check_dataset_spec(spec) -> None:
+def check_dataset_spec(spec: object) -> None:
     """What can be checked of ``data.dataset`` before loading: a known name, a .pt / .npz file
-    that exists, an importable path, or a Dataset."""
+    that exists, an importable path, a Hugging Face dataset (``hf:<name or path>``), or a Dataset."""
 
     if isinstance(spec, Dataset):
         return
@@ -116,6 +111,8 @@ def check_dataset_spec(spec) -> None:
             f"data.dataset: {type(spec).__name__} is not a dataset; from Python give "
             f"fedsim.data.from_tensors(train_x, train_y, test_x, test_y)"
         )
+    if spec.startswith(HUB):  # before the import paths, whose colon "hf:name" has
+        return  # checked with data.hf, by hub.check_hub_options
     if spec.endswith((".pt", ".npz")):
         if not Path(spec).is_file():
             raise ConfigError(f"data.dataset: {spec}: no such file")
@@ -126,13 +123,18 @@ def check_dataset_spec(spec) -> None:
         registered("data.dataset", DATASETS, spec)
 
 
-def load_dataset(spec, root: str | Path, limit: int | None = None, download: bool = True) -> Dataset:
+def load_dataset(
+    spec: str | Dataset, root: str | Path, limit: int | None = None, download: bool = True, hf: dict | None = None
+) -> Dataset:
     """The dataset ``spec`` names: a registered name (read from ``root``, downloaded there
     unless ``download`` is False), a .pt / .npz file, an import path of a function that returns
-    a Dataset, or a Dataset. ``limit`` keeps only the first N training samples."""
+    a Dataset, a Hugging Face dataset (``hf:<name or path>``, with the columns and splits of
+    ``hf``), or a Dataset. ``limit`` keeps only the first N training samples."""
 
     if isinstance(spec, Dataset):
         data = spec
+    elif spec.startswith(HUB):
+        data = load_hub(spec, hf, Path(root))
     elif spec.endswith((".pt", ".npz")):
         data = _from_file(Path(spec))
     elif is_import_path(spec):
@@ -153,9 +155,7 @@ def load_dataset(spec, root: str | Path, limit: int | None = None, download: boo
                 f"data.limit: {limit} is more than the {len(data.train_y)} training samples of "
                 f"{data.name if isinstance(spec, Dataset) else spec}"
             )
-        data = Dataset(
-            data.train_x[:limit], data.train_y[:limit], data.test_x, data.test_y, data.num_classes, data.name
-        )
+        data = data.head(limit)
     return data
 
 

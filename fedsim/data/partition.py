@@ -3,8 +3,11 @@
 A partition method is one registered function ``method(labels, num_clients, rng, **options)``
 that returns one index array per client. ``labels`` is a numpy int array and ``rng`` a seeded
 ``numpy.random.Generator``; options are keyword arguments named like the ``data.*`` keys, and
-a bad value raises ConfigError naming its key. The parts are disjoint and together cover the
-data, except where a method's description says otherwise (``label_k``).
+a bad value raises ConfigError naming its key. A method that needs more of each sample than its
+label names the dataset's column as a parameter (``clients``: its own clients, for ``natural``;
+``coarse_labels``: CIFAR-100's superclasses, for ``pachinko``), and gets it as a numpy array.
+The parts are disjoint and together cover the data, except where a method's description says
+otherwise (``label_k``, ``natural`` with fewer clients than the data has, ``pachinko``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,31 +30,73 @@ PARTITIONS = Registry("partition")
 MAX_DIRICHLET_DRAWS = 1000  # re-draws allowed to meet data.min_samples before giving up
 
 
-def partition(labels, method: str, num_clients: int, seed: int, **options) -> list[torch.Tensor]:
-    """Split sample indices among ``num_clients`` clients; one int64 tensor per client."""
+COLUMNS = {
+    "clients": "its own clients (a federated dataset: femnist, shakespeare, hf: with a client column)",
+    "coarse_labels": "coarse labels (cifar100)",
+}  # what a method may ask of each sample
+
+
+def partition(
+    labels: torch.Tensor | np.ndarray,
+    method: str,
+    num_clients: int,
+    seed: int,
+    columns: dict[str, torch.Tensor] | None = None,
+    **options: Any,
+) -> list[torch.Tensor]:
+    """Split sample indices among ``num_clients`` clients; one int64 tensor per client.
+    ``columns``: the dataset's per-sample columns (``Dataset.columns()``), for the methods that
+    name them."""
     fn = PARTITIONS.get(method)
     labels = np.asarray(labels.cpu() if isinstance(labels, torch.Tensor) else labels)
     if num_clients > len(labels):
         raise ConfigError(f"data.num_clients: {num_clients} clients but only {len(labels)} samples")
-    accepted = set(inspect.signature(fn).parameters) - {"labels", "num_clients", "rng"}
+    accepted = set(inspect.signature(fn).parameters) - {"labels", "num_clients", "rng", *COLUMNS}
     unknown = set(options) - accepted
     if unknown:
         raise ConfigError(
             f"partition '{method}' takes no option {sorted(unknown)[0]!r}; it takes: "
             f"{', '.join(sorted(accepted)) or 'no options'}"
         )
+    for name in set(inspect.signature(fn).parameters) & set(COLUMNS):
+        if name not in (columns or {}):
+            raise ConfigError(f"data.partition: {method} needs a dataset with {COLUMNS[name]}; this one has none")
+        options[name] = np.asarray(columns[name].cpu())
     parts = fn(labels, num_clients, partition_rng(seed), **options)
     return [torch.as_tensor(np.asarray(p), dtype=torch.int64) for p in parts]
 
 
-def options_for(method: str, data_config) -> dict:
+def options_for(method: str, data_config: Any) -> dict:
     """The ``data.*`` values that a partition method takes, read from a DataConfig."""
     fn = PARTITIONS.get(method)
-    names = set(inspect.signature(fn).parameters) - {"labels", "num_clients", "rng"}
+    names = set(inspect.signature(fn).parameters) - {"labels", "num_clients", "rng", *COLUMNS}
     return {name: getattr(data_config, name) for name in names if hasattr(data_config, name)}
 
 
-def local_test_split(train_labels, parts, test_labels, seed: int) -> list[torch.Tensor]:
+def samples_of(clients: np.ndarray, kept: np.ndarray) -> list[np.ndarray]:
+    """The ascending sample indices of each client in ``kept``, in the order of ``kept``: one
+    sort of the samples, so a million clients cost what one costs times a log."""
+    order = np.argsort(clients, kind="stable")
+    starts = np.searchsorted(clients[order], kept, side="left")
+    ends = np.searchsorted(clients[order], kept, side="right")
+    return [order[a:b] for a, b in zip(starts, ends)]
+
+
+def natural_test_split(
+    train_clients: torch.Tensor, parts: list[torch.Tensor], test_clients: torch.Tensor
+) -> list[torch.Tensor]:
+    """Each client's own test samples, for parts of ``natural``: the test samples of the same
+    writer, role or user (none for a client the data holds no test sample of)."""
+    kept = np.asarray(train_clients[torch.stack([p[0] for p in parts]).to(train_clients.device)].cpu())
+    return [torch.as_tensor(p, dtype=torch.int64) for p in samples_of(np.asarray(test_clients.cpu()), kept)]
+
+
+def local_test_split(
+    train_labels: torch.Tensor | np.ndarray,
+    parts: Sequence[torch.Tensor | np.ndarray],
+    test_labels: torch.Tensor | np.ndarray,
+    seed: int,
+) -> list[torch.Tensor]:
     """Per-client test indices drawn from each client's own label distribution.
 
     Every class's test samples are divided among the clients in proportion to how many
@@ -121,13 +168,31 @@ def _parts_from_owner(owner: np.ndarray, num_clients: int) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------- methods
 
 
+@PARTITIONS.register(
+    "natural",
+    "the dataset's own clients (a writer, a role, a user); data.num_clients of them, a seeded "
+    "subset when the data has more",
+)
+def natural(labels: np.ndarray, num_clients: int, rng: np.random.Generator, clients: np.ndarray) -> list[np.ndarray]:
+    """All the dataset's clients when ``num_clients`` is their number, else a seeded draw of
+    that many; client i of the run is the i-th kept, in the dataset's order of ids."""
+    ids = np.unique(clients)
+    if num_clients > len(ids):
+        raise ConfigError(
+            f"data.num_clients: {num_clients:,} clients asked for, but the data has {len(ids):,} clients of its own "
+            f"(data.partition: natural); use at most {len(ids):,}"
+        )
+    kept = ids if num_clients == len(ids) else np.sort(rng.choice(ids, num_clients, replace=False))
+    return samples_of(clients, kept)
+
+
 @PARTITIONS.register("iid", "seeded random split into equal parts (sizes differ by at most one)")
-def iid(labels, num_clients, rng):
+def iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
     return np.array_split(rng.permutation(len(labels)), num_clients)
 
 
 @PARTITIONS.register("contiguous", "consecutive ranges in dataset order; the last client takes the remainder")
-def contiguous(labels, num_clients, rng):
+def contiguous(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
     size = len(labels) // num_clients
     bounds = [i * size for i in range(num_clients)] + [len(labels)]
     return [np.arange(bounds[i], bounds[i + 1]) for i in range(num_clients)]
@@ -139,7 +204,14 @@ def contiguous(labels, num_clients, rng):
     "Dir(data.alpha); re-drawn until every client has data.min_samples; "
     "data.balanced: NIID-Bench's cap of N / num_clients per client",
 )
-def dirichlet(labels, num_clients, rng, alpha=0.5, min_samples=1, balanced=False):
+def dirichlet(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    alpha: float = 0.5,
+    min_samples: int = 1,
+    balanced: bool = False,
+) -> list[np.ndarray]:
     """Each class's samples go to the clients by shares drawn from Dir(alpha), the whole split
     drawn again until every client has ``min_samples``. ``balanced``: NIID-Bench's rule (Li et al.
     2022, ``partition_data``, ``noniid-labeldir``): the classes are dealt one after another in label
@@ -192,7 +264,9 @@ def _capped_counts(rng, alpha, class_sizes, num_clients: int, cap: float) -> np.
     "McMahan et al.'s pathological split: sorted by label, cut into "
     "num_clients x data.shards_per_client equal shards dealt at random",
 )
-def shards(labels, num_clients, rng, shards_per_client=2):
+def shards(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, shards_per_client: int = 2
+) -> list[np.ndarray]:
     if not isinstance(shards_per_client, numbers.Integral) or shards_per_client < 1:
         raise _invalid("shards_per_client", "an integer >= 1", shards_per_client)
     num_shards = num_clients * shards_per_client
@@ -214,7 +288,9 @@ def shards(labels, num_clients, rng, shards_per_client=2):
     "label_k",
     "each client holds data.classes_per_client classes; each class is split equally among the clients holding it",
 )
-def label_k(labels, num_clients, rng, classes_per_client=2):
+def label_k(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, classes_per_client: int = 2
+) -> list[np.ndarray]:
     """Client i's first class is the (i mod C)-th of a random order of the C classes, so every
     class is held once there are at least C clients; its other k-1 classes are drawn uniformly
     from the rest. A class's samples are shuffled and split into equal parts (sizes differ by
@@ -243,7 +319,14 @@ def label_k(labels, num_clients, rng, classes_per_client=2):
     "IID labels, skewed client sizes: data.quantity_skew lognormal (data.sigma) "
     "or dirichlet (data.alpha); every client gets at least one sample",
 )
-def quantity(labels, num_clients, rng, quantity_skew="lognormal", sigma=1.0, alpha=0.5):
+def quantity(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    quantity_skew: str = "lognormal",
+    sigma: float = 1.0,
+    alpha: float = 0.5,
+) -> list[np.ndarray]:
     if quantity_skew == "lognormal":
         if not (isinstance(sigma, numbers.Real) and math.isfinite(sigma) and sigma >= 0):
             raise _invalid("sigma", "a finite number >= 0", sigma)
@@ -256,3 +339,95 @@ def quantity(labels, num_clients, rng, quantity_skew="lognormal", sigma=1.0, alp
     # one sample each first, so no client is empty however small its share
     sizes = 1 + _split_counts(weights / weights.sum(), len(labels) - num_clients)
     return np.split(rng.permutation(len(labels)), np.cumsum(sizes)[:-1])
+
+
+@PARTITIONS.register(
+    "pachinko",
+    "Reddi et al.'s CIFAR-100 split (TFF's): N // num_clients samples each, a coarse label by "
+    "Dir(data.alpha) shares, then a fine label by Dir(data.beta) shares within it",
+)
+def pachinko(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    coarse_labels: np.ndarray,
+    alpha: float = 0.1,
+    beta: float = 10.0,
+) -> list[np.ndarray]:
+    """Pachinko allocation (Li and McCallum 2006, "Pachinko Allocation: DAG-Structured Mixture
+    Models of Topic Correlations") down the tree of coarse and fine labels, as Reddi et al. 2021
+    ("Adaptive Federated Optimization", appendix on CIFAR-100) split CIFAR-100 for TFF
+    (``tff.simulation.datasets.cifar100``: alpha 0.1, beta 10, 500 clients of 100; data.alpha's
+    default is dirichlet's 0.5). The clients are filled one after another, each with
+    N // num_clients samples (the N mod num_clients left go to nobody). A client draws shares of
+    the coarse labels left from Dir(alpha) and, for each, shares of its fine labels left from
+    Dir(beta); each sample is a coarse label, a fine label within it, then one of that label's
+    samples uniformly without replacement. A fine label that runs out leaves the tree and its
+    siblings' shares are renormalized (a coarse label left without fine labels likewise), so later
+    clients draw over what is left, as in Marfoq et al.'s reimplementation (2021, FedEM,
+    ``pachinko_allocation_split``). A client's samples are drawn as a batch of fine labels by the
+    product of the two shares (a coarse label, then a fine label within it), kept up to the draw
+    that empties a label, the rest drawn again from the renormalized shares: the distribution of
+    drawing them one at a time."""
+    _check_positive("alpha", alpha)
+    _check_positive("beta", beta)
+    fine = np.unique(labels, return_inverse=True)[1].reshape(-1)
+    parent = _parent_labels(labels, fine, np.asarray(coarse_labels))
+    pool = _shuffled_by_class(fine, rng)  # each fine label's samples in random order, taken from the front
+    left = np.bincount(fine)
+    front = np.cumsum(left) - left
+    owner = np.full(len(labels), -1, dtype=np.int64)
+    one_group = np.zeros(parent.max() + 1, dtype=np.int64)
+    for client in range(num_clients):
+        coarse_share = _group_shares(0.0, one_group, np.bincount(parent, left > 0) > 0, alpha, rng)
+        fine_share = _group_shares(0.0, parent, left > 0, beta, rng)
+        wanted = len(labels) // num_clients
+        while wanted:
+            joint = coarse_share[parent] * fine_share
+            drawn = rng.choice(len(left), wanted, p=joint / joint.sum())
+            order = np.argsort(drawn, kind="stable")  # a draw's rank among the batch's draws of its label
+            rank = np.empty_like(drawn)
+            rank[order] = np.arange(wanted) - np.searchsorted(drawn[order], drawn[order])
+            emptied = np.flatnonzero(rank + 1 == left[drawn])
+            kept = emptied[0] + 1 if len(emptied) else wanted
+            owner[pool[front[drawn[:kept]] + rank[:kept]]] = client
+            taken = np.bincount(drawn[:kept], minlength=len(left))
+            front, left, wanted = front + taken, left - taken, wanted - kept
+            if len(emptied):
+                fine_share = _group_shares(fine_share, parent, left > 0, beta, rng)
+                coarse_share = _group_shares(coarse_share, one_group, np.bincount(parent, left > 0) > 0, alpha, rng)
+    return _parts_from_owner(owner, num_clients)
+
+
+def _parent_labels(labels: np.ndarray, fine: np.ndarray, coarse_labels: np.ndarray) -> np.ndarray:
+    """The coarse label (as an index into the sorted distinct ones) of each fine label index."""
+    if coarse_labels.shape != labels.shape:
+        raise ConfigError(
+            f"data.partition: pachinko needs one coarse label per sample; got {coarse_labels.shape} for {labels.shape}"
+        )
+    coarse = np.unique(coarse_labels, return_inverse=True)[1].reshape(-1)
+    pairs = np.unique(np.stack([fine, coarse]), axis=1)  # the distinct (fine, coarse) pairs, by fine label
+    if pairs.shape[1] != fine.max() + 1:
+        twice = np.unique(labels)[pairs[0][np.flatnonzero(np.diff(pairs[0]) == 0)[0]]]
+        raise ConfigError(
+            f"data.partition: pachinko needs each label under one coarse label; label {twice} is under several"
+        )
+    return pairs[1]
+
+
+def _group_shares(shares, groups: np.ndarray, available: np.ndarray, concentration: float, rng) -> np.ndarray:
+    """``shares`` of the ``available`` entries, renormalized within each group (an entry's group:
+    ``groups``). A group whose available shares sum to zero (none yet, or all underflowed) draws
+    fresh ones from Dir(concentration), what renormalized Dirichlet shares are distributed as:
+    gamma draws normalized, or numpy's Dirichlet where the gammas of a small concentration underflow."""
+    shares = np.where(available, shares, 0.0)
+    totals = np.bincount(groups, shares, minlength=groups.max() + 1)
+    fresh = available & (totals[groups] == 0)
+    if fresh.any():
+        shares[fresh] = rng.standard_gamma(concentration, np.count_nonzero(fresh))
+        totals = np.bincount(groups, shares, minlength=len(totals))
+        for group in np.unique(groups[available & (totals[groups] == 0)]):
+            members = np.flatnonzero(available & (groups == group))
+            shares[members] = rng.dirichlet(np.full(len(members), concentration))
+            totals[group] = 1.0
+    return np.divide(shares, totals[groups], out=np.zeros(len(groups)), where=available)

@@ -7,21 +7,27 @@ the clients of that experiment train on.
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from ..core.errors import write_error
 from ..core.files import atomic_write_text, write_atomically
-from .partition import local_test_split, options_for
+from .partition import options_for
 
 _ANNOTATE_UP_TO = 200  # cells; beyond this, numbers in the cells become unreadable
 
 
-def partition_stats(parts, labels, num_classes: int) -> dict:
+def partition_stats(
+    parts: Sequence[torch.Tensor | np.ndarray], labels: torch.Tensor | np.ndarray, num_classes: int
+) -> dict:
     """Per-client sample counts and per-class counts (``class_counts[client][class]``)."""
     labels = np.asarray(labels.cpu() if hasattr(labels, "cpu") else labels)
     counts = np.stack(
@@ -108,7 +114,7 @@ def _json_text(report: dict) -> str:
     return "{\n" + ",\n".join(f" {json.dumps(key)}: {value(v)}" for key, v in report.items()) + "\n}\n"
 
 
-def write_report(config, federation, out_dir) -> dict:
+def write_report(config: Any, federation: Any, out_dir: str | os.PathLike) -> dict:
     """Write ``partition.json`` and ``partition.png`` into ``out_dir`` for ``federation``, the
     data split as a run of ``config`` splits it (``experiment.federation.load_federation``).
     Returns the statistics (see :func:`partition_stats`), with the local test split's counts
@@ -127,7 +133,7 @@ def write_report(config, federation, out_dir) -> dict:
         **stats,
     }
     if d.test_partition:
-        test_parts = local_test_split(data.train_y, parts, data.test_y, config.seed)
+        test_parts = federation.test_parts(config.seed)
         test_stats = partition_stats(test_parts, data.test_y, data.num_classes)
         report["test_samples"], report["test_class_counts"] = test_stats["samples"], test_stats["class_counts"]
     out = Path(out_dir)

@@ -20,16 +20,25 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..core.errors import FedsimError, NonFiniteError
 from ..core.streams import async_start_generator
+from ..experiment.config import Config
 from ..fl.asynchronous import make_method
-from .loop import Engine, RoundResult
+from ..fl.system import System
+from .buffers import RoundBuffers
+from .loop import Engine, Executor, RoundResult
 from .records import ClientRecord, RoundRow
+from .state import GlobalState
 from .update import check_finite
+
+if TYPE_CHECKING:
+    from ..fl.client_eval import ClientEvaluation
 
 
 @dataclass
@@ -74,7 +83,7 @@ class Schedule:
             "jobs": jobs,
         }
 
-    def load_state_dict(self, state: dict, source, like: torch.Tensor) -> None:
+    def load_state_dict(self, state: dict, source: Path, like: torch.Tensor) -> None:
         """Continue from ``state``; ``like`` is the global weights, whose shape and device every
         model in flight has."""
         damaged = f"{source}: its clients in flight do not fit this run; it is not this run's checkpoint"
@@ -101,7 +110,16 @@ class Schedule:
 class AsyncEngine(Engine):
     """An Engine whose round is one server update of FedBuff or FedAsync."""
 
-    def __init__(self, cfg, state, buffers, executor, system, test, client_eval=None):
+    def __init__(
+        self,
+        cfg: Config,
+        state: GlobalState,
+        buffers: RoundBuffers,
+        executor: Executor,
+        system: System,
+        test: tuple[torch.Tensor, torch.Tensor],
+        client_eval: ClientEvaluation | None = None,
+    ):
         super().__init__(cfg, state, buffers, executor, None, system, test, client_eval)
         self.method = make_method(cfg.asynchronous)
         self.schedule = state.schedule = Schedule()

@@ -4,12 +4,20 @@ round but a few-byte message."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..fl.attacks import attacker_mask
 from ..fl.sampling import poisson_capacity
+
+if TYPE_CHECKING:
+    from ..algorithms import Algorithm
+    from ..data.datasets import Dataset
+    from ..experiment.config import Config
+    from .state import GlobalState
 
 
 @dataclass
@@ -36,7 +44,15 @@ class RoundBuffers:
 
     @classmethod
     def allocate(
-        cls, cfg, state, data, parts, data_device: torch.device, algorithm, keeps_copies: bool, workers: int
+        cls,
+        cfg: Config,
+        state: GlobalState,
+        data: Dataset,
+        parts: list[torch.Tensor],
+        data_device: torch.device,
+        algorithm: Algorithm,
+        keeps_copies: bool,
+        workers: int,
     ) -> RoundBuffers:
         """The buffers of a run (``state``: its GlobalState): the data where it lives, the rest on the
         state's device; the algorithm's state is the global state's own tensors. A row per client
@@ -70,7 +86,7 @@ class RoundBuffers:
             reports={name: torch.zeros(k, *shape, device=dev) for name, shape in algorithm.report_shapes(n).items()},
         ).share_cpu_tensors()
 
-    def tensors(self):
+    def tensors(self) -> Iterator[torch.Tensor]:
         for value in vars(self).values():
             if isinstance(value, torch.Tensor):
                 yield value

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -24,10 +24,15 @@ import torch.nn.functional as F
 from ..core.errors import user_code
 from ..core.flat import FlatModel
 from ..experiment.components import describe
-from ..fl.system import RoundPlan
+from ..experiment.config import Config
+from ..fl.system import RoundPlan, System
 from .buffers import RoundBuffers
 from .records import ClientRecord, RoundRow
 from .state import GlobalState
+
+if TYPE_CHECKING:
+    from ..fl.client_eval import ClientEvaluation
+    from ..fl.privacy import Privacy
 
 
 class Executor(Protocol):
@@ -98,15 +103,15 @@ class Engine:
 
     def __init__(
         self,
-        cfg,
+        cfg: Config,
         state: GlobalState,
         buffers: RoundBuffers,
         executor: Executor,
-        strategy,
-        system,
+        strategy: Any,
+        system: System,
         test: tuple[torch.Tensor, torch.Tensor],
-        client_eval=None,
-        privacy=None,
+        client_eval: ClientEvaluation | None = None,
+        privacy: Privacy | None = None,
     ):
         self.cfg, self.state, self.buffers, self.executor, self.strategy = cfg, state, buffers, executor, strategy
         self.system, self.test, self.client_eval, self.privacy = system, test, client_eval, privacy

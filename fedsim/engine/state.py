@@ -6,6 +6,7 @@ All of it, and nothing else, is what a checkpoint holds."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,10 @@ from ..core.errors import FedsimError
 from ..core.flat import FlatModel
 from ..experiment.keys import flatten_config
 from ..fl.client_state import ClientStates
+
+if TYPE_CHECKING:
+    from ..algorithms import Algorithm
+    from ..fl.server_opt import ServerOptimizer
 
 
 class GlobalState:
@@ -25,8 +30,8 @@ class GlobalState:
     def __init__(
         self,
         model: FlatModel,
-        server_optimizer,
-        algorithm,
+        server_optimizer: ServerOptimizer,
+        algorithm: Algorithm,
         clients: ClientStates,
         description: str,
         privacy_state: dict[str, torch.Tensor] | None = None,

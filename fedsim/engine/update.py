@@ -14,16 +14,24 @@ A strategy whose clients train the global weights themselves adopts them instead
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..algorithms import Round
+from ..algorithms import Algorithm, Round
 from ..core.errors import NonFiniteError, user_code
 from ..core.streams import attack_generator
 from ..fl.aggregation import row_norms
+from ..fl.attacks import Attack
 from .buffers import RoundBuffers
 from .records import ClientRecord
 from .state import GlobalState
+
+if TYPE_CHECKING:
+    from ..experiment.config import Config
+    from ..fl.compression import Compression
+    from ..fl.privacy import Privacy
 
 logger = logging.getLogger("fedsim")
 
@@ -41,15 +49,15 @@ class AggregateUpdates:
 
     def __init__(
         self,
-        cfg,
+        cfg: Config,
         state: GlobalState,
         buffers: RoundBuffers,
-        algorithm,
-        aggregate,
-        privacy,
-        attack,
+        algorithm: Algorithm,
+        aggregate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        privacy: Privacy | None,
+        attack: Attack,
         names: dict,
-        compression=None,
+        compression: Compression | None = None,
     ):
         self.cfg, self.state, self.buffers = cfg, state, buffers
         self.algorithm, self.aggregate, self.privacy, self.attack, self.names = (

@@ -11,13 +11,18 @@ another, ``VmapTrainer`` a group of clients in lockstep. Neither knows any parti
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from ..algorithms import Algorithm
 from ..core.flat import FlatModel
+
+if TYPE_CHECKING:
+    from ..experiment.config import LocalConfig
 
 
 @dataclass
@@ -50,11 +55,11 @@ class LocalTrainer:
         model: FlatModel,
         train_x: torch.Tensor,
         train_y: torch.Tensor,
-        local,
+        local: LocalConfig,
         *,
         num_classes: int,
         algorithm: Algorithm | None = None,
-        augment=None,
+        augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         self.model = model
         self.train_x, self.train_y = train_x, train_y
@@ -72,12 +77,12 @@ class LocalTrainer:
         start: torch.Tensor | None,
         seed: int,
         *,
-        local_state=None,
-        relabel=None,
+        local_state: Any = None,
+        relabel: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
         max_steps: int | None = None,
         epochs: int | None = None,
         trainable: torch.Tensor | None = None,
-        term=None,
+        term: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
     ) -> Trained:
         """Train from ``start`` on the samples ``indices``; the result is left in ``model.flat``.
         ``max_steps``: stop after that many SGD steps (a partial straggler's work, see system.py);
@@ -160,11 +165,11 @@ class VmapTrainer:
         module: torch.nn.Module,
         train_x: torch.Tensor,
         train_y: torch.Tensor,
-        local,
+        local: LocalConfig,
         *,
         num_classes: int,
         algorithm: Algorithm | None = None,
-        augment=None,
+        augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         from torch.func import functional_call, grad_and_value, vmap
 
@@ -215,8 +220,8 @@ class VmapTrainer:
         client_seeds: list[int],
         group_seed: int,
         *,
-        local_state=None,
-        relabel=None,
+        local_state: Any = None,
+        relabel: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
         attacked: torch.Tensor | None = None,
         max_steps: list[int | None] | None = None,
     ) -> tuple[torch.Tensor, Trained]:

@@ -32,11 +32,15 @@ import socket
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..core.errors import FedsimError
 from .interrupts import Terminated
+
+if TYPE_CHECKING:
+    from ..engine.buffers import RoundBuffers
 
 RENDEZVOUS_SECONDS = 600.0  # as torchrun's own rendezvous waits for its nodes (join_timeout)
 LOST_PEER_GRACE_SECONDS = 3.0  # see Ranks.lost: only a failing job ever waits it
@@ -171,7 +175,7 @@ class Ranks:
                 raise FedsimError(f"rank {rank}: {message}" if rank else message)
             raise RankStopped("")
 
-    def gather_rows(self, buffers, groups: list[list[int]], what: str) -> None:
+    def gather_rows(self, buffers: RoundBuffers, groups: list[list[int]], what: str) -> None:
         """Rank 0's round buffers receive every rank's trained rows: weights, stats, reports."""
         if not self.several:
             return
@@ -223,7 +227,7 @@ class Ranks:
             if staged is not tensor:
                 tensor.copy_(staged)
 
-    def decide(self, value, what: str):
+    def decide(self, value: Any, what: str) -> Any:
         """Rank 0's ``value`` (any small picklable object) on every rank."""
         if not self.several:
             return value
@@ -233,7 +237,7 @@ class Ranks:
         self._collective(lambda: dist.broadcast_object_list(box, 0), what)
         return box[0]
 
-    def collect(self, value, what: str) -> list:
+    def collect(self, value: Any, what: str) -> list | None:
         """Every rank's ``value``, in rank order, on rank 0 (None elsewhere)."""
         if not self.several:
             return [value]

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from ..core.errors import WorkerError
+from ..engine.loop import Executor
+from ..experiment.config import Config
 from .pool import InlinePool, PoolKeeper, WorkerPool, Wrapper
 
 logger = logging.getLogger("fedsim")
 
 
-def new_pool(config, workers: int, device: torch.device, runner: type, keeper: PoolKeeper | None = None):
+def new_pool(
+    config: Config, workers: int, device: torch.device, runner: type, keeper: PoolKeeper | None = None
+) -> InlinePool | WorkerPool:
     """``workers`` processes that train with ``runner`` (a kept pool's, when ``keeper`` has one
     that fits), or the server itself when 0. ``config`` is the run's config as the workers get
     it (components.for_workers)."""
@@ -28,10 +33,12 @@ class Restarting(Wrapper):
 
     attempts = 3
 
-    def __init__(self, make_pool):
+    def __init__(self, make_pool: Callable[[], Executor]):
         self.make_pool, self.inner = make_pool, make_pool()
 
-    def train(self, rnd: int, clients: torch.Tensor, start_from: torch.Tensor, groups=None) -> None:
+    def train(
+        self, rnd: int, clients: torch.Tensor, start_from: torch.Tensor, groups: list[list[int]] | None = None
+    ) -> None:
         for attempt in range(self.attempts):
             try:
                 return self.inner.train(rnd, clients, start_from, groups)

@@ -30,15 +30,18 @@ import torch
 from ..algorithms import Round
 from ..core.flat import FlatModel
 from ..core.streams import client_seed
+from ..engine.buffers import RoundBuffers
 from ..engine.records import ClientRecord
+from ..engine.state import GlobalState
 from ..engine.update import check_finite
+from ..experiment.config import Config
 from .runner import ClientRunner
 
 
 class HogwildRunner(ClientRunner):
     """A worker's routine in hogwild mode: its model's weights are the shared global weights."""
 
-    def flat_model(self, module, device: torch.device) -> FlatModel:
+    def flat_model(self, module: torch.nn.Module, device: torch.device) -> FlatModel:
         return FlatModel(module, device, flat=self.buffers.global_flat)
 
     def train_group(self, slots: list[int], rnd: int) -> None:
@@ -56,7 +59,7 @@ class AdoptSharedWeights:
     """The update strategy of hogwild: the shared weights, as the workers left them, become the
     global model."""
 
-    def __init__(self, cfg, state, buffers):
+    def __init__(self, cfg: Config, state: GlobalState, buffers: RoundBuffers):
         self.cfg, self.state, self.buffers = cfg, state, buffers
 
     def message_bytes(self) -> None:

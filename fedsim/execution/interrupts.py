@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -22,7 +23,7 @@ class Terminated(BaseException):
 _exiting = False  # the command has its exit status: a signal has nothing left to stop
 
 
-def install_handlers(kill_workers) -> None:
+def install_handlers(kill_workers: Callable[[], object]) -> None:
     """The command line's handlers: the first SIGINT or SIGTERM raises KeyboardInterrupt or
     Terminated in the main thread; a second calls ``kill_workers()`` and exits at once. Once
     the command has its exit status (``exiting``), both are ignored: a signal then (torchrun
@@ -80,7 +81,7 @@ def _ignore_stop_signals() -> None:
 
 
 @contextmanager
-def shielded():
+def shielded() -> Iterator[None]:
     """Hold SIGINT and SIGTERM until the block ends, then deliver the first that came to the
     handler that was in place; a second signal inside the block is delivered at once."""
     if threading.current_thread() is not threading.main_thread():
@@ -105,7 +106,7 @@ def shielded():
             _deliver(held[0], previous[held[0]])
 
 
-def then_shielded(body, end) -> None:
+def then_shielded(body: Callable[[], object], end: Callable[[BaseException | None], object]) -> None:
     """``body()``, then ``end(ended_by)`` with signals held, whatever happens (``ended_by``: the
     exception that ended the body, or None). A first signal can land in the instant between the
     two, before the signals are held: ``end`` still runs, and that signal is raised once it has."""
@@ -136,7 +137,7 @@ def _deliver(signum: int, handler) -> None:
 
 
 @contextmanager
-def born_ignoring_sigint():
+def born_ignoring_sigint() -> Iterator[None]:
     """Ctrl-C reaches every process of the terminal's group, and the server decides what it
     means; the fork server still importing torch (see processes.py) would print a traceback.
     An ignored signal stays ignored across exec and fork, so the fork server is started while

@@ -31,6 +31,7 @@ import atexit
 import signal
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -38,7 +39,7 @@ import torch
 from ..core.errors import UnguardedScript, WorkerError, exception_text, resource_hint, user_code
 from ..engine.buffers import RoundBuffers
 from ..engine.loop import Executor
-from ..experiment.config import vmap_group_size
+from ..experiment.config import Config, vmap_group_size
 from .processes import UNGUARDED_SCRIPT, worker_context
 from .resources import (
     STOP_SIGNALS,
@@ -99,7 +100,7 @@ def _worker_main(rank: int, device: str, sharing_strategy: str, conn: Connection
             sys.exit(1)
 
 
-def slot_groups(config, k: int) -> list[list[int]]:
+def slot_groups(config: Config, k: int) -> list[list[int]]:
     """The round's slots cut into groups trained together (one slot each for the process
     backend, ``vmap_group_size`` for vmap). Groups are dealt to ranks and then to workers in
     turn: the grouping depends on the round and the config, never on the number of workers or
@@ -119,7 +120,7 @@ class WorkerPool(Executor):
 
     def __init__(
         self,
-        config,
+        config: Config,
         num_workers: int,
         device: torch.device,
         runner: type = ClientRunner,
@@ -133,7 +134,7 @@ class WorkerPool(Executor):
         raise_descriptor_limit()
         self.begin_run(config, runner)
 
-    def begin_run(self, config, runner: type) -> None:
+    def begin_run(self, config: Config, runner: type) -> None:
         """Settings of the run the pool serves next: ``start`` hands them to the workers."""
         self.config, self.runner = config, runner
         self.buffers: RoundBuffers | None = None  # set by start()
@@ -178,7 +179,9 @@ class WorkerPool(Executor):
             self._release()
             raise
 
-    def train(self, rnd: int, clients: torch.Tensor, start_from: torch.Tensor, groups=None) -> None:
+    def train(
+        self, rnd: int, clients: torch.Tensor, start_from: torch.Tensor, groups: list[list[int]] | None = None
+    ) -> None:
         """Have the workers train the slot ``groups`` (default: all of the round's, see
         slot_groups) of the round's ``clients`` (one per slot) from the weights ``start_from``:
         worker w the groups w, w+W, ..."""
@@ -322,14 +325,16 @@ class InlinePool(Executor):
 
     num_workers = 0
 
-    def __init__(self, config, device: torch.device, runner: type = ClientRunner):
+    def __init__(self, config: Config, device: torch.device, runner: type = ClientRunner):
         self.config, self.device, self.runner_type = config, device, runner
         self.busy_seconds, self.peak_memory = [0.0], [0]
 
     def start(self, buffers: RoundBuffers) -> None:
         self.buffers, self.runner = buffers, self.runner_type(self.config, buffers, self.device)
 
-    def train(self, rnd: int, clients: torch.Tensor, start_from: torch.Tensor, groups=None) -> None:
+    def train(
+        self, rnd: int, clients: torch.Tensor, start_from: torch.Tensor, groups: list[list[int]] | None = None
+    ) -> None:
         b, k = self.buffers, len(clients)
         b.global_flat.copy_(start_from)
         b.assignment[:k] = clients
@@ -361,7 +366,7 @@ class Wrapper(Executor):
         self.buffers = buffers
         self.inner.start(buffers)
 
-    def agree(self, compute):
+    def agree(self, compute: Callable[[], object]) -> object:
         return self.inner.agree(compute)
 
 
@@ -377,7 +382,7 @@ class PoolKeeper:
     def __init__(self):
         self._idle: dict[tuple, WorkerPool] = {}
 
-    def pool(self, config, num_workers: int, device: torch.device, runner: type) -> WorkerPool:
+    def pool(self, config: Config, num_workers: int, device: torch.device, runner: type) -> WorkerPool:
         kept = self._idle.pop((num_workers, str(device), config.sharing_strategy), None)
         if kept is not None and kept.alive():
             kept.begin_run(config, runner)

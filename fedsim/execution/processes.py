@@ -36,7 +36,7 @@ PRELOAD = ["torch", "cloudpickle", "fedsim.execution.pool", "fedsim.execution.ho
 UNGUARDED_SCRIPT = 87  # the exit status of a worker that found the script calling fedsim.run unguarded
 
 
-def worker_context():
+def worker_context() -> multiprocessing.context.BaseContext:
     """The multiprocessing context of worker processes: forks of the fork server, or spawned
     processes where a platform has no fork server."""
     try:

@@ -7,10 +7,14 @@ or recording. See distributed.py for how the ranks talk."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 
 import torch
 
 from ..core.errors import FedsimError
+from ..engine.loop import Engine, Executor
+from ..engine.state import GlobalState
+from ..experiment.config import Config
 from .distributed import Ranks, RankStopped
 from .interrupts import Terminated
 from .pool import Wrapper, slot_groups
@@ -18,7 +22,7 @@ from .resources import peak_memory_mb
 
 
 class RanksExecutor(Wrapper):
-    def __init__(self, inner, ranks: Ranks, config, state, device: torch.device):
+    def __init__(self, inner: Executor, ranks: Ranks, config: Config, state: GlobalState, device: torch.device):
         self.inner, self.ranks, self.config, self.state, self.device = inner, ranks, config, state, device
         self.rank_memory = None  # every rank's memory figures, on the leader once the run ends
 
@@ -45,7 +49,7 @@ class RanksExecutor(Wrapper):
         self.ranks.agree(error, f"round {rnd}'s training")
         self.ranks.gather_rows(self.buffers, groups, f"gathering round {rnd}")
 
-    def agree(self, compute):
+    def agree(self, compute: Callable[[], object]) -> object:
         """The leader's ``compute()`` (the candidates' losses), so that every rank plans the same round."""
         return self.ranks.decide(compute() if self.ranks.is_root else None, "planning a round")
 
@@ -56,7 +60,7 @@ class RanksExecutor(Wrapper):
         if go_on:
             self._exchange_state(rnd)
 
-    def follow(self, engine, first_round: int) -> None:
+    def follow(self, engine: Engine, first_round: int) -> None:
         """The rounds of a rank other than the leader: plan and train its share, then take the
         leader's state, until the leader says the run is over."""
         for rnd in range(first_round, self.config.rounds + 1):

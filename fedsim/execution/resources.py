@@ -11,10 +11,15 @@ import os
 import resource
 import signal
 import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..core.errors import ResourceError
+
+if TYPE_CHECKING:
+    from ..engine.buffers import RoundBuffers
 
 
 def die_with_parent() -> None:
@@ -88,7 +93,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def born_ignoring_stop_signals():
+def born_ignoring_stop_signals() -> Iterator[None]:
     """Ctrl-C reaches every process of the terminal's group, torchrun's SIGTERM every process of
     a rank's group, and the server decides what they mean; a worker still importing torch would
     print a traceback, or die before the server could stop it. An ignored signal stays ignored
@@ -131,7 +136,7 @@ def raise_descriptor_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
-def check_descriptors(buffers, num_workers: int) -> None:
+def check_descriptors(buffers: RoundBuffers, num_workers: int) -> None:
     """Refuse to start, in one line, when the descriptor limit is too low to hand the buffers to
     the workers: running out midway leaves multiprocessing's resource sharer spinning on failed
     accepts, with a traceback each time. The server needs its open descriptors, plus for each

@@ -12,6 +12,7 @@ from ..core.streams import client_seed, group_seed
 from ..data.augment import augmentation_for
 from ..engine.buffers import RoundBuffers
 from ..experiment import components
+from ..experiment.config import Config
 from ..fl.attacks import make_attack
 from .client import LocalTrainer, VmapTrainer
 from .resources import peak_rss_bytes
@@ -20,7 +21,7 @@ from .resources import peak_rss_bytes
 class ClientRunner:
     """Per-worker state: the model, the trainer, the algorithm and the attack."""
 
-    def __init__(self, config, buffers: RoundBuffers, device: torch.device):
+    def __init__(self, config: Config, buffers: RoundBuffers, device: torch.device):
         self.config, self.buffers, self.device = components.from_server(config), buffers, device
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -41,7 +42,7 @@ class ClientRunner:
             self.model = self.flat_model(module, device)
             self.trainer = LocalTrainer(self.model, buffers.train_x, buffers.train_y, config.local, **options)
 
-    def flat_model(self, module, device: torch.device) -> FlatModel:
+    def flat_model(self, module: torch.nn.Module, device: torch.device) -> FlatModel:
         """The model the clients train: a copy of the global weights, this worker's own."""
         return FlatModel(module, device)
 

@@ -20,14 +20,16 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..algorithms import ALGORITHMS, Algorithm
-from ..core.errors import ConfigError, cut, user_code
+from ..core.errors import ConfigError, user_code
 from ..core.registry import is_import_path, load_attr, registered
-from ..data import DATASETS, PARTITIONS, Dataset, check_dataset_spec
+from ..data import DATASETS, PARTITIONS, check_dataset_spec
 from ..fl import aggregation
 from ..fl.aggregation import AGGREGATORS
 from ..fl.asynchronous import ASYNC_METHODS
@@ -36,11 +38,12 @@ from ..fl.compression import COMPRESSORS
 from ..fl.models import MODELS
 from ..fl.sampling import CLIENT_SAMPLINGS
 from ..fl.server_opt import SERVER_OPTIMIZERS
+from .config import Config, describe
 
 KEYS = ("model", "aggregator", "algorithm", "data.dataset")
 
 
-def get(cfg, key: str):
+def get(cfg: Config, key: str) -> Any:
     section, _, name = key.rpartition(".")
     return getattr(getattr(cfg, section) if section else cfg, name)
 
@@ -48,37 +51,6 @@ def get(cfg, key: str):
 def _set(cfg, key: str, value) -> None:
     section, _, name = key.rpartition(".")
     setattr(getattr(cfg, section) if section else cfg, name, value)
-
-
-def describe(value) -> str:
-    """How config.yaml names a component: its name, import path or where it was defined; an
-    object with its arguments, ``__main__:ServerStep(step=0.5)``."""
-    if isinstance(value, str):
-        return value
-
-    if isinstance(value, Dataset):
-        return value.name
-    target = value if inspect.isroutine(value) or inspect.isclass(value) else type(value)
-    where = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__name__)}"
-    return where if target is value else f"{where}({_arguments(value)})"
-
-
-def _arguments(obj) -> str:
-    """An object's constructor arguments, as far as it keeps them: every parameter of its
-    ``__init__`` that it stores under the same name (``self.step = step``), as scikit-learn's
-    get_params reads them."""
-    try:
-        parameters = inspect.signature(type(obj).__init__).parameters.values()
-    except (TypeError, ValueError):
-        return ""
-    kept = [
-        p.name
-        for p in parameters
-        if p.name != "self"
-        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        and p.name in getattr(obj, "__dict__", {})
-    ]
-    return ", ".join(f"{name}={cut(repr(getattr(obj, name)), 40)}" for name in kept)
 
 
 def _resolve(key: str, spec, table):
@@ -110,7 +82,7 @@ def _takes(fn, counts: tuple[int, ...], key: str, wanted: str) -> int:
 # ----------------------------------------------------------------------------- models
 
 
-def model_builder(spec):
+def model_builder(spec: Any) -> Callable[[tuple[int, ...], int], torch.nn.Module]:
     """A function (input_shape, num_classes) -> nn.Module for a model spec."""
 
     target = _resolve("model", spec, MODELS)
@@ -122,7 +94,7 @@ def model_builder(spec):
     return (lambda shape, classes: target()) if count == 0 else target
 
 
-def build_model(spec, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
+def build_model(spec: Any, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
     builder = model_builder(spec)
     with user_code(f"model: {describe(spec)} failed when it was built", ConfigError):
         module = builder(input_shape, num_classes)
@@ -133,7 +105,7 @@ def build_model(spec, input_shape: tuple[int, ...], num_classes: int) -> torch.n
     return module
 
 
-def probe_model(spec, module: torch.nn.Module, sample: torch.Tensor, num_classes: int) -> None:
+def probe_model(spec: Any, module: torch.nn.Module, sample: torch.Tensor, num_classes: int) -> None:
     """Call the model once on two samples: it must return [2, num_classes] finite class scores."""
     was_training = module.training
     module.eval()
@@ -167,7 +139,7 @@ def probe_model(spec, module: torch.nn.Module, sample: torch.Tensor, num_classes
 # ----------------------------------------------------------------------------- aggregation rules
 
 
-def aggregator(spec, options: dict):
+def aggregator(spec: Any, options: dict) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The rule ``(updates, weights) -> [P]`` with its options bound."""
 
     if isinstance(spec, str) and not is_import_path(spec):
@@ -180,7 +152,7 @@ def aggregator(spec, options: dict):
     return functools.partial(rule, **options) if options else rule
 
 
-def probe_aggregator(spec, rule, k: int) -> None:
+def probe_aggregator(spec: Any, rule: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], k: int) -> None:
     """Call the rule once on a small stack of ``k`` rows: a rule that cannot work with that many
     clients (Krum with f >= k/2, say) says so now, and a rule of one's own must return [P]."""
     updates = torch.randn(k, 3, generator=torch.Generator().manual_seed(0))
@@ -196,7 +168,7 @@ def probe_aggregator(spec, rule, k: int) -> None:
 # ----------------------------------------------------------------------------- algorithms
 
 
-def algorithm(spec, options: dict):
+def algorithm(spec: Any, options: dict) -> Algorithm:
     """An Algorithm instance: a registered or imported class built with ``options``, or the
     instance given."""
 
@@ -219,17 +191,17 @@ def algorithm(spec, options: dict):
     raise ConfigError(f"algorithm: {describe(spec)} is not a fedsim Algorithm (subclass fedsim.Algorithm)")
 
 
-def paper_aggregator(spec) -> str | None:
+def paper_aggregator(spec: Any) -> str | None:
     """The rule the paper of algorithm ``spec`` fixes (``Algorithm.paper_aggregator``), or None."""
     return getattr(_resolve("algorithm", spec, ALGORITHMS), "paper_aggregator", None)
 
 
-def default_aggregator(spec) -> str:
+def default_aggregator(spec: Any) -> str:
     """The rule of a run that names none: its algorithm's paper's, else fedavg."""
     return paper_aggregator(spec) or "fedavg"
 
 
-def aggregator_warning(cfg) -> str | None:
+def aggregator_warning(cfg: Config) -> str | None:
     """A line for a run whose rule is not the one its algorithm's paper fixes; None otherwise."""
     paper, rule = paper_aggregator(cfg.algorithm), describe(cfg.aggregator)
     if paper is None or rule == paper:
@@ -243,7 +215,7 @@ def aggregator_warning(cfg) -> str | None:
 # ----------------------------------------------------------------------------- checks and shipping
 
 
-def check(cfg) -> None:
+def check(cfg: Config) -> None:
     """Everything that can be checked before the data is loaded: each component resolves, has
     the right kind and signature, and the rule works on clients_per_round rows."""
 
@@ -266,7 +238,7 @@ class Shipped:
     description: str
 
 
-def for_workers(cfg):
+def for_workers(cfg: Config) -> Config:
     """A copy of ``cfg`` that the worker processes can unpickle: the model and algorithm they
     need travel by value; the aggregator and dataset, which they do not use, by name only."""
     import cloudpickle
@@ -286,7 +258,7 @@ def for_workers(cfg):
     return shipped
 
 
-def from_server(cfg):
+def from_server(cfg: Config) -> Config:
     """The worker's side of ``for_workers``: objects back from their bytes."""
     import cloudpickle
 

@@ -12,10 +12,12 @@ import copy
 import dataclasses
 import difflib
 import hashlib
+import inspect
 import math
 import os
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from ..core.checks import shown
 from ..core.errors import ConfigError, FedsimError, cut
 from ..core.files import atomic_write_text
 from ..core.yamlfile import RefusedYAML, parse_yaml
+from ..data.tensors import Dataset
 from ..fl.asynchronous import AsyncConfig
 from ..fl.compression import CompressionConfig
 from ..fl.system_config import SystemConfig
@@ -46,7 +49,8 @@ class DataConfig:
     download: bool = True  # fetch a missing dataset into root (torchvision's sources)
     placement: str = "auto"  # device | host | auto: on the device when it takes <= half its free memory
     # partition options; each partition reads the ones it needs
-    alpha: float = 0.5  # dirichlet concentration (label skew, or sizes for quantity)
+    alpha: float = 0.5  # dirichlet concentration (label skew, or sizes for quantity); pachinko: of the coarse labels
+    beta: float = 10.0  # pachinko: concentration of the fine labels within a coarse label
     min_samples: int = 1  # dirichlet: re-draw until every client has this many
     balanced: bool = False  # dirichlet: NIID-Bench's cap, no more classes for a client holding N / num_clients
     shards_per_client: int = 2
@@ -55,6 +59,7 @@ class DataConfig:
     quantity_skew: str = "lognormal"  # quantity: lognormal | dirichlet
     test_partition: bool = False  # also split the test set per client, same distribution
     augment: bool | None = None  # training-time augmentation; None = the dataset's default
+    hf: dict | None = None  # hf: datasets: which columns and splits to use (see data/hub.py)
 
 
 @dataclass
@@ -118,7 +123,6 @@ class Config:
 
     def to_dict(self) -> dict:
         """Plain values only: a component given as an object is named by ``describe``."""
-        from .components import describe
 
         def plain(value):
             if isinstance(
@@ -154,7 +158,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, parsed
 
 
-def apply_overrides(raw: dict, overrides, origin: str = "config") -> dict[str, str]:
+def apply_overrides(
+    raw: dict, overrides: dict[str, Any] | str | Iterable[str], origin: str = "config"
+) -> dict[str, str]:
     """Write overrides into the raw dict in place; return the dotted keys they set, each with how
     its user spelled it: ``--set`` for the command line's "key=value" strings, ``keyword`` for a
     dict (fedsim.run's keywords).
@@ -224,7 +230,7 @@ def locate(cfg: Config, error: FedsimError) -> FedsimError:
     return located
 
 
-def build(cls, raw: dict, prefix: str, origin: str, from_overrides: dict[str, str]):
+def build(cls, raw: dict, prefix: str, origin: str, from_overrides: dict[str, str]) -> Any:
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -338,12 +344,47 @@ def directory_name(cfg: Config) -> str:
     return f"{cfg.name}-{suffix}" if suffix else cfg.name
 
 
-def _short(value) -> str:
-    """A value in a directory name: a component by its own name, without its module."""
+def _short(value: object) -> str:
+    """A value in a directory name: a component by its own name, without its module; a path or
+    a hub name (``hf:owner/name``) by its last part."""
     if isinstance(value, float):
         return f"{value:g}"
-    return str(value).rpartition(":")[2]
+    return str(value).rpartition(":")[2].rstrip("/").rpartition("/")[2]
 
 
 def save_config(cfg: Config, path: Path) -> None:
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+# ----------------------------------------------------------------------------- components by name
+
+
+def describe(value: object) -> str:
+    """How config.yaml names a component: its name, import path or where it was defined; an
+    object with its arguments, ``__main__:ServerStep(step=0.5)``."""
+    if isinstance(value, str):
+        return value
+
+    if isinstance(value, Dataset):
+        return value.name
+    target = value if inspect.isroutine(value) or inspect.isclass(value) else type(value)
+    where = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__name__)}"
+    return where if target is value else f"{where}({_arguments(value)})"
+
+
+def _arguments(obj) -> str:
+    """An object's constructor arguments, as far as it keeps them: every parameter of its
+    ``__init__`` that it stores under the same name (``self.step = step``), as scikit-learn's
+    get_params reads them."""
+    try:
+        parameters = inspect.signature(type(obj).__init__).parameters.values()
+    except (TypeError, ValueError):
+        return ""
+    kept = [
+        p.name
+        for p in parameters
+        if p.name != "self"
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and p.name in getattr(obj, "__dict__", {})
+    ]
+    return ", ".join(f"{name}={cut(repr(getattr(obj, name)), 40)}" for name in kept)

@@ -6,40 +6,77 @@ the same initial weights for the same config.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from ..core.errors import ConfigError, DataError
 from ..core.streams import model_seed
 from ..data import Dataset, load_dataset, options_for, partition
+from ..data.partition import local_test_split, natural_test_split
 from . import components
+from .config import Config
 
 
 @dataclass
 class Federation:
     data: Dataset
     parts: list[torch.Tensor]  # one index tensor per client into data.train_x
+    natural: bool = False  # the parts are the data's own clients (data.partition: natural)
+
+    def test_parts(self, seed: int) -> list[torch.Tensor]:
+        """Each client's own test split (data.test_partition): a natural client's own test
+        samples where the data has them, else the test set dealt by each client's label mix."""
+        data = self.data
+        if self.natural and data.test_clients is not None:
+            return natural_test_split(data.train_clients, self.parts, data.test_clients)
+        return local_test_split(data.train_y, self.parts, data.test_y, seed)
 
 
-def load_federation(cfg, datasets: dict | None = None) -> Federation:
+def load_federation(cfg: Config, datasets: dict | None = None) -> Federation:
     """``datasets``: those loaded already, kept by what was loaded; runs that differ in other
     keys (a sweep's, checked one after another) then read the files once."""
     d = cfg.data
-    key = (d.dataset if isinstance(d.dataset, str) else id(d.dataset), str(d.root), d.limit)
+    key = (d.dataset if isinstance(d.dataset, str) else id(d.dataset), str(d.root), d.limit, repr(d.hf))
     data = datasets.get(key) if datasets is not None else None
     if data is None:
-        data = load_dataset(d.dataset, d.root, d.limit, d.download)
+        data = load_dataset(d.dataset, d.root, d.limit, d.download, d.hf)
         if datasets is not None:
             datasets[key] = data
-    return Federation(
-        data, partition(data.train_y, d.partition, d.num_clients, cfg.seed, **options_for(d.partition, d))
+    options = options_for(d.partition, d)
+    parts = partition(data.train_y, d.partition, d.num_clients, cfg.seed, data.columns(), **options)
+    natural = d.partition == "natural"
+    return Federation(_kept_clients_tests(data, parts) if natural else data, parts, natural)
+
+
+def _kept_clients_tests(data: Dataset, parts: list[torch.Tensor]) -> Dataset:
+    """The data with the test samples of the kept clients only, where the data has clients of its
+    own: a run of some of them is scored on their test samples (all of them when every client is
+    kept), as LEAF scores a run on the union of its clients' test data."""
+    if data.test_clients is None:
+        return data
+    kept = data.train_clients[torch.stack([p[0] for p in parts]).to(data.train_clients.device)]
+    if len(kept) == len(torch.unique(data.train_clients)):
+        return data
+    keep = torch.isin(data.test_clients, kept)
+    if not keep.any():
+        raise DataError(f"data.num_clients: the {len(kept)} clients drawn hold no test sample; draw more of them")
+    return dataclasses.replace(
+        data, test_x=data.test_x[keep], test_y=data.test_y[keep], test_clients=data.test_clients[keep]
     )
 
 
-def initial_model(cfg, data: Dataset) -> torch.nn.Module:
+def initial_model(cfg: Config, data: Dataset) -> torch.nn.Module:
     """The model, built from ``seed`` (so the same initial weights in every run of the config)
-    and probed once on two training samples."""
+    and probed once on two training samples; refused where the run's backend cannot train it."""
     torch.manual_seed(model_seed(cfg.seed))
     module = components.build_model(cfg.model, data.input_shape, data.num_classes)
     components.probe_model(cfg.model, module, data.train_x[:2], data.num_classes)
+    recurrent = next((m for m in module.modules() if isinstance(m, torch.nn.RNNBase)), None)
+    if cfg.backend == "vmap" and recurrent is not None:  # no batching rule: at best one client at a time
+        raise ConfigError(
+            f"backend: vmap cannot train {components.describe(cfg.model)}, whose recurrent layer "
+            f"({type(recurrent).__name__}) torch.func.vmap does not batch; use backend: process"
+        )
     return module

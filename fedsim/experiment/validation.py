@@ -10,7 +10,8 @@ import copy
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from ..algorithms import Algorithm
 from ..core.checks import Checks, shown
@@ -18,6 +19,7 @@ from ..core.errors import ConfigError, cut
 from ..core.registry import is_import_path
 from ..core.yamlfile import experiment_file, read_yaml
 from ..data import options_for
+from ..data.hub import check_hub_options
 from ..fl import asynchronous, compression
 from ..fl.aggregation import AGGREGATORS
 from ..fl.compression import feeds_back
@@ -39,7 +41,9 @@ _PARTITION_KEYS = (
 )
 
 
-def load_config(source: str | os.PathLike | dict | Config = None, overrides=None) -> Config:
+def load_config(
+    source: str | os.PathLike | dict | Config = None, overrides: dict[str, Any] | str | Iterable[str] | None = None
+) -> Config:
     """Build a validated Config from a YAML path (or the name of a shipped experiment,
     ``"mnist_seed"``), a dict or a Config, plus overrides.
 
@@ -158,6 +162,7 @@ def _check_run(cfg: Config, checks: Checks) -> None:
 
 
 def _check_data(d: DataConfig, checks: Checks) -> None:
+    check_hub_options(d.dataset, d.hf)
     if d.limit is not None and d.limit < d.num_clients:
         checks.fail("limit", f"must be >= data.num_clients ({d.num_clients}) so every client gets data, got {d.limit}")
     if d.alpha <= 0:

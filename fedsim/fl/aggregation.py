@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from fractions import Fraction
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ Rule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 AGGREGATORS = Registry("aggregator")
 
 
-def get(name: str, **options) -> Rule:
+def get(name: str, **options: Any) -> Rule:
     """The rule ``name`` with its options, e.g. ``get("trimmed_mean", beta=0.1)``."""
     factory = AGGREGATORS.get(name)
     accepted = list(inspect.signature(factory).parameters)
@@ -84,7 +85,7 @@ def _mean(rows: torch.Tensor) -> torch.Tensor:
 _BLOCK = 1 << 20  # elements of the float64 block in ``float64_blocks``: 8 MiB
 
 
-def float64_blocks(rows: torch.Tensor):
+def float64_blocks(rows: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
     """``(start, block)`` over the columns of ``rows``: each block of columns copied in turn into
     one float64 buffer of ~``_BLOCK`` elements, so that a float64 view of a large stack never
     exists whole (the buffer is reused: use a block before taking the next)."""
@@ -150,7 +151,7 @@ def mean() -> Rule:
     "norm_clip",
     "clip each update's L2 norm to max_norm (default: the round's median norm), then the sample-weighted mean",
 )
-def norm_clip(max_norm=None) -> Rule:
+def norm_clip(max_norm: float | None = None) -> Rule:
     """Norm bounding (Sun et al. 2019, "Can you really backdoor federated learning?").
 
     Each update ``u_i`` becomes ``u_i * min(1, max_norm / ||u_i||)``; the result is their mean
@@ -196,7 +197,7 @@ def median() -> Rule:
     "coordinate-wise mean after dropping the floor(beta k) smallest and largest "
     "values (beta default 0.1; Yin et al. 2018)",
 )
-def trimmed_mean(beta=0.1) -> Rule:
+def trimmed_mean(beta: float = 0.1) -> Rule:
     """Coordinate-wise trimmed mean (Yin et al. 2018).
 
     Per coordinate, the ``b = floor(beta * k)`` smallest and ``b`` largest of the ``k`` values
@@ -289,7 +290,7 @@ def krum_scores(updates: torch.Tensor, f: int) -> torch.Tensor:
     "krum",
     "the update closest to its k-f-2 nearest others (f default: the largest with k > 2f+2; Blanchard et al. 2017)",
 )
-def krum(f=None) -> Rule:
+def krum(f: int | None = None) -> Rule:
     """Krum (Blanchard et al. 2017, "Machine learning with adversaries").
 
     Returns the single update with the lowest score (see ``krum_scores``), ties going to the
@@ -309,7 +310,7 @@ def krum(f=None) -> Rule:
 @AGGREGATORS.register(
     "multi_krum", "unweighted mean of the m best Krum-scored updates (m default k-f; Blanchard et al. 2017)"
 )
-def multi_krum(f=None, m=None) -> Rule:
+def multi_krum(f: int | None = None, m: int | None = None) -> Rule:
     """Multi-Krum (Blanchard et al. 2017): the unweighted mean of the ``m`` updates with the
     lowest Krum scores, ties going to the lower rows. ``f`` as for ``krum``; ``m`` must be in
     [1, k - f] (more would have to include updates scored as the f outliers), and ``m: null``
@@ -369,7 +370,7 @@ def _krum_picks(updates: torch.Tensor, f: int, count: int) -> torch.Tensor:
     "values nearest their median (f default: the largest with k >= 4f+3; "
     "El Mhamdi et al. 2018)",
 )
-def bulyan(f=None) -> Rule:
+def bulyan(f: int | None = None) -> Rule:
     """Bulyan (El Mhamdi, Guerraoui, Rouault 2018, "The hidden vulnerability of distributed
     learning in Byzantium").
 
@@ -405,7 +406,7 @@ def bulyan(f=None) -> Rule:
 @AGGREGATORS.register(
     "geometric_median", "sample-weighted geometric median by smoothed Weiszfeld iterations (RFA, Pillutla et al. 2022)"
 )
-def geometric_median(eps=1e-6, tol=1e-5, max_iter=100) -> Rule:
+def geometric_median(eps: float = 1e-6, tol: float = 1e-5, max_iter: int = 100) -> Rule:
     """Robust federated aggregation (Pillutla et al. 2022, "Robust aggregation for federated
     learning"): ``z = argmin sum_i a_i max(eps, ||z - u_i||)`` with ``a_i`` the normalized sample
     counts, by the smoothed Weiszfeld iteration

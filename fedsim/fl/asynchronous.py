@@ -140,6 +140,6 @@ class FedAsync:
         return total
 
 
-def make_method(section: AsyncConfig):
+def make_method(section: AsyncConfig) -> FedBuff | FedAsync:
     """The ``asynchronous.method`` of ``section``, set up."""
     return ASYNC_METHODS.get(section.method)(section)

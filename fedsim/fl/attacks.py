@@ -7,6 +7,8 @@ server before aggregation (``rewrite``), or changes the labels they train on (``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..core.registry import Registry
@@ -39,34 +41,34 @@ ATTACKS.register("none", "every client is honest")(Attack)
 
 @ATTACKS.register("sign_flip", "send -scale x the honest update")
 class SignFlip(Attack):
-    def rewrite(self, honest, generator):
+    def rewrite(self, honest: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         return honest * -self.scale
 
 
 @ATTACKS.register("scale", "send scale x the honest update")
 class Scale(Attack):
-    def rewrite(self, honest, generator):
+    def rewrite(self, honest: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         return honest * self.scale
 
 
 @ATTACKS.register("gaussian", "send Gaussian noise with the honest update's standard deviation")
 class Gaussian(Attack):
-    def rewrite(self, honest, generator):
+    def rewrite(self, honest: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         noise = torch.randn(honest.shape, generator=generator, device="cpu").to(honest.device)
         return noise * honest.std(dim=1, keepdim=True)
 
 
 @ATTACKS.register("label_flip", "train on flipped labels (class c becomes C-1-c)")
 class LabelFlip(Attack):
-    def relabel(self, labels, num_classes):
+    def relabel(self, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
         return num_classes - 1 - labels
 
 
-def make_attack(attack_config) -> Attack:
+def make_attack(attack_config: Any) -> Attack:
     return ATTACKS.get(attack_config.type)(scale=attack_config.scale)
 
 
-def attacker_mask(seed: int, num_clients: int, attack_config) -> torch.Tensor:
+def attacker_mask(seed: int, num_clients: int, attack_config: Any) -> torch.Tensor:
     """Bool tensor over clients: True for the round(fraction x num_clients) attackers (Python's
     round, so an exact half goes to the even count), drawn from their own stream of ``seed``."""
     mask = torch.zeros(num_clients, dtype=torch.bool)

@@ -1,7 +1,8 @@
 """Per-client evaluation: the global model scored on every client's own test split.
 
-With ``data.test_partition: true`` every client holds a test split with its own label mix
-(``data.local_test_split``): each class's test samples are divided among the clients in
+With ``data.test_partition: true`` every client holds a test split: a natural client (data
+with clients of its own, ``data.partition: natural``) its own test samples, any other one a split
+with its own label mix (``data.local_test_split``): each class's test samples are divided among the clients in
 proportion to how many training samples of that class each one holds, with a stream of its own
 seeded by ``seed``. This is how personalized-FL papers evaluate on label-skewed splits of a
 common test set (FedRep, Collins et al. 2021; LG-FedAvg, Liang et al. 2020): a client is scored
@@ -32,16 +33,15 @@ no accuracy: it is left out of the three numbers, and its rows in ``client_accur
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from ..data import local_test_split
-
 CLIENT_ACCURACY_COLUMNS = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")
 
 
-def spread(accuracies) -> dict:
+def spread(accuracies: np.ndarray | Sequence[float]) -> dict:
     """The three columns from the clients' accuracies (NaN: a client without test samples, left
     out). The 10th percentile is linear between order statistics (numpy's default, Hyndman and
     Fan's type 7): with the n accuracies sorted, a_0 <= ... <= a_{n-1}, and h = 0.1 (n - 1), it
@@ -69,10 +69,6 @@ class ClientEvaluation:
         self.owner = torch.repeat_interleave(torch.arange(len(test_parts)), self.samples)
         self.last: list[dict] = []
 
-    @classmethod
-    def for_run(cls, cfg, data, parts, device: torch.device) -> ClientEvaluation:
-        return cls(local_test_split(data.train_y, parts, data.test_y, cfg.seed), device)
-
     def warning(self) -> str | None:
         empty = int((self.samples == 0).sum())
         if not empty:
@@ -97,7 +93,13 @@ class ClientEvaluation:
 
     @torch.inference_mode()
     def score_personal(
-        self, module: torch.nn.Module, load, x: torch.Tensor, y: torch.Tensor, batch_size: int, rnd: int
+        self,
+        module: torch.nn.Module,
+        load: Callable[[int], object],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        batch_size: int,
+        rnd: int,
     ) -> dict:
         """The three columns for every client's own model: ``load(c)`` puts client c's weights into
         ``module``, which then scores c's split."""

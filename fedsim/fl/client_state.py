@@ -58,7 +58,9 @@ class ClientStates:
             )
 
     @classmethod
-    def of(cls, owners: dict[str, dict[str, tuple[int, ...]]], num_clients: int, limit_mb: float | None):
+    def of(
+        cls, owners: dict[str, dict[str, tuple[int, ...]]], num_clients: int, limit_mb: float | None
+    ) -> ClientStates:
         """``owners``: who keeps rows (named for messages) -> their names and shapes."""
         shapes, owner_of = {}, {}
         for owner, rows in owners.items():
@@ -119,7 +121,7 @@ class ClientStates:
     def state_dict(self) -> dict:
         return {name: dict(held) for name, held in self.rows.items()}
 
-    def load_state_dict(self, saved, source: Path) -> None:
+    def load_state_dict(self, saved: object, source: Path) -> None:
         """The rows of a checkpoint, each checked: a float32 row of this run's shape, for a client
         of the federation, under a name this run keeps."""
         if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):

@@ -49,6 +49,7 @@ in ceil(log2(s + 1)) bits, packed (the paper's Elias coding of the levels can be
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -107,13 +108,13 @@ class TopK(Compressor):
     def kept(self, n: int) -> int:
         return min(n, max(1, round(self.section.ratio * n)))
 
-    def __call__(self, v, generator):
+    def __call__(self, v: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         index = v.abs().topk(self.kept(len(v)), sorted=False).indices
         sent = torch.zeros_like(v)
         sent[index] = v[index]
         return sent
 
-    def message_bytes(self, n):
+    def message_bytes(self, n: int) -> int:
         return 8 * self.kept(n)  # a float32 value and an int32 index per coordinate kept
 
 
@@ -129,7 +130,7 @@ class QSGD(Compressor):
     def bucket(self, n: int) -> int:
         return min(self.section.bucket_size or n, n)
 
-    def __call__(self, v, generator):
+    def __call__(self, v: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         s, n = self.section.levels, len(v)
         d = self.bucket(n)
         # float64: a float32 bucket's norm cannot overflow there, and r is exact enough that the
@@ -142,7 +143,7 @@ class QSGD(Compressor):
         levels = (low + (u < r - low)).clamp_(max=s)  # r may exceed s by a rounding of the norm
         return (x.sign() * levels * (norms / s)).flatten()[:n].to(v.dtype)
 
-    def message_bytes(self, n):
+    def message_bytes(self, n: int) -> int:
         buckets = -(-n // self.bucket(n))
         bits = 32 * buckets + n * (1 + self.section.levels.bit_length())  # bit_length(s) = ceil(log2(s + 1))
         return -(-bits // 8)
@@ -197,7 +198,7 @@ class Compression:
         self.states: ClientStates | None = None  # set by use_states
 
     @classmethod
-    def from_config(cls, cfg) -> Compression | None:
+    def from_config(cls, cfg: Any) -> Compression | None:
         """The run's Compression, or None when every update is sent whole."""
         return None if cfg.compression.type == "none" else cls(cfg.compression, cfg.seed)
 

@@ -32,7 +32,7 @@ class MnistCNN(nn.Module):
         self.fc1 = nn.Linear(320, 50)
         self.fc2 = nn.Linear(50, num_classes)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(F.max_pool2d(self.conv1(x), 2))
         x = F.relu(F.max_pool2d(self.conv2_drop(self.conv2(x)), 2))
         x = x.flatten(1)
@@ -51,7 +51,7 @@ class FedAvgCNN(nn.Module):
         self.fc1 = nn.Linear(64 * (side // 4) ** 2, 512)
         self.fc2 = nn.Linear(512, num_classes)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         x = F.relu(self.fc1(x.flatten(1)))
@@ -67,7 +67,7 @@ class MnistMLP(nn.Module):
         self.fc2 = nn.Linear(200, 200)
         self.fc3 = nn.Linear(200, num_classes)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.fc1(x.flatten(1)))
         return self.fc3(F.relu(self.fc2(x)))
 
@@ -85,7 +85,7 @@ class CifarCNN(nn.Module):
         self.fc2 = nn.Linear(120, 84)
         self.fc3 = nn.Linear(84, num_classes)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         x = F.relu(self.fc1(x.flatten(1)))
@@ -116,7 +116,7 @@ class SimpleCNN(nn.Module):
         self.fc2 = nn.Linear(120, 84)
         self.fc3 = nn.Linear(84, num_classes)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pool(F.relu(self.conv1(x)))
         x = self.pool(F.relu(self.conv2(x)))
         x = F.relu(self.fc1(x.flatten(1)))
@@ -138,7 +138,7 @@ class PflCNN(nn.Module):
         for layer in (self.conv1, self.conv2, self.fc1, self.fc2):
             nn.init.xavier_uniform_(layer.weight)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
         x = F.dropout(torch.flatten(x, 1), 0.25, self.training)
         return self.fc2(F.dropout(F.relu(self.fc1(x)), 0.5, self.training))
@@ -163,7 +163,7 @@ class BasicBlock(nn.Module):
                 nn.Conv2d(in_channels, channels, 1, stride=stride, bias=False), _group_norm(channels)
             )
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.norm1(self.conv1(x)))
         out = self.norm2(self.conv2(out))
         return F.relu(out + self.shortcut(x))
@@ -190,45 +190,125 @@ class ResNet18(nn.Module):
         self.stages = nn.Sequential(*stages)
         self.fc = nn.Linear(512, num_classes)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stages(self.stem(x))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+class FemnistCNN(nn.Module):
+    """LEAF's FEMNIST CNN (Caldas et al. 2018, "LEAF: A Benchmark for Federated Settings";
+    TalwalkarLab/leaf, models/femnist/cnn.py), layer for layer: conv 32 5x5 "same" + ReLU, 2x2
+    max-pool, conv 64 5x5 "same" + ReLU, 2x2 max-pool, dense 2048 + ReLU, dense to the classes.
+    Glorot-uniform weights and zero biases, what tf.layers gives it there. Takes NCHW images (LEAF
+    reshapes its flat pixels to NHWC); 6,603,710 parameters on 1x28x28 with 62 classes."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 62, side: int = 28):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 32, kernel_size=5, padding=2)  # "same" for a 5x5 kernel, stride 1
+        self.conv2 = nn.Conv2d(32, 64, kernel_size=5, padding=2)
+        self.fc1 = nn.Linear(64 * (side // 4) ** 2, 2048)
+        self.fc2 = nn.Linear(2048, num_classes)
+        for layer in (self.conv1, self.conv2, self.fc1, self.fc2):
+            nn.init.xavier_uniform_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+class CharLSTM(nn.Module):
+    """The next-character LSTM of McMahan et al. 2017 ("Communication-Efficient Learning of Deep
+    Networks from Decentralized Data", Shakespeare) as LEAF builds it (TalwalkarLab/leaf,
+    models/shakespeare/stacked_lstm.py; its sizes in models/baseline_constants.py): an
+    8-dimensional embedding of the characters, two stacked LSTM layers of 256 units, and a dense
+    layer over the characters on the last step's output. Takes int64 character ids [N, steps];
+    819,920 parameters for 80 characters.
+
+    Initialized as LEAF's TensorFlow graph is: Glorot-uniform embedding and weights (a layer's
+    input and recurrent weights drawn as the one kernel BasicLSTMCell holds), zero biases, and
+    BasicLSTMCell's constant forget bias of 1 placed in the forget gate's input bias. PyTorch keeps
+    two bias vectors per layer where TensorFlow keeps one, whose role their sum plays: 2,048 more
+    parameters than LEAF's 817,872, and the same function at initialization."""
+
+    def __init__(self, num_characters: int = 80, embedding: int = 8, hidden: int = 256, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(num_characters, embedding)
+        self.lstm = nn.LSTM(embedding, hidden, num_layers=layers, batch_first=True)
+        self.fc = nn.Linear(hidden, num_characters)
+        nn.init.xavier_uniform_(self.embed.weight)
+        nn.init.xavier_uniform_(self.fc.weight)
+        nn.init.zeros_(self.fc.bias)
+        for layer in range(layers):
+            inputs, recurrent = getattr(self.lstm, f"weight_ih_l{layer}"), getattr(self.lstm, f"weight_hh_l{layer}")
+            # Glorot over TensorFlow's kernel [inputs + hidden, 4 * hidden]
+            bound = math.sqrt(6 / (inputs.shape[1] + recurrent.shape[1] + 4 * hidden))
+            nn.init.uniform_(inputs, -bound, bound)
+            nn.init.uniform_(recurrent, -bound, bound)
+            nn.init.zeros_(getattr(self.lstm, f"bias_hh_l{layer}"))
+            input_bias = getattr(self.lstm, f"bias_ih_l{layer}")
+            nn.init.zeros_(input_bias)
+            nn.init.ones_(input_bias[hidden : 2 * hidden])  # PyTorch's gates are ordered input, forget, cell, output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outputs, _ = self.lstm(self.embed(x))
+        return self.fc(outputs[:, -1])
+
+
 @MODELS.register("mnist_cnn", "the small CNN of pytorch/examples' mnist_hogwild, 1x28x28 inputs (21,840 parameters)")
-def mnist_cnn(input_shape, num_classes):
+def mnist_cnn(input_shape: tuple[int, ...], num_classes: int) -> MnistCNN:
     return MnistCNN(input_shape[0], num_classes)
 
 
 @MODELS.register("fedavg_cnn", "McMahan et al. 2017's CNN for 28x28 inputs (1,663,370 parameters)")
-def fedavg_cnn(input_shape, num_classes):
+def fedavg_cnn(input_shape: tuple[int, ...], num_classes: int) -> FedAvgCNN:
     return FedAvgCNN(input_shape[0], num_classes, side=input_shape[-1])
 
 
 @MODELS.register("mnist_2nn", "McMahan et al. 2017's MLP, two hidden layers of 200 (199,210 parameters on 28x28)")
-def mnist_2nn(input_shape, num_classes):
+def mnist_2nn(input_shape: tuple[int, ...], num_classes: int) -> MnistMLP:
     return MnistMLP(math.prod(input_shape), num_classes)
 
 
 @MODELS.register("cifar_cnn", "the 2-conv + 3-fc CNN of FedAvg papers for 3x32x32 inputs (62,006 parameters)")
-def cifar_cnn(input_shape, num_classes):
+def cifar_cnn(input_shape: tuple[int, ...], num_classes: int) -> CifarCNN:
     return CifarCNN(input_shape[0], num_classes, side=input_shape[-1])
 
 
 @MODELS.register(
     "simple_cnn", "NIID-Bench's simple-cnn (Li et al. 2022): conv 6, conv 16, fc 120-84, 44,426 parameters on 1x28x28"
 )
-def simple_cnn(input_shape, num_classes):
+def simple_cnn(input_shape: tuple[int, ...], num_classes: int) -> SimpleCNN:
     return SimpleCNN(input_shape[0], num_classes, side=input_shape[-1])
 
 
 @MODELS.register("resnet18", "ResNet-18 for 32x32 inputs with GroupNorm (11,173,962 parameters)")
-def resnet18(input_shape, num_classes):
+def resnet18(input_shape: tuple[int, ...], num_classes: int) -> ResNet18:
     return ResNet18(input_shape[0], num_classes)
 
 
 @MODELS.register(
     "pfl_cnn", "pfl-research's CIFAR-10 benchmark CNN: conv 32, conv 64, fc 128 (1,626,442 parameters on 3x32x32)"
 )
-def pfl_cnn(input_shape, num_classes):
+def pfl_cnn(input_shape: tuple[int, ...], num_classes: int) -> PflCNN:
     return PflCNN(input_shape[0], num_classes, side=input_shape[-1])
+
+
+@MODELS.register(
+    "femnist_cnn",
+    "LEAF's FEMNIST CNN (Caldas et al. 2018): conv 32, conv 64, fc 2048 (6,603,710 parameters on 1x28x28, 62 classes)",
+)
+def femnist_cnn(input_shape: tuple[int, ...], num_classes: int) -> FemnistCNN:
+    return FemnistCNN(input_shape[0], num_classes, side=input_shape[-1])
+
+
+@MODELS.register(
+    "char_lstm",
+    "McMahan et al. 2017's and LEAF's next-character LSTM: embedding 8, 2 x LSTM 256 "
+    "(819,920 parameters for 80 characters); int64 character ids",
+)
+def char_lstm(input_shape: tuple[int, ...], num_classes: int) -> CharLSTM:
+    if len(input_shape) != 1:
+        raise ValueError(f"it reads sequences of character ids, shape (steps,), not inputs of shape {input_shape}")
+    return CharLSTM(num_classes)

@@ -70,6 +70,7 @@ import importlib.util
 import logging
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -109,15 +110,15 @@ class Privacy:
 
     def __init__(
         self,
-        clip,
-        noise_multiplier,
-        delta,
+        clip: float,
+        noise_multiplier: float,
+        delta: float,
         clients_per_round: int,
         num_clients: int,
         accountant: str = "pld",
-        target_quantile=None,
-        clip_learning_rate=0.2,
-        count_noise=None,
+        target_quantile: float | None = None,
+        clip_learning_rate: float = 0.2,
+        count_noise: float | None = None,
     ):
         self.clip = _CHECKS.positive("clip", clip)  # float32's normal range: a clip of 1e-45 would zero every update
         if not is_number(noise_multiplier) or not 0 <= noise_multiplier <= FLOAT32.max:
@@ -163,7 +164,7 @@ class Privacy:
     # ----------------------------------------------------------------- from a config
 
     @classmethod
-    def from_config(cls, cfg) -> Privacy | None:
+    def from_config(cls, cfg: Any) -> Privacy | None:
         """The run's Privacy, or None without a ``privacy`` section (absent or null). The section
         is a mapping or an object with the attributes ``clip``, ``noise_multiplier``, ``delta``
         (and optionally the other KEYS), which it validates. What privacy cannot be combined with
@@ -182,7 +183,7 @@ class Privacy:
         return privacy
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Any) -> None:
         """Raise a one-line ConfigError, naming the key, if the ``privacy`` section is invalid;
         nothing without it."""
         cls.from_config(cfg)

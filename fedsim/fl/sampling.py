@@ -27,7 +27,7 @@ every worker and rank and after a resume.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -51,7 +51,10 @@ _CHECKS = Checks()  # client_sampling and sampling_candidates are top-level keys
 
 
 def check_sampling(
-    client_sampling, sampling_candidates, clients_per_round: int | None = None, num_clients: int | None = None
+    client_sampling: str,
+    sampling_candidates: int | None,
+    clients_per_round: int | None = None,
+    num_clients: int | None = None,
 ) -> int | None:
     """d (``sampling_candidates``) as an int, or None; a one-line ConfigError naming the key for a
     bad value. The bounds k <= d <= N are checked only when ``clients_per_round`` (k) and
@@ -112,7 +115,9 @@ def _poisson_count(seed: int, rnd: int, num_clients: int, k: int) -> tuple[np.ra
     return rng, int(rng.binomial(num_clients, k / num_clients))
 
 
-def choose(candidates: np.ndarray, k: int, losses) -> np.ndarray:
+def choose(
+    candidates: np.ndarray, k: int, losses: Mapping[int, float] | Sequence[float] | np.ndarray | None
+) -> np.ndarray:
     """Power of choice: the k candidates of highest loss, sorted. ``losses``: ``{client: loss}`` or a
     sequence aligned with ``candidates``; a NaN loss counts as the highest, ties go to the lower id."""
     if len(candidates) <= k:

@@ -12,6 +12,8 @@ Each optimizer is built with the keyword arguments of ``make_server_optimizer``:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..core.registry import Registry
@@ -22,7 +24,7 @@ SERVER_OPTIMIZERS = Registry("server optimizer")
 class ServerOptimizer:
     default_lr = 1.0
 
-    def __init__(self, lr: float | None = None, **_):
+    def __init__(self, lr: float | None = None, **_: object):
         self.lr = self.default_lr if lr is None else lr
 
     def step(self, weights: torch.Tensor, delta: torch.Tensor) -> None:
@@ -39,7 +41,7 @@ class ServerOptimizer:
 
 @SERVER_OPTIMIZERS.register("none", "the global weights become the aggregate (plain FedAvg)")
 class NoServerOptimizer(ServerOptimizer):
-    def step(self, weights, delta):
+    def step(self, weights: torch.Tensor, delta: torch.Tensor) -> None:
         weights.add_(delta)
 
 
@@ -55,16 +57,23 @@ class FedAvgM(ServerOptimizer):
 
     default_lr = 1.0
 
-    def __init__(self, lr=None, momentum=0.9, num_params=0, device="cpu", **_):
+    def __init__(
+        self,
+        lr: float | None = None,
+        momentum: float = 0.9,
+        num_params: int = 0,
+        device: torch.device | str = "cpu",
+        **_: object,
+    ):
         super().__init__(lr)
         self.momentum = momentum
         self.velocity = torch.zeros(num_params, device=device)
 
-    def step(self, weights, delta):
+    def step(self, weights: torch.Tensor, delta: torch.Tensor) -> None:
         self.velocity.mul_(self.momentum).add_(delta)
         weights.add_(self.velocity, alpha=self.lr)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, torch.Tensor]:
         return {"velocity": self.velocity.clone()}
 
 
@@ -84,7 +93,16 @@ class AdaptiveServerOptimizer(ServerOptimizer):
 
     default_lr = 0.01
 
-    def __init__(self, lr=None, beta1=0.9, beta2=0.99, tau=1e-3, num_params=0, device="cpu", **_):
+    def __init__(
+        self,
+        lr: float | None = None,
+        beta1: float = 0.9,
+        beta2: float = 0.99,
+        tau: float = 1e-3,
+        num_params: int = 0,
+        device: torch.device | str = "cpu",
+        **_: object,
+    ):
         super().__init__(lr)
         self.beta1, self.beta2, self.tau = beta1, beta2, tau
         self.first_moment = torch.zeros(num_params, device=device)
@@ -93,13 +111,13 @@ class AdaptiveServerOptimizer(ServerOptimizer):
     def update_second_moment(self, squared: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def step(self, weights, delta):
+    def step(self, weights: torch.Tensor, delta: torch.Tensor) -> None:
         self.first_moment.mul_(self.beta1).add_(delta, alpha=1 - self.beta1)
         self.update_second_moment(delta * delta)
         denominator = self.second_moment.sqrt().add_(self.tau)
         weights.addcdiv_(self.first_moment, denominator, value=self.lr)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, torch.Tensor]:
         return {"first_moment": self.first_moment.clone(), "second_moment": self.second_moment.clone()}
 
 
@@ -112,7 +130,7 @@ class FedAdagrad(AdaptiveServerOptimizer):
 
     default_lr = 0.1
 
-    def update_second_moment(self, squared):
+    def update_second_moment(self, squared: torch.Tensor) -> None:
         self.second_moment.add_(squared)
 
 
@@ -122,7 +140,7 @@ class FedAdagrad(AdaptiveServerOptimizer):
 class FedAdam(AdaptiveServerOptimizer):
     """FedAdam (Reddi et al. 2021): ``v <- beta2 v + (1 - beta2) delta^2``."""
 
-    def update_second_moment(self, squared):
+    def update_second_moment(self, squared: torch.Tensor) -> None:
         self.second_moment.mul_(self.beta2).add_(squared, alpha=1 - self.beta2)
 
 
@@ -134,12 +152,12 @@ class FedYogi(AdaptiveServerOptimizer):
     ``v <- v - (1 - beta2) delta^2 sign(v - delta^2)``: ``v`` moves towards ``delta^2`` by a
     step that does not depend on ``v``, so it grows and shrinks more slowly than Adam's."""
 
-    def update_second_moment(self, squared):
+    def update_second_moment(self, squared: torch.Tensor) -> None:
         direction = torch.sign(self.second_moment - squared)
         self.second_moment.sub_(squared * direction, alpha=1 - self.beta2)
 
 
-def make_server_optimizer(config, num_params: int, device) -> ServerOptimizer:
+def make_server_optimizer(config: Any, num_params: int, device: torch.device | str) -> ServerOptimizer:
     cls = SERVER_OPTIMIZERS.get(config.server_optimizer)
     return cls(
         lr=config.server_lr,

@@ -47,13 +47,15 @@ The module is pure: it keeps no state between calls except a cache of the per-cl
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..core.streams import AVAILABILITY, DROPOUT, ONLINE, SPEED, generator
 from .sampling import choose, draw
-from .system_config import parse_system
+from .system_config import SystemConfig, parse_system
 
 # A step that ends within a billionth (relative) of the deadline counts as in time: 3 s / 0.1 s is
 # 30 steps, although 3 / 0.1 is 29.999999999999996 in floating point.
@@ -63,7 +65,7 @@ _IN_TIME = 1e-9
 # ----------------------------------------------------------------------------- helpers
 
 
-def local_steps(sizes, epochs: int, batch_size: int) -> np.ndarray:
+def local_steps(sizes: Sequence[int] | np.ndarray, epochs: int, batch_size: int) -> np.ndarray:
     """Each client's local SGD steps in one round when it does all its work: ``epochs x
     ceil(n_i / batch_size)`` (the last batch of an epoch may be short), as int64."""
     n = np.asarray(sizes, dtype=np.int64)
@@ -135,7 +137,7 @@ class System:
 
     def __init__(
         self,
-        section=None,
+        section: Mapping[str, Any] | SystemConfig | None = None,
         *,
         client_sampling: str = "uniform",
         sampling_candidates: int | None = None,
@@ -149,7 +151,7 @@ class System:
         self._cache: tuple = (None, None, None)
 
     @classmethod
-    def from_config(cls, cfg) -> System:
+    def from_config(cls, cfg: Any) -> System:
         """From a Config: ``cfg.system``, ``cfg.client_sampling``, ``cfg.sampling_candidates`` (each
         optional) and ``cfg.local.epochs``, ``cfg.local.batch_size``."""
         return cls(
@@ -162,7 +164,7 @@ class System:
 
     @staticmethod
     def check(
-        section=None,
+        section: Mapping[str, Any] | SystemConfig | None = None,
         *,
         client_sampling: str = "uniform",
         sampling_candidates: int | None = None,
@@ -174,7 +176,7 @@ class System:
         parse_system(section, client_sampling, sampling_candidates, clients_per_round, num_clients)
 
     @staticmethod
-    def check_config(cfg) -> None:
+    def check_config(cfg: Any) -> None:
         """``check`` on a Config (for ``config.validate``)."""
         System.check(
             getattr(cfg, "system", None),
@@ -200,7 +202,7 @@ class System:
 
     # ----------------------------------------------------------------- per-client constants
 
-    def local_steps(self, sizes) -> np.ndarray:
+    def local_steps(self, sizes: Sequence[int] | np.ndarray) -> np.ndarray:
         """``local_steps(sizes, epochs, batch_size)`` with this run's epochs and batch size."""
         return local_steps(sizes, self.epochs, self.batch_size)
 
@@ -249,7 +251,9 @@ class System:
         p = self._constants(seed, num_clients)[0]
         return generator(ONLINE, seed, rnd).random(num_clients) < p
 
-    def candidates(self, seed: int, rnd: int, num_clients: int, k: int, sizes) -> np.ndarray:
+    def candidates(
+        self, seed: int, rnd: int, num_clients: int, k: int, sizes: Sequence[int] | np.ndarray
+    ) -> np.ndarray:
         """The clients the round chooses among (sorted): for power_of_choice the d candidates
         (every online client when at most d are online), whose losses ``round`` then needs; for
         the other samplings the sample itself."""
@@ -262,7 +266,15 @@ class System:
         s = self.spec
         return draw(s.sampling, seed, rnd, online, s.candidates if s.sampling == "power_of_choice" else k, sizes)
 
-    def round(self, seed: int, rnd: int, num_clients: int, k: int, sizes, losses=None) -> RoundPlan:
+    def round(
+        self,
+        seed: int,
+        rnd: int,
+        num_clients: int,
+        k: int,
+        sizes: Sequence[int] | np.ndarray,
+        losses: Mapping[int, float] | Sequence[float] | np.ndarray | None = None,
+    ) -> RoundPlan:
         """The plan of round ``rnd``: who is sampled, who reports, with how many steps.
 
         ``sizes``: every client's number of training samples ([num_clients]). ``losses``

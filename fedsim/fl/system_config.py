@@ -132,7 +132,13 @@ def _seconds(key: str, value, null: str = "") -> float:
     return seconds
 
 
-def parse_system(section, client_sampling, sampling_candidates, clients_per_round=None, num_clients=None) -> SystemSpec:
+def parse_system(
+    section: Mapping[str, Any] | SystemConfig | None,
+    client_sampling: str,
+    sampling_candidates: int | None,
+    clients_per_round: int | None = None,
+    num_clients: int | None = None,
+) -> SystemSpec:
     """The checked values of a ``system:`` section (a mapping, a SystemConfig or None) with the
     run's client sampling; bad values raise a one-line ConfigError naming the key."""
     candidates = check_sampling(client_sampling, sampling_candidates, clients_per_round, num_clients)

@@ -10,13 +10,18 @@ import logging
 import math
 import os
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from statistics import fmean, stdev
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ConfigError, FedsimError, cut
 from ..core.yamlfile import parse_yaml
 from ..experiment.keys import RUN_SPECIFIC_KEYS, flatten_config
 from .rundir import COLUMNS, read_client_accuracy, read_clients, read_mapping, read_metrics
+
+if TYPE_CHECKING:
+    import pandas
 
 logger = logging.getLogger("fedsim")
 
@@ -33,7 +38,7 @@ class History:
 
     def __init__(
         self,
-        rows=None,
+        rows: Iterable[dict] | None = None,
         config: dict | None = None,
         run_dir: Path | None = None,
         summary: dict | None = None,
@@ -72,7 +77,7 @@ class History:
             self._client_accuracy = read_client_accuracy(path) if path and path.is_file() else []
         return self._client_accuracy
 
-    def to_pandas(self, clients: bool = False):
+    def to_pandas(self, clients: bool = False) -> pandas.DataFrame:
         """The rows (or, with ``clients=True``, the per-client rows) as a pandas DataFrame; an
         empty cell (a column of a feature the run had off) is NaN, so the columns stay numeric."""
         try:
@@ -86,7 +91,7 @@ class History:
     def name(self) -> str:
         return self.config.get("name") or (self.run_dir.name if self.run_dir else "run")
 
-    def config_value(self, key: str):
+    def config_value(self, key: str) -> Any:
         """The value of a config key, dotted for sections (``"data.alpha"``)."""
         if key == "name":
             return self.name
@@ -137,7 +142,7 @@ def load_runs(pattern: str | os.PathLike) -> list[History]:
     return runs
 
 
-def finished(histories) -> list[History]:
+def finished(histories: Iterable[History]) -> list[History]:
     """The runs that have results: a run that failed, or has no evaluated round yet, is left out
     with a warning naming it (and, for a failed one, why it failed)."""
     kept = []
@@ -153,7 +158,7 @@ def finished(histories) -> list[History]:
     return kept
 
 
-def group_repeats(histories, distinguish=()) -> list[list[History]]:
+def group_repeats(histories: Iterable[History], distinguish: Iterable[str] = ()) -> list[list[History]]:
     """Runs grouped by experiment: configs equal except ``RUN_SPECIFIC_KEYS`` (seed, name, ...).
 
     Keys in ``distinguish`` separate groups even when they are run-specific (plotting with
@@ -216,7 +221,7 @@ def _plain(value) -> str:
 class ResultsTable(list):
     """Rows (dicts) of a results table. It prints as markdown, and Jupyter shows it as a table."""
 
-    def __init__(self, rows, columns):
+    def __init__(self, rows: Iterable[dict], columns: Iterable[str]):
         super().__init__(rows)
         self.columns = list(columns)
 
@@ -286,7 +291,7 @@ def rounds_to_target(history: History, target: float) -> int | None:
     return next((row["round"] for row in history.rows if row["test_accuracy"] >= target), None)
 
 
-def mean_and_sd(values) -> tuple[float, float]:
+def mean_and_sd(values: Iterable[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (n - 1); the deviation of one value is 0, of none nan."""
     values = list(values)
     if not values or any(math.isnan(v) for v in values):  # statistics.stdev raises on nan
@@ -294,7 +299,7 @@ def mean_and_sd(values) -> tuple[float, float]:
     return fmean(values), (stdev(values) if len(values) > 1 else 0.0)
 
 
-def target_stats(histories, target: float | None) -> dict:
+def target_stats(histories: Iterable[History], target: float | None) -> dict:
     """Rounds to ``target`` over repeats: ``rounds_to_target`` (the mean over the runs that
     reached it, nan when none did), ``rounds_to_target_std`` (their sample standard deviation),
     ``reached`` (how many did) and ``runs``."""
@@ -330,14 +335,16 @@ def format_rounds_to_target(stats: dict) -> str:
     return f"{stats['rounds_to_target']:.1f}{spread} {count}"
 
 
-def check_target(target, spelled: str = "target") -> float | None:
+def check_target(target: float | None, spelled: str = "target") -> float | None:
     """A target test accuracy: a fraction in (0, 1], or None; else a ConfigError naming ``spelled``."""
     if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1):
         raise ConfigError(f"{spelled}: must be a test accuracy, a fraction in (0, 1], got {target!r}")
     return target
 
 
-def results_table(histories, keys=("name",), target: float | None = None) -> ResultsTable:
+def results_table(
+    histories: Iterable[History], keys: Sequence[str] = ("name",), target: float | None = None
+) -> ResultsTable:
     """One row per experiment (repeats over seeds pooled; runs that failed or have no evaluated
     round left out, with a warning): the ``keys``' config values, the
     number of runs, final accuracy (mean and sample standard deviation over the runs), best

@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import glob
 import math
+import os
+from collections.abc import Iterable
 from pathlib import Path
 from statistics import fmean, stdev
 
@@ -51,14 +53,14 @@ _HAS = {
 
 
 def plot_runs(
-    runs,
+    runs: History | str | os.PathLike | Iterable[History | str | os.PathLike],
     *,
     metric: str = "test_accuracy",
     x: str = "round",
     label: str | None = None,
     loss: bool = False,
     band: str = "minmax",
-    width="double",
+    width: str | float = "double",
     title: str | None = None,
     spread: bool = False,
 ) -> Figure:
@@ -145,7 +147,7 @@ def _checked_options(histories, metric: str, x: str, band: str, spread: bool, wi
     return metric, inches
 
 
-def as_histories(runs) -> list[History]:
+def as_histories(runs: History | str | os.PathLike | Iterable[History | str | os.PathLike]) -> list[History]:
     """History objects from a mix of Histories, run directories and glob patterns; among
     several, runs that failed or have no evaluated round are left out with a warning."""
     if isinstance(runs, (str, Path, History)):
@@ -170,7 +172,7 @@ def as_histories(runs) -> list[History]:
     return kept
 
 
-def save_figure(fig: Figure, path, pdf: bool = False) -> list[Path]:
+def save_figure(fig: Figure, path: str | os.PathLike, pdf: bool = False) -> list[Path]:
     """Save as PNG or PDF by the suffix of ``path``; ``pdf=True`` also writes a PDF beside a PNG."""
     path = Path(path)
     suffix = path.suffix.lower()
@@ -189,13 +191,13 @@ def save_figure(fig: Figure, path, pdf: bool = False) -> list[Path]:
     return paths
 
 
-def save_accuracy_plot(history, path: Path) -> None:
+def save_accuracy_plot(history: History, path: Path) -> None:
     """The accuracy.png of a run directory (see accuracy_figure), at 300 dpi as ``fedsim plot``."""
     figure = accuracy_figure(history)
     write_atomically(path, lambda tmp: figure.savefig(tmp, dpi=300, format="png"))
 
 
-def accuracy_figure(history) -> Figure:
+def accuracy_figure(history: History) -> Figure:
     """A run's test accuracy per round. The title says what ran (see _default_title), and the y
     axis reaches down to chance, 1 / num_classes (from summary.json), marked by a dotted line,
     and spans at least 20 points: a run that learns nothing reads as flat, not as a zoomed-in

@@ -16,7 +16,9 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TextIO
 
 _BAR_WIDTH = 20
 
@@ -31,7 +33,12 @@ class RoundLog:
     """
 
     def __init__(
-        self, progress: bool | None = None, stream=None, clock=time.monotonic, quiet: bool = False, write=None
+        self,
+        progress: bool | None = None,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        quiet: bool = False,
+        write: Callable[[str], None] | None = None,
     ):
         self.progress = False if write is not None else progress
         self.quiet = quiet
@@ -42,7 +49,7 @@ class RoundLog:
         self._first = None  # (time, round) of the first round line, to measure the pace
 
     @property
-    def stream(self):
+    def stream(self) -> TextIO:
         return self._stream if self._stream is not None else sys.stdout
 
     def enabled(self) -> bool:
@@ -143,7 +150,7 @@ class _ToRoundLog(logging.Handler):
 
 
 @contextmanager
-def console_logging(log: RoundLog):
+def console_logging(log: RoundLog) -> Iterator[None]:
     """Print fedsim's messages through ``log`` while a run lasts, unless the program has set up
     logging itself (a handler on fedsim's logger or on the root): then its set-up decides.
     A level set on fedsim's logger (to silence it, say) is respected."""
@@ -162,7 +169,7 @@ def console_logging(log: RoundLog):
         logger.setLevel(level)
 
 
-def write_or_silence(stream, text: str) -> bool:
+def write_or_silence(stream: TextIO, text: str) -> bool:
     """Write and flush; False if the output cannot take it (a closed pipe, a full disk). The
     stream's descriptor then points at /dev/null, so that later writes, and the interpreter's
     flush at exit, neither fail nor print an error; the run itself goes on."""

@@ -21,8 +21,10 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from ..core.errors import FedsimError, cut, write_error
 from ..core.files import atomic_write_text, write_atomically
@@ -247,7 +249,7 @@ def _format(value) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
-def read_mapping(path: Path, parse) -> dict:
+def read_mapping(path: Path, parse: Callable[[str], Any]) -> dict:
     """A run file's mapping, or {} when the file is absent."""
     if not path.is_file():
         return {}

@@ -12,19 +12,27 @@ A callback is any object with some of these methods (the others are not called):
 Pass them as ``fedsim.run(..., callbacks=[...])``. A callback that raises stops the run with
 one line naming it and the round.
 """
+
 from __future__ import annotations
 
 import csv
 import math
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..engine.records import CLIENT_COLUMNS
-from ..core.errors import write_error
+from ..core.errors import user_code, write_error
 from ..core.files import write_atomically
-from ..results.rundir import read_client_accuracy
+from ..engine.records import CLIENT_COLUMNS
+from ..results.history import History
+from ..results.rundir import RunDirectory, read_client_accuracy
+
+if TYPE_CHECKING:
+    from ..fl.client_eval import ClientEvaluation
 
 CLIENT_ACCURACY_COLUMNS = ("round", "client", "model", "samples", "accuracy")
 
@@ -46,20 +54,20 @@ class Callback:
     def on_round_end(self, row: dict, clients: list[dict]) -> None:
         pass
 
-    def on_run_end(self, history) -> None:
+    def on_run_end(self, history: History) -> None:
         pass
 
 
 class MetricsFile(Callback):
     """metrics.csv: one row per evaluated round."""
 
-    def __init__(self, run_dir):
+    def __init__(self, run_dir: RunDirectory):
         self.run_dir = run_dir
 
-    def on_run_start(self, run):  # a resumed run drops the rows after its checkpoint
+    def on_run_start(self, run: RunStart) -> None:  # a resumed run drops the rows after its checkpoint
         self.run_dir.write_rows([r for r in self.run_dir.rows() if r["round"] < run.first_round])
 
-    def on_round_end(self, row, clients):
+    def on_round_end(self, row: dict, clients: list[dict]) -> None:
         if not math.isnan(row["test_accuracy"]):
             self.run_dir.append(row)
 
@@ -70,7 +78,7 @@ class ClientsFile(Callback):
     def __init__(self, path: Path):
         self.path = path
 
-    def on_run_start(self, run):
+    def on_run_start(self, run: RunStart) -> None:
         kept = []
         if run.first_round > 1 and self.path.is_file():
             with open(self.path, newline="") as f:
@@ -78,7 +86,7 @@ class ClientsFile(Callback):
         # rows of an older version lack the newer columns: those cells stay empty
         self._write("w", [CLIENT_COLUMNS, *([row.get(c, "") for c in CLIENT_COLUMNS] for row in kept)])
 
-    def on_round_end(self, row, clients):
+    def on_round_end(self, row: dict, clients: list[dict]) -> None:
         # a record without a column (hogwild's have no steps) leaves its cell empty
         self._write("a", [[_cell(client.get(c, "")) for c in CLIENT_COLUMNS] for client in clients])
 
@@ -96,11 +104,11 @@ class ClientAccuracyFile(Callback):
     The header and the rows a resumed run keeps are written whole or not at all; a round's rows
     are appended whole or cut back."""
 
-    def __init__(self, path: Path, evaluation):
+    def __init__(self, path: Path, evaluation: ClientEvaluation):
         self.path = path
         self.evaluation = evaluation
 
-    def on_run_start(self, run):
+    def on_run_start(self, run: RunStart) -> None:
         kept = []
         if run.first_round > 1 and self.path.is_file():
             kept = [r for r in read_client_accuracy(self.path) if r["round"] < run.first_round]
@@ -111,7 +119,7 @@ class ClientAccuracyFile(Callback):
 
         write_atomically(self.path, write)
 
-    def on_round_end(self, row, clients):
+    def on_round_end(self, row: dict, clients: list[dict]) -> None:
         records = self.evaluation.last
         if not records or records[0]["round"] != row["round"]:  # a round that was not evaluated
             return
@@ -141,22 +149,22 @@ class TensorBoard(Callback):
     losses and update norms, under ``log_dir`` (default: the run directory's ``tensorboard``).
     Needs the tensorboard package (``pip install "fedsim-sync[tensorboard]"``)."""
 
-    def __init__(self, log_dir=None):
+    def __init__(self, log_dir: str | os.PathLike | None = None):
         self.log_dir = log_dir
         self.writer = None
 
-    def on_run_start(self, run):
+    def on_run_start(self, run: RunStart) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             from ..core.errors import FedsimError
 
-            raise FedsimError('the TensorBoard writer needs the tensorboard package: '
-                              'pip install "fedsim-sync[tensorboard]"') from None
-        self.writer = SummaryWriter(str(self.log_dir or Path(run.run_dir) / "tensorboard"),
-                                    purge_step=run.first_round)
+            raise FedsimError(
+                'the TensorBoard writer needs the tensorboard package: pip install "fedsim-sync[tensorboard]"'
+            ) from None
+        self.writer = SummaryWriter(str(self.log_dir or Path(run.run_dir) / "tensorboard"), purge_step=run.first_round)
 
-    def on_round_end(self, row, clients):
+    def on_round_end(self, row: dict, clients: list[dict]) -> None:
         step = row["round"]
         for key, value in row.items():
             if key != "round" and isinstance(value, (int, float)) and not math.isnan(value):
@@ -167,6 +175,17 @@ class TensorBoard(Callback):
                 self.writer.add_histogram(f"clients/{key}", torch.tensor(values), step)
         self.writer.flush()
 
-    def on_run_end(self, history):
+    def on_run_end(self, history: History) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def notify(callbacks: Iterable[object], event: str, *args: object) -> None:
+    """Call every callback that has ``event``; one that raises stops the run in one line."""
+    for callback in callbacks:
+        method = getattr(callback, event, None)
+        if method is None:
+            continue
+        where = f" in round {args[0]['round']}" if event == "on_round_end" else ""
+        with user_code(f"callback {type(callback).__name__}.{event} failed{where}"):
+            method(*args)

@@ -1,27 +1,39 @@
 """Starting and resuming runs: ``fedsim.run``, ``fedsim.resume`` and what the command line's
 ``run`` calls, on every rank."""
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from ..core.errors import ConfigError, FedsimError, UnguardedScript, explain_resource_error
+from ..execution.distributed import Ranks, RankStopped
+from ..execution.pool import PoolKeeper
+from ..execution.processes import UNGUARDED_SCRIPT, in_worker_start, start_fork_server
 from ..experiment import components
 from ..experiment.config import Config, apply_overrides, directory_name, locate, save_config
-from ..execution.distributed import RankStopped, Ranks
-from ..core.errors import ConfigError, FedsimError, UnguardedScript, explain_resource_error
-from ..execution.processes import UNGUARDED_SCRIPT, in_worker_start, start_fork_server
-from ..results.progress import RoundLog, console_logging
-from ..results.history import History
-from ..results.rundir import RunDirectory
 from ..experiment.keys import RESUMABLE_KEYS
-from .session import Session, run_identity
 from ..experiment.validation import load_config
+from ..results.history import History
+from ..results.progress import RoundLog, console_logging
+from ..results.rundir import RunDirectory
+from .session import Session, run_identity
 
 
-def run(config="mnist_seed", *, out=None, overwrite: bool = False, quiet: bool = False,
-        progress: bool | None = None, callbacks=(), **overrides) -> History:
+def run(
+    config: str | os.PathLike | dict | Config = "mnist_seed",
+    *,
+    out: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    quiet: bool = False,
+    progress: bool | None = None,
+    callbacks: Iterable[object] = (),
+    **overrides: Any,
+) -> History:
     """Run an experiment and return its History.
 
     ``config`` is a YAML path, the name of a shipped experiment (``fedsim list``), a dict or
@@ -40,7 +52,14 @@ def run(config="mnist_seed", *, out=None, overwrite: bool = False, quiet: bool =
         raise SystemExit(f"fedsim: error: {e}") from None  # one line: the script cannot work as it is
 
 
-def resume(run_dir, *, quiet: bool = False, progress: bool | None = None, callbacks=(), **overrides) -> History:
+def resume(
+    run_dir: str | os.PathLike,
+    *,
+    quiet: bool = False,
+    progress: bool | None = None,
+    callbacks: Iterable[object] = (),
+    **overrides: Any,
+) -> History:
     """Continue a run from its last checkpoint; ``rounds=N`` extends it. A component that was
     given as an object (defined in a notebook, say) is given again the same way."""
     _refuse_in_a_worker()
@@ -66,8 +85,16 @@ def _with_dataset_key(overrides: dict) -> dict:
     return overrides
 
 
-def start_run(cfg: Config, out=None, overwrite: bool = False, quiet: bool = False, progress=None,
-              callbacks=(), ranks: Ranks | None = None, pools=None) -> History:
+def start_run(
+    cfg: Config,
+    out: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    quiet: bool = False,
+    progress: bool | None = None,
+    callbacks: Iterable[object] = (),
+    ranks: Ranks | None = None,
+    pools: PoolKeeper | None = None,
+) -> History:
     """Run ``cfg`` into ``out`` (default ``runs/<name>[-<overrides>]-<timestamp>``, see
     config.directory_name); on ranks other than 0
     (see distributed.py) only train. ``pools``: a PoolKeeper whose workers the run may use
@@ -91,8 +118,15 @@ def start_run(cfg: Config, out=None, overwrite: bool = False, quiet: bool = Fals
     return session.run(run_dir)
 
 
-def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None, callbacks=(),
-               ranks: Ranks | None = None, pools=None) -> History | None:
+def resume_run(
+    run_dir: str | os.PathLike,
+    overrides: list[str] | dict | None = None,
+    quiet: bool = False,
+    progress: bool | None = None,
+    callbacks: Iterable[object] = (),
+    ranks: Ranks | None = None,
+    pools: PoolKeeper | None = None,
+) -> History | None:
     """Continue ``run_dir`` from its checkpoint; ``overrides`` is a list of "key=value"
     strings (the CLI's --set) or a dict, limited to keys that keep it one run (and to the
     components of the run, given again as objects). Rank 0 reads the run directory; the other
@@ -105,12 +139,7 @@ def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None, call
     def load() -> Config | None:
         if not (path / "config.yaml").is_file():
             raise FedsimError(f"--resume {path}: not a run directory (no config.yaml)")
-        spelled = apply_overrides({}, overrides or {})
-        asked = set(spelled)
-        bad = sorted(asked - RESUMABLE_KEYS - set(components.KEYS))
-        if bad:
-            raise ConfigError(f"{spelled[bad[0]]} {bad[0]}: cannot change when resuming (the rounds before and after "
-                              f"would not be one run); allowed: {', '.join(sorted(RESUMABLE_KEYS))}")
+        asked = _resumable(overrides)
         directory.lock()  # a second resume of the same directory is refused, not interleaved
         try:
             state = directory.load_checkpoint()
@@ -122,8 +151,7 @@ def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None, call
             directory.unlock()
             raise
         if state["round"] >= cfg.rounds:
-            print(f"{path}: already at round {state['round']} of {cfg.rounds}; nothing to do "
-                  f"(extend with --set rounds=N)")
+            print(f"{path}: already at round {state['round']} of {cfg.rounds}; nothing to do (--set rounds=N)")
             directory.unlock()
             return None
         return cfg
@@ -151,7 +179,7 @@ def resume_run(run_dir, overrides=None, quiet: bool = False, progress=None, call
     return session.run(directory)
 
 
-def agree_on_config(ranks: Ranks, load) -> Config | None:
+def agree_on_config(ranks: Ranks, load: Callable[[], Config | None]) -> Config | None:
     """The config of a run: rank 0's ``load()`` (None: nothing to run); the other ranks receive
     it. If loading fails on rank 0, the others stop quietly and rank 0 says why."""
     if not ranks.several:
@@ -168,6 +196,18 @@ def agree_on_config(ranks: Ranks, load) -> Config | None:
     if kind == "stop":
         raise RankStopped("")
     return load_config(values) if kind == "run" else None
+
+
+def _resumable(overrides: list[str] | dict | None) -> set[str]:
+    """The keys a resume sets, each one that a resume may change (else one line)."""
+    spelled = apply_overrides({}, overrides or {})
+    bad = sorted(set(spelled) - RESUMABLE_KEYS - set(components.KEYS))
+    if bad:
+        raise ConfigError(
+            f"{spelled[bad[0]]} {bad[0]}: cannot change when resuming (the rounds before and after "
+            f"would not be one run); allowed: {', '.join(sorted(RESUMABLE_KEYS))}"
+        )
+    return set(spelled)
 
 
 def _check_same_run(path: Path, state: dict, cfg: Config, asked=frozenset()) -> None:
@@ -191,14 +231,19 @@ def _check_same_run(path: Path, state: dict, cfg: Config, asked=frozenset()) -> 
         return
     key = changed[0]
     if part_of(key, asked):
-        raise ConfigError(f"--set {key}={now.get(key)!r}: cannot change when resuming; {path} ran with {key}: "
-                          f"{before.get(key)!r}, and the rounds before and after would not be one run")
-    raise ConfigError(f"{path}: config.yaml says {key}: {now.get(key)!r} but checkpoint.pt was written by a run "
-                      f"with {before.get(key)!r}; they are not one run (restore the matching file, or start a new run)")
+        raise ConfigError(
+            f"--set {key}={now.get(key)!r}: cannot change when resuming; {path} ran with {key}: "
+            f"{before.get(key)!r}, and the rounds before and after would not be one run"
+        )
+    raise ConfigError(
+        f"{path}: config.yaml says {key}: {now.get(key)!r} but checkpoint.pt was written by a run "
+        f"with {before.get(key)!r}; they are not one run (restore the matching file, or start a new run)"
+    )
 
 
-def _setup(cfg: Config, quiet: bool, progress: bool | None, callbacks=(), ranks: Ranks | None = None,
-           pools=None) -> Session:
+def _setup(
+    cfg: Config, quiet: bool, progress: bool | None, callbacks=(), ranks: Ranks | None = None, pools=None
+) -> Session:
     ranks = ranks or Ranks()
     log = RoundLog(progress, quiet=quiet or not ranks.is_root)
     if cfg.workers != 0:
@@ -209,6 +254,6 @@ def _setup(cfg: Config, quiet: bool, progress: bool | None, callbacks=(), ranks:
     except FedsimError as e:
         raise locate(cfg, e) from None
     except (RuntimeError, OSError) as e:
-        raise explain_resource_error(e) or e
+        raise explain_resource_error(e) or e  # noqa: B904 (the same error, or one line that explains it)
     cfg.workers, cfg.device = session.workers, str(session.device)  # the resolved values, as they ran
     return session

@@ -5,100 +5,45 @@ The engine (engine/) runs a round and returns what happened; a session decides w
 of it: metrics.csv and clients.csv (through the file callbacks), the checkpoint, the round's
 line, whether to go on, and, under torchrun, what the other ranks are told (execution/ranks.py).
 """
+
 from __future__ import annotations
 
 import importlib
 import json
 import logging
-import os
-import socket
 import threading
 import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 import yaml
 
-from ..experiment import components
-from ..fl.attacks import make_attack
-from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart
-from ..fl.client_eval import ClientEvaluation
-from ..fl.client_state import ClientStates
-from ..fl.compression import Compression, client_shapes
-from ..experiment.config import Config, groups_per_round, locate, overrides_of
-from ..execution.distributed import RankStopped, Ranks, rank_device
-from ..engine.asynchronous import AsyncEngine
+from ..core.errors import FedsimError, OutputError, exception_text, explain_resource_error
 from ..engine.buffers import RoundBuffers
-from ..engine.loop import Engine
 from ..engine.state import GlobalState
-from ..engine.update import AggregateUpdates
-from ..core.errors import ConfigError, FedsimError, OutputError, exception_text, explain_resource_error, user_code
+from ..execution.distributed import Ranks
 from ..execution.executors import Restarting, new_pool
-from ..execution.hogwild import AdoptSharedWeights, HogwildRunner
+from ..execution.hogwild import HogwildRunner
+from ..execution.interrupts import shielded, then_shielded
+from ..execution.pool import PoolKeeper
 from ..execution.ranks import RanksExecutor
 from ..execution.resources import peak_memory_mb
 from ..execution.runner import ClientRunner
-from ..experiment.federation import initial_model, load_federation
-from ..core.flat import FlatModel
-from ..execution.interrupts import Terminated, shielded, then_shielded
-from ..fl.privacy import Privacy
-from ..results.progress import RoundLog, console_logging
+from ..experiment import components
+from ..experiment.config import Config, overrides_of
 from ..experiment.keys import RESUMABLE_KEYS, flatten_config
-from ..results.history import History, describe_run
-from ..results.rundir import read_clients, read_mapping
-from ..fl.server_opt import make_server_optimizer
-from ..fl.system import System
 from ..experiment.validation import unused_settings
+from ..fl.client_eval import ClientEvaluation
+from ..fl.compression import Compression
+from ..fl.server_opt import make_server_optimizer
+from ..results.history import History, describe_run
+from ..results.progress import RoundLog, console_logging
+from ..results.rundir import RunDirectory, read_clients, read_mapping
+from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart, notify
+from .parts import build_parts, component_names, data_placement, make_engine, resolve_workers, run_device
 
 logger = logging.getLogger("fedsim")
-
-# Each worker process on a GPU holds a CUDA context (hundreds of MiB) plus its model, gradients
-# and activations; this budget per worker keeps the default from over-subscribing the card.
-_GPU_BYTES_PER_WORKER = 1 << 30
-
-
-def resolve_device(name: str) -> torch.device:
-    """The run's device; a CUDA device always with its index (workers pass it to set_device)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device: '{name}' asked for, but CUDA is not available here "
-                              f"(torch {torch.__version__}); use device: cpu or auto")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if device.index >= torch.cuda.device_count():
-            raise ConfigError(f"device: '{name}' asked for, but there are {torch.cuda.device_count()} CUDA devices")
-    return device
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def resolve_workers(cfg: Config, device: torch.device) -> int:
-    if cfg.workers is not None:
-        return cfg.workers
-    workers = min(groups_per_round(cfg), available_cores())
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        workers = min(workers, max(1, int(0.8 * free // _GPU_BYTES_PER_WORKER)))
-    return workers
-
-
-def data_placement(placement: str, data, device: torch.device) -> torch.device:
-    """Where the dataset lives: on the device, or in host memory when it would take more than
-    half of the GPU's free memory (``auto``), or when asked (``host``)."""
-    if device.type != "cuda" or placement == "device":
-        return device
-    if placement == "host":
-        return torch.device("cpu")
-    size = sum(t.numel() * t.element_size() for t in (data.train_x, data.train_y, data.test_x, data.test_y))
-    free, _ = torch.cuda.mem_get_info(device)
-    return device if size <= free / 2 else torch.device("cpu")
 
 
 def run_identity(cfg: Config) -> str:
@@ -108,62 +53,59 @@ def run_identity(cfg: Config) -> str:
     return yaml.safe_dump(kept, sort_keys=True)
 
 
-def build_parts(cfg: Config, device: torch.device, datasets: dict | None = None):
-    """What a run is made of, each part checked as far as it can be before any worker is handed
-    anything: the data split among the clients, the initial model (probed), privacy (or None), the
-    algorithm (set up and bound to the model) and the clients' state (its bound checked).
-    ``datasets``: loaded datasets to reuse (see load_federation)."""
-    federation = load_federation(cfg, datasets)
-    sizes = [len(p) for p in federation.parts]
-    if 0 in sizes:
-        raise ConfigError(f"data.partition: client {sizes.index(0)} gets no samples; "
-                          f"use fewer clients or more data")
-    model = FlatModel(initial_model(cfg, federation.data), device)
-    if cfg.backend == "vmap" and len(model) != model.num_params:
-        raise ConfigError(f"backend: vmap cannot train {components.describe(cfg.model)}, whose batch-norm "
-                          f"statistics are not parameters; use backend: process")
-    privacy = Privacy.from_config(cfg)  # DP-FedAvg in place of the rule (privacy.py), or None
-    if privacy:
-        privacy.check_model(components.describe(cfg.model), model.num_params, len(model))
-    algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
-    with user_code(f"algorithm: {components.describe(cfg.algorithm)} failed in setup", ConfigError):
-        algorithm.setup(cfg)
-        algorithm.bind(model.module)
-    n = model.num_params
-    clients = ClientStates.of({f"algorithm {components.describe(cfg.algorithm)}": algorithm.client_state(n),
-                               "compression.error_feedback": client_shapes(cfg.compression, n)},
-                              cfg.data.num_clients, cfg.client_state_limit_mb)
-    return (federation.data, federation.parts), model, privacy, algorithm, clients
-
-
-def check_run(cfg: Config, datasets: dict | None = None) -> None:
-    """Everything a run checks before its workers start, without starting them (a sweep checks
-    every run so before the first trains); the model is built on the CPU."""
-    try:
-        resolve_device(cfg.device)
-        build_parts(cfg, torch.device("cpu"), datasets)
-    except FedsimError as e:
-        raise locate(cfg, e) from None
-
-
-def ready_message(cfg: Config, first_round: int, ranks: int, workers: int, device, seconds: float, path) -> str:
+def ready_message(
+    cfg: Config, first_round: int, ranks: int, workers: int, device: torch.device, seconds: float, path: Path
+) -> str:
     """The line that says the workers are ready: which rounds (a resumed run's from its
     checkpoint on), how, after how long, and where the files go."""
-    rounds = f"{cfg.rounds} rounds" if first_round == 1 else \
-        f"rounds {first_round} to {cfg.rounds} (resumed from the checkpoint of round {first_round - 1})"
+    rounds = (
+        f"{cfg.rounds} rounds"
+        if first_round == 1
+        else f"rounds {first_round} to {cfg.rounds} (resumed from the checkpoint of round {first_round - 1})"
+    )
     ranks_text = f"{ranks} ranks x " if ranks > 1 else ""
-    return (f"{cfg.name}: {rounds} of {cfg.clients_per_round}/{cfg.data.num_clients} clients, {ranks_text}{workers} "
-            f"workers on {device}, ready in {seconds:.1f} s; writing {path}")
+    return (
+        f"{cfg.name}: {rounds} of {cfg.clients_per_round}/{cfg.data.num_clients} clients, {ranks_text}{workers} "
+        f"workers on {device}, ready in {seconds:.1f} s; writing {path}"
+    )
 
 
 def what_ran(config: dict, input_shape: tuple, num_classes: int, overrides: dict, first_round: int) -> dict:
     """summary.json's account of what ran: the experiment's parts, the shape of its data (what
     load_model builds the model for), the keys set on top of its file, and the round a resumed
     run went on from."""
-    return {**{key: config[key] for key in ("model", "aggregator", "algorithm")},
-            "dataset": config["data"]["dataset"], "partition": config["data"]["partition"],
-            "input_shape": list(input_shape), "num_classes": num_classes, "overrides": overrides,
-            "resumed_at_round": first_round if first_round > 1 else None}
+    return {
+        **{key: config[key] for key in ("model", "aggregator", "algorithm")},
+        "dataset": config["data"]["dataset"],
+        "partition": config["data"]["partition"],
+        "input_shape": list(input_shape),
+        "num_classes": num_classes,
+        "overrides": overrides,
+        "resumed_at_round": first_round if first_round > 1 else None,
+    }
+
+
+def outcome(rows: list[dict], target: float | None) -> dict:
+    """summary.json's account of how the run went, from its evaluated rounds' rows."""
+    accuracies = [r["test_accuracy"] for r in rows]
+    return {
+        "rounds": rows[-1]["round"] if rows else 0,
+        "final_test_accuracy": accuracies[-1] if accuracies else None,
+        "best_test_accuracy": max(accuracies) if accuracies else None,
+        "final_test_loss": rows[-1]["test_loss"] if rows else None,
+        "rounds_to_target": next((r["round"] for r in rows if target and r["test_accuracy"] >= target), None),
+    }
+
+
+def where_it_ran(device: torch.device, workers: int, worker_peak_memory_mb: list[float]) -> dict:
+    """summary.json's account of the machine: the device, the workers and the memory they took."""
+    return {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "workers": workers,
+        "worker_peak_memory_mb": worker_peak_memory_mb,
+        "server_peak_memory_mb": peak_memory_mb(device),
+    }
 
 
 class Session:
@@ -173,17 +115,20 @@ class Session:
     ``callbacks`` observe the run (see callbacks.py).
     """
 
-    def __init__(self, cfg: Config, log=None, callbacks=(), ranks: Ranks | None = None, pools=None):
+    def __init__(
+        self,
+        cfg: Config,
+        log: RoundLog | Callable[[str], None] | None = None,
+        callbacks: Iterable[object] = (),
+        ranks: Ranks | None = None,
+        pools: PoolKeeper | None = None,
+    ):
         self.cfg, self.ranks = cfg, ranks or Ranks()
         self.log = log if isinstance(log, RoundLog) else RoundLog(progress=False, write=log or print)
         self.user_callbacks = list(callbacks)
         self.t_start = time.perf_counter()
         torch.multiprocessing.set_sharing_strategy(cfg.sharing_strategy)
-        self.device = resolve_device(rank_device(cfg.device) if self.ranks.several else cfg.device)
-        one_process = {"async": "plays one simulated clock in one process",
-                       "hogwild": "shares one model in one machine's memory"}.get(cfg.mode)
-        if one_process and self.ranks.several:
-            raise ConfigError(f"mode: {cfg.mode} {one_process}; run it as a single process, without torchrun")
+        self.device = run_device(cfg, self.ranks)
         self.ranks.use_device(self.device)
         self.workers = resolve_workers(cfg, self.device)
         runner = HogwildRunner if cfg.mode == "hogwild" else ClientRunner
@@ -209,7 +154,8 @@ class Session:
     def _assemble(self) -> None:
         """The data on its device, the global state, the round's buffers and the engine."""
         cfg, device = self.cfg, self.device
-        (data, parts), model, privacy, algorithm, clients = build_parts(cfg, device)
+        federation, model, privacy, algorithm, clients = build_parts(cfg, device)
+        data = federation.data
         self.input_shape, self.num_classes = data.input_shape, data.num_classes
         data_device = data_placement(cfg.data.placement, data, device)
         if data_device != device:
@@ -217,35 +163,26 @@ class Session:
         self.compression = Compression.from_config(cfg)  # None: updates travel whole
         if self.compression:
             self.compression.use_states(clients)
-        names = {"algorithm": components.describe(cfg.algorithm), "aggregator": components.describe(cfg.aggregator),
-                 "server_optimizer": cfg.server_optimizer}
-        self.state = GlobalState(model, make_server_optimizer(cfg, model.num_params, device), algorithm, clients,
-                                 f"{components.describe(cfg.model)}, {names['algorithm']}, "
-                                 f"{names['server_optimizer']}", privacy_state=privacy.state if privacy else None)
-        keeps_copies = cfg.mode != "hogwild"
-        self.buffers = RoundBuffers.allocate(cfg, self.state, data, parts, data_device, algorithm, keeps_copies,
-                                        self.workers)
-        if keeps_copies:
-            strategy = AggregateUpdates(cfg, self.state, self.buffers, algorithm,
-                                        components.aggregator(cfg.aggregator, cfg.aggregator_options), privacy,
-                                        make_attack(cfg.attack), names, self.compression)
-        else:
-            strategy = AdoptSharedWeights(cfg, self.state, self.buffers)
-            self.state.bytes_sent = None  # nothing travels: the workers train one shared model
+        names = component_names(cfg)
+        optimizer = make_server_optimizer(cfg, model.num_params, device)
+        described = f"{components.describe(cfg.model)}, {names['algorithm']}, {names['server_optimizer']}"
+        privacy_state = privacy.state if privacy else None
+        self.state = GlobalState(model, optimizer, algorithm, clients, described, privacy_state=privacy_state)
+        self.buffers = RoundBuffers.allocate(
+            cfg, self.state, data, federation.parts, data_device, algorithm, cfg.mode != "hogwild", self.workers
+        )
         if self.ranks.several:
             self.executor = RanksExecutor(self.executor, self.ranks, cfg, self.state, device)
-        self.client_eval = ClientEvaluation.for_run(cfg, data, parts, data_device) if cfg.eval_per_client else None
+        test_parts = federation.test_parts(cfg.seed) if cfg.eval_per_client else None
+        self.client_eval = ClientEvaluation(test_parts, data_device) if test_parts is not None else None
         test = (data.test_x.to(data_device), data.test_y.to(data_device))
-        if cfg.mode == "async":  # the clock decides when the global model changes (validation refuses the rest)
-            self.engine = AsyncEngine(cfg, self.state, self.buffers, self.executor, System.from_config(cfg), test,
-                                      self.client_eval)
-        else:
-            self.engine = Engine(cfg, self.state, self.buffers, self.executor, strategy, System.from_config(cfg),
-                                 test, self.client_eval, privacy)
+        self.engine = make_engine(
+            cfg, self.state, self.buffers, self.executor, test, self.client_eval, privacy, self.compression
+        )
 
     # ------------------------------------------------------------------ the run
 
-    def restore(self, state: dict, rows: list[dict], source) -> None:
+    def restore(self, state: dict, rows: list[dict], source: Path) -> None:
         """Continue from ``state``, the checkpoint read from the file ``source``."""
         self.state.load_state_dict(state, source)
         self.first_round, self.elapsed_before = state["round"] + 1, state["elapsed_seconds"]
@@ -255,14 +192,24 @@ class Session:
         if records.is_file():
             self.client_rows = [r for r in read_clients(records) if r["round"] <= state["round"]]
 
-    def run(self, run_dir) -> History:
+    def run(self, run_dir: RunDirectory | None) -> History:
         """The rounds. On ranks other than 0 (see distributed.py) ``run_dir`` is None: they train
         their share of every round and take the new global state from rank 0."""
         self.run_dir, root = run_dir, self.ranks.is_root
-        self.callbacks = [MetricsFile(run_dir), ClientsFile(run_dir.path / "clients.csv"),
-                          *([ClientAccuracyFile(run_dir.path / "client_accuracy.csv", self.client_eval)]
-                            if self.client_eval else []),
-                          *self.user_callbacks] if root else []
+        self.callbacks = (
+            [
+                MetricsFile(run_dir),
+                ClientsFile(run_dir.path / "clients.csv"),
+                *(
+                    [ClientAccuracyFile(run_dir.path / "client_accuracy.csv", self.client_eval)]
+                    if self.client_eval
+                    else []
+                ),
+                *self.user_callbacks,
+            ]
+            if root
+            else []
+        )
         then_shielded(self._play, self._finish)
         return self.history()
 
@@ -278,14 +225,27 @@ class Session:
                     self.executor.follow(self.engine, self.first_round)
                     self.status = "finished"
                 else:
-                    logger.info(ready_message(cfg, self.first_round, self.ranks.world, self.workers, self.device,
-                                              self.startup_seconds, run_dir.path))
-                    self._notify("on_run_start", RunStart(cfg, run_dir.path, self.first_round, self.state.model.module))
+                    logger.info(
+                        ready_message(
+                            cfg,
+                            self.first_round,
+                            self.ranks.world,
+                            self.workers,
+                            self.device,
+                            self.startup_seconds,
+                            run_dir.path,
+                        )
+                    )
+                    notify(
+                        self.callbacks,
+                        "on_run_start",
+                        RunStart(cfg, run_dir.path, self.first_round, self.state.model.module),
+                    )
                     self._rounds()
         except Exception as e:  # a signal leaves the run "interrupted"; anything else is a failure
             self.status = "failed"
             if isinstance(e, (RuntimeError, OSError)) and not isinstance(e, FedsimError):
-                raise explain_resource_error(e) or e
+                raise explain_resource_error(e) or e  # noqa: B904 (the same error, or one line that explains it)
             raise
 
     def _before_start(self) -> None:
@@ -310,8 +270,7 @@ class Session:
         cfg = self.cfg
         for rnd in range(self.first_round, cfg.rounds + 1):
             result = self.engine.run_round(rnd)
-            row = {**result.row,
-                   "elapsed_seconds": round(self.elapsed_before + time.perf_counter() - self.t_start, 4)}
+            row = {**result.row, "elapsed_seconds": round(self.elapsed_before + time.perf_counter() - self.t_start, 4)}
             target = cfg.stop_at_accuracy
             reached = target is not None and row["test_accuracy"] >= target  # False for NaN
             with shielded():
@@ -319,11 +278,14 @@ class Session:
                     self.rows.append(row)
                 records = [record.as_row() for record in result.clients]
                 self.client_rows.extend(records)
-                self._notify("on_round_end", row, records)
+                notify(self.callbacks, "on_round_end", row, records)
                 if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds or reached):
-                    checkpoint = {**self.state.state_dict(rnd), "elapsed_seconds": row["elapsed_seconds"],
-                                  "config": run_identity(cfg), "file_rows": {"metrics.csv": len(self.rows),
-                                                                             "clients.csv": len(self.client_rows)}}
+                    checkpoint = {
+                        **self.state.state_dict(rnd),
+                        "elapsed_seconds": row["elapsed_seconds"],
+                        "config": run_identity(cfg),
+                        "file_rows": {"metrics.csv": len(self.rows), "clients.csv": len(self.client_rows)},
+                    }
                     self.run_dir.save_checkpoint(checkpoint)
                     self.state.saved_round = rnd
                 self.log.round_end(row, cfg.rounds)  # once printed, the round is on disk
@@ -336,18 +298,8 @@ class Session:
                 break
 
     def history(self) -> History:
-        return History(self.rows, self.cfg.to_dict(), self.run_dir.path if self.run_dir else None,
-                       self.summary, client_records=self.client_rows)
-
-    def _notify(self, event: str, *args) -> None:
-        """Call every callback that has ``event``; one that raises stops the run in one line."""
-        for callback in self.callbacks:
-            method = getattr(callback, event, None)
-            if method is None:
-                continue
-            where = f" in round {args[0]['round']}" if event == "on_round_end" else ""
-            with user_code(f"callback {type(callback).__name__}.{event} failed{where}"):
-                method(*args)
+        path = self.run_dir.path if self.run_dir else None
+        return History(self.rows, self.cfg.to_dict(), path, self.summary, client_records=self.client_rows)
 
     def _finish(self, ended_by: BaseException | None) -> None:
         """Stop the workers, write the summary and plot, tell the callbacks; called with signals held."""
@@ -359,7 +311,7 @@ class Session:
             return
         try:
             self._write_summary(status, ended_by)
-            self._notify("on_run_end", self.history())
+            notify(self.callbacks, "on_run_end", self.history())
         except FedsimError as e:
             if status == "finished":
                 raise
@@ -370,33 +322,26 @@ class Session:
             self.log.close()  # an error or interrupt message starts on a line of its own
 
     def _write_summary(self, status: str, ended_by: BaseException | None) -> None:
-        accuracies = [r["test_accuracy"] for r in self.rows]
-        target = self.cfg.stop_at_accuracy
         config = self.cfg.to_dict()
+        failed = status == "failed" and ended_by is not None
+        error = str(ended_by) if isinstance(ended_by, FedsimError) else exception_text(ended_by) if failed else None
         self.summary = {
             "name": self.cfg.name,
             "status": status,
-            # what ended a failed run, in the words of its one line
-            **({"error": str(ended_by) if isinstance(ended_by, FedsimError) else exception_text(ended_by)}
-               if status == "failed" and ended_by is not None else {}),
+            **({"error": error} if failed else {}),  # what ended a failed run, in the words of its one line
             **what_ran(config, self.input_shape, self.num_classes, self.overrides, self.first_round),
-            "rounds": self.rows[-1]["round"] if self.rows else 0,
-            "final_test_accuracy": accuracies[-1] if accuracies else None,
-            "best_test_accuracy": max(accuracies) if accuracies else None,
-            "final_test_loss": self.rows[-1]["test_loss"] if self.rows else None,
+            **outcome(self.rows, self.cfg.stop_at_accuracy),
             "checkpoint_round": self.state.saved_round,
             "bytes_sent": self.state.bytes_sent,
             **self.state.clients.summary(),
-            **({"client_eval_model": "personal" if self.state.algorithm.has_personal_model else "global"}
-               if self.client_eval else {}),
-            "rounds_to_target": next((r["round"] for r in self.rows if target and r["test_accuracy"] >= target), None),
+            **(
+                {"client_eval_model": "personal" if self.state.algorithm.has_personal_model else "global"}
+                if self.client_eval
+                else {}
+            ),
             "startup_seconds": self.startup_seconds,
             "wall_seconds": round(self.elapsed_before + time.perf_counter() - self.t_start, 3),
-            "device": str(self.device),
-            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-            "workers": self.workers,
-            "worker_peak_memory_mb": self.worker_peak_memory_mb,
-            "server_peak_memory_mb": peak_memory_mb(self.device),
+            **where_it_ran(self.device, self.workers, self.worker_peak_memory_mb),
             **({"ranks": self.executor.rank_memory} if self.ranks.several else {}),
             "torch": torch.__version__,
         }
@@ -404,5 +349,6 @@ class Session:
         if self.rows:
             from ..results.plot import save_accuracy_plot
 
-            save_accuracy_plot(History(self.rows, config, self.run_dir.path, self.summary),
-                               self.run_dir.path / "accuracy.png")
+            save_accuracy_plot(
+                History(self.rows, config, self.run_dir.path, self.summary), self.run_dir.path / "accuracy.png"
+            )

@@ -1,25 +1,26 @@
 """A sweep's directory: what each of its runs is (``sweep.json``), and what is left to do of a
 sweep interrupted earlier, so that the same sweep into the same directory continues it."""
+
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import yaml
 
-from ..experiment.config import Config
 from ..core.errors import FedsimError
+from ..experiment.config import Config
 from ..experiment.keys import PLACEMENT_KEYS, flatten_config
-from ..results.rundir import RunDirectory, read_mapping
 from ..experiment.validation import load_config
+from ..results.rundir import RunDirectory, read_mapping
 
 SWEEP_FILE = "sweep.json"  # what each run of the sweep is, so that the same sweep continues it
 
 
 def identity(cfg: Config) -> str:
     """What a run computes: its config but for where and how fast it runs."""
-    return yaml.safe_dump({k: v for k, v in flatten_config(cfg.to_dict()) if k not in PLACEMENT_KEYS},
-                          sort_keys=True)
+    return yaml.safe_dump({k: v for k, v in flatten_config(cfg.to_dict()) if k not in PLACEMENT_KEYS}, sort_keys=True)
 
 
 def placement(cfg: Config) -> dict:
@@ -27,15 +28,17 @@ def placement(cfg: Config) -> dict:
     return {k: v for k, v in flatten_config(cfg.to_dict()) if k in PLACEMENT_KEYS}
 
 
-def sweep_root(out, name: str, overwrite: bool, runs: list) -> Path:
+def sweep_root(out: str | os.PathLike | None, name: str, overwrite: bool, runs: list) -> Path:
     """The sweep's directory: a new one, or ``out``, which must be empty (or replaced, with
     ``overwrite``) or hold this same sweep, to be continued."""
     if out is not None and not overwrite and (Path(out) / SWEEP_FILE).is_file():
         recorded = read_mapping(Path(out) / SWEEP_FILE, json.loads).get("runs")
         planned = {run.label: identity(run.config) for run in runs}
         if recorded != planned:
-            raise FedsimError(f"--out {out}: holds another sweep ({_difference(recorded, planned)}); give the "
-                              f"command that started it to continue it, --overwrite to replace it, or another --out")
+            raise FedsimError(
+                f"--out {out}: holds another sweep ({_difference(recorded, planned)}); give the "
+                f"command that started it to continue it, --overwrite to replace it, or another --out"
+            )
         return Path(out)
     return RunDirectory.target(out, f"{name}-sweep", overwrite)
 

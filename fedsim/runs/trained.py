@@ -1,19 +1,23 @@
 """A run's trained model, back from its run directory: ``fedsim.load_model(run_dir)``."""
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from ..experiment import components
 from ..core.errors import FedsimError
 from ..core.flat import FlatModel
+from ..experiment import components
 from ..results.history import load_run
 from ..results.rundir import RunDirectory
 
 
-def load_model(run_dir: str | os.PathLike, model=None) -> torch.nn.Module:
+def load_model(
+    run_dir: str | os.PathLike, model: str | Callable[..., torch.nn.Module] | None = None
+) -> torch.nn.Module:
     """The global model of a run as its checkpoint holds it (the last round's, unless
     ``checkpoint_every`` says otherwise), an ``nn.Module`` on the CPU in eval mode.
 
@@ -25,16 +29,22 @@ def load_model(run_dir: str | os.PathLike, model=None) -> torch.nn.Module:
     history = load_run(path)
     shape, classes = history.summary.get("input_shape"), history.summary.get("num_classes")
     if not shape or not classes:
-        raise FedsimError(f"{path}: summary.json does not say the shape of the run's data (a run of an older "
-                          f"fedsim, or one that did not start); its model cannot be built again")
+        raise FedsimError(
+            f"{path}: summary.json does not say the shape of the run's data (a run of an older "
+            f"fedsim, or one that did not start); its model cannot be built again"
+        )
     spec = model if model is not None else history.config.get("model")
     if isinstance(spec, str) and spec.startswith("__main__:"):
-        raise FedsimError(f"{path}: its model, {spec}, was an object given from Python; give it again: "
-                          f"fedsim.load_model(run_dir, model=...)")
+        raise FedsimError(
+            f"{path}: its model, {spec}, was an object given from Python; give it again: "
+            f"fedsim.load_model(run_dir, model=...)"
+        )
     state = RunDirectory(path).load_checkpoint()
     flat = FlatModel(components.build_model(spec, tuple(shape), classes), "cpu")
     if len(flat) != state["global"].numel():
-        raise FedsimError(f"{path}: checkpoint.pt holds {state['global'].numel():,} weights where the model "
-                          f"{components.describe(spec)} has {len(flat):,}; it is not this model's checkpoint")
+        raise FedsimError(
+            f"{path}: checkpoint.pt holds {state['global'].numel():,} weights where the model "
+            f"{components.describe(spec)} has {len(flat):,}; it is not this model's checkpoint"
+        )
     flat.flat.copy_(state["global"])
     return flat.module.eval()

@@ -1,0 +1,204 @@
+"""A sweep's runs and what it reports of them: the per-run and per-configuration rows of
+``runs.csv`` and ``sweep.csv``, and the table it prints (under --seeds, mean ± sample standard
+deviation over each configuration's seeds)."""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import fmean
+
+from ..core.files import write_atomically
+from ..experiment.config import Config
+from ..results.history import History, format_rounds_to_target, mean_and_sd, rounds_to_target, target_stats
+
+
+@dataclass
+class SweepRun:
+    label: str  # the run's directory name (and, without seeds, its name)
+    point: list[tuple[str, str]]  # (key, value text) of this grid point, not counting the seed of --seeds
+    config: Config
+    history: History | None = None
+    seed: int | None = None  # the repeat's seed under --seeds, else None
+    configuration: str = ""  # the grid point's label, which the seeds of a point share as their name
+    todo: str = "start"  # what is left to do of it: start, resume (an interrupted run) or finished
+
+    def __post_init__(self):
+        self.configuration = self.configuration or self.label
+
+
+def seconds_per_round(history: History) -> float:
+    """Mean seconds of the evaluated rounds, leaving out the first (it includes worker start-up)."""
+    seconds = history.seconds[1:] or history.seconds
+    return sum(seconds) / len(seconds) if seconds else math.nan
+
+
+def configurations(runs: list[SweepRun]) -> list[list[SweepRun]]:
+    """The runs grouped by configuration (the seeds of a grid point), in the order of the sweep."""
+    groups: dict[str, list[SweepRun]] = {}
+    for run in runs:
+        groups.setdefault(run.configuration, []).append(run)
+    return list(groups.values())
+
+
+def _repeated(runs: list[SweepRun]) -> bool:
+    return any(run.seed is not None for run in runs)
+
+
+def _target(run: SweepRun, target: float | None) -> float | None:
+    return target if target is not None else run.config.stop_at_accuracy
+
+
+def _with_target(runs: list[SweepRun], target: float | None) -> bool:
+    return any(_target(run, target) is not None for run in runs)
+
+
+def _row(run: SweepRun, target: float | None, runs: list[SweepRun]) -> dict:
+    """One run's row of sweep.csv (runs.csv under --seeds)."""
+    h = run.history
+    row = {
+        "run": run.label,
+        **dict(run.point),
+        **({"seed": run.seed} if run.seed is not None else {}),
+        "final_test_accuracy": h.final_accuracy,
+        "best_test_accuracy": h.best_accuracy,
+        "seconds_per_round": round(seconds_per_round(h), 4),
+        "rounds": h.rows[-1]["round"] if h.rows else 0,
+    }
+    if _with_epsilon(runs):
+        row["epsilon"] = _blank(_epsilon(h))
+    if _with_target(runs, target):
+        goal = _target(run, target)
+        reached = None if goal is None else rounds_to_target(h, goal)
+        row |= {"target": _blank(goal), "rounds_to_target": _blank(reached)}
+    return row
+
+
+def _group_row(group: list[SweepRun], target: float | None, runs: list[SweepRun]) -> dict:
+    """One configuration's row of sweep.csv under --seeds: means and sample standard deviations
+    over its seeds (a deviation is left empty below two values)."""
+    histories = [run.history for run in group]
+    final, final_sd = mean_and_sd(h.final_accuracy for h in histories)
+    best, best_sd = mean_and_sd(h.best_accuracy for h in histories)
+    n = len(group)
+    row = {
+        "configuration": group[0].configuration,
+        **dict(group[0].point),
+        "seeds": " ".join(str(run.seed) for run in group),
+        "runs": n,
+        "final_test_accuracy": final,
+        "final_test_accuracy_std": _blank(final_sd if n > 1 else None),
+        "best_test_accuracy": best,
+        "best_test_accuracy_std": _blank(best_sd if n > 1 else None),
+        "seconds_per_round": round(mean_and_sd(seconds_per_round(h) for h in histories)[0], 4),
+    }
+    if _with_epsilon(runs):
+        row["epsilon"] = _blank(_mean_epsilon(histories))
+    if _with_target(runs, target):
+        stats = target_stats(histories, _target(group[0], target))
+        reached = stats["reached"] or 0
+        row |= {
+            "target": _blank(stats["target"]),
+            "rounds_to_target": _blank(stats["rounds_to_target"] if reached else None),
+            "rounds_to_target_std": _blank(stats["rounds_to_target_std"] if reached > 1 else None),
+            "reached_target": _blank(stats["reached"]),
+        }
+    return row
+
+
+def _epsilon(history: History) -> float | None:
+    """The privacy a run spent (its last row's epsilon); None without a privacy section."""
+    return history.rows[-1].get("epsilon") if history.rows and history.config.get("privacy") else None
+
+
+def _mean_epsilon(histories: list[History]) -> float | None:
+    """Over seeds: the same unless some stopped early (stop_at_accuracy)."""
+    values = [_epsilon(h) for h in histories]
+    return None if None in values else fmean(values)
+
+
+def _with_epsilon(runs: list[SweepRun]) -> bool:
+    return any(_epsilon(run.history) is not None for run in runs)
+
+
+def _blank(value):
+    return "" if value is None else value
+
+
+def write_table(runs: list[SweepRun], path: Path, target: float | None = None) -> None:
+    """sweep.csv: one row per run, or under --seeds one row per configuration."""
+    if _repeated(runs):
+        rows = [_group_row(group, target, runs) for group in configurations(runs)]
+    else:
+        rows = [_row(run, target, runs) for run in runs]
+    write_csv(path, rows)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    def write(tmp):
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+    write_atomically(path, write)
+
+
+def format_table(runs: list[SweepRun], target: float | None = None) -> str:
+    """A fixed-width table: run, final and best test accuracy, the epsilon spent (runs with a
+    privacy section), rounds to the target (where one is set), seconds per round. Under --seeds,
+    one row per configuration: its number of seeds, then mean ± sample standard deviation over
+    them, and the rounds to the target as
+    ``mean ± sd (reached/seeds)`` over the seeds that reached it."""
+    repeated = _repeated(runs)
+    groups = configurations(runs) if repeated else [[run] for run in runs]
+    columns = [
+        ("configuration" if repeated else "run", [g[0].configuration if repeated else g[0].label for g in groups])
+    ]
+    if repeated:
+        columns.append(("seeds", [str(len(g)) for g in groups]))
+    for title, value in (("final acc", lambda h: h.final_accuracy), ("best acc", lambda h: h.best_accuracy)):
+        columns.append((title, [_accuracy([value(run.history) for run in g]) for g in groups]))
+    if _with_epsilon(runs):
+        epsilons = [_mean_epsilon([run.history for run in g]) for g in groups]
+        columns.append(("epsilon", ["–" if e is None else f"{e:.3g}" for e in epsilons]))
+    if _with_target(runs, target):
+        goals = [_target(g[0], target) for g in groups]
+        stats = [target_stats([run.history for run in g], goal) for g, goal in zip(groups, goals)]
+        cells = ["–" if s["target"] is None else format_rounds_to_target(s) for s in stats]
+        if len(set(goals)) == 1:
+            columns.append((f"rounds to {goals[0]:g}", cells))
+        else:
+            columns += [
+                ("target", ["–" if goal is None else f"{goal:g}" for goal in goals]),
+                ("rounds to target", cells),
+            ]
+    columns.append(("s/round", [f"{mean_and_sd(seconds_per_round(run.history) for run in g)[0]:.2f}" for g in groups]))
+    widths = [max(len(title), *(len(cell) for cell in cells)) for title, cells in columns]
+    lines = []
+    for row in [[title for title, _ in columns], *zip(*(cells for _, cells in columns))]:
+        lines.append(
+            "  ".join(
+                f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}" for i, (cell, w) in enumerate(zip(row, widths))
+            ).rstrip()
+        )
+    return "\n".join(lines)
+
+
+def _printable(text: str) -> str:
+    """The table as the terminal can show it: ``+/-`` for ``±`` where the output's encoding
+    (ASCII, say) has no such character, rather than failing once every run is done."""
+    try:
+        text.encode(getattr(sys.stdout, "encoding", None) or "utf-8")
+        return text
+    except (UnicodeEncodeError, LookupError):
+        return text.replace("±", "+/-").replace("–", "-")
+
+
+def _accuracy(values: list[float]) -> str:
+    """One run's accuracy, or the mean ± sample standard deviation of several."""
+    mean, sd = mean_and_sd(values)
+    return f"{mean:.4f}" if len(values) == 1 else f"{mean:.4f} ± {sd:.4f}"
