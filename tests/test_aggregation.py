@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from fractions import Fraction
 
@@ -556,3 +557,118 @@ def test_every_rule_is_registered_with_a_description():
     described = dict(aggregation.AGGREGATORS.describe())
     assert set(RULES) <= set(described)
     assert all(text and "\n" not in text for text in described.values())
+
+
+# ----------------------------------------------------------------------------- exact ties
+
+
+def ref_distances(u):
+    """Squared distances from the row differences, in float64: d[i, j] and d[j, i] sum the same
+    squares (u - v is -(v - u) exactly) in the same order, so they are the same number."""
+    d = ((u[:, None, :] - u[None, :, :]) ** 2).sum(axis=2)
+    assert np.array_equal(d, d.T)
+    return d
+
+
+def ref_krum_order(d, f):
+    """The rows by Krum score (Blanchard et al. 2017: the sum of the k - f - 2 smallest distances to
+    the others), equal scores by row. Equal sets of distances sum alike: sorted, then summed in order."""
+    k = len(d)
+    scores = [sum(sorted(d[i, j] for j in range(k) if j != i)[: k - f - 2]) for i in range(k)]
+    return sorted(range(k), key=lambda i: (scores[i], i))
+
+
+def ref_bulyan_fast(u, f):
+    """Bulyan (El Mhamdi et al. 2018) with plain loops for the picks (at least one neighbour counted,
+    as in aggregation.bulyan; equal scores by row) and numpy for the coordinate step; also the kept values."""
+    d, remaining, picked = ref_distances(u), list(range(len(u))), []
+    while len(picked) < len(u) - 2 * f:
+        count = min(max(1, len(remaining) - f - 2), len(remaining) - 1)
+        scores = {i: sum(sorted(d[i, j] for j in remaining if j != i)[:count]) for i in remaining}
+        best = min(remaining, key=lambda i: (scores[i], i))
+        remaining.remove(best)
+        picked.append(best)
+    chosen = u[picked]
+    # np.median: the mean of the two middle values for an even count; equal distances to the earlier pick
+    nearest = np.argsort(abs(chosen - np.median(chosen, axis=0)), axis=0, kind="stable")[: len(u) - 4 * f]
+    kept = np.take_along_axis(chosen, nearest, axis=0)
+    return kept.mean(axis=0), kept, picked
+
+
+@pytest.mark.parametrize("k,p", [(3, 33), (4, 33), (7, 64), (10, 1000), (16, 100)])
+def test_squared_distances_are_exactly_symmetric_with_a_zero_diagonal(k, p):
+    # a BLAS may round <a, b> and <b, a> apart (MKL does for these shapes); the matrix must not
+    for seed in range(20):
+        d = aggregation.squared_distances(torch.from_numpy(random_stack(k, p, seed)[0]))
+        assert torch.equal(d, d.T), seed
+        assert torch.equal(d.diagonal(), torch.zeros(k, dtype=d.dtype)), seed
+
+
+@pytest.mark.parametrize("k,f,p", [(3, 0, 33), (3, 0, 65), (10, 1, 100), (10, 2, 100)])
+def test_krum_and_multi_krum_pick_as_the_reference_on_random_inputs(k, f, p):
+    # for k = 3, f = 0 a score counts one neighbour, so the closest pair ties in every input, in exact
+    # and in float arithmetic alike (one distance, d(i, j) = d(j, i)), and the lower row must win
+    for seed in range(100):
+        u, w = random_stack(k, p, seed=seed)
+        u64 = u.astype(np.float64)
+        order = ref_krum_order(ref_distances(u64), f)
+        np.testing.assert_array_equal(run("krum", u, w, f=f), u[order[0]], err_msg=f"seed {seed}")
+        np.testing.assert_array_equal(run("multi_krum", u, w, f=f, m=1), u[order[0]], err_msg=f"seed {seed}")
+        chosen = u64[order[: k - f]]
+        # the mean of k - f rows: k - f + 1 roundings of values <= their largest |value|
+        assert_within(run("multi_krum", u, w, f=f), chosen.mean(axis=0), rounding_bound(k - f + 1, abs(chosen).max()))
+
+
+@pytest.mark.parametrize("k,f", [(7, 1), (10, 1), (11, 2)])
+def test_bulyan_matches_the_reference_on_random_inputs(k, f):
+    # the last pick counts one neighbour (for f = 1 the last two), so in every input it is a tie between
+    # the two closest of the rows left; the wrong one of them moves the result by up to ~2.5 here
+    for seed in range(100):
+        u, w = random_stack(k, 1000, seed=seed)
+        expected, kept, _ = ref_bulyan_fast(u.astype(np.float64), f)
+        # the mean of the k - 4f values kept, as in test_bulyan_matches_reference
+        bound = rounding_bound(k - 4 * f + 1, abs(kept).mean(axis=0))
+        assert_within(run("bulyan", u, w, f=f), expected, bound)
+
+
+def test_bulyan_gives_the_tie_of_its_last_pick_to_the_lower_row_wherever_the_pair_sits():
+    # k = 11, f = 2: only the last pick counts one neighbour, and it ties the two closest of the 5 rows
+    # left. Placed at any two positions (the other rows in their order), the lower one is picked,
+    # whichever of the pair it holds.
+    k, f = 11, 2
+    u = random_stack(k, 64, seed=2)[0].astype(np.float64)
+    picks = ref_bulyan_fast(u, f)[2]
+    left = [r for r in range(k) if r not in picks[:-1]]
+    a, b = min((float(np.sum((u[i] - u[j]) ** 2)), i, j) for i in left for j in left if i < j)[1:]
+    assert picks[-1] == a
+    others = [r for r in range(k) if r not in (a, b)]
+    results = {}
+    for low, high in itertools.combinations(range(k), 2):
+        for first, second in [(a, b), (b, a)]:
+            order = others.copy()
+            order.insert(low, first)
+            order.insert(high, second)
+            stack = u[order]
+            expected, kept, picked = ref_bulyan_fast(stack, f)
+            assert picked[-1] == low
+            got = run("bulyan", stack.astype(np.float32), [1] * k, f=f)
+            assert_within(got, expected, rounding_bound(k - 4 * f + 1, abs(kept).mean(axis=0)))
+            results[first] = expected
+    # which of the two is picked matters, by far more than the bound
+    assert np.max(np.abs(results[a] - results[b])) > 0.1
+
+
+@pytest.mark.parametrize("k,f,p", [(3, 0, 33), (10, 1, 1000), (11, 2, 1000)])
+def test_krum_and_bulyan_agree_with_flower(k, f, p):
+    """Flower 1.42's aggregate_krum and aggregate_bulyan (flwr/server/strategy/aggregate.py), where
+    installed: float32 distances from the row differences, numpy's argmin (the first of equal scores)."""
+    flower = pytest.importorskip("flwr.server.strategy.aggregate")
+    for seed in range(100):
+        u, w = random_stack(k, p, seed=seed)
+        results = [([row], 1) for row in u]
+        np.testing.assert_array_equal(run("krum", u, w, f=f), flower.aggregate_krum(results, f, to_keep=0)[0])
+        if k >= 4 * f + 3:  # Flower pops the picks from the list it is given
+            expected = flower.aggregate_bulyan(list(results), f, flower.aggregate_krum, to_keep=0)[0]
+            kept = ref_bulyan_fast(u.astype(np.float64), f)[1]
+            # each a float32 mean of the same k - 4f values: twice the bound of one
+            assert_within(run("bulyan", u, w, f=f), expected, 2 * rounding_bound(k - 4 * f + 1, abs(kept).mean(axis=0)))

@@ -3,19 +3,24 @@ against a reference written here from the papers, then whole runs across workers
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import signal
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
 
 import fedsim
-from fedsim.core.errors import ConfigError
+from fedsim.algorithms import Algorithm
+from fedsim.core.errors import ConfigError, NonFiniteError
 from fedsim.core.streams import async_start_generator
 from fedsim.experiment.validation import load_config, unused_settings
 from fedsim.fl.asynchronous import AsyncConfig, staleness_weight
 from fedsim.fl.system import System
-from fedsim.results.rundir import read_clients
+from fedsim.results.rundir import read_clients, read_metrics
 from fedsim.runs.session import Session
 
 RUN = {
@@ -219,3 +224,134 @@ def test_a_synchronous_round_records_its_model_version_and_no_staleness():
         assert [r.staleness for r in records] == [None if r.dropped == "dropout" else 0 for r in records]
     assert any(r.dropped == "dropout" for r in records)
     session.executor.close()
+
+
+# ----------------------------------------------------------------------------- non-finite updates
+
+
+@contextmanager
+def ends_within(seconds: float):
+    """Fail the block if it outlives ``seconds`` (SIGALRM, this process's main thread): an async run
+    that spins on non-finite updates completes every batch, so no worker_timeout would stop it."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"the run did not end within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class PoisonsOneClient(Algorithm):
+    """FedAvg whose client ``client`` sends a NaN weight whenever it trains: a non-finite update
+    now and then among usable ones."""
+
+    def __init__(self, client: int):
+        self.client = int(client)
+
+    def start_client(self, clients):
+        return [int(c) for c in clients.ids]
+
+    def client_report(self, result, local):
+        if self.client in local:
+            result.weights[local.index(self.client), 0] = float("nan")
+        return {}
+
+
+def failed_run(run_dir, message: str, rounds: int) -> list[dict]:
+    """The summary says failed with ``message`` after ``rounds`` rounds, and metrics.csv holds them."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == message and summary["rounds"] == rounds
+    metrics = read_metrics(run_dir / "metrics.csv")
+    assert [row["round"] for row in metrics] == list(range(1, rounds + 1))
+    return metrics
+
+
+@pytest.mark.slow
+def test_an_async_run_whose_updates_all_turn_nonfinite_after_its_first_stops_in_one_line(tmp_path):
+    """FedBuff (K = 2) with server_lr 1e20: the clients that train the initial model send finite
+    updates, but the first server update moves the global weights by up to about 1e18 (finite), and
+    every client that trains those overflows. A server update whose buffer already held a stale
+    finite update then waited forever for a second; it stops once clients_per_round non-finite
+    updates have come in a row."""
+    cfg = {
+        **RUN,
+        "rounds": 8,
+        "server_optimizer": "fedavgm",
+        "server_momentum": 0,
+        "server_lr": 1e20,
+        "asynchronous": {"buffer_size": 2},
+    }
+    with ends_within(20), pytest.raises(NonFiniteError) as error:
+        fedsim.run(cfg, out=tmp_path / "run", quiet=True)
+    message = str(error.value)
+    found = re.fullmatch(
+        r"round (\d+): the last 4 client updates \(clients_per_round, as many as train at once\) are all "
+        r"non-finite \(NaN/Inf\); nothing of this round was saved and the checkpoint of round (\d+) is kept; "
+        r"lower local\.lr or server_lr, or check the model's output",
+        message,
+    )
+    assert found, message
+    rnd = int(found[1])
+    assert rnd >= 2 and int(found[2]) == rnd - 1  # it got past its first update, which it kept
+    failed_run(tmp_path / "run", message, rnd - 1)
+    records = read_clients(tmp_path / "run" / "clients.csv")
+    assert {r["round"] for r in records} == set(range(1, rnd))
+    # only the initial model trains to finite weights; everything trained after the first update overflows
+    assert all(r["model_version"] == 0 for r in records if r["dropped"] == 0)
+    assert all(r["dropped"] == "nonfinite" for r in records if r["model_version"] > 0)
+
+
+def poisoned(client: int) -> dict:
+    """FedBuff (K = 2) in which ``client`` sends non-finite weights whenever it trains."""
+    cfg = {**RUN, "rounds": 5, "algorithm": "test_async:PoisonsOneClient", "algorithm_options": {"client": client}}
+    return {**cfg, "asynchronous": {"buffer_size": 2}}
+
+
+@pytest.mark.slow
+def test_occasional_nonfinite_async_updates_are_dropped_and_the_run_finishes(tmp_path):
+    """Client 8 arrives most often, twice in a row once: fewer non-finite updates in a row than
+    clients_per_round (4) never stop the run."""
+    client = 8
+    cfg = poisoned(client)
+    with ends_within(20):
+        history = fedsim.run(cfg, out=tmp_path / "run", quiet=True)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "finished"
+    metrics, records = read_metrics(tmp_path / "run" / "metrics.csv"), read_clients(tmp_path / "run" / "clients.csv")
+    assert [row["round"] for row in metrics] == [1, 2, 3, 4, 5] and len(history.test_accuracy) == 5
+    mine = [r for r in records if r["client"] == client]
+    assert len(mine) >= 2 and all(r["dropped"] == "nonfinite" for r in mine)  # left out every time, the run went on
+    assert all(r["dropped"] == 0 for r in records if r["client"] != client)
+    in_order = "".join("x" if r["dropped"] == "nonfinite" else "." for r in records)  # arrivals, as they came
+    assert "xx" in in_order and "xxxx" not in in_order
+    for row in metrics:  # each server update used K = 2 updates and counted the rest as dropped
+        mine = [r for r in records if r["round"] == row["round"]]
+        assert sum(r["dropped"] == 0 for r in mine) == 2 and row["clients"] == len(mine)
+        assert row["dropped_clients"] == len(mine) - 2
+
+
+@pytest.mark.slow
+def test_on_nonfinite_fail_stops_an_async_run_at_the_first_nonfinite_update(tmp_path):
+    """It stops in the server update in which the same run with drop first left an update out,
+    with the same rounds before it (client 4 first arrives after two server updates)."""
+    client = 4
+    cfg = poisoned(client)
+    fedsim.run(cfg, out=tmp_path / "drop", quiet=True)
+    dropped = read_clients(tmp_path / "drop" / "clients.csv")
+    first = min(r["round"] for r in dropped if r["dropped"] == "nonfinite")
+    assert first > 1  # rounds before it to compare
+    with ends_within(20), pytest.raises(NonFiniteError) as error:
+        fedsim.run({**cfg, "on_nonfinite": "fail"}, out=tmp_path / "fail", quiet=True)
+    message = str(error.value)
+    assert message == (
+        f"round {first}: client {client} sent non-finite (NaN/Inf) weights "
+        f"(on_nonfinite: fail; use drop to leave such clients out)"
+    )
+    metrics = failed_run(tmp_path / "fail", message, first - 1)
+    same = ("test_accuracy", "test_loss", "train_loss", "simulated_time", "cumulative_bytes")
+    before = read_metrics(tmp_path / "drop" / "metrics.csv")[: first - 1]
+    assert [[row[c] for c in same] for row in metrics] == [[row[c] for c in same] for row in before]

@@ -611,3 +611,177 @@ def test_the_experiment_file_plans_its_sweep_and_its_plot():
     # the pattern takes the runs with noise: an infinite epsilon has no place on the axis
     directories = [f"runs/dp_fedavg-sweep-20250101-000000/{run.label}" for run in runs]
     assert fnmatch.filter(directories, plot.runs[0]) == directories[1:]
+
+
+# ----------------------------------------------------------------------------- what the accountant and the update carry
+
+FLOAT32 = torch.finfo(torch.float32)
+CLIP_SPAN = math.log(FLOAT32.max / FLOAT32.tiny)  # ln of the range a clip may take, about 176
+
+
+def tiny_run(**privacy_section) -> dict:
+    """Two rounds of two clients of five expected (q = 0.4) under privacy, on 200 synthetic samples."""
+    return {
+        **RUN,
+        "rounds": 2,
+        "clients_per_round": 2,
+        "client_sampling": "poisson",
+        "data": {**RUN["data"], "limit": 200},
+        "privacy": {"clip": 0.5, "delta": 1e-5, **privacy_section},
+    }
+
+
+def floor_in(message: str) -> float:
+    import re
+
+    return float(re.search(r"must be >= ([0-9.e+-]+)", message).group(1))
+
+
+def test_a_tiny_noise_multiplier_is_refused_before_the_first_round(tmp_path):
+    """z = 1e-30 used to train round 1 and then fail inside dp-accounting (numpy cannot make the
+    PLD's 1e60 / 1e-3 grid): now one line at load time, naming the key and what is allowed."""
+    import fedsim
+
+    with pytest.raises(ConfigError) as err:
+        fedsim.run(tiny_run(noise_multiplier=1e-30), out=tmp_path / "run", quiet=True)
+    message = str(err.value)
+    assert "\n" not in message and "privacy.noise_multiplier: must be >= " in message, message
+    assert "accountant pld" in message and "accountant: rdp" in message, message
+    assert not (tmp_path / "run").exists()  # nothing trained, nothing written
+
+
+def test_pld_refuses_a_grid_it_cannot_hold_and_names_the_smallest_multiplier_that_fits():
+    """z = 0.001: one round's privacy losses span about 1 / (2 z^2) = 5e5, a grid of 5e8 points of
+    1e-3 (minutes, gigabytes). The floor fedsim names is accepted, a quarter below it is not, and
+    the RDP accountant takes z = 0.001 at once."""
+    message = refused(config(clip=C, noise_multiplier=0.001, delta=1e-5))  # 10 rounds at q = 0.2
+    assert message.startswith("privacy.noise_multiplier: must be >= "), message
+    floor = floor_in(message)
+    assert 0.01 < floor < 0.5, floor
+    assert Privacy.from_config(config(clip=C, noise_multiplier=floor, delta=1e-5)).noise_multiplier == floor
+    assert refused(config(clip=C, noise_multiplier=floor / 1.25, delta=1e-5)).startswith(
+        "privacy.noise_multiplier: must be >= "
+    )
+    spans = privacy.pld_grid_points(0.001, K / N, 1) * privacy.PLD_DISCRETIZATION
+    assert spans >= 0.5 / 0.001**2 - 10 / 0.001  # the losses one round reaches (with probability q)
+    rdp_ = Privacy.from_config(config(clip=C, noise_multiplier=0.001, delta=1e-5, accountant="rdp"))
+    assert rdp_.epsilon(10) >= 0.5 / 0.001**2 - 10 / 0.001  # a valid bound is at least one round's loss
+
+
+def test_rdp_takes_tiny_multipliers_and_refuses_where_its_orders_overflow():
+    """dp-accounting's RDP at z = 1e-152 returns epsilon 0 (its orders' divergences, up to
+    1024^2 / (2 z^2), overflow and the NaN becomes max(0, nan) = 0): below its bound is refused.
+    At z = 1e-30 its epsilon is a valid bound: at least the privacy loss of one round,
+    1 / (2 z^2) - 10 / z (the loss exceeds it with probability about q / 2 > delta)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert library_epsilon("rdp", K / N, 1e-152, 10, 1e-5) == 0  # the library's silent failure
+    message = refused(config(clip=C, noise_multiplier=1e-152, delta=1e-5, accountant="rdp"))
+    assert message.startswith("privacy.noise_multiplier: must be >= ") and "accountant rdp" in message, message
+    assert 1e-152 < floor_in(message) < 1e-140
+    p = Privacy.from_config(config(clip=C, noise_multiplier=1e-30, delta=1e-5, accountant="rdp"))
+    assert 0.5 / 1e-30**2 - 10 / 1e-30 <= p.epsilon(2) < math.inf
+
+
+def test_pld_refuses_a_delta_below_the_mass_its_composition_cuts_off():
+    """dp-accounting's PLD composition drops 1e-15 of probability and counts it as infinite loss:
+    epsilon at a smaller delta is inf from round 2 on. RDP has no such floor."""
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    one = pld.from_gaussian_mechanism(1.0, sampling_prob=K / N, value_discretization_interval=1e-3)
+    assert one.self_compose(2).get_epsilon_for_delta(1e-16) == math.inf
+    message = refused(config(clip=C, noise_multiplier=1.0, delta=1e-16))
+    assert message.startswith("privacy.delta: must be >= 1e-14 for accountant pld") and "rdp" in message, message
+    assert math.isfinite(
+        Privacy.from_config(config(clip=C, noise_multiplier=1.0, delta=1e-16, accountant="rdp")).epsilon(2)
+    )
+    assert Privacy.from_config(config(clip=C, noise_multiplier=0.0, delta=1e-16)).epsilon(2) == math.inf  # no noise
+
+
+@pytest.mark.slow
+def test_the_checks_cost_the_same_for_a_million_rounds_or_a_trillion():
+    import time
+
+    for rounds in (10**6, 10**12):
+        cfg = config(clip=C, noise_multiplier=1.0, delta=1e-5)
+        cfg.rounds = rounds
+        start = time.perf_counter()
+        message = refused(cfg)  # q = 0.2 for so many rounds reaches a privacy loss beyond pld's grid
+        assert message.startswith("privacy.noise_multiplier: must be >= ") and f"over {rounds:,} rounds" in message
+        cfg.privacy["accountant"] = "rdp"
+        assert math.isfinite(Privacy.from_config(cfg).epsilon(rounds))
+        assert time.perf_counter() - start < 5  # no per-round work
+
+
+def test_a_clip_learning_rate_whose_one_step_spans_every_clip_is_refused():
+    section = {"clip": C, "noise_multiplier": 1.0, "delta": 1e-5, "target_quantile": 0.3, "count_noise": 1.0}
+    limit = CLIP_SPAN / 0.7  # a round moves ln C by eta (b - gamma), b in [0, 1]: at most eta * 0.7
+    message = refused(config(**section, clip_learning_rate=3000))
+    assert message.startswith(f"privacy.clip_learning_rate: must be <= {limit:.4g} ") and "3000" in message, message
+    assert Privacy.from_config(config(**section, clip_learning_rate=limit * (1 - 1e-12))) is not None
+    fixed = {**section, "target_quantile": None, "clip_learning_rate": 3000}  # unused without a quantile
+    assert Privacy.from_config(config(**fixed)) is not None
+
+
+def test_adaptive_clipping_keeps_the_clip_within_the_range_of_clips_whatever_the_noise():
+    """The largest learning rate and a count noise that throws the share far outside [0, 1]: the
+    share is clamped to [0, 1] (as tensorflow_privacy's QuantileEstimatorQuery does: a fraction
+    cannot leave it, and clamping post-processes the release) and C to privacy.clip's range
+    [float32 tiny, float32 max], so no round overflows; the next C is exactly that, round after
+    round, from the rounds' own count noise."""
+    eta, gamma, s = CLIP_SPAN / 0.5 * (1 - 1e-12), 0.5, 1e30
+    p = Privacy(C, 1.0, 1e-5, K, N, target_quantile=gamma, clip_learning_rate=eta, count_noise=s)
+    updates = stack([0.5, 1.0, 2.0], p=20)
+    expected = C
+    for rnd in range(1, 41):
+        clip = p.current_clip
+        p.aggregate(updates, seed=3, rnd=rnd)
+        generator = privacy.privacy_noise_generator(3, rnd)
+        torch.randn(20, generator=generator, dtype=torch.float64)
+        within = sum(norm <= clip for norm in (0.5, 1.0, 2.0))
+        share = (within - 3 / 2 + s * float(torch.randn(1, generator=generator, dtype=torch.float64))) / K + 0.5
+        expected = min(max(expected * math.exp(-eta * (min(max(share, 0.0), 1.0) - gamma)), FLOAT32.tiny), FLOAT32.max)
+        assert p.current_clip == pytest.approx(expected, rel=1e-12), rnd
+        assert FLOAT32.tiny <= p.current_clip <= FLOAT32.max
+    # a step this large lands on an end of the range (from the other end, 1.8e-10 past it: e^(176 x 1e-12))
+    assert min(abs(math.log(p.current_clip / end)) for end in (FLOAT32.tiny, FLOAT32.max)) < 1e-9
+
+
+@pytest.mark.slow
+def test_a_large_clip_learning_rate_trains_and_privacy_names_its_own_failures(tmp_path, monkeypatch):
+    """eta = 300 used to overflow math.exp in round 2, reported as "algorithm fedavg: server_update
+    failed"; now the clip stays in range. An error inside privacy's update names privacy."""
+    import fedsim
+
+    adaptive = {"noise_multiplier": 1.0, "target_quantile": 0.5, "clip_learning_rate": 300, "count_noise": 1.0}
+    history = fedsim.run({**tiny_run(**adaptive), "rounds": 3}, out=tmp_path / "eta", quiet=True)
+    assert all(FLOAT32.tiny <= clip <= FLOAT32.max for clip in history.clip), history.clip
+
+    def broken(updates):
+        raise ArithmeticError("boom")
+
+    monkeypatch.setattr(privacy, "row_norms", broken)
+    with pytest.raises(Exception) as err:
+        fedsim.run(tiny_run(noise_multiplier=1.0), out=tmp_path / "broken", quiet=True)
+    message = str(err.value)
+    assert message.startswith("privacy: ") and "round 1" in message and "ArithmeticError: boom" in message, message
+    assert "server_update" not in message and "\n" not in message
+
+
+@pytest.mark.slow
+def test_the_estimated_pld_grid_follows_dp_accountings_own():
+    """The grid fedsim estimates before the first round against the one dp-accounting builds: where
+    the bound matters (hundreds of thousands of points) within a factor 0.4 to 1.6, and one
+    round's span exact to 1%."""
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    for z, q, rounds in [(0.1, 0.4, 1), (0.2, 0.05, 1000), (1.0, 0.4, 1000), (0.2, 1.0, 3), (2.0, 0.4, 30000)]:
+        one = pld.from_gaussian_mechanism(z, sampling_prob=q, value_discretization_interval=1e-3)
+        composed = one.self_compose(rounds) if rounds > 1 else one
+        actual = max(composed._pmf_remove.size, composed._pmf_add.size)
+        estimate = privacy.pld_grid_points(z, q, rounds)
+        assert 0.4 <= actual / estimate <= 1.6, (z, q, rounds, actual, estimate)
+        if rounds == 1:
+            assert actual / estimate == pytest.approx(1, abs=0.01)

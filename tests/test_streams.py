@@ -34,6 +34,7 @@ BUILDERS = {  # name: (builder, the keys it takes after the seed)
     "partition": (streams.partition_rng, 0),
     "attackers": (streams.attackers_rng, 0),
     "test split": (streams.test_split_rng, 0),
+    "eval subset": (streams.eval_subset_rng, 0),
     **{
         name: (functools.partial(streams.generator, tag), count)
         for name, tag, count in [

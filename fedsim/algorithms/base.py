@@ -133,6 +133,13 @@ class Algorithm:
         Only the process backend runs an algorithm that overrides this."""
         return fit(start)
 
+    def phase_epochs(self, epochs: int) -> tuple[int, ...]:
+        """The epochs of each ``fit`` that ``train_client`` runs, in the order it runs them, given
+        local.epochs: one phase of ``epochs`` by default. The simulated clock (fl/system.py) charges
+        every phase's steps and spends a straggler's step budget on the phases in this order, so an
+        algorithm that trains in several phases declares them here."""
+        return (int(epochs),)
+
     def start_client(self, clients: Clients) -> Any:
         """Before the first step. What is returned comes back as ``local`` in the two methods
         below (a correction to add at every step, say)."""

@@ -29,7 +29,8 @@ class Ditto(Algorithm):
     FedAvg does. Both see the same minibatches (the client's stream). v_k starts as the global
     model of the round the client is first sampled in, stays on the client, and is what
     ``eval_per_client`` scores; batch-norm statistics, not trained, are the global model's.
-    ``lam = 0`` trains v_k as a purely local model.
+    ``lam = 0`` trains v_k as a purely local model. Both phases count on the simulated clock and
+    in clients.csv's steps (see ``phase_epochs``).
     """
 
     personal_state = ("personal",)
@@ -51,6 +52,9 @@ class Ditto(Algorithm):
         weights = global_weights.clone()
         weights[: len(rows["personal"])] = rows["personal"]
         return weights
+
+    def phase_epochs(self, epochs: int) -> tuple[int, ...]:
+        return (int(epochs) if self.personal_epochs is None else self.personal_epochs, int(epochs))
 
     def start_client(self, clients: Clients) -> SimpleNamespace:
         return SimpleNamespace(personal=clients.state["personal"][0], trained=None)

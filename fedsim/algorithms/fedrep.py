@@ -3,7 +3,6 @@ personalized federated learning"): each round, the personal head first, then the
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -23,8 +22,8 @@ class FedRep(FedPer):
     """A sampled client starts from the global body and its own head (``personal_layers``, as in
     FedPer). It trains the head for ``head_epochs`` epochs with the body frozen, then the body for
     local.epochs epochs with the head frozen (Algorithm 1 of the paper), keeps its new head and
-    sends the body, which the server averages. Its steps in clients.csv count both phases; its
-    training loss is the body phase's.
+    sends the body, which the server averages. Both phases count on the simulated clock and in
+    clients.csv's steps (see ``phase_epochs``); its training loss is the body phase's.
     """
 
     def __init__(self, personal_layers: list[str] | None = None, head_epochs: int = 1):
@@ -36,5 +35,7 @@ class FedRep(FedPer):
         with_head = self.personal_weights(start, {"head": local.head})
         head_phase = fit(with_head, epochs=self.head_epochs, trainable=head)
         body_phase = fit(head_phase.weights.clone(), trainable=1 - head)
-        body_phase = dataclasses.replace(body_phase, steps=head_phase.steps + body_phase.steps)
         return self.keep_head(body_phase, start, local)
+
+    def phase_epochs(self, epochs: int) -> tuple[int, ...]:
+        return (self.head_epochs, int(epochs))

@@ -42,6 +42,7 @@ AVAILABILITY = 12  # (): each client's availability probability, drawn once (sys
 SPEED = 13  # (): each client's relative speed, drawn once (system.py)
 COMPRESSION = 14  # (round, client): the random rounding of a client's compressed update (compression.py)
 ASYNC_START = 15  # (start): which client an async run's j-th start trains, and whether it drops out
+EVAL_SUBSET = 16  # (): the test samples the rounds before the last are scored on (eval_subset)
 
 _KEYS = {
     PARTITION: 0,
@@ -59,6 +60,7 @@ _KEYS = {
     SPEED: 0,
     COMPRESSION: 2,
     ASYNC_START: 1,
+    EVAL_SUBSET: 0,
 }
 _WORD = 2**32
 
@@ -133,3 +135,7 @@ def attackers_rng(seed: int) -> np.random.Generator:
 
 def test_split_rng(seed: int) -> np.random.Generator:
     return generator(TEST_SPLIT, seed)
+
+
+def eval_subset_rng(seed: int) -> np.random.Generator:
+    return generator(EVAL_SUBSET, seed)

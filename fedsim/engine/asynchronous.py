@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..core.errors import FedsimError, NonFiniteError
+from ..core.errors import FedsimError
 from ..core.streams import async_start_generator
 from ..experiment.config import Config
 from ..fl.asynchronous import make_method
@@ -35,7 +35,7 @@ from .buffers import RoundBuffers
 from .loop import Engine, Executor, RoundResult
 from .records import ClientRecord, RoundRow
 from .state import GlobalState
-from .update import check_finite
+from .update import check_finite, stop_on_nonfinite, warn_dropped
 
 if TYPE_CHECKING:
     from ..fl.client_eval import ClientEvaluation
@@ -129,7 +129,7 @@ class AsyncEngine(Engine):
 
     def run_round(self, rnd: int) -> RoundResult:
         s, t0, began = self.schedule, time.perf_counter(), self.schedule.clock
-        records, used, started, train_seconds, busy = [], [], 0, 0.0, 0.0
+        records, used, started, train_seconds, busy, in_a_row = [], [], 0, 0.0, 0.0, 0
         total = None  # the sum of the weighted updates used
         while len(used) < self.method.updates_per_step:
             started += self._start_clients()
@@ -148,11 +148,14 @@ class AsyncEngine(Engine):
             finite = bool(torch.isfinite(job.weights).all())
             records.append(self._arrived(rnd, job, finite, staleness))
             if not finite:
-                self._refuse_nonfinite(rnd, job, records, used)
+                in_a_row += 1
+                self._refuse_nonfinite(rnd, job, in_a_row)
                 continue
+            in_a_row = 0
             used.append(records[-1])
             update = self.method.contribution(job.weights, job.start_weights, self.state.model.flat, staleness)
             total = update if total is None else total.add_(update)
+        warn_dropped(rnd, [r.client for r in records if r.dropped == "nonfinite"])
         t_trained = time.perf_counter()
         self._apply(rnd, self.method.step(total, len(used)))
         s.version += 1
@@ -239,19 +242,23 @@ class AsyncEngine(Engine):
                 return job.start_weights
         return self.state.model.flat.clone()
 
-    def _refuse_nonfinite(self, rnd: int, job: Job, records: list, used: list) -> None:
-        lost = sum(r.dropped == "nonfinite" for r in records)
-        if self.cfg.on_nonfinite == "fail":
-            raise NonFiniteError(
-                f"round {rnd}: client {job.client} sent non-finite (NaN/Inf) weights "
-                f"(on_nonfinite: fail; use drop to leave such clients out)"
-            )
-        if not used and lost >= self.cfg.clients_per_round:  # as many as can be in flight, and none usable
-            raise NonFiniteError(
-                f"round {rnd}: the last {lost} client updates are all non-finite (NaN/Inf); "
-                f"nothing of this round was saved and {self.state.kept()}; lower local.lr, or "
-                f"check the model's output"
-            )
+    def _refuse_nonfinite(self, rnd: int, job: Job, in_a_row: int) -> None:
+        """``stop_on_nonfinite``, the engines' one rule, with ``clients_per_round`` clients training at
+        once. It counts the non-finite arrivals since the last usable one (``in_a_row``), not those of
+        this server update: a buffer that already holds a usable update must not wait forever for
+        the next."""
+        cfg = self.cfg
+        server_lr = cfg.asynchronous.method == "fedbuff" and cfg.server_optimizer != "none"
+        stop_on_nonfinite(
+            cfg,
+            self.state,
+            rnd,
+            job.client,
+            in_a_row,
+            cfg.clients_per_round,
+            f"the last {in_a_row} client updates (clients_per_round, as many as train at once) are all",
+            f"lower local.lr{' or server_lr' if server_lr else ''}, or check the model's output",
+        )
 
     # ------------------------------------------------------------------ training and the update
 
@@ -276,9 +283,8 @@ class AsyncEngine(Engine):
 
     def _apply(self, rnd: int, delta: torch.Tensor) -> None:
         """The server optimizer's step (validation leaves FedAsync only ``none``, which adds it)."""
-        state, n = self.state, self.state.model.num_params
-        state.server_optimizer.step(state.model.params, delta[:n])
-        state.model.flat[n:].add_(delta[n:])  # buffers (batch-norm statistics) are averaged as they are
+        state = self.state
+        state.step(delta)
         check_finite(
             state,
             state.model.flat,

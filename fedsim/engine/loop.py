@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..core.errors import user_code
 from ..core.flat import FlatModel
+from ..core.streams import eval_subset_rng
 from ..experiment.components import describe
 from ..experiment.config import Config
 from ..fl.system import RoundPlan, System
@@ -96,6 +97,19 @@ def evaluate(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_si
     return correct.item() / len(y), loss.item() / len(y)
 
 
+def test_subset(
+    test: tuple[torch.Tensor, torch.Tensor], size: int | None, seed: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``size`` test samples drawn by the seed (in test-set order), the same every round and
+    whatever the workers; None when there is no subset to draw (``size`` null or the whole set).
+    Quick runs score their rounds on it; the last round is scored on the whole test set."""
+    x, y = test
+    if size is None or size >= len(y):
+        return None
+    kept = torch.from_numpy(np.sort(eval_subset_rng(seed).choice(len(y), size, replace=False))).to(y.device)
+    return x[kept], y[kept]
+
+
 class Engine:
     """One run's rounds. ``test`` is the (inputs, labels) of the test set; ``client_eval``
     scores the global model on every client's test split (or None); ``privacy`` reports the
@@ -115,6 +129,7 @@ class Engine:
     ):
         self.cfg, self.state, self.buffers, self.executor, self.strategy = cfg, state, buffers, executor, strategy
         self.system, self.test, self.client_eval, self.privacy = system, test, client_eval, privacy
+        self.test_subset = test_subset(test, cfg.eval_subset, cfg.seed)  # the rounds' before the last, or None
         self.sizes = np.diff(buffers.client_offsets.numpy())  # the clients' sample counts
         self.personal_model: FlatModel | None = None  # where eval_per_client loads each client's own model
 
@@ -208,6 +223,15 @@ class Engine:
             losses[c] = evaluate(self.state.model.module, b.train_x[ix], b.train_y[ix], cfg.eval_batch_size)[1]
         return losses
 
+    def evaluation_note(self) -> str | None:
+        """The header's line on what the rounds are scored on, where it is not the whole test set."""
+        if self.test_subset is None:
+            return None
+        return (
+            f"rounds before the last are scored on {len(self.test_subset[1]):,} of the {len(self.test[1]):,} test "
+            f"samples (eval_subset, the same every round); round {self.cfg.rounds} on all of them"
+        )
+
     def evaluate_round(self, rnd: int) -> tuple[bool, dict]:
         """Whether round ``rnd`` is evaluated (every eval_every-th and the last), and its scores."""
         evaluated = rnd % self.cfg.eval_every == 0 or rnd == self.cfg.rounds
@@ -218,7 +242,8 @@ class Engine:
         cfg, module = self.cfg, self.state.model.module
         if not evaluated:
             return {"test_accuracy": math.nan, "test_loss": math.nan}
-        accuracy, loss = evaluate(module, *self.test, cfg.eval_batch_size)
+        scored = self.test if rnd == cfg.rounds or self.test_subset is None else self.test_subset
+        accuracy, loss = evaluate(module, *scored, cfg.eval_batch_size)
         if not self.client_eval:
             per_client = {}
         elif not self.state.algorithm.has_personal_model:

@@ -51,6 +51,13 @@ class GlobalState:
         self.algorithm_rows = tuple(algorithm.client_state(n))  # the names of the algorithm's rows in clients
         self.saved_round = 0  # the round of the last state saved (or resumed from); 0: none
 
+    def step(self, delta: torch.Tensor) -> None:
+        """Move the global model by ``delta``, the round's aggregated update: the server
+        optimizer's step on the parameters; buffers (batch-norm statistics) are averaged as they are."""
+        n = self.model.num_params
+        self.server_optimizer.step(self.model.params, delta[:n])
+        self.model.flat[n:].add_(delta[n:])
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.model.flat, *self.server_state.values()]
 

@@ -44,6 +44,41 @@ def check_finite(state: GlobalState, tensor: torch.Tensor, rnd: int, what: str, 
         )
 
 
+def stop_on_nonfinite(
+    cfg: Config,
+    state: GlobalState,
+    rnd: int,
+    client: int,
+    in_a_row: int,
+    at_once: int,
+    what: str,
+    advice: str = "lower local.lr, or check the model's output",
+) -> None:
+    """The rule for non-finite (NaN/Inf) client updates, the same in every engine: such an update
+    never reaches the global model. ``on_nonfinite: fail`` stops the run at the first (``client``'s);
+    ``drop`` leaves it out, and stops the run once ``in_a_row`` of them have come with no usable
+    update among them (clients that dropped out send none) and as many as train at once
+    (``at_once``: a synchronous round's clients, an async run's ``clients_per_round``). Until a
+    usable update comes the global model cannot change, so the clients that train it next would
+    send more of the same: a server that waited for a usable one could wait forever. ``what``
+    names the updates in the message."""
+    if cfg.on_nonfinite == "fail":
+        raise NonFiniteError(
+            f"round {rnd}: client {client} sent non-finite (NaN/Inf) weights "
+            f"(on_nonfinite: fail; use drop to leave such clients out)"
+        )
+    if in_a_row >= at_once:
+        raise NonFiniteError(
+            f"round {rnd}: {what} non-finite (NaN/Inf); nothing of this round was saved and {state.kept()}; {advice}"
+        )
+
+
+def warn_dropped(rnd: int, clients: list[int]) -> None:
+    """The warning of ``on_nonfinite: drop`` for the non-finite updates a round left out."""
+    if clients:
+        logger.warning(f"round {rnd}: dropped {len(clients)} client(s) with non-finite weights: {clients}")
+
+
 class AggregateUpdates:
     """``names`` describes the algorithm, rule and server optimizer for error messages."""
 
@@ -104,13 +139,10 @@ class AggregateUpdates:
             self.compression.compress(updates[:, : self.state.model.num_params], clients.tolist(), finite, rnd)
         keep = finite.nonzero().flatten()
         bad = clients[(~finite).cpu()].tolist()
-        if bad:
-            if cfg.on_nonfinite == "fail":
-                raise NonFiniteError(
-                    f"round {rnd}: client {bad[0]} sent non-finite (NaN/Inf) weights "
-                    f"(on_nonfinite: fail; use drop to leave such clients out)"
-                )
-            logger.warning(f"round {rnd}: dropped {len(bad)} client(s) with non-finite weights: {bad}")
+        if bad:  # the round's clients trained at once, from one model: all non-finite is as many in a row
+            in_a_row = 0 if len(keep) else len(bad)
+            stop_on_nonfinite(cfg, self.state, rnd, bad[0], in_a_row, k, f"every client's update ({k}) is")
+        warn_dropped(rnd, bad)
         norms, stats = row_norms(updates), b.stats[:k].cpu()
         records = [
             ClientRecord(
@@ -127,12 +159,6 @@ class AggregateUpdates:
             )  # every client trained this round's model
             for i, c in enumerate(clients.tolist())
         ]
-        if k and not len(keep):  # no update to learn from, and none would come in the next rounds
-            raise NonFiniteError(
-                f"round {rnd}: every client's update ({k}) is non-finite (NaN/Inf); nothing of "
-                f"this round was saved and {self.state.kept()}; lower local.lr, or check the "
-                f"model's output"
-            )
         round_ = Round(
             updates=updates[keep],
             weights=b.stats[keep, 0],
@@ -159,7 +185,7 @@ class AggregateUpdates:
         """The new global model; a non-finite one is never kept. The global state can become
         non-finite although every client update is finite (a rule or a server optimizer can
         overflow)."""
-        state, n, names = self.state, self.state.model.num_params, self.names
+        state, names = self.state, self.names
         rows = self._client_rows(round_)
         with user_code(f"algorithm {names['algorithm']}: server_update failed in round {rnd}"):
             delta = self.algorithm.server_update(round_, state.server_state, rows)
@@ -173,8 +199,7 @@ class AggregateUpdates:
             why,
             advice,
         )
-        state.server_optimizer.step(state.model.params, delta[:n])
-        state.model.flat[n:].add_(delta[n:])  # buffers (batch-norm statistics) are averaged as they are
+        state.step(delta)
         check_finite(
             state,
             state.model.flat,

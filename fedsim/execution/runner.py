@@ -4,6 +4,9 @@ and, with ``workers: 0``, in the server itself."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
 from ..algorithms import Clients, LocalResult
@@ -14,7 +17,7 @@ from ..engine.buffers import RoundBuffers
 from ..experiment import components
 from ..experiment.config import Config
 from ..fl.attacks import make_attack
-from .client import LocalTrainer, VmapTrainer
+from .client import LocalTrainer, Trained, VmapTrainer
 from .resources import peak_rss_bytes
 
 
@@ -75,15 +78,15 @@ class ClientRunner:
             )
             b.client_weights[rows].copy_(weights)
         else:
-            seed = client_seed(cfg.seed, keys[0], clients[0])
             start = start[0] if async_ else start
-
-            def fit(start, **phase):
-                return self.trainer.train(
-                    indices[0], start, seed, local_state=local_state, relabel=relabel, max_steps=limits[0], **phase
-                )
-
-            trained = self.algorithm.train_client(fit, start, local_state)
+            trained = self.train_phases(
+                indices[0],
+                start,
+                client_seed(cfg.seed, keys[0], clients[0]),
+                limits[0],
+                local_state=local_state,
+                relabel=relabel,
+            )
             b.client_weights[rows].copy_(self.model.flat)
         sizes = torch.tensor([len(ix) for ix in indices], dtype=b.stats.dtype)
         b.stats[rows, 0] = sizes
@@ -94,6 +97,26 @@ class ClientRunner:
         )
         for name, value in reports.items():
             b.reports[name][rows].copy_(value)
+
+    def train_phases(
+        self, indices: torch.Tensor, start: torch.Tensor, seed: int, limit: int | None, **options: Any
+    ) -> Trained:
+        """One client's training on the process trainer, however many phases (``fit`` calls) the
+        algorithm runs: a partial straggler's ``limit`` is one budget for all of them, spent in the
+        order they run (a phase gets what the phases before it left), and the steps reported are
+        those of every phase, as the simulated clock charges them (fl/system.py)."""
+        taken: list[torch.Tensor] = []
+
+        def fit(start, **phase):
+            left = None if limit is None else limit - sum(int(steps.item()) for steps in taken)
+            trained = self.trainer.train(indices, start, seed, max_steps=left, **options, **phase)
+            taken.append(trained.steps)
+            return trained
+
+        trained = self.algorithm.train_client(fit, start, options["local_state"])
+        if len(taken) > 1:
+            trained = dataclasses.replace(trained, steps=torch.stack(taken).sum(0))
+        return trained
 
     def peak_memory(self) -> int:
         """Bytes: the allocator's peak on a GPU (the CUDA context comes on top), peak RSS on a CPU."""

@@ -94,6 +94,7 @@ class Config:
     sampling_candidates: int | None = None  # power_of_choice: d candidates, clients_per_round <= d
     eval_every: int = 1
     eval_batch_size: int = 2000
+    eval_subset: int | None = None  # score the rounds before the last on this many test samples (seeded); null: all
     eval_per_client: bool = False  # also score the global model on every client's test split (data.test_partition)
     stop_at_accuracy: float | None = None
     model: Any = "mnist_cnn"  # model, algorithm, aggregator: a name, an import path or an object

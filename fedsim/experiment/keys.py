@@ -28,7 +28,7 @@ PLACEMENT_KEYS = frozenset(
     }
 )
 # what a resumed run may change: those, how long it runs and how often it reports
-RESUMABLE_KEYS = PLACEMENT_KEYS | {"rounds", "stop_at_accuracy", "eval_every"}
+RESUMABLE_KEYS = PLACEMENT_KEYS | {"rounds", "stop_at_accuracy", "eval_every", "eval_subset"}
 # what runs that repeat one experiment may differ in: those, their name and seed, and the backend
 # (vmap's dropout masks differ from the process backend's, equally valid draws of one experiment)
 RUN_SPECIFIC_KEYS = PLACEMENT_KEYS | {"name", "seed", "backend"}

@@ -142,6 +142,8 @@ def _check_run(cfg: Config, checks: Checks) -> None:
             f"/ vmap_group_size, rounded up), got {cfg.workers}",
         )
     checks.at_least("eval_every", cfg.eval_every, 1)
+    if cfg.eval_subset is not None:
+        checks.at_least("eval_subset", cfg.eval_subset, 1)
     checks.at_least("eval_batch_size", cfg.eval_batch_size, 1)
     checks.at_least("checkpoint_every", cfg.checkpoint_every, 0)
     if cfg.stop_at_accuracy is not None and not 0 < cfg.stop_at_accuracy <= 1:

@@ -243,7 +243,9 @@ def squared_distances(updates: torch.Tensor) -> torch.Tensor:
     norm: a plain mean would be dragged far off by one huge update, and the honest rows'
     distances, which Krum exists to compare, would be lost in the cancellation again. The
     work is in float64 (which holds float32 inputs exactly), in column blocks so that the
-    float64 copy stays small.
+    float64 copy stays small. Each pair's distance is computed once and mirrored: the BLAS may
+    round ``<a, b>`` and ``<b, a>`` apart, and d(i, j) != d(j, i) would then decide exact ties
+    (Bulyan's last picks always hold one). The diagonal is exactly 0.
     """
     norms = _norms(updates)
     typical = (norms <= 2 * norms.median()).to(updates.dtype)
@@ -255,7 +257,8 @@ def squared_distances(updates: torch.Tensor) -> torch.Tensor:
         chunk -= centre[start : start + block]
         gram.addmm_(chunk, chunk.T)
     squared = gram.diagonal()
-    return (squared[:, None] + squared[None, :] - 2 * gram).clamp_(min=0)
+    upper = (squared[:, None] + squared[None, :] - 2 * gram).clamp_(min=0).triu_(1)
+    return upper + upper.T  # x + 0 is exact: both triangles hold the same values
 
 
 def _check_krum(k: int, f: int | None) -> int:
@@ -286,6 +289,12 @@ def krum_scores(updates: torch.Tensor, f: int) -> torch.Tensor:
     return distances.sort(dim=1).values[:, : k - f - 2].sum(dim=1)
 
 
+def _first_lowest(scores: torch.Tensor) -> torch.Tensor:
+    """The index of the lowest score, the lowest index among equal ones: a stable sort states that
+    rule on any device, where ``argmin`` leaves it to the reduction's order."""
+    return scores.sort(stable=True).indices[0]
+
+
 @AGGREGATORS.register(
     "krum",
     "the update closest to its k-f-2 nearest others (f default: the largest with k > 2f+2; Blanchard et al. 2017)",
@@ -301,7 +310,7 @@ def krum(f: int | None = None) -> Rule:
 
     def rule(updates, weights):
         assumed = _check_krum(updates.shape[0], f)
-        best = int(krum_scores(updates, assumed).argmin())
+        best = int(_first_lowest(krum_scores(updates, assumed)))
         return updates[best].clone()
 
     return rule
@@ -345,11 +354,11 @@ def _check_bulyan(k: int, f: int | None) -> int:
 def _krum_picks(updates: torch.Tensor, f: int, count: int) -> torch.Tensor:
     """The rows Krum picks one at a time, ``count`` of them, each from those not picked yet (see
     ``bulyan``). Every row's distances are sorted once; a pick then sums, in each row's order,
-    the first ``nearest`` distances to rows still there: k^2 work per pick, no sort."""
+    the first ``nearest`` distances to rows still there: k^2 work per pick, no sort of them."""
     k = updates.shape[0]
     distances = squared_distances(updates)
     distances.fill_diagonal_(math.inf)  # sorts last: an update is not its own neighbour
-    order = distances.argsort(dim=1)
+    order = distances.argsort(dim=1, stable=True)
     ordered = distances.gather(1, order)
     there = torch.ones(k, dtype=torch.bool, device=updates.device)
     picks = []
@@ -358,7 +367,8 @@ def _krum_picks(updates: torch.Tensor, f: int, count: int) -> torch.Tensor:
         alive = there.expand(k, k).gather(1, order)  # (a gather: indexing by [k, k] is far slower on a CPU)
         counted = alive & (alive.cumsum(dim=1) <= nearest)
         scores = torch.where(counted, ordered, 0.0).sum(dim=1).masked_fill_(~there, math.inf)
-        best = scores.argmin()  # the first of equal scores
+        # distinct rows tie exactly where one neighbour counts: a shared d(i, j), plus zeros
+        best = _first_lowest(scores)
         there[best] = False
         picks.append(best)
     return torch.stack(picks)

@@ -61,6 +61,21 @@ quick to compute; ``accountant: rdp`` is the Renyi-DP bound of the sampled Gauss
 torch's floating-point Gaussian, as in Opacus; floating-point attacks on noise samplers (Mironov
 2012) are outside this simulation's model. Non-finite updates that the
 engine drops, and clients that fail, only remove contributions, which the analysis allows.
+
+Bounds, checked before the first round (``check_rounds``) and refused in one line naming the
+key. The PLD is a grid of 1e-3 over the privacy losses the run reaches (the outer 1e-15 of
+probability is cut off, counted as infinite loss), so it grows with them: about 1 / (2 z^2) a
+round for a small z (z = 0.001: 5e8 points, minutes and gigabytes; 1e-30: numpy cannot make it)
+and with epsilon over many rounds. ``pld_grid_points`` estimates it (0.45 to 1.5 times the
+library's where it matters); more than PLD_POINTS is refused, naming the smallest z that fits
+and rdp: refusing rather than coarsening the grid keeps every epsilon within 1e-3 a round of
+the exact PLD bound, and such runs have an epsilon in the hundreds anyway. pld also needs delta
+>= 1e-14 (below, epsilon is inf). RDP costs the same for any z and rounds, but below z ~ 7e-148
+sqrt(rounds) its terms overflow float64 and dp-accounting returns epsilon 0, not a bound.
+Adaptive clipping's share is clamped to [0, 1], as tensorflow_privacy's QuantileEstimatorQuery
+does (post-processing), so a round moves ln C by at most eta max(gamma, 1 - gamma): an eta for
+which that exceeds the width of privacy.clip's range (ln(max / tiny) ~ 176 in float32) is
+refused, and C is kept in that range. Privacy's errors in a round are a PrivacyError, naming it.
 """
 
 from __future__ import annotations
@@ -70,12 +85,14 @@ import importlib.util
 import logging
 import math
 from collections.abc import Callable, Mapping
+from statistics import NormalDist
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..core.checks import FLOAT32, Checks, is_integer, is_number
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, FedsimError, user_code
 from ..core.streams import privacy_noise_generator
 from .aggregation import float64_blocks, row_norms
 
@@ -86,6 +103,11 @@ KEYS = (*REQUIRED, *DEFAULTS)
 ACCOUNTANTS = ("pld", "rdp")
 INSTALL = 'pip install "fedsim-sync[privacy]"'
 PLD_DISCRETIZATION = 1e-3  # pessimistic: epsilon within rounds x 1e-3 above the exact PLD bound, never below
+PLD_POINTS = 2**20  # the largest PLD grid (estimated) a run may need: a second or two a round at most
+PLD_MIN_DELTA = 1e-14  # ten times the probability dp-accounting's composition cuts off as infinite loss
+_PLD_TAIL = 1e-15  # that probability: dp-accounting's tail_mass_truncation
+_NOISE_SDS = -NormalDist().inv_cdf(0.5 * math.exp(-50))  # ~9.75: dp-accounting cuts each tail of the noise at 0.5 e^-50
+_CLIP_SPAN = math.log(FLOAT32.max / FLOAT32.tiny)  # ln of the range privacy.clip may take, about 176
 
 # Clipping aims at C (1 - 2^-30), not C: in float64 the scale, the products and the norm each
 # round by a few units in the last place, and the norm of a clipped row must not come out above
@@ -129,6 +151,12 @@ class Privacy:
         self.noise_multiplier = float(noise_multiplier)
         self.delta = float(delta)
         self.accountant = _CHECKS.one_of("accountant", accountant, ACCOUNTANTS)
+        if self.accountant == "pld" and self.noise_multiplier > 0 and self.delta < PLD_MIN_DELTA:
+            _CHECKS.fail(
+                "delta",
+                f"must be >= {PLD_MIN_DELTA:g} for accountant pld, got {delta!r}: its composition cuts off "
+                f"{_PLD_TAIL:g} of probability, counted as infinite loss (epsilon inf); or use accountant: rdp",
+            )
         self.num_clients = _TOP.count("data.num_clients", num_clients, 1)
         self.clients_per_round = _TOP.count("clients_per_round", clients_per_round, 1)
         if self.clients_per_round > self.num_clients:
@@ -143,6 +171,7 @@ class Privacy:
         if target_quantile is not None:
             self._adaptive(target_quantile)
         self._loss_distribution, self._epsilons = None, {}  # the PLD of one round; epsilon by round
+        self._carried = 0  # the most rounds check_rounds has accepted
 
     def _adaptive(self, target_quantile) -> None:
         if not is_number(target_quantile) or not 0 < target_quantile < 1:
@@ -158,7 +187,17 @@ class Privacy:
                     f"adaptive clipping to leave noise for the updates, got "
                     f"{self.count_noise:g} (the default is clients_per_round / 20)",
                 )
-            self.update_noise = (self.noise_multiplier**-2 - (2 * self.count_noise) ** -2) ** -0.5
+            z, s = self.noise_multiplier, self.count_noise  # z_u = (z^-2 - (2 s)^-2)^(-1/2), without z^-2
+            self.update_noise = z * (1 - (z / (2 * s)) ** 2) ** -0.5  # which overflows for a tiny z
+        gamma = max(self.target_quantile, 1 - self.target_quantile)  # the share is clamped to [0, 1]
+        if self.clip_learning_rate * gamma > _CLIP_SPAN:
+            _CHECKS.fail(
+                "clip_learning_rate",
+                f"must be <= {_CLIP_SPAN / gamma:.4g} with target_quantile {self.target_quantile:g}, got "
+                f"{self.clip_learning_rate!r}: a round moves the clip by a factor of up to exp(clip_learning_rate "
+                f"x max(target_quantile, 1 - target_quantile)), and a larger one crosses the whole range a clip "
+                f"may take, [{FLOAT32.tiny:.3g}, {FLOAT32.max:.3g}], in one round",
+            )
         self.state["clip"] = torch.tensor([self.clip], dtype=torch.float64)
 
     # ----------------------------------------------------------------- from a config
@@ -167,9 +206,9 @@ class Privacy:
     def from_config(cls, cfg: Any) -> Privacy | None:
         """The run's Privacy, or None without a ``privacy`` section (absent or null). The section
         is a mapping or an object with the attributes ``clip``, ``noise_multiplier``, ``delta``
-        (and optionally the other KEYS), which it validates. What privacy cannot be combined with
-        (a rule, an algorithm, sampling, compression) is checked where the sections meet,
-        ``experiment/validation.py``."""
+        (and optionally the other KEYS), which it validates, with the accountant against the run's
+        ``rounds`` (``check_rounds``). What privacy cannot be combined with (a rule, an algorithm,
+        sampling, compression) is checked where the sections meet, ``experiment/validation.py``."""
         section = getattr(cfg, "privacy", None)
         if section is None:
             return None
@@ -180,6 +219,7 @@ class Privacy:
         privacy = cls(**values, clients_per_round=cfg.clients_per_round, num_clients=cfg.data.num_clients)
         if importlib.util.find_spec("dp_accounting") is None:  # found now, imported (seconds) only when accounting
             raise ConfigError(f"privacy: its accounting needs the dp-accounting package: {INSTALL}")
+        privacy.check_rounds(cfg.rounds)  # what the accountant cannot carry, before the first round
         return privacy
 
     @classmethod
@@ -200,6 +240,31 @@ class Privacy:
                 f"running statistics, say) computed from client data, which DP-FedAvg cannot release; "
                 f"use a model without buffers (GroupNorm instead of BatchNorm)"
             )
+
+    def check_rounds(self, rounds: int) -> None:
+        """Refuse, in one line naming ``privacy.noise_multiplier``, ``rounds`` rounds whose epsilon the
+        accountant cannot compute within the module docstring's bounds; one RDP evaluation at most."""
+        if self.noise_multiplier == 0 or rounds <= self._carried:
+            return
+        z, q = self.noise_multiplier, self.sample_rate
+        if self.accountant == "rdp" and z < _rdp_floor(rounds):
+            _CHECKS.fail(
+                "noise_multiplier",
+                f"must be >= {_rdp_floor(rounds):g} (or 0: no noise) for accountant rdp over {rounds:,} rounds, "
+                f"got {z!r}: below it the Renyi divergences dp-accounting sums (terms up to 1024^2 / (2 z^2), over "
+                f"the rounds) overflow float64, and the epsilon it then returns, 0, is not a bound",
+            )
+        points = pld_grid_points(z, q, rounds) if self.accountant == "pld" else 0
+        if points > PLD_POINTS:
+            _CHECKS.fail(
+                "noise_multiplier",
+                f"must be >= {_pld_floor(q, rounds):g} (or 0: no noise) for accountant pld over {rounds:,} rounds "
+                f"at q = {q:.3g}, got {z!r}: the privacy losses they reach would need a grid of "
+                f"{f'about {points:.2g}' if points < 1e308 else 'over 1e308'} points of {PLD_DISCRETIZATION:g}, "
+                f"past the {PLD_POINTS:,} fedsim allows (a second or two a round); or use accountant: rdp, "
+                f"which takes any noise_multiplier >= {_rdp_floor(rounds):g} in milliseconds",
+            )
+        self._carried = rounds
 
     # ----------------------------------------------------------------- one round
 
@@ -233,6 +298,11 @@ class Privacy:
         an absurd z C cannot make the update infinite; clamping only post-processes the noised
         value, which keeps the guarantee.
         """
+        keys = "clip, noise_multiplier" + ("" if "clip" not in self.state else ", target_quantile, clip_learning_rate")
+        with user_code(f"privacy: clipping and noising round {rnd}'s updates (privacy.{keys}) failed", PrivacyError):
+            return self._aggregate(updates, seed, rnd)
+
+    def _aggregate(self, updates: torch.Tensor, seed: int, rnd: int) -> torch.Tensor:
         clip, scales = self.current_clip, self.scales(updates)
         generator = privacy_noise_generator(seed, rnd)
         total = _weighted_sum(updates, scales)
@@ -240,12 +310,11 @@ class Privacy:
         total += noise.to(total.device).mul_(self.update_noise * clip)
         if "clip" in self.state:
             within = float((scales == 1).sum())  # norm <= C (up to the 1e-9 margin above)
-            share = (
-                within
-                - len(scales) / 2
-                + self.count_noise * float(torch.randn(1, generator=generator, dtype=torch.float64))
-            ) / self.clients_per_round + 0.5
-            self.state["clip"].mul_(math.exp(-self.clip_learning_rate * (share - self.target_quantile)))
+            count_noise = self.count_noise * float(torch.randn(1, generator=generator, dtype=torch.float64))
+            share = (within - len(scales) / 2 + count_noise) / self.clients_per_round + 0.5
+            share = min(max(share, 0.0), 1.0)  # a fraction, as tensorflow_privacy's QuantileEstimatorQuery clamps it
+            step = math.exp(-self.clip_learning_rate * (share - self.target_quantile))  # within e^-176 .. e^176
+            self.state["clip"].mul_(step).clamp_(FLOAT32.tiny, FLOAT32.max)  # the range privacy.clip may take
         limit = torch.finfo(updates.dtype).max
         return total.div_(self.clients_per_round).clamp_(-limit, limit).to(updates.dtype)
 
@@ -266,9 +335,12 @@ class Privacy:
             return 0.0
         if self.noise_multiplier == 0:
             return math.inf
+        self.check_rounds(rounds)  # done before the first round for the run's rounds; here for more
         if rounds not in self._epsilons:
             self._epsilons[rounds] = (
-                self._pld_epsilon(rounds) if self.accountant == "pld" else self._rdp_epsilon(rounds)
+                self._pld_epsilon(rounds)
+                if self.accountant == "pld"
+                else _rdp(self.noise_multiplier, self.sample_rate, rounds, self.delta)
             )
         return self._epsilons[rounds]
 
@@ -281,13 +353,69 @@ class Privacy:
         composed = self._loss_distribution.self_compose(rounds) if rounds > 1 else self._loss_distribution
         return float(composed.get_epsilon_for_delta(self.delta))
 
-    def _rdp_epsilon(self, rounds: int) -> float:
-        dp = _import("dp_accounting")
-        accountant = _import("dp_accounting.rdp").RdpAccountant()
-        accountant.compose(
-            dp.PoissonSampledDpEvent(self.sample_rate, dp.GaussianDpEvent(self.noise_multiplier)), rounds
-        )
-        return float(accountant.get_epsilon(self.delta))
+
+class PrivacyError(FedsimError):
+    """Privacy's mean failed in a round: a FedsimError, so that the ``user_code`` around the
+    algorithm's server_update (engine/update.py), which calls it, lets it pass naming privacy."""
+
+    exit_code = 1
+
+
+# ----------------------------------------------------------------------------- what the accountants carry
+
+
+def pld_grid_points(noise_multiplier: float, sample_rate: float, rounds: int) -> float:
+    """About how many points dp-accounting's PLD grid needs after ``rounds`` rounds (tests compare it with the
+    library's): min(rounds, 3) times one round's span of privacy losses (exact to 1%), or, if larger, the RDP
+    epsilon at delta 5e-16 (half the tail the composition cuts off), near the highest loss the grid keeps."""
+    first = min(rounds, 3) * _round_span(noise_multiplier, sample_rate)
+    if first > PLD_POINTS * PLD_DISCRETIZATION:  # refused already (and RDP may overflow for such a z)
+        return first / PLD_DISCRETIZATION
+    return max(first, _rdp(noise_multiplier, sample_rate, rounds, _PLD_TAIL / 2)) / PLD_DISCRETIZATION
+
+
+def _round_span(z: float, q: float) -> float:
+    """The range of one round's privacy loss in dp-accounting's PLD: the Gaussian's (x - 1/2) / z^2
+    for x within _NOISE_SDS deviations, through the subsampling's log(1 - q + q e^loss)."""
+    with np.errstate(all="ignore"):
+        loss = (0.5 + _NOISE_SDS * z) / np.float64(z) ** 2
+        if q == 1:
+            return float(2 * loss)
+        keep, log_q = math.log1p(-q), math.log(q)
+        return float(np.logaddexp(keep, log_q + loss) - np.logaddexp(keep, log_q - loss))
+
+
+def _pld_floor(q: float, rounds: int) -> float:
+    """The smallest z whose PLD grid fits PLD_POINTS (it shrinks as z grows), within 1%, rounded up to 2 digits."""
+    fits = lambda z: pld_grid_points(z, q, rounds) <= PLD_POINTS  # noqa: E731
+    low = high = 0.05
+    while fits(low):
+        low /= 4
+    while not fits(high):
+        high *= 4
+    while high > 1.01 * low:
+        middle = math.sqrt(low * high)
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return _two_digits_up(high)
+
+
+def _rdp_floor(rounds: int) -> float:
+    """The smallest z for which dp-accounting's RDP stays below 1e300: its terms reach 1024^2 / (2 z^2)
+    (1024: its top order) and a round's divergence about 512 / z^2, summed over the rounds."""
+    return _two_digits_up(math.sqrt(512 * max(1024, rounds) / 1e300))
+
+
+def _two_digits_up(x: float) -> float:
+    """``x`` rounded up to two significant digits: a floor that holds as the message prints it."""
+    step = 10.0 ** (math.floor(math.log10(x)) - 1)
+    return float(f"{math.ceil(x / step) * step:.2g}")
+
+
+def _rdp(noise_multiplier: float, sample_rate: float, rounds: int, delta: float) -> float:
+    dp = _import("dp_accounting")
+    accountant = _import("dp_accounting.rdp").RdpAccountant()
+    accountant.compose(dp.PoissonSampledDpEvent(sample_rate, dp.GaussianDpEvent(noise_multiplier)), rounds)
+    return float(accountant.get_epsilon(delta))
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -5,10 +5,14 @@ are late, in FLGo's vocabulary (Wang et al., FLGo's ``flgo.simulator``):
                   sampled (if fewer than ``clients_per_round`` are online, the round takes them all)
 * connectivity    a sampled client drops out before reporting with probability ``dropout``: its
                   work is lost
-* responsiveness  a client's local work takes ``steps x step_seconds / speed`` simulated seconds;
-                  past the round's ``deadline`` it is a straggler
+* responsiveness  a client's local work takes ``steps x step_seconds / speed`` simulated seconds,
+                  ``steps`` summed over the algorithm's phases (``Algorithm.phase_epochs``: Ditto's
+                  two models, FedRep's head then body); past the round's ``deadline`` it is a
+                  straggler
 * completeness    stragglers are dropped (``stragglers: drop``), or report the steps they finished
-                  in time (``stragglers: partial``): floor(deadline x speed / step_seconds) of them
+                  in time (``stragglers: partial``): floor(deadline x speed / step_seconds) of them,
+                  one budget spent on the phases in the order they run; one whose budget ends
+                  before its last phase (whose weights it sends) is dropped, as one with no step
 
 Who is sampled among the online clients (``client_sampling``: uniform, by_size, power_of_choice)
 is sampling.py's.
@@ -39,7 +43,7 @@ Use on the server, once per round::
         candidates = system.candidates(seed, rnd, N, k, sizes)
         losses = {c: loss of the global model on client c's data for c in candidates}
     plan = system.round(seed, rnd, N, k, sizes, losses)  # before training
-    train plan.clients, client plan.clients[i] for at most plan.step_limits[i] steps (None: all)
+    train plan.clients, client plan.clients[i] for at most plan.step_limits[i] steps in all its phases (None: all)
     row.update(plan.metrics(left_out=non-finite updates left out))   # after training
 
 The module is pure: it keeps no state between calls except a cache of the per-client constants.
@@ -53,6 +57,8 @@ from typing import Any
 
 import numpy as np
 
+from ..algorithms import ALGORITHMS, Algorithm
+from ..core.registry import is_import_path, load_attr
 from ..core.streams import AVAILABILITY, DROPOUT, ONLINE, SPEED, generator
 from .sampling import choose, draw
 from .system_config import SystemConfig, parse_system
@@ -74,6 +80,18 @@ def local_steps(sizes: Sequence[int] | np.ndarray, epochs: int, batch_size: int)
 
 def _ids(values) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
+
+
+def _phase_epochs(cfg: Any) -> tuple[int, ...]:
+    """The epochs of each local phase of ``cfg``'s algorithm (``Algorithm.phase_epochs``): the
+    instance given, or the class registered or named by import path, built with its options."""
+    spec, options = getattr(cfg, "algorithm", "fedavg"), dict(getattr(cfg, "algorithm_options", None) or {})
+    if isinstance(spec, str):
+        spec = load_attr("algorithm", spec) if is_import_path(spec) else ALGORITHMS.get(spec)
+    algorithm = spec(**options) if isinstance(spec, type) else spec
+    if not isinstance(algorithm, Algorithm):
+        return (int(cfg.local.epochs),)
+    return algorithm.phase_epochs(cfg.local.epochs)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -143,11 +161,16 @@ class System:
         sampling_candidates: int | None = None,
         epochs: int = 1,
         batch_size: int = 64,
+        phases: Sequence[int] | None = None,
     ):
         self.spec = parse_system(section, client_sampling, sampling_candidates)
         if int(epochs) < 1 or int(batch_size) < 1:
             raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
         self.epochs, self.batch_size = int(epochs), int(batch_size)
+        # the epochs of each local training phase, in order (Algorithm.phase_epochs)
+        self.phases = (self.epochs,) if phases is None else tuple(int(e) for e in phases)
+        if not self.phases or min(self.phases) < 1:
+            raise ValueError(f"phases must be epochs >= 1, one per phase, got {phases}")
         self._cache: tuple = (None, None, None)
 
     @classmethod
@@ -160,6 +183,7 @@ class System:
             sampling_candidates=getattr(cfg, "sampling_candidates", None),
             epochs=cfg.local.epochs,
             batch_size=cfg.local.batch_size,
+            phases=_phase_epochs(cfg),
         )
 
     @staticmethod
@@ -203,8 +227,9 @@ class System:
     # ----------------------------------------------------------------- per-client constants
 
     def local_steps(self, sizes: Sequence[int] | np.ndarray) -> np.ndarray:
-        """``local_steps(sizes, epochs, batch_size)`` with this run's epochs and batch size."""
-        return local_steps(sizes, self.epochs, self.batch_size)
+        """Each client's full work: the steps of all its phases, ``local_steps(sizes, epochs,
+        batch_size)`` summed over the phases' epochs (one phase of local.epochs for most algorithms)."""
+        return local_steps(sizes, sum(self.phases), self.batch_size)
 
     def _constants(self, seed: int, num_clients: int) -> tuple[np.ndarray, np.ndarray]:
         if self._cache[0] != (seed, num_clients):
@@ -305,10 +330,7 @@ class System:
         seconds = steps * s.step_seconds / speed
         budget = self._budget(speed)
         late = ~out & (steps > budget) if budget is not None else np.zeros(len(sampled), dtype=bool)
-        if s.stragglers == "partial" and budget is not None:
-            lost = out | (late & (budget == 0))
-        else:
-            lost = out | late
+        lost = out | (late & self._nothing_sent(budget, np.asarray(sizes, dtype=np.int64)[sampled]))
         reports = ~lost
         limits = tuple(int(budget[i]) if late[i] else None for i in np.flatnonzero(reports))
         simulated = self._waited(late, seconds[reports])
@@ -334,6 +356,14 @@ class System:
             return None
         capacity = np.minimum(s.deadline * speed / s.step_seconds * (1 + _IN_TIME), 2.0**62)
         return np.floor(capacity).astype(np.int64)
+
+    def _nothing_sent(self, budget: np.ndarray | None, sizes: np.ndarray) -> np.ndarray | bool:
+        """Whether a late client of ``sizes`` samples sends nothing: always when stragglers are
+        dropped; when partial, if its ``budget`` of steps ends before its last phase starts (what it
+        sends is that phase's weights; with one phase, a budget of no step)."""
+        if self.spec.stragglers != "partial" or budget is None:
+            return True
+        return budget <= local_steps(sizes, sum(self.phases[:-1]), self.batch_size)
 
     def _waited(self, late: np.ndarray, reporting_seconds: np.ndarray) -> float:
         """The round's simulated seconds: the deadline when someone is late, else the slowest

@@ -110,6 +110,15 @@ class History:
     def best_accuracy(self) -> float:
         return max(self.test_accuracy, default=math.nan)
 
+    @property
+    def personal_accuracy(self) -> list[float] | None:
+        """The mean accuracy of the clients' personal models on their own test splits, per
+        evaluated round, where the run scored personal models (summary.json's client_eval_model
+        is ``personal``); None for any other run."""
+        if self.summary.get("client_eval_model") != "personal":
+            return None
+        return [math.nan if r.get("client_accuracy_mean") is None else r["client_accuracy_mean"] for r in self.rows]
+
     def __repr__(self) -> str:
         where = f" in {self.run_dir}" if self.run_dir else ""
         return (

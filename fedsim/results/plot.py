@@ -201,8 +201,19 @@ def accuracy_figure(history: History) -> Figure:
     """A run's test accuracy per round. The title says what ran (see _default_title), and the y
     axis reaches down to chance, 1 / num_classes (from summary.json), marked by a dotted line,
     and spans at least 20 points: a run that learns nothing reads as flat, not as a zoomed-in
-    wiggle."""
+    wiggle. A run that scored personal models (see History.personal_accuracy) also has their
+    mean accuracy over the clients' own test splits, as a second line: global, personal."""
     figure = plot_runs([history], width=5.0)
+    values = [100 * v for v in history.test_accuracy]
+    personal = history.personal_accuracy
+    if personal is not None:
+        ax = figure.axes[0]
+        (line,) = ax.plot(
+            history.round, [100 * v for v in personal], color=PALETTE[1], marker="o" if len(personal) <= 12 else None
+        )
+        line.set_markersize(2.5)
+        ax.legend([ax.lines[0], line], ["global", "personal"], loc="lower right", frameon=False, fontsize="small")
+        values += [100 * v for v in personal if not math.isnan(v)]
     classes = history.summary.get("num_classes")
     if classes:
         ax, chance = figure.axes[0], 100.0 / classes
@@ -216,7 +227,6 @@ def accuracy_figure(history: History) -> Figure:
             fontsize="x-small",
             color="0.45",
         )
-        values = [100 * v for v in history.test_accuracy]
         low = min(chance, *values)
         high = max(max(values), low + 20)  # at least 20 points high: a flat line stays flat
         margin = 0.04 * (high - low)

@@ -29,7 +29,8 @@ class RoundLog:
     ``progress``: True shows the updating display, False prints every line, None shows it when
     the stream is a terminal. ``quiet``: print nothing but warnings. ``stream``: where to write;
     by default ``sys.stdout`` as it is at each call (Jupyter gives every cell its own).
-    ``write``: a function that takes each line instead (no display).
+    ``write``: a function that takes each line instead (no display). ``personal``: the run scores
+    personal models, so each line also shows their mean accuracy (``personal acc``).
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class RoundLog:
         self._clock = clock
         self._shown = 0  # characters of the progress line on screen; 0: no line open
         self._first = None  # (time, round) of the first round line, to measure the pace
+        self.personal = False
 
     @property
     def stream(self) -> TextIO:
@@ -72,9 +74,9 @@ class RoundLog:
         if self.quiet:
             return
         if not self.enabled():
-            self(f"round {row['round']:>{len(str(rounds))}}/{rounds}  {_metrics(row)}")
+            self(f"round {row['round']:>{len(str(rounds))}}/{rounds}  {_metrics(row, self.personal)}")
             return
-        text = self._render(row["round"], rounds, _metrics(row))
+        text = self._render(row["round"], rounds, _metrics(row, self.personal))
         # spaces overwrite what is left of a longer previous line; "\r" goes back to its start
         self._write("\r" + text.ljust(self._shown))
         self._shown = len(text)
@@ -126,8 +128,11 @@ class RoundLog:
         return rest
 
 
-def _metrics(row: dict) -> str:
+def _metrics(row: dict, personal: bool = False) -> str:
     acc = "   -  " if math.isnan(row["test_accuracy"]) else f"{row['test_accuracy']:.4f}"
+    if personal:  # beside the global model's: the mean over the clients' own models and test splits
+        mean = row.get("client_accuracy_mean")
+        acc += "  personal acc " + ("   -  " if mean is None or math.isnan(mean) else f"{mean:.4f}")
     loss = "   -  " if math.isnan(row["test_loss"]) else f"{row['test_loss']:.4f}"
     extra = f"  dropped {row['dropped_clients']}" if row["dropped_clients"] else ""
     if row.get("epsilon") is not None:  # privacy spent so far (DP-FedAvg)

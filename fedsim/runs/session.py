@@ -97,6 +97,62 @@ def outcome(rows: list[dict], target: float | None) -> dict:
     }
 
 
+def personal_outcome(rows: list[dict]) -> dict:
+    """summary.json's account of the personal models (a run whose client_eval_model is personal):
+    the final and best mean accuracy of the clients' own models on their own test splits."""
+    means = [r["client_accuracy_mean"] for r in rows if r.get("client_accuracy_mean") is not None]
+    return {"final_personal_accuracy": means[-1] if means else None, "best_personal_accuracy": max(means, default=None)}
+
+
+def feature_figures(cfg: Config, rows: list[dict], client_rows: list[dict], update_bytes: tuple | None) -> dict:
+    """summary.json's figure of each feature the run had on, and only of those.
+
+    compression (``update_bytes``: an update's bytes whole and compressed): ``megabytes_sent``, the
+    bytes sent down and up since round 1 over 10^6; ``compression_ratio``, those bytes over what the
+    same rounds would have sent uncompressed: the same traffic with each update that arrived (a
+    clients.csv row whose work was not lost as a dropout or straggler) at its whole size instead.
+    privacy: the last evaluated round's ``final_epsilon`` and the config's ``delta``. async: the
+    ``staleness_mean`` and ``staleness_max`` of the updates used (clients.csv rows with dropped 0).
+    dropouts or a deadline: ``clients_lost``, the clients.csv rows lost as dropout or straggler."""
+    figures = {}
+    sent = rows[-1].get("cumulative_bytes") if rows else None
+    if update_bytes and sent is not None:
+        arrived = sum(1 for r in client_rows if r["dropped"] not in ("dropout", "straggler"))
+        whole = sent + arrived * (update_bytes[0] - update_bytes[1])
+        figures |= {"megabytes_sent": sent / 1e6, "compression_ratio": sent / whole if whole else None}
+    if cfg.privacy:
+        figures |= {"final_epsilon": rows[-1].get("epsilon") if rows else None, "delta": cfg.privacy.get("delta")}
+    if cfg.mode == "async":
+        stale = [r["staleness"] for r in client_rows if r["dropped"] == 0 and r.get("staleness") is not None]
+        figures |= {
+            "staleness_mean": sum(stale) / len(stale) if stale else None,
+            "staleness_max": max(stale, default=None),
+        }
+    if cfg.system.dropout or cfg.system.deadline is not None:
+        figures["clients_lost"] = sum(1 for r in client_rows if r["dropped"] in ("dropout", "straggler"))
+    return figures
+
+
+def feature_header(cfg: Config, update_bytes: tuple | None) -> str | None:
+    """The figures known at the start, as a line: an update's size under compression, privacy's delta."""
+    parts = []
+    if update_bytes:
+        whole, sent = update_bytes
+        parts.append(f"an update travels as {sent} of its {whole} bytes ({sent / whole:.3g} of its whole size)")
+    if cfg.privacy:
+        parts.append(f"privacy: epsilon is spent at delta {cfg.privacy.get('delta'):g}")
+    return "; ".join(parts) or None
+
+
+def update_bytes(state: GlobalState, compression: Compression | None) -> tuple[int, int] | None:
+    """An update's bytes whole and as compression sends it (only the trainable parameters are
+    compressed; buffers travel whole), as engine/update.py counts them; None without compression."""
+    if not compression:
+        return None
+    length, n, size = len(state.model), state.model.num_params, state.model.flat.element_size()
+    return size * length, compression.compressor.message_bytes(n) + size * (length - n)
+
+
 def where_it_ran(device: torch.device, workers: int, worker_peak_memory_mb: list[float]) -> dict:
     """summary.json's account of the machine: the device, the workers and the memory they took."""
     return {
@@ -255,8 +311,11 @@ class Session:
         for message in [*unused_settings(self.cfg), self.client_eval and self.client_eval.warning()]:
             if message:
                 logger.warning(message)
-        if self.state.clients.shapes:
-            logger.info(self.state.clients.describe())
+        notes = [self.state.clients.shapes and self.state.clients.describe(), self.engine.evaluation_note()]
+        for message in [*notes, feature_header(self.cfg, update_bytes(self.state, self.compression))]:
+            if message:
+                logger.info(message)
+        self.log.personal = bool(self.client_eval) and self.state.algorithm.has_personal_model
 
     def _start(self) -> None:
         self.executor.start(self.buffers)
@@ -331,6 +390,8 @@ class Session:
             **({"error": error} if failed else {}),  # what ended a failed run, in the words of its one line
             **what_ran(config, self.input_shape, self.num_classes, self.overrides, self.first_round),
             **outcome(self.rows, self.cfg.stop_at_accuracy),
+            **(personal_outcome(self.rows) if self.client_eval and self.state.algorithm.has_personal_model else {}),
+            **feature_figures(self.cfg, self.rows, self.client_rows, update_bytes(self.state, self.compression)),
             "checkpoint_round": self.state.saved_round,
             "bytes_sent": self.state.bytes_sent,
             **self.state.clients.summary(),

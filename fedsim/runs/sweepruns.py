@@ -30,6 +30,34 @@ class SweepRun:
         self.configuration = self.configuration or self.label
 
 
+# summary.json's figures a sweep reports where some run has them: (key, the table's title, format)
+FIGURES = (
+    ("final_personal_accuracy", "personal acc", ".4f"),
+    ("best_personal_accuracy", None, ".4f"),
+    ("megabytes_sent", "MB sent", ".3g"),
+    ("compression_ratio", "ratio", ".3g"),
+    ("delta", None, ".3g"),
+    ("staleness_mean", "staleness", ".3g"),
+    ("staleness_max", None, "g"),
+    ("clients_lost", "lost", "g"),
+)
+
+
+def _figure(history: History, key: str) -> float | None:
+    value = history.summary.get(key)
+    return value if isinstance(value, (int, float)) else None
+
+
+def _figures(runs: list[SweepRun]) -> list[tuple]:
+    """The FIGURES some run of the sweep has (personal models, compression, async, ...)."""
+    return [f for f in FIGURES if any(_figure(run.history, f[0]) is not None for run in runs)]
+
+
+def _mean_figure(histories: list[History], key: str) -> float | None:
+    values = [_figure(h, key) for h in histories]
+    return None if None in values else fmean(values)
+
+
 def seconds_per_round(history: History) -> float:
     """Mean seconds of the evaluated rounds, leaving out the first (it includes worker start-up)."""
     seconds = history.seconds[1:] or history.seconds
@@ -70,6 +98,7 @@ def _row(run: SweepRun, target: float | None, runs: list[SweepRun]) -> dict:
     }
     if _with_epsilon(runs):
         row["epsilon"] = _blank(_epsilon(h))
+    row |= {key: _blank(_figure(h, key)) for key, _, _ in _figures(runs)}
     if _with_target(runs, target):
         goal = _target(run, target)
         reached = None if goal is None else rounds_to_target(h, goal)
@@ -97,6 +126,7 @@ def _group_row(group: list[SweepRun], target: float | None, runs: list[SweepRun]
     }
     if _with_epsilon(runs):
         row["epsilon"] = _blank(_mean_epsilon(histories))
+    row |= {key: _blank(_mean_figure(histories, key)) for key, _, _ in _figures(runs)}
     if _with_target(runs, target):
         stats = target_stats(histories, _target(group[0], target))
         reached = stats["reached"] or 0
@@ -149,10 +179,11 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 def format_table(runs: list[SweepRun], target: float | None = None) -> str:
     """A fixed-width table: run, final and best test accuracy, the epsilon spent (runs with a
-    privacy section), rounds to the target (where one is set), seconds per round. Under --seeds,
-    one row per configuration: its number of seeds, then mean ± sample standard deviation over
-    them, and the rounds to the target as
-    ``mean ± sd (reached/seeds)`` over the seeds that reached it."""
+    privacy section), the FIGURES of summary.json some run has (the personal models' final mean
+    accuracy, megabytes sent and compression ratio, mean staleness, clients lost), rounds to the
+    target (where one is set), seconds per round. Under --seeds, one row per configuration: its
+    number of seeds, then mean ± sample standard deviation over them (a figure: its mean), and the
+    rounds to the target as ``mean ± sd (reached/seeds)`` over the seeds that reached it."""
     repeated = _repeated(runs)
     groups = configurations(runs) if repeated else [[run] for run in runs]
     columns = [
@@ -165,6 +196,10 @@ def format_table(runs: list[SweepRun], target: float | None = None) -> str:
     if _with_epsilon(runs):
         epsilons = [_mean_epsilon([run.history for run in g]) for g in groups]
         columns.append(("epsilon", ["–" if e is None else f"{e:.3g}" for e in epsilons]))
+    for key, title, spec in _figures(runs):
+        if title:
+            values = [_mean_figure([run.history for run in g], key) for g in groups]
+            columns.append((title, ["–" if v is None else format(v, spec) for v in values]))
     if _with_target(runs, target):
         goals = [_target(g[0], target) for g in groups]
         stats = [target_stats([run.history for run in g], goal) for g, goal in zip(groups, goals)]
