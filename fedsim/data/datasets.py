@@ -20,7 +20,7 @@ from ..core.errors import ConfigError, DataError, user_code
 from ..core.registry import Registry, is_import_path, load_attr, registered
 from .hub import PREFIX as HUB
 from .hub import load_hub
-from .tensors import Dataset
+from .tensors import Dataset, checked, class_count
 
 DATASETS = Registry("dataset")
 
@@ -30,7 +30,7 @@ def from_tensors(
     train_y: torch.Tensor | np.ndarray,
     test_x: torch.Tensor | np.ndarray,
     test_y: torch.Tensor | np.ndarray,
-    num_classes: int | None = None,
+    num_classes: object = None,
     name: str = "tensors",
 ) -> Dataset:
     """A dataset of your own, from tensors or numpy arrays: inputs ``[N, ...]`` (made float32,
@@ -61,7 +61,7 @@ def from_tensors(
             f"{tuple(parts['test_x'].shape[1:])} differ in shape"
         )
     train_y, test_y = parts["train_y"].to(torch.int64), parts["test_y"].to(torch.int64)
-    classes = int(max(train_y.max(), test_y.max())) + 1 if num_classes is None else num_classes
+    classes = int(max(train_y.max(), test_y.max())) + 1 if num_classes is None else class_count(num_classes, where)
     if min(train_y.min(), test_y.min()) < 0 or max(train_y.max(), test_y.max()) >= classes or classes < 2:
         raise DataError(
             f"{where}: labels must lie in 0 .. num_classes - 1 with at least 2 classes; they span "
@@ -95,8 +95,7 @@ def _from_file(path: Path) -> Dataset:
     if not isinstance(arrays, dict) or not set(_TENSOR_KEYS) <= set(arrays):
         found = ", ".join(sorted(map(str, arrays))) if isinstance(arrays, dict) else type(arrays).__name__
         raise DataError(f"{path}: expected the arrays {', '.join(_TENSOR_KEYS)}; found {found}")
-    classes = arrays.get("num_classes")
-    classes = int(classes) if classes is not None else None
+    classes = arrays.get("num_classes")  # checked by from_tensors: int() would round 10.5 silently
     return from_tensors(*(arrays[key] for key in _TENSOR_KEYS), num_classes=classes, name=str(path))
 
 
@@ -149,6 +148,8 @@ def load_dataset(
     else:
         data = DATASETS.get(spec)(Path(root), download)
         data.name = spec
+    # every dataset passes here: metadata it cannot have is refused now, before a model or worker exists
+    data = checked(data, f"data.dataset ({data.name if isinstance(spec, Dataset) else spec})")
     if limit is not None:
         if limit > len(data.train_y):
             raise DataError(

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
+
+from ..core.errors import DataError, cut
 
 
 @dataclasses.dataclass
@@ -44,3 +47,56 @@ class Dataset:
             train_clients=cut(self.train_clients),
             coarse_labels=cut(self.coarse_labels),
         )
+
+
+def class_count(value: object, where: str) -> int:
+    """``num_classes`` as an int: an int, a numpy integer or a one-value integer array or tensor;
+    a float (even 10.0), a bool or text is refused, since a count of classes read from a file is
+    never rounded silently."""
+    try:
+        if isinstance(value, bool) or getattr(value, "dtype", None) in (bool, torch.bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        shown = value.tolist() if getattr(value, "ndim", None) == 0 else value  # a file's 0-d array, by its value
+        kind = getattr(value, "dtype", type(value).__name__)
+        raise DataError(f"{where}: num_classes is {cut(repr(shown), 40)} ({kind}); expected an integer") from None
+
+
+def checked(data: Dataset, where: str) -> Dataset:
+    """``data`` with ``num_classes`` as an int, if its own metadata is possible: tensors of [N, ...]
+    inputs and [N] integer labels with N > 0, labels in 0 .. num_classes - 1, at least 2 classes,
+    and per-sample columns (client ids, coarse labels) of as many rows as the samples; refused in
+    one line naming ``where`` otherwise, before anything is allocated for it."""
+    classes = class_count(data.num_classes, where)
+    for split in ("train", "test"):
+        x, y = getattr(data, f"{split}_x"), getattr(data, f"{split}_y")
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+            raise DataError(
+                f"{where}: {split}_x and {split}_y are {type(x).__name__} and {type(y).__name__}; expected tensors"
+            )
+        if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(y) == 0:
+            raise DataError(
+                f"{where}: {split}_x has shape {tuple(x.shape)} and {split}_y {tuple(y.shape)}; "
+                f"expected [N, ...] inputs and [N] labels, N > 0"
+            )
+        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+            raise DataError(f"{where}: {split}_y must hold integer class labels, got {y.dtype}")
+        low, high = int(y.min()), int(y.max())
+        if classes < 2 or low < 0 or high >= classes:
+            raise DataError(
+                f"{where}: labels must lie in 0 .. num_classes - 1 with at least 2 classes; the {split} "
+                f"labels span {low} .. {high} for num_classes {classes}"
+            )
+    if data.train_x.shape[1:] != data.test_x.shape[1:]:
+        raise DataError(
+            f"{where}: train inputs {tuple(data.train_x.shape[1:])} and test inputs "
+            f"{tuple(data.test_x.shape[1:])} differ in shape"
+        )
+    samples = {"train_clients": len(data.train_y), "test_clients": len(data.test_y), "coarse_labels": len(data.train_y)}
+    for name, count in samples.items():
+        column = getattr(data, name)
+        if column is not None and (not isinstance(column, torch.Tensor) or column.shape != (count,)):
+            got = tuple(column.shape) if isinstance(column, torch.Tensor) else type(column).__name__
+            raise DataError(f"{where}: {name} has shape {got}; expected one value per sample, ({count},)")
+    return data if type(data.num_classes) is int else dataclasses.replace(data, num_classes=classes)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..algorithms import Algorithm, Round
-from ..core.errors import NonFiniteError, user_code
+from ..core.errors import NonFiniteError, UserCodeError, user_code
 from ..core.streams import attack_generator
 from ..fl.aggregation import row_norms
 from ..fl.attacks import Attack
@@ -173,11 +173,23 @@ class AggregateUpdates:
         return round_, records
 
     def _rule(self, rnd: int):
-        """The run's rule, named in one line if it raises (it may be the user's)."""
+        """The run's rule, named in one line if it raises or returns what cannot be a step of the
+        global weights (it may be the user's, and its probe saw only a few values on the CPU)."""
 
         def aggregate(updates, weights):
             with user_code(f"aggregator {self.names['aggregator']} failed in round {rnd}"):
-                return self.aggregate(updates, weights)
+                out = self.aggregate(updates, weights)
+            expected = f"a tensor of shape ({updates.shape[1]},), {updates.dtype} on {updates.device}, as the updates"
+            if not isinstance(out, torch.Tensor):
+                got = type(out).__name__
+            elif (out.shape, out.dtype, out.device) != (updates.shape[1:], updates.dtype, updates.device):
+                got = f"shape {tuple(out.shape)}, {out.dtype} on {out.device}"
+            else:
+                return out
+            raise UserCodeError(
+                f"aggregator {self.names['aggregator']} returned {got} in round {rnd} for {len(updates)} "
+                f"updates of {updates.shape[1]} values; expected {expected}"
+            )
 
         return aggregate
 

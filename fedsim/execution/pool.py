@@ -48,40 +48,54 @@ from .resources import (
     die_with_parent,
     exit_cause,
     name_this_process,
-    raise_descriptor_limit,
+    prepare_descriptor_sharing,
     reset_peak_memory,
+    start_seconds,
     stop_resource_sharer,
 )
 from .runner import ClientRunner
 
 STARTING, IDLE = -2, -1  # RoundBuffers.progress values besides a client id
-START_TIMEOUT = 300.0  # seconds for workers to start (the fork server's imports, CUDA context, model)
+RECEIVING = "receiving the run's config and shared buffers"
+NOT_RUNNING = "starting its process (the fork server may still be importing torch)"  # no stage reported yet
 FIRST_ROUND_TIMEOUT = 900.0  # the first round also pays for cuDNN set-up and first kernels
 
 
+def _set_up(conn: Connection, rank: int, device: torch.device, command: tuple) -> tuple:
+    """The worker's runner for the run of ``command``; each stage is told first, for a timeout to name."""
+    _, config, runner, buffers = command
+    if device.type == "cuda":
+        conn.send(("stage", f"initialising CUDA on {device}"))
+        torch.cuda.set_device(device)  # creates the worker's CUDA context
+    conn.send(("stage", "building its model and runner"))
+    trainer = runner(config, buffers, device)
+    reset_peak_memory(device)  # a kept worker's peaks are its new run's
+    buffers.progress[rank] = IDLE
+    conn.send(("ready",))
+    return trainer, buffers
+
+
 def _worker_main(rank: int, device: str, sharing_strategy: str, conn: Connection) -> None:
-    die_with_parent()
-    name_this_process(f"fedsim-worker{rank}")
-    for signum in STOP_SIGNALS:  # Ctrl-C, and torchrun's or systemd's SIGTERM, reach the whole process
-        signal.signal(signum, signal.SIG_IGN)  # group; the server decides, and stops its workers itself
-    try:
+    try:  # everything, so that whatever fails is reported in one line, never as a traceback
+        die_with_parent()
+        name_this_process(f"fedsim-worker{rank}")
+        for signum in STOP_SIGNALS:  # Ctrl-C, and torchrun's or systemd's SIGTERM, reach the whole process
+            signal.signal(signum, signal.SIG_IGN)  # group; the server decides, and stops its workers itself
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)
         torch.set_num_threads(1)  # one thread per worker: no oversubscription, and the same float
         # reductions in every worker (and in InlinePool), so results do not depend on `workers`
         trainer = buffers = None
+        conn.send(("stage", RECEIVING))
         while True:
             command = conn.recv()  # blocks until the server starts a run or opens its next round
             if command[0] == "stop":
                 return
             if command[0] == "setup":  # a run: its config, its routine and its shared buffers
-                _, config, runner, buffers = command
-                trainer = runner(config, buffers, torch.device(device))
-                reset_peak_memory(torch.device(device))  # a kept worker's peaks are its new run's
-                buffers.progress[rank] = IDLE
-                conn.send(("ready",))
+                trainer, buffers = _set_up(conn, rank, torch.device(device), command)
                 continue
             if command[0] == "release":  # the run is over; the pool is kept for another (PoolKeeper)
                 trainer = buffers = None
+                conn.send(("stage", RECEIVING))  # read when the next run starts the pool
                 continue
             _, rnd, groups = command
             started = time.perf_counter()
@@ -131,12 +145,13 @@ class WorkerPool(Executor):
         self._closed = False
         self.processes, self.conns = [], []
         _LIVE_POOLS.add(self)
-        raise_descriptor_limit()
+        prepare_descriptor_sharing()
         self.begin_run(config, runner)
 
     def begin_run(self, config: Config, runner: type) -> None:
         """Settings of the run the pool serves next: ``start`` hands them to the workers."""
         self.config, self.runner = config, runner
+        self.start_seconds = start_seconds()  # read here, so a bad value is refused before the run starts
         self.buffers: RoundBuffers | None = None  # set by start()
         self.round, self.slowest = 0, 0.0  # the longest round so far, in seconds (for the timeout)
         self._in_round = False
@@ -161,9 +176,10 @@ class WorkerPool(Executor):
 
     def start(self, buffers: RoundBuffers) -> None:
         """Hand every worker the run's config and shared buffers, once, and wait until all are
-        ready to train; the first run forks the workers."""
+        ready to train; the first run forks the workers. The wait has its own bound whatever
+        ``worker_timeout`` (for rounds) says: FEDSIM_WORKER_START_SECONDS, default 60 s."""
         self.buffers = buffers
-        timeout = max(self.config.worker_timeout or 0, START_TIMEOUT)
+        self.stages = [NOT_RUNNING] * self.num_workers  # what each worker last said it was doing
         buffers.progress.fill_(STARTING)
         try:
             check_descriptors(buffers, self.num_workers)
@@ -174,7 +190,7 @@ class WorkerPool(Executor):
                     conn.send(("setup", self.config, self.runner, buffers))
                 except BrokenPipeError:
                     pass  # that worker died while starting; waiting below names it
-            self._await_all("ready", timeout)
+            self._await_all("ready", self.start_seconds)
         except BaseException:
             self._release()
             raise
@@ -226,6 +242,8 @@ class WorkerPool(Executor):
                         continue  # died: its sentinel is ready too
                     if message[0] == "error":
                         raise WorkerError(self._failure(rank, message[1]))
+                    if message[0] == "stage":
+                        self.stages[rank] = message[1]
                     if message[0] == kind:
                         waiting.discard(rank)
                     if message[0] == "done":
@@ -243,21 +261,27 @@ class WorkerPool(Executor):
     def _failure(self, rank: int, cause: str) -> str:
         client = self._progress(rank)
         if client >= 0:
-            where = f"while training client {client} in round {self.round}"
+            what = f"failed while training client {client} in round {self.round}"
         elif client == STARTING:
-            where = "while starting"
+            what = f"could not start on {self.device}"
         else:
-            where = f"between clients in round {self.round}" if self._in_round else "between rounds"
+            what = f"failed between clients in round {self.round}" if self._in_round else "failed between rounds"
         hint = resource_hint(cause)
-        return f"worker {rank} failed {where}: {cause}" + (f"; {hint}" if hint else "")
+        return f"worker {rank} {what}: {cause}" + (f"; {hint}" if hint else "")
 
     def _timeout_message(self, kind: str, timeout: float, waiting: list[int]) -> str:
+        if kind == "ready":  # what each worker last said it was doing
+            several = len(waiting) > 1
+            who = f"worker{'s' * several} {', '.join(map(str, waiting))}"
+            doing = ", ".join(f"worker {rank} " * several + f"still {self.stages[rank]}" for rank in waiting)
+            return (
+                f"{who} did not start on {self.device} within {timeout:g} s (FEDSIM_WORKER_START_SECONDS): "
+                f"{doing}; raise FEDSIM_WORKER_START_SECONDS if start-up is really this slow"
+            )
         rank = waiting[0]
         client = self._progress(rank)
         others = f" (and {len(waiting) - 1} more)" if len(waiting) > 1 else ""
-        if kind == "ready":
-            doing = "did not start"
-        elif client >= 0:
+        if client >= 0:
             doing = f"did not finish client {client} of round {self.round}"
         else:
             doing = f"did not finish round {self.round}"

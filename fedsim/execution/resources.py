@@ -10,13 +10,15 @@ import multiprocessing.resource_sharer
 import os
 import resource
 import signal
+import sys
 import threading
 from collections.abc import Iterator
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..core.errors import ResourceError
+from ..core.errors import ConfigError, ResourceError
 
 if TYPE_CHECKING:
     from ..engine.buffers import RoundBuffers
@@ -89,6 +91,27 @@ def exit_cause(code: int | None) -> str:
     return f"exited with status {code}"
 
 
+START_SECONDS_VARIABLE = "FEDSIM_WORKER_START_SECONDS"
+DEFAULT_START_SECONDS = 60.0  # forking, the run's buffers, a CUDA context and the model take seconds
+
+
+def start_seconds() -> float:
+    """How long a pool waits for its workers to be ready: FEDSIM_WORKER_START_SECONDS, or 60 s.
+    It bounds start-up alone; ``worker_timeout`` bounds rounds."""
+    text = os.environ.get(START_SECONDS_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_START_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds <= 1_000_000:  # also NaN
+        raise ConfigError(
+            f"{START_SECONDS_VARIABLE}: must be a number of seconds > 0 and at most 1,000,000, got {text[:40]!r}"
+        )
+    return seconds
+
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -134,6 +157,33 @@ def raise_descriptor_limit() -> None:
     if soft != resource.RLIM_INFINITY and soft < target:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def prepare_descriptor_sharing() -> None:
+    """Ready this process to hand shared tensors to workers: a higher descriptor limit, and the
+    resource sharer's broken connections kept off the terminal (see quiet_resource_sharer)."""
+    raise_descriptor_limit()
+    quiet_resource_sharer()
+
+
+def quiet_resource_sharer() -> None:
+    """A worker that dies while it takes its shared tensors' descriptors (killed, or out of memory,
+    during start-up) breaks its connection to multiprocessing's resource sharer, whose thread then
+    prints a traceback through sys.excepthook, once per descriptor; the pool names that worker and
+    its exit cause in one line instead. Installs, once, a hook that drops exactly those reports
+    (an OSError raised in the sharer's own code) and hands every other one to the hook before it."""
+    if getattr(sys.excepthook, "quiets_resource_sharer", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
+        sharer = multiprocessing.resource_sharer.__file__
+        if issubclass(kind, OSError) and trace is not None and trace.tb_frame.f_code.co_filename == sharer:
+            return
+        previous(kind, error, trace)
+
+    hook.quiets_resource_sharer = True
+    sys.excepthook = hook
 
 
 def check_descriptors(buffers: RoundBuffers, num_workers: int) -> None:

@@ -158,10 +158,13 @@ def probe_aggregator(spec: Any, rule: Callable[[torch.Tensor, torch.Tensor], tor
     updates = torch.randn(k, 3, generator=torch.Generator().manual_seed(0))
     with user_code(f"aggregator: {describe(spec)} fails on a stack of {k} updates of 3 values", ConfigError):
         out = rule(updates, torch.ones(k))
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (3,):
-        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+    # the run checks the rule's output every round too: these 3 values on the CPU cannot show a rule
+    # that goes wrong only for more values, or on another device
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (3,) or out.dtype != updates.dtype:
+        got = f"shape {tuple(out.shape)} ({out.dtype})" if isinstance(out, torch.Tensor) else type(out).__name__
         raise ConfigError(
-            f"aggregator: {describe(spec)} returns {got} for {k} updates of 3 values; expected shape (3,)"
+            f"aggregator: {describe(spec)} returns {got} for {k} updates of 3 values; "
+            f"expected shape (3,) ({updates.dtype}), as the updates"
         )
 
 
