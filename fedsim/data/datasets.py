@@ -20,7 +20,7 @@ from ..core.errors import ConfigError, DataError, user_code
 from ..core.registry import Registry, is_import_path, load_attr, registered
 from .hub import PREFIX as HUB
 from .hub import load_hub
-from .tensors import Dataset, checked, class_count
+from .tensors import Dataset, checked
 
 DATASETS = Registry("dataset")
 
@@ -45,33 +45,22 @@ def from_tensors(
         except (TypeError, ValueError, RuntimeError) as e:
             raise DataError(f"{where}: {key} is not an array ({e})") from None
     for split in ("train", "test"):
-        x, y = parts[f"{split}_x"], parts[f"{split}_y"]
-        if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(y) == 0:
-            raise DataError(
-                f"{where}: {split}_x has shape {tuple(x.shape)} and {split}_y {tuple(y.shape)}; "
-                f"expected [N, ...] inputs and [N] labels, N > 0"
-            )
-        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-            raise DataError(f"{where}: {split}_y must hold integer class labels, got {y.dtype}")
+        x = parts[f"{split}_x"]
         if not (x.is_floating_point() or x.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)):
             raise DataError(f"{where}: {split}_x must hold numbers, got {x.dtype}")
-    if parts["train_x"].shape[1:] != parts["test_x"].shape[1:]:
-        raise DataError(
-            f"{where}: train inputs {tuple(parts['train_x'].shape[1:])} and test inputs "
-            f"{tuple(parts['test_x'].shape[1:])} differ in shape"
-        )
-    train_y, test_y = parts["train_y"].to(torch.int64), parts["test_y"].to(torch.int64)
-    classes = int(max(train_y.max(), test_y.max())) + 1 if num_classes is None else class_count(num_classes, where)
-    if min(train_y.min(), test_y.min()) < 0 or max(train_y.max(), test_y.max()) >= classes or classes < 2:
-        raise DataError(
-            f"{where}: labels must lie in 0 .. num_classes - 1 with at least 2 classes; they span "
-            f"{int(min(train_y.min(), test_y.min()))} .. {int(max(train_y.max(), test_y.max()))} "
-            f"for {classes} classes"
-        )
-    train_x, test_x = parts["train_x"].to(torch.float32), parts["test_x"].to(torch.float32)
+    labels = (parts["train_y"], parts["test_y"])
+    if num_classes is None and all(y.numel() and not (y.is_floating_point() or y.is_complex()) for y in labels):
+        num_classes = int(max(y.max() for y in labels)) + 1
+    # shapes, label types and ranges: the one check every dataset passes (an unknown count here
+    # is only left where those checks refuse the labels first)
+    data = checked(
+        Dataset(*(parts[key] for key in _TENSOR_KEYS), num_classes if num_classes is not None else 0, name), where
+    )
+    train_x, test_x = data.train_x.to(torch.float32), data.test_x.to(torch.float32)
     if not (torch.isfinite(train_x).all() and torch.isfinite(test_x).all()):
         raise DataError(f"{where}: the inputs hold NaN or Inf")
-    return Dataset(train_x.contiguous(), train_y, test_x.contiguous(), test_y, classes, name)
+    train_y, test_y = data.train_y.to(torch.int64), data.test_y.to(torch.int64)
+    return Dataset(train_x.contiguous(), train_y, test_x.contiguous(), test_y, data.num_classes, name)
 
 
 _TENSOR_KEYS = ("train_x", "train_y", "test_x", "test_y")

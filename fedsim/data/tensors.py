@@ -68,7 +68,6 @@ def checked(data: Dataset, where: str) -> Dataset:
     inputs and [N] integer labels with N > 0, labels in 0 .. num_classes - 1, at least 2 classes,
     and per-sample columns (client ids, coarse labels) of as many rows as the samples; refused in
     one line naming ``where`` otherwise, before anything is allocated for it."""
-    classes = class_count(data.num_classes, where)
     for split in ("train", "test"):
         x, y = getattr(data, f"{split}_x"), getattr(data, f"{split}_y")
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
@@ -82,6 +81,9 @@ def checked(data: Dataset, where: str) -> Dataset:
             )
         if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
             raise DataError(f"{where}: {split}_y must hold integer class labels, got {y.dtype}")
+    classes = class_count(data.num_classes, where)
+    for split in ("train", "test"):
+        y = getattr(data, f"{split}_y")
         low, high = int(y.min()), int(y.max())
         if classes < 2 or low < 0 or high >= classes:
             raise DataError(
