@@ -300,6 +300,7 @@ def write_run(path, name="run", seed=0, accuracies=(0.5, 0.7, 0.8), summary=True
                     "round": rnd,
                     "test_accuracy": acc,
                     "test_loss": 2.0 - acc,
+                    "test_perplexity": "",  # empty, as a classification run writes it (not restval)
                     "train_loss": 1.9 - acc,
                     "seconds": 1.5,
                     "elapsed_seconds": 1.5 * rnd + seed,

@@ -11,6 +11,7 @@ import fedsim
 from fedsim.algorithms import ALGORITHMS, Clients, LocalResult
 from fedsim.core.flat import FlatModel
 from fedsim.execution.client import LocalTrainer, VmapTrainer
+from fedsim.experiment.config import LocalConfig
 from fedsim.fl.attacks import LabelFlip
 from fedsim.fl.models import build_model
 
@@ -18,8 +19,8 @@ U32 = 2.0**-24  # float32 unit roundoff
 
 
 def local(**changes):
-    values = dict(epochs=2, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-3, precision="fp32")
-    return types.SimpleNamespace(**{**values, **changes})
+    values = dict(epochs=2, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    return LocalConfig(**{**values, **changes})
 
 
 def problem(seed=0):

@@ -262,7 +262,7 @@ def femnist_file(tmp_path):
         ({**FEMNIST, "label": "writer_id"}, "data.hf.label: column 'writer_id' holds string, not integer class labels"),
         (
             {**FEMNIST, "input": "writer_id"},
-            "data.hf.input: column 'writer_id' holds text; text inputs are not supported yet",
+            "data.hf.input: column 'writer_id' holds text; for text data give data.hf.text instead of input and label",
         ),
         ({**FEMNIST, "input": ["hsf_id", "writer_id"]}, "data.hf.input: column 'writer_id' holds text"),
         ({**FEMNIST, "train": "training"}, "data.hf.train: hf:{path} has no split 'training'; its splits: train"),

@@ -235,7 +235,11 @@ def test_runs_of_sweep_seeds_become_one_line_and_one_band_per_configuration(tmp_
     planned = plan(tmp_path / "base.yaml", ["aggregator=mean,median"], seeds="0,1,2")
     histories = [
         History(
-            [dict.fromkeys(COLUMNS, 0.0) | {"round": r, "test_accuracy": 0.1 * (r + run.seed)} for r in (1, 2)],
+            [
+                dict.fromkeys(COLUMNS, 0.0)
+                | {"round": r, "test_accuracy": 0.1 * (r + run.seed), "test_perplexity": None}
+                for r in (1, 2)
+            ],
             run.config.to_dict(),
         )
         for run in planned

@@ -63,7 +63,10 @@ def test_a_run_directory_is_named_by_what_changes_the_run():
 
 
 def _history(accuracies, summary):
-    rows = [dict.fromkeys(COLUMNS, 0.5) | {"round": r, "test_accuracy": a} for r, a in enumerate(accuracies, 1)]
+    rows = [
+        dict.fromkeys(COLUMNS, 0.5) | {"round": r, "test_accuracy": a, "test_perplexity": None}
+        for r, a in enumerate(accuracies, 1)
+    ]
     config = load_config("mnist_seed", ["data.dataset=synthetic"]).to_dict()
     return History(rows, config, None, summary)
 

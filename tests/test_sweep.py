@@ -51,7 +51,7 @@ def fake_runs(monkeypatch):
     def start_run(cfg, out=None, overwrite=False, quiet=False, pools=None):
         calls.append((cfg, out))
         rows = [
-            dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": acc, "seconds": s}
+            dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": acc, "seconds": s, "test_perplexity": None}
             for r, acc, s in [(1, 0.5, 9.0), (2, cfg.seed / 10, 2.0)]
         ]
         return History(rows, cfg.to_dict(), out)
@@ -414,7 +414,8 @@ CURVES = {
 def curve_runs(monkeypatch):
     def start_run(cfg, out=None, overwrite=False, quiet=False, pools=None):
         rows = [
-            dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": acc, "seconds": 1.0 + cfg.seed}
+            dict.fromkeys(COLUMNS, 0)
+            | {"round": r, "test_accuracy": acc, "seconds": 1.0 + cfg.seed, "test_perplexity": None}
             for r, acc in enumerate(CURVES[cfg.aggregator, cfg.seed], start=1)
         ]
         return History(rows, cfg.to_dict(), out)
@@ -681,7 +682,8 @@ def test_a_sweep_of_private_runs_tables_the_epsilon_they_spent(config_file, monk
     def start_run(cfg, out=None, overwrite=False, quiet=False, pools=None):
         z = cfg.privacy["noise_multiplier"]
         rows = [
-            dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": 0.5, "seconds": 1.0, "epsilon": r / z}
+            dict.fromkeys(COLUMNS, 0)
+            | {"round": r, "test_accuracy": 0.5, "seconds": 1.0, "epsilon": r / z, "test_perplexity": None}
             for r in (1, 2)
         ]
         return History(rows, cfg.to_dict(), out)

@@ -10,7 +10,6 @@ always fails; the bound says a correct engine passes for all but a negligible sh
 from __future__ import annotations
 
 import math
-import types
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from fedsim.cli import build_parser
 from fedsim.core.errors import ConfigError
 from fedsim.core.flat import FlatModel
 from fedsim.execution.client import LocalTrainer, VmapTrainer
+from fedsim.experiment.config import LocalConfig
 from fedsim.experiment.federation import load_federation
 from fedsim.experiment.validation import load_config, unused_settings
 from fedsim.fl.system import System, local_steps
@@ -94,7 +94,7 @@ def test_both_trainers_stop_partial_clients_after_their_step_limit():
     clients = [torch.arange(0, 37), torch.arange(37, 42), torch.arange(42, 58)]
     limits = [7, None, 3]  # into the second epoch; all of it; one batch into the second epoch
     seeds = [11, 22, 33]
-    cfg = types.SimpleNamespace(epochs=2, batch_size=8, lr=0.3, momentum=0.0, weight_decay=0.0, precision="fp32")
+    cfg = LocalConfig(epochs=2, batch_size=8, lr=0.3)
     module = linear_model()
     w0, b0 = module[1].weight.detach().clone(), module[1].bias.detach().clone()
     start = torch.cat([w0.flatten(), b0])

@@ -88,7 +88,11 @@ def _add_plot_parser(sub) -> None:
     plot = sub.add_parser("plot", help="plot per-round metrics of one or more runs into a PNG or PDF")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories or glob patterns ('runs/cmp-*')")
     plot.add_argument("-o", "--output", required=True, metavar="FILE", help="the figure: FILE.png or FILE.pdf")
-    plot.add_argument("--metric", default="test_accuracy", help="column of metrics.csv to plot (default test_accuracy)")
+    plot.add_argument(
+        "--metric",
+        help="column of metrics.csv to plot (default test_accuracy; for language models' runs test_loss, with "
+        "the perplexity on the right-hand axis; test_perplexity draws it on a log axis)",
+    )
     plot.add_argument(
         "--x",
         choices=("round", "seconds", "epsilon", "bytes", "simulated_seconds"),
@@ -101,7 +105,9 @@ def _add_plot_parser(sub) -> None:
         metavar="KEY",
         help="name lines by this config key (e.g. aggregator, data.alpha) instead of the run name",
     )
-    plot.add_argument("--loss", action="store_true", help="add a panel of test loss")
+    plot.add_argument(
+        "--loss", action="store_true", help="add a panel of test loss (of token accuracy below a language model's loss)"
+    )
     plot.add_argument(
         "--spread",
         action="store_true",

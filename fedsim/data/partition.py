@@ -30,6 +30,9 @@ PARTITIONS = Registry("partition")
 MAX_DIRICHLET_DRAWS = 1000  # re-draws allowed to meet data.min_samples before giving up
 
 
+# the methods that read no label: what a split of text, whose samples have none, may use
+WITHOUT_LABELS = {"natural", "iid", "contiguous", "quantity"}
+
 COLUMNS = {
     "clients": "its own clients (a federated dataset: femnist, shakespeare, hf: with a client column)",
     "coarse_labels": "coarse labels (cifar100)",
@@ -46,9 +49,14 @@ def partition(
 ) -> list[torch.Tensor]:
     """Split sample indices among ``num_clients`` clients; one int64 tensor per client.
     ``columns``: the dataset's per-sample columns (``Dataset.columns()``), for the methods that
-    name them."""
+    name them. Token data's targets ([N, T]) are no labels: only ``WITHOUT_LABELS`` split it."""
     fn = PARTITIONS.get(method)
     labels = np.asarray(labels.cpu() if isinstance(labels, torch.Tensor) else labels)
+    if labels.ndim > 1 and method not in WITHOUT_LABELS:
+        raise ConfigError(
+            f"data.partition: {method} splits by class labels; text data has none: use natural or iid "
+            f"(or {', '.join(sorted(WITHOUT_LABELS - {'natural', 'iid'}))})"
+        )
     if num_clients > len(labels):
         raise ConfigError(f"data.num_clients: {num_clients} clients but only {len(labels)} samples")
     accepted = set(inspect.signature(fn).parameters) - {"labels", "num_clients", "rng", *COLUMNS}
@@ -102,11 +110,14 @@ def local_test_split(
     Every class's test samples are divided among the clients in proportion to how many
     training samples of that class each client holds, so a client's test split has its
     training label mix and sizes follow training sizes. The splits are disjoint; test samples
-    of a class that no client trains on are left out.
+    of a class that no client trains on are left out. Token data has no labels: its test
+    sequences are dealt as those of one class, in proportion to each client's training size.
     """
     train_labels, test_labels = (
         np.asarray(t.cpu() if isinstance(t, torch.Tensor) else t) for t in (train_labels, test_labels)
     )
+    if train_labels.ndim > 1:
+        train_labels, test_labels = np.zeros(len(train_labels), np.int64), np.zeros(len(test_labels), np.int64)
     classes, test_sizes = np.unique(test_labels, return_counts=True)
     width = int(max(train_labels.max(initial=0), classes.max(initial=0))) + 1
     held = np.stack([np.bincount(train_labels[np.asarray(p)], minlength=width) for p in parts], axis=1)[classes]

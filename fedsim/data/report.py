@@ -1,4 +1,5 @@
-"""Seeing a split: per-client counts, a client x class heat map, a one-paragraph summary.
+"""Seeing a split: per-client counts, a client x class heat map (text data: sequences and scored
+tokens per client), a one-paragraph summary.
 
 ``write_report`` loads the data and splits it exactly as a run does, so what it shows is what
 the clients of that experiment train on.
@@ -21,6 +22,7 @@ from matplotlib.ticker import MaxNLocator
 from ..core.errors import write_error
 from ..core.files import atomic_write_text, write_atomically
 from .partition import options_for
+from .tensors import IGNORE_INDEX
 
 _ANNOTATE_UP_TO = 200  # cells; beyond this, numbers in the cells become unreadable
 
@@ -54,6 +56,43 @@ def summary_text(stats: dict) -> str:
     if empty:
         text += f" {empty} client{' gets' if empty == 1 else 's get'} no samples, which a run refuses."
     return text
+
+
+def token_stats(parts: Sequence[torch.Tensor | np.ndarray], targets: torch.Tensor) -> dict:
+    """Text data's counts: per-client sequences (``samples``) and scored tokens (``tokens``: the
+    targets that are not IGNORE_INDEX), where classification data has a label mix."""
+    scored = np.asarray((targets != IGNORE_INDEX).sum(dim=1).cpu())  # of each sequence
+    return {
+        "num_clients": len(parts),
+        "samples": [len(p) for p in parts],
+        "tokens": [int(scored[np.asarray(p, dtype=np.int64)].sum()) for p in parts],
+    }
+
+
+def token_summary(stats: dict) -> str:
+    """One paragraph for text data: sequences and scored tokens, with their spread over clients."""
+    sizes, tokens = np.asarray(stats["samples"]), np.asarray(stats["tokens"])
+    text = (
+        f"{stats['num_clients']} clients hold {sizes.sum():,} sequences with {tokens.sum():,} scored tokens; "
+        f"sequences a client: min {sizes.min():,}, median {np.median(sizes):,.0f}, max {sizes.max():,}; "
+        f"scored tokens a client: min {tokens.min():,}, median {np.median(tokens):,.0f}, max {tokens.max():,}."
+    )
+    empty = int((sizes == 0).sum())
+    if empty:
+        text += f" {empty} client{' gets' if empty == 1 else 's get'} no sequences, which a run refuses."
+    return text
+
+
+def token_figure(stats: dict, title: str) -> Figure:
+    """The scored tokens of each client, a bar each (text data has no classes to map)."""
+    num_clients = stats["num_clients"]
+    fig = Figure(figsize=(float(np.clip(3.0 + 0.12 * num_clients, 6.4, 16.0)), 4.0), layout="constrained")
+    ax = fig.subplots()
+    ax.bar(np.arange(num_clients), stats["tokens"], width=0.9 if num_clients <= 50 else 1.0, color="0.55")
+    ax.set(title=title, xlabel="client", ylabel="scored tokens", xlim=(-0.5, num_clients - 0.5))
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=min(num_clients, 25), integer=True))
+    ax.grid(True, axis="y", alpha=0.3)
+    return fig
 
 
 def partition_figure(stats: dict, title: str) -> Figure:
@@ -122,20 +161,27 @@ def write_report(config: Any, federation: Any, out_dir: str | os.PathLike) -> di
     d = config.data
     options = options_for(d.partition, d)
     data, parts = federation.data, federation.parts
-    stats = partition_stats(parts, data.train_y, data.num_classes)
+    if data.tokens:  # text: sequences and scored tokens per client, as there are no labels to count
+        stats = token_stats(parts, data.train_y)
+    else:
+        stats = partition_stats(parts, data.train_y, data.num_classes)
     report = {
         "name": config.name,
         "dataset": data.name,
         "partition": d.partition,
         "options": options,
         "seed": config.seed,
-        "summary": summary_text(stats),
+        "summary": token_summary(stats) if data.tokens else summary_text(stats),
         **stats,
     }
     if d.test_partition:
         test_parts = federation.test_parts(config.seed)
-        test_stats = partition_stats(test_parts, data.test_y, data.num_classes)
-        report["test_samples"], report["test_class_counts"] = test_stats["samples"], test_stats["class_counts"]
+        if data.tokens:
+            test_stats = token_stats(test_parts, data.test_y)
+            report["test_samples"], report["test_tokens"] = test_stats["samples"], test_stats["tokens"]
+        else:
+            test_stats = partition_stats(test_parts, data.test_y, data.num_classes)
+            report["test_samples"], report["test_class_counts"] = test_stats["samples"], test_stats["class_counts"]
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -144,6 +190,6 @@ def write_report(config: Any, federation: Any, out_dir: str | os.PathLike) -> di
     atomic_write_text(out / "partition.json", _json_text(report))
     described = ", ".join(f"{key}={value}" for key, value in sorted(options.items()))
     title = f"{config.name}: {data.name}, {d.partition}" + (f" ({described})" if described else "")
-    figure = partition_figure(stats, title)
+    figure = token_figure(stats, title) if data.tokens else partition_figure(stats, title)
     write_atomically(out / "partition.png", lambda tmp: figure.savefig(tmp, dpi=120, format="png"))
     return report

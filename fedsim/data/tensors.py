@@ -9,6 +9,9 @@ import torch
 
 from ..core.errors import DataError, cut
 
+# a token-level target that is not scored (padding): cross-entropy's default ignore_index
+IGNORE_INDEX = -100
+
 
 @dataclasses.dataclass
 class Dataset:
@@ -28,6 +31,12 @@ class Dataset:
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.train_x.shape[1:])
+
+    @property
+    def tokens(self) -> bool:
+        """A token-level task: targets [N, T] (the next token at each position, IGNORE_INDEX where
+        none is scored) rather than one class label a sample; num_classes is the vocabulary."""
+        return self.train_y.ndim == 2
 
     def columns(self) -> dict[str, torch.Tensor]:
         """The per-sample columns of the training set that a partition may ask for by name."""
@@ -67,13 +76,18 @@ def checked(data: Dataset, where: str) -> Dataset:
     """``data`` with ``num_classes`` as an int, if its own metadata is possible: tensors of [N, ...]
     inputs and [N] integer labels with N > 0, labels in 0 .. num_classes - 1, at least 2 classes,
     and per-sample columns (client ids, coarse labels) of as many rows as the samples; refused in
-    one line naming ``where`` otherwise, before anything is allocated for it."""
+    one line naming ``where`` otherwise, before anything is allocated for it. Token data (targets
+    [N, T], see ``Dataset.tokens``) is checked as such (``_check_tokens``)."""
+    tokens = isinstance(data.train_y, torch.Tensor) and data.train_y.ndim == 2
     for split in ("train", "test"):
         x, y = getattr(data, f"{split}_x"), getattr(data, f"{split}_y")
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
             raise DataError(
                 f"{where}: {split}_x and {split}_y are {type(x).__name__} and {type(y).__name__}; expected tensors"
             )
+        if tokens:
+            _check_token_shapes(x, y, split, where)
+            continue
         if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(y) == 0:
             raise DataError(
                 f"{where}: {split}_x has shape {tuple(x.shape)} and {split}_y {tuple(y.shape)}; "
@@ -84,6 +98,9 @@ def checked(data: Dataset, where: str) -> Dataset:
     classes = class_count(data.num_classes, where)
     for split in ("train", "test"):
         y = getattr(data, f"{split}_y")
+        if tokens:
+            _check_token_ids(getattr(data, f"{split}_x"), y, split, where, classes)
+            continue
         low, high = int(y.min()), int(y.max())
         if classes < 2 or low < 0 or high >= classes:
             raise DataError(
@@ -102,3 +119,30 @@ def checked(data: Dataset, where: str) -> Dataset:
             got = tuple(column.shape) if isinstance(column, torch.Tensor) else type(column).__name__
             raise DataError(f"{where}: {name} has shape {got}; expected one value per sample, ({count},)")
     return data if type(data.num_classes) is int else dataclasses.replace(data, num_classes=classes)
+
+
+def _check_token_shapes(x: torch.Tensor, y: torch.Tensor, split: str, where: str) -> None:
+    if x.ndim != 2 or x.shape != y.shape or x.numel() == 0:
+        raise DataError(
+            f"{where}: {split}_x has shape {tuple(x.shape)} and {split}_y {tuple(y.shape)}; token data needs "
+            f"inputs and targets of one shape [N, T], N > 0 and T > 0"
+        )
+    if x.dtype != torch.int64 or y.dtype != torch.int64:
+        raise DataError(f"{where}: {split}_x and {split}_y are {x.dtype} and {y.dtype}; token data needs int64 ids")
+
+
+def _check_token_ids(x: torch.Tensor, y: torch.Tensor, split: str, where: str, vocabulary: int) -> None:
+    """Inputs in the vocabulary, targets too where scored (not IGNORE_INDEX), one scored at least."""
+    scored = y[y != IGNORE_INDEX]
+    if len(scored) == 0:
+        raise DataError(
+            f"{where}: no {split} target is scored (all are IGNORE_INDEX, {IGNORE_INDEX}); nothing to learn"
+        )
+    for what, ids in (("inputs", x), ("targets", scored)):
+        low, high = int(ids.min()), int(ids.max())
+        if vocabulary < 2 or low < 0 or high >= vocabulary:
+            unscored = f", or IGNORE_INDEX ({IGNORE_INDEX}) where none is scored" if what == "targets" else ""
+            raise DataError(
+                f"{where}: token ids must lie in 0 .. num_classes - 1 (a vocabulary of at least 2){unscored}; the "
+                f"{split} {what} span {low} .. {high} for num_classes {vocabulary}"
+            )

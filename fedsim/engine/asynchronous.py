@@ -273,7 +273,7 @@ class AsyncEngine(Engine):
         for i, job in enumerate(jobs):
             b.slot_starts[i].copy_(job.start_weights)
         b.slot_keys[:k] = torch.tensor([job.number for job in jobs], dtype=torch.int64)
-        b.step_limits[:k] = -1
+        b.step_limits[:k] = -1 if self.system.max_steps is None else torch.from_numpy(self.steps[clients])
         for name, rows in self.state.client_rows(clients).items():
             b.client_state[name][:k].copy_(rows)
         self.executor.train(rnd, torch.tensor(clients, dtype=torch.int64), self.state.model.flat)

@@ -41,6 +41,7 @@ class RoundBuffers:
     server_state: dict[str, torch.Tensor]  # the algorithm's state (see algorithms/base.py)
     client_state: dict[str, torch.Tensor]  # [k, ...] each: the algorithm's rows of each slot's client
     reports: dict[str, torch.Tensor]  # [k, ...] each: what each slot's client reported
+    base: dict[str, torch.Tensor]  # the model's frozen base, one flat tensor per dtype ({}: none; see flat.py)
 
     @classmethod
     def allocate(
@@ -84,6 +85,7 @@ class RoundBuffers:
                 name: torch.zeros(k, *shape, device=dev) for name, shape in algorithm.client_state(n).items()
             },
             reports={name: torch.zeros(k, *shape, device=dev) for name, shape in algorithm.report_shapes(n).items()},
+            base=state.model.base,  # the server's own tensors, shared in place
         ).share_cpu_tensors()
 
     def tensors(self) -> Iterator[torch.Tensor]:

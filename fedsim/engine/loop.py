@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..core.errors import user_code
 from ..core.flat import FlatModel
 from ..core.streams import eval_subset_rng
 from ..experiment.components import describe
 from ..experiment.config import Config
+from ..fl import tasks
 from ..fl.system import RoundPlan, System
 from .buffers import RoundBuffers
 from .records import ClientRecord, RoundRow
@@ -45,6 +45,7 @@ class Executor(Protocol):
 
     busy_seconds: list[float]  # each worker's training time in the last round
     peak_memory: list[int]  # bytes, each worker's peak
+    pss_memory: list[int]  # bytes, each worker's proportional set size after its last round (CPU; 0 unknown)
 
     def start(self, buffers: RoundBuffers) -> None:
         """Take the run's buffers; workers are ready when this returns."""
@@ -83,18 +84,21 @@ class RoundResult:
 
 @torch.inference_mode()
 def evaluate(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> tuple[float, float]:
-    """Accuracy and mean loss; one host sync at the end. The data may live in host memory
-    (data.placement): each batch then goes to the model's device."""
+    """Accuracy and mean loss over the scored targets (a sample's label, or a sequence's tokens);
+    one host sync at the end. The data may live in host memory (data.placement): each batch then
+    goes to the model's device."""
     module.eval()
     device = next(module.parameters()).device
     correct = torch.zeros((), dtype=torch.int64, device=device)
+    targets = torch.zeros((), dtype=torch.int64, device=device)
     loss = torch.zeros((), dtype=torch.float64, device=device)
     for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
         xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
         out = module(xb)
-        loss += F.cross_entropy(out, yb, reduction="sum").double()
-        correct += (out.argmax(dim=1) == yb).sum()
-    return correct.item() / len(y), loss.item() / len(y)
+        loss += tasks.loss(out, yb, reduction="sum").double()
+        correct += tasks.hits(out, yb).sum()
+        targets += tasks.scored(yb).sum()
+    return correct.item() / targets.item(), loss.item() / targets.item()
 
 
 def test_subset(
@@ -244,6 +248,7 @@ class Engine:
             return {"test_accuracy": math.nan, "test_loss": math.nan}
         scored = self.test if rnd == cfg.rounds or self.test_subset is None else self.test_subset
         accuracy, loss = evaluate(module, *scored, cfg.eval_batch_size)
+        perplexity = {"test_perplexity": tasks.perplexity(loss)} if self.test[1].ndim == 2 else {}
         if not self.client_eval:
             per_client = {}
         elif not self.state.algorithm.has_personal_model:
@@ -258,7 +263,7 @@ class Engine:
                 cfg.eval_batch_size,
                 rnd,
             )
-        return {"test_accuracy": accuracy, "test_loss": loss, **per_client}
+        return {"test_accuracy": accuracy, "test_loss": loss, **perplexity, **per_client}
 
     def _train_metrics(self, round_, records: list[ClientRecord]) -> dict:
         """The mean training loss over the kept clients' samples, as each client's loss is the mean

@@ -14,7 +14,7 @@ class RoundRow:
 
     round: int
     test_accuracy: float  # NaN where the round is not evaluated
-    test_loss: float
+    test_loss: float  # the mean over the scored targets: samples, or a text task's tokens
     train_loss: float  # the mean over the kept clients' samples (NaN where no client's work counted)
     seconds: float  # the round's wall time; its parts are train_, aggregate_ and eval_seconds
     elapsed_seconds: float | None = None  # since the run began (a resumed run's from its first start)
@@ -37,6 +37,7 @@ class RoundRow:
     bytes_down: int | None = None  # None where nothing travels (hogwild)
     bytes_up: int | None = None
     cumulative_bytes: int | None = None
+    test_perplexity: float | None = None  # exp(test_loss), for a token-level task (a language model)
 
     def as_row(self) -> dict:
         return asdict(self)

@@ -11,6 +11,7 @@ another, ``VmapTrainer`` a group of clients in lockstep. Neither knows any parti
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from ..algorithms import Algorithm
 from ..core.flat import FlatModel
+from ..fl import tasks
 
 if TYPE_CHECKING:
     from ..experiment.config import LocalConfig
@@ -68,6 +70,11 @@ class LocalTrainer:
         self.algorithm = algorithm or Algorithm()
         self.augment = augment
         self.momentum = torch.zeros_like(model.params) if local.momentum else None
+        # adamw: the first and second moments, afresh for every client's round (as a client that
+        # builds its optimizer when it is handed the model)
+        self.moments = (
+            (torch.zeros_like(model.params), torch.zeros_like(model.params)) if local.optimizer == "adamw" else None
+        )
         self.loss_sum = torch.zeros((), device=model.flat.device)
         self.autocast = _autocast(local, model.flat.device)
 
@@ -101,6 +108,8 @@ class LocalTrainer:
         start_params = None if start is None else start[: model.num_params]
         if self.momentum is not None:
             self.momentum.zero_()
+        for moment in self.moments or ():
+            moment.zero_()
         self.loss_sum.zero_()
         if term is None and algorithm.has_gradient_term:
             term = lambda g, w: algorithm.adjust_gradient(g, w, start_params, local_state)  # noqa: E731
@@ -118,23 +127,32 @@ class LocalTrainer:
             if relabel is not None:
                 y = relabel(y, self.num_classes)
             with self.autocast:
-                loss = F.cross_entropy(model.module(x), y)
+                loss = tasks.loss(model.module(x), y)
             grad.zero_()
             loss.backward()
-            self._descend(gradient_sum, term, trainable)
-            self.loss_sum.add_(loss.detach(), alpha=len(batch))
+            self._descend(gradient_sum, term, trainable, steps + 1)
+            seen = seen + self._count_loss(loss, y)
             steps += 1
-            seen += len(batch)
         mean_gradient = None if gradient_sum is None else (gradient_sum / steps)[None]
         return Trained(
             (self.loss_sum / seen)[None], torch.tensor([steps], device=model.flat.device), mean_gradient, model.flat
         )
 
-    def _descend(self, gradient_sum: torch.Tensor | None, term, trainable: torch.Tensor | None) -> None:
-        """One SGD step from the gradient in ``model.grad``: weight decay, the algorithm's term,
-        frozen coordinates, momentum."""
+    def _count_loss(self, loss: torch.Tensor, y: torch.Tensor) -> int | torch.Tensor:
+        """Add a batch's loss to the client's sum, weighed by its scored targets; return their number
+        (a tensor for a token-level task, counted on the device: no host sync per step)."""
+        if y.ndim == 1:
+            self.loss_sum.add_(loss.detach(), alpha=len(y))
+            return len(y)
+        targets = tasks.scored(y).sum()  # a sequence's loss is the mean over its scored tokens
+        self.loss_sum.add_(loss.detach() * targets)
+        return targets
+
+    def _descend(self, gradient_sum: torch.Tensor | None, term, trainable: torch.Tensor | None, step: int) -> None:
+        """One step from the gradient in ``model.grad`` (the client's ``step``-th): weight decay, the
+        algorithm's term, frozen coordinates, then SGD with momentum or AdamW."""
         params, grad, local = self.model.params, self.model.grad, self.local
-        if local.weight_decay:
+        if local.weight_decay and self.moments is None:  # SGD's decay is in the gradient; AdamW's apart
             grad.add_(params, alpha=local.weight_decay)
         if gradient_sum is not None:
             gradient_sum.add_(grad)
@@ -142,10 +160,26 @@ class LocalTrainer:
             term(grad[None], params[None])
         if trainable is not None:  # frozen coordinates keep their values exactly
             grad.mul_(trainable)
-        step = grad
+        if self.moments is not None:
+            self._adamw(grad, trainable, step)
+            return
+        update = grad
         if self.momentum is not None:
-            step = self.momentum.mul_(local.momentum).add_(grad)
-        params.add_(step, alpha=-local.lr)
+            update = self.momentum.mul_(local.momentum).add_(grad)
+        params.add_(update, alpha=-local.lr)
+
+    def _adamw(self, grad: torch.Tensor, trainable: torch.Tensor | None, step: int) -> None:
+        """AdamW (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization") as
+        torch.optim.AdamW takes a step: the decay shrinks the weights apart from the gradient, the
+        moments are bias-corrected by the step count."""
+        params, local = self.model.params, self.local
+        first, second = self.moments
+        if local.weight_decay:
+            params.sub_(params if trainable is None else params * trainable, alpha=local.lr * local.weight_decay)
+        first.lerp_(grad, 1 - local.beta1)
+        second.mul_(local.beta2).addcmul_(grad, grad, value=1 - local.beta2)
+        denominator = (second.sqrt() / math.sqrt(1 - local.beta2**step)).add_(local.eps)
+        params.addcdiv_(first, denominator, value=-local.lr / (1 - local.beta1**step))
 
 
 class VmapTrainer:

@@ -8,9 +8,10 @@ from collections.abc import Callable
 import torch
 
 from ..core.errors import WorkerError
+from ..engine.buffers import RoundBuffers
 from ..engine.loop import Executor
 from ..experiment.config import Config
-from .pool import InlinePool, PoolKeeper, WorkerPool, Wrapper
+from .pool import InlinePool, PoolKeeper, WorkerPool
 
 logger = logging.getLogger("fedsim")
 
@@ -24,6 +25,29 @@ def new_pool(
     if workers == 0:
         return InlinePool(config, device, runner)
     return keeper.pool(config, workers, device, runner) if keeper else WorkerPool(config, workers, device, runner)
+
+
+class Wrapper(Executor):
+    """An executor around another, ``inner``, whose workers do the training."""
+
+    @property
+    def busy_seconds(self) -> list[float]:
+        return self.inner.busy_seconds
+
+    @property
+    def peak_memory(self) -> list[int]:
+        return self.inner.peak_memory
+
+    @property
+    def pss_memory(self) -> list[int]:
+        return self.inner.pss_memory
+
+    def start(self, buffers: RoundBuffers) -> None:
+        self.buffers = buffers
+        self.inner.start(buffers)
+
+    def agree(self, compute: Callable[[], object]) -> object:
+        return self.inner.agree(compute)
 
 
 class Restarting(Wrapper):

@@ -42,7 +42,7 @@ class HogwildRunner(ClientRunner):
     """A worker's routine in hogwild mode: its model's weights are the shared global weights."""
 
     def flat_model(self, module: torch.nn.Module, device: torch.device) -> FlatModel:
-        return FlatModel(module, device, flat=self.buffers.global_flat)
+        return FlatModel(module, device, flat=self.buffers.global_flat, base=self.base)
 
     def train_group(self, slots: list[int], rnd: int) -> None:
         b = self.buffers

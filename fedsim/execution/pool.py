@@ -31,7 +31,6 @@ import atexit
 import signal
 import sys
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -49,6 +48,7 @@ from .resources import (
     exit_cause,
     name_this_process,
     prepare_descriptor_sharing,
+    pss_bytes,
     reset_peak_memory,
     start_seconds,
     stop_resource_sharer,
@@ -104,7 +104,7 @@ def _worker_main(rank: int, device: str, sharing_strategy: str, conn: Connection
                 trainer.train_group(slots, rnd)
             buffers.progress[rank] = IDLE
             trainer.synchronize()  # results must be in memory before the server reads them
-            conn.send(("done", time.perf_counter() - started, trainer.peak_memory()))
+            conn.send(("done", time.perf_counter() - started, trainer.peak_memory(), pss_bytes()))
     except (EOFError, BrokenPipeError):
         return  # the server is gone or stopping the pool
     except BaseException as e:  # report, so the server can name the cause; then die
@@ -156,6 +156,7 @@ class WorkerPool(Executor):
         self.round, self.slowest = 0, 0.0  # the longest round so far, in seconds (for the timeout)
         self._in_round = False
         self.peak_memory = [0] * self.num_workers  # bytes, as last reported by each worker
+        self.pss_memory = [0] * self.num_workers  # bytes: its share of what it maps (see resources.pss_bytes)
         self.busy_seconds = [0.0] * self.num_workers  # each worker's training time in the last round
 
     def _fork_workers(self) -> None:
@@ -247,7 +248,7 @@ class WorkerPool(Executor):
                     if message[0] == kind:
                         waiting.discard(rank)
                     if message[0] == "done":
-                        self.busy_seconds[rank], self.peak_memory[rank] = message[1], message[2]
+                        self.busy_seconds[rank], self.peak_memory[rank], self.pss_memory[rank] = message[1:]
                 else:
                     rank = owner[obj]
                     self.processes[rank].join(1)
@@ -351,7 +352,7 @@ class InlinePool(Executor):
 
     def __init__(self, config: Config, device: torch.device, runner: type = ClientRunner):
         self.config, self.device, self.runner_type = config, device, runner
-        self.busy_seconds, self.peak_memory = [0.0], [0]
+        self.busy_seconds, self.peak_memory, self.pss_memory = [0.0], [0], [0]
 
     def start(self, buffers: RoundBuffers) -> None:
         self.buffers, self.runner = buffers, self.runner_type(self.config, buffers, self.device)
@@ -373,25 +374,7 @@ class InlinePool(Executor):
         finally:
             torch.set_num_threads(threads)
         self.busy_seconds, self.peak_memory = [time.perf_counter() - started], [self.runner.peak_memory()]
-
-
-class Wrapper(Executor):
-    """An executor around another, ``inner``, whose workers do the training."""
-
-    @property
-    def busy_seconds(self) -> list[float]:
-        return self.inner.busy_seconds
-
-    @property
-    def peak_memory(self) -> list[int]:
-        return self.inner.peak_memory
-
-    def start(self, buffers: RoundBuffers) -> None:
-        self.buffers = buffers
-        self.inner.start(buffers)
-
-    def agree(self, compute: Callable[[], object]) -> object:
-        return self.inner.agree(compute)
+        self.pss_memory = [pss_bytes()]
 
 
 class PoolKeeper:

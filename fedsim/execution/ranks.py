@@ -16,8 +16,9 @@ from ..engine.loop import Engine, Executor
 from ..engine.state import GlobalState
 from ..experiment.config import Config
 from .distributed import Ranks, RankStopped
+from .executors import Wrapper
 from .interrupts import Terminated
-from .pool import Wrapper, slot_groups
+from .pool import slot_groups
 from .resources import peak_memory_mb
 
 

@@ -68,6 +68,17 @@ def peak_memory_mb(device: torch.device) -> float:
     return round(peak_rss_bytes() / 2**20, 1)
 
 
+def pss_bytes() -> int:
+    """This process's proportional set size (Linux): its private memory plus its share of each
+    page it shares, so that memory shared by N processes (the data, a frozen base) counts once
+    over all of them, where resident set sizes count it N times; 0 where /proc does not say."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size. Read from /proc: a spawned child's ru_maxrss
     starts at its parent's peak, which would make every worker report the server's size."""

@@ -4,6 +4,7 @@ and, with ``workers: 0``, in the server itself."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -29,7 +30,11 @@ class ClientRunner:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         input_shape = tuple(buffers.train_x.shape[1:])
-        module = components.build_model(config.model, input_shape, buffers.num_classes)
+        # a frozen base is the server's, placed once: the model is built without values of its own
+        with torch.device("meta") if buffers.base else contextlib.nullcontext():
+            module = components.run_model(config, input_shape, buffers.num_classes)
+        # a copy of the base per worker, as simulators that load the model in every client do
+        self.base = buffers.base if config.lora.share_base else {k: t.clone() for k, t in buffers.base.items()}
         self.algorithm = components.algorithm(config.algorithm, config.algorithm_options)
         self.algorithm.setup(config)
         self.algorithm.bind(module)
@@ -46,8 +51,9 @@ class ClientRunner:
             self.trainer = LocalTrainer(self.model, buffers.train_x, buffers.train_y, config.local, **options)
 
     def flat_model(self, module: torch.nn.Module, device: torch.device) -> FlatModel:
-        """The model the clients train: a copy of the global weights, this worker's own."""
-        return FlatModel(module, device)
+        """The model the clients train: a copy of the global weights, this worker's own, on the
+        frozen base (if any)."""
+        return FlatModel(module, device, base=self.base)
 
     def train_group(self, slots: list[int], rnd: int) -> None:
         cfg, b = self.config, self.buffers

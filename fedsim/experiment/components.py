@@ -20,21 +20,25 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..algorithms import ALGORITHMS, Algorithm
 from ..core.errors import ConfigError, user_code
+from ..core.flat import FlatModel
 from ..core.registry import is_import_path, load_attr, registered
 from ..data import DATASETS, PARTITIONS, check_dataset_spec
-from ..fl import aggregation
+from ..fl import aggregation, language_models
 from ..fl.aggregation import AGGREGATORS
 from ..fl.asynchronous import ASYNC_METHODS
 from ..fl.attacks import ATTACKS
 from ..fl.compression import COMPRESSORS
+from ..fl.lora import apply_lora
 from ..fl.models import MODELS
 from ..fl.sampling import CLIENT_SAMPLINGS
 from ..fl.server_opt import SERVER_OPTIMIZERS
@@ -82,22 +86,25 @@ def _takes(fn, counts: tuple[int, ...], key: str, wanted: str) -> int:
 # ----------------------------------------------------------------------------- models
 
 
-def model_builder(spec: Any) -> Callable[[tuple[int, ...], int], torch.nn.Module]:
-    """A function (input_shape, num_classes) -> nn.Module for a model spec."""
-
+def model_builder(spec: Any) -> Callable[..., torch.nn.Module]:
+    """A function (input_shape, num_classes, **model_options) -> nn.Module for a model spec."""
+    if isinstance(spec, str) and language_models.is_hf_model(spec):
+        return functools.partial(language_models.hf_model, spec)
     target = _resolve("model", spec, MODELS)
     if not callable(target):
         raise ConfigError(f"model: {describe(spec)} is a {type(target).__name__}, not a function or nn.Module class")
     if isinstance(spec, str) and not is_import_path(spec):
-        return target  # registered builders take (input_shape, num_classes)
+        return target  # registered builders take (input_shape, num_classes, **options)
     count = _takes(target, (0, 2), "model", "a model builder takes no arguments or (input_shape, num_classes)")
-    return (lambda shape, classes: target()) if count == 0 else target
+    return (lambda shape, classes, **options: target(**options)) if count == 0 else target
 
 
-def build_model(spec: Any, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
+def build_model(
+    spec: Any, input_shape: tuple[int, ...], num_classes: int, options: dict | None = None
+) -> torch.nn.Module:
     builder = model_builder(spec)
     with user_code(f"model: {describe(spec)} failed when it was built", ConfigError):
-        module = builder(input_shape, num_classes)
+        module = builder(input_shape, num_classes, **(options or {}))
     if not isinstance(module, torch.nn.Module):
         raise ConfigError(f"model: {describe(spec)} returned a {type(module).__name__}, not a torch.nn.Module")
     if not any(True for _ in module.parameters()):
@@ -105,8 +112,44 @@ def build_model(spec: Any, input_shape: tuple[int, ...], num_classes: int) -> to
     return module
 
 
-def probe_model(spec: Any, module: torch.nn.Module, sample: torch.Tensor, num_classes: int) -> None:
-    """Call the model once on two samples: it must return [2, num_classes] finite class scores."""
+def run_model(cfg: Config, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
+    """The model a run trains: built with ``model_options``, with LoRA adapters where ``lora``
+    asks for them (only the adapters then train). Every process of a run builds it so."""
+    module = build_model(cfg.model, input_shape, num_classes, cfg.model_options)
+    if cfg.initial_weights is not None and not next(module.parameters()).is_meta:  # a worker's gets the server's
+        load_weights(module, cfg.initial_weights, describe(cfg.model))
+    return apply_lora(module, cfg.lora, describe(cfg.model)) if cfg.lora.enabled else module
+
+
+def load_weights(module: torch.nn.Module, source: str, model_name: str) -> None:
+    """Put the global model of a run (its directory, or its checkpoint.pt) into ``module``: a
+    model trained by one run, fine-tuned by another (with LoRA adapters, say)."""
+    path = Path(source).expanduser()
+    path = path / "checkpoint.pt" if path.is_dir() else path
+    try:
+        weights = torch.load(path, weights_only=True, map_location="cpu")["global"]
+    except FileNotFoundError:
+        raise ConfigError(
+            f"initial_weights: {path} does not exist; give a run directory or its checkpoint.pt"
+        ) from None
+    except (OSError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError):
+        raise ConfigError(f"initial_weights: {path} is not a fedsim checkpoint") from None
+    flat = FlatModel(module, "cpu")
+    if not isinstance(weights, torch.Tensor) or weights.shape != flat.flat.shape:
+        got = f"{weights.numel():,} weights" if isinstance(weights, torch.Tensor) else type(weights).__name__
+        raise ConfigError(
+            f"initial_weights: {path} holds {got} where model {model_name} has {len(flat):,}; "
+            f"it is another model's checkpoint"
+        )
+    flat.flat.copy_(weights)
+
+
+def probe_model(
+    spec: Any, module: torch.nn.Module, sample: torch.Tensor, num_classes: int, tokens: bool = False
+) -> None:
+    """Call the model once on two samples: it must return [2, num_classes] finite class scores,
+    or for a token-level task [2, T, V] finite scores with V >= num_classes (a vocabulary a
+    language model pads)."""
     was_training = module.training
     module.eval()
     try:
@@ -119,19 +162,20 @@ def probe_model(spec: Any, module: torch.nn.Module, sample: torch.Tensor, num_cl
             out = module(sample[:2])
     finally:
         module.train(was_training)
-    if (
-        not isinstance(out, torch.Tensor)
-        or tuple(out.shape) != (len(sample[:2]), num_classes)
-        or not out.is_floating_point()
-    ):
+    n = len(sample[:2])
+    expected = (n, *sample.shape[1:], num_classes) if tokens else (n, num_classes)
+    shape_ok = isinstance(out, torch.Tensor) and (
+        tuple(out.shape[:-1]) == expected[:-1] and out.shape[-1] >= num_classes
+        if tokens
+        else tuple(out.shape) == expected
+    )
+    if not shape_ok or not out.is_floating_point():
         got = f"shape {tuple(out.shape)} ({out.dtype})" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ConfigError(
-            f"model: {describe(spec)} returns {got} for {len(sample[:2])} inputs; expected class "
-            f"scores of shape ({len(sample[:2])}, {num_classes})"
-        )
+        wanted = f"token scores of shape {expected} or wider" if tokens else f"class scores of shape {expected}"
+        raise ConfigError(f"model: {describe(spec)} returns {got} for {n} inputs; expected {wanted}")
     if not torch.isfinite(out).all():  # its clients' updates would all be non-finite, round after round
         raise ConfigError(
-            f"model: {describe(spec)} returns non-finite class scores (NaN/Inf) for {len(sample[:2])} "
+            f"model: {describe(spec)} returns non-finite {'token' if tokens else 'class'} scores (NaN/Inf) for {n} "
             f"inputs with its initial weights"
         )
 

@@ -31,6 +31,7 @@ from ..core.yamlfile import RefusedYAML, parse_yaml
 from ..data.tensors import Dataset
 from ..fl.asynchronous import AsyncConfig
 from ..fl.compression import CompressionConfig
+from ..fl.lora import LoraConfig
 from ..fl.system_config import SystemConfig
 from .keys import defining, flatten_config
 
@@ -60,16 +61,24 @@ class DataConfig:
     test_partition: bool = False  # also split the test set per client, same distribution
     augment: bool | None = None  # training-time augmentation; None = the dataset's default
     hf: dict | None = None  # hf: datasets: which columns and splits to use (see data/hub.py)
+    # text datasets: token ids in sequences of sequence_length tokens (see data/text.py)
+    tokenizer: str = "bytes"  # bytes (built in, 256 ids) | hf:<name or folder> (a transformers tokenizer)
+    sequence_length: int = 128
 
 
 @dataclass
 class LocalConfig:
     epochs: int = 1
+    steps: int | None = None  # the most local steps a client takes in a round (FlowerTune's max_steps); null: all
     batch_size: int = 64
     lr: float = 0.01
     momentum: float = 0.0
     weight_decay: float = 0.0
     precision: str = "fp32"  # fp32 | bf16 (autocast of forward and loss; weights and SGD stay fp32)
+    optimizer: str = "sgd"  # sgd (with momentum) | adamw (fresh moments for every client's round)
+    beta1: float = 0.9  # adamw's moment decays and epsilon, torch.optim.AdamW's defaults
+    beta2: float = 0.999
+    eps: float = 1e-8
 
 
 @dataclass
@@ -98,6 +107,8 @@ class Config:
     eval_per_client: bool = False  # also score the global model on every client's test split (data.test_partition)
     stop_at_accuracy: float | None = None
     model: Any = "mnist_cnn"  # model, algorithm, aggregator: a name, an import path or an object
+    model_options: dict = field(default_factory=dict)  # keywords of the model's builder (its sizes)
+    initial_weights: str | None = None  # a run directory (or its checkpoint.pt) whose global model to start from
     algorithm: Any = "fedavg"
     algorithm_options: dict = field(default_factory=dict)
     aggregator: Any = "fedavg"  # load_config: unset or null gives the algorithm's paper's rule (mean for scaffold)
@@ -121,13 +132,24 @@ class Config:
     system: SystemConfig = field(default_factory=SystemConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)  # see compression.py
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig)  # mode: async (see asynchronous.py)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters as the updates (see lora.py)
 
     def to_dict(self) -> dict:
         """Plain values only: a component given as an object is named by ``describe``."""
 
         def plain(value):
             if isinstance(
-                value, (Config, DataConfig, LocalConfig, AttackConfig, SystemConfig, CompressionConfig, AsyncConfig)
+                value,
+                (
+                    Config,
+                    DataConfig,
+                    LocalConfig,
+                    AttackConfig,
+                    SystemConfig,
+                    CompressionConfig,
+                    AsyncConfig,
+                    LoraConfig,
+                ),
             ):
                 return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
             if isinstance(value, dict):

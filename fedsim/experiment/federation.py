@@ -39,9 +39,10 @@ def load_federation(cfg: Config, datasets: dict | None = None) -> Federation:
     keys (a sweep's, checked one after another) then read the files once."""
     d = cfg.data
     key = (d.dataset if isinstance(d.dataset, str) else id(d.dataset), str(d.root), d.limit, repr(d.hf))
+    key += (d.tokenizer, d.sequence_length)  # a text dataset's tokens (the others ignore both)
     data = datasets.get(key) if datasets is not None else None
     if data is None:
-        data = load_dataset(d.dataset, d.root, d.limit, d.download, d.hf)
+        data = load_dataset(d.dataset, d.root, d.limit, d.download, d.hf, d.tokenizer, d.sequence_length)
         if datasets is not None:
             datasets[key] = data
     options = options_for(d.partition, d)
@@ -71,8 +72,13 @@ def initial_model(cfg: Config, data: Dataset) -> torch.nn.Module:
     """The model, built from ``seed`` (so the same initial weights in every run of the config)
     and probed once on two training samples; refused where the run's backend cannot train it."""
     torch.manual_seed(model_seed(cfg.seed))
-    module = components.build_model(cfg.model, data.input_shape, data.num_classes)
-    components.probe_model(cfg.model, module, data.train_x[:2], data.num_classes)
+    module = components.run_model(cfg, data.input_shape, data.num_classes)
+    components.probe_model(cfg.model, module, data.train_x[:2], data.num_classes, data.tokens)
+    if cfg.backend == "vmap" and (data.tokens or cfg.lora.enabled):
+        raise ConfigError(
+            "backend: vmap trains classification models whole; a token-level task or LoRA adapters "
+            "train with backend: process"
+        )
     recurrent = next((m for m in module.modules() if isinstance(m, torch.nn.RNNBase)), None)
     if cfg.backend == "vmap" and recurrent is not None:  # no batching rule: at best one client at a time
         raise ConfigError(

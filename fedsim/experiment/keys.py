@@ -25,6 +25,7 @@ PLACEMENT_KEYS = frozenset(
         "data.root",
         "data.download",
         "data.placement",
+        "lora.share_base",
     }
 )
 # what a resumed run may change: those, how long it runs and how often it reports

@@ -20,7 +20,8 @@ from ..core.registry import is_import_path
 from ..core.yamlfile import experiment_file, read_yaml
 from ..data import options_for
 from ..data.hub import check_hub_options
-from ..fl import asynchronous, compression
+from ..data.text import check_tokenizer_spec, template_fields
+from ..fl import asynchronous, compression, lora
 from ..fl.aggregation import AGGREGATORS
 from ..fl.compression import feeds_back
 from ..fl.privacy import RULES, Privacy
@@ -102,6 +103,7 @@ def validate(cfg: Config) -> None:
         )
     compression.check(cfg.compression)
     asynchronous.check(cfg.asynchronous)
+    lora.check(cfg.lora)
     if cfg.mode == "hogwild":  # first: it refuses whole sections that the checks below detail
         check_hogwild(cfg, checks)
     if cfg.mode == "async":
@@ -165,6 +167,10 @@ def _check_run(cfg: Config, checks: Checks) -> None:
 
 def _check_data(d: DataConfig, checks: Checks) -> None:
     check_hub_options(d.dataset, d.hf)
+    if isinstance(d.hf, dict) and isinstance(d.hf.get("text"), str):
+        template_fields(d.hf["text"])  # a template's braces, before any data is read
+    check_tokenizer_spec(d.tokenizer)
+    checks.within("sequence_length", d.sequence_length, 2, 1_000_000)
     if d.limit is not None and d.limit < d.num_clients:
         checks.fail("limit", f"must be >= data.num_clients ({d.num_clients}) so every client gets data, got {d.limit}")
     if d.alpha <= 0:
@@ -181,12 +187,23 @@ def _check_training(cfg: Config, checks: Checks) -> None:
     """Local training, the server optimizer and the attack."""
     local = Checks("local")
     local.at_least("epochs", cfg.local.epochs, 1)
+    if cfg.local.steps is not None:
+        local.at_least("steps", cfg.local.steps, 1)
     local.at_least("batch_size", cfg.local.batch_size, 1)
     if cfg.local.lr <= 0:
         local.fail("lr", f"must be > 0, got {cfg.local.lr}")
     local.within("momentum", cfg.local.momentum, 0, 1, "[)")
     local.at_least("weight_decay", cfg.local.weight_decay, 0)
     local.one_of("precision", cfg.local.precision, ("fp32", "bf16"))
+    local.one_of("optimizer", cfg.local.optimizer, ("sgd", "adamw"))
+    if cfg.local.optimizer == "adamw":
+        local.within("beta1", cfg.local.beta1, 0, 1, "[)")
+        local.within("beta2", cfg.local.beta2, 0, 1, "[)")
+        local.positive("eps", cfg.local.eps)
+        if cfg.local.momentum:
+            local.fail("momentum", "is SGD's; adamw's first moment decays by local.beta1: leave momentum at 0")
+        if cfg.backend == "vmap":
+            checks.fail("backend", "vmap steps its clients by SGD; local.optimizer: adamw trains with backend: process")
     if cfg.server_lr is not None and cfg.server_lr <= 0:
         checks.fail("server_lr", f"must be > 0, got {cfg.server_lr}")
     for key in ("server_momentum", "server_beta1", "server_beta2"):

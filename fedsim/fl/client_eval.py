@@ -38,6 +38,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from . import tasks
+
 CLIENT_ACCURACY_COLUMNS = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")
 
 
@@ -86,10 +88,12 @@ class ClientEvaluation:
         device = next(module.parameters()).device
         owner = self.owner.to(device)
         correct = torch.zeros(len(self.samples), dtype=torch.int64, device=device)
+        targets = torch.zeros_like(correct)
         for index, who in zip(self.index.split(batch_size), owner.split(batch_size)):
             xb, yb = x[index].to(device, non_blocking=True), y[index].to(device, non_blocking=True)
-            correct.index_add_(0, who, (module(xb).argmax(dim=1) == yb).to(torch.int64))
-        return self._spread(correct, rnd, "global")
+            correct.index_add_(0, who, tasks.hits(module(xb), yb))
+            targets.index_add_(0, who, tasks.scored(yb))
+        return self._spread(correct, targets, rnd, "global")
 
     @torch.inference_mode()
     def score_personal(
@@ -106,15 +110,18 @@ class ClientEvaluation:
         module.eval()
         device = next(module.parameters()).device
         correct = torch.zeros(len(self.samples), dtype=torch.int64, device=device)
+        targets = torch.zeros_like(correct)
         for client, index in enumerate(self.index.split(self.samples.tolist())):
             load(client)
             for part in index.split(batch_size):
                 xb, yb = x[part].to(device, non_blocking=True), y[part].to(device, non_blocking=True)
-                correct[client] += (module(xb).argmax(dim=1) == yb).sum()
-        return self._spread(correct, rnd, "personal")
+                correct[client] += tasks.hits(module(xb), yb).sum()
+                targets[client] += tasks.scored(yb).sum()
+        return self._spread(correct, targets, rnd, "personal")
 
-    def _spread(self, correct: torch.Tensor, rnd: int, model: str) -> dict:
-        accuracies = correct.cpu().double() / self.samples  # 0 / 0: NaN, a client without samples
+    def _spread(self, correct: torch.Tensor, targets: torch.Tensor, rnd: int, model: str) -> dict:
+        """Each client's accuracy over its scored targets (its samples' labels, or their tokens)."""
+        accuracies = correct.cpu().double() / targets.cpu()  # 0 / 0: NaN, a client without samples
         self.last = [
             {"round": rnd, "client": c, "model": model, "samples": int(n), "accuracy": float(a)}
             for c, (n, a) in enumerate(zip(self.samples.tolist(), accuracies.tolist()))

@@ -162,8 +162,10 @@ class System:
         epochs: int = 1,
         batch_size: int = 64,
         phases: Sequence[int] | None = None,
+        max_steps: int | None = None,
     ):
         self.spec = parse_system(section, client_sampling, sampling_candidates)
+        self.max_steps = max_steps  # local.steps: the most steps a client takes in a round; None: its epochs
         if int(epochs) < 1 or int(batch_size) < 1:
             raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
         self.epochs, self.batch_size = int(epochs), int(batch_size)
@@ -184,6 +186,7 @@ class System:
             epochs=cfg.local.epochs,
             batch_size=cfg.local.batch_size,
             phases=_phase_epochs(cfg),
+            max_steps=getattr(cfg.local, "steps", None),
         )
 
     @staticmethod
@@ -228,8 +231,10 @@ class System:
 
     def local_steps(self, sizes: Sequence[int] | np.ndarray) -> np.ndarray:
         """Each client's full work: the steps of all its phases, ``local_steps(sizes, epochs,
-        batch_size)`` summed over the phases' epochs (one phase of local.epochs for most algorithms)."""
-        return local_steps(sizes, sum(self.phases), self.batch_size)
+        batch_size)`` summed over the phases' epochs (one phase of local.epochs for most algorithms),
+        at most ``local.steps``."""
+        steps = local_steps(sizes, sum(self.phases), self.batch_size)
+        return steps if self.max_steps is None else np.minimum(steps, self.max_steps)
 
     def _constants(self, seed: int, num_clients: int) -> tuple[np.ndarray, np.ndarray]:
         if self._cache[0] != (seed, num_clients):
@@ -332,7 +337,9 @@ class System:
         late = ~out & (steps > budget) if budget is not None else np.zeros(len(sampled), dtype=bool)
         lost = out | (late & self._nothing_sent(budget, np.asarray(sizes, dtype=np.int64)[sampled]))
         reports = ~lost
-        limits = tuple(int(budget[i]) if late[i] else None for i in np.flatnonzero(reports))
+        # a late client stops at its budget; under local.steps every client at its work, capped
+        capped = [int(n) if self.max_steps is not None else None for n in steps]
+        limits = tuple(int(budget[i]) if late[i] else capped[i] for i in np.flatnonzero(reports))
         simulated = self._waited(late, seconds[reports])
         return RoundPlan(
             round=int(rnd),

@@ -29,7 +29,8 @@ logger = logging.getLogger("fedsim")
 class History:
     """Per-round metrics of a run, one entry per evaluated round.
 
-    Columns are attributes holding lists (``h.round``, ``h.test_accuracy``, ...); ``h.rows``
+    Columns are attributes holding lists (``h.round``, ``h.test_accuracy``, ...; a language
+    model's run also has ``h.test_perplexity``, and its test accuracy is token accuracy); ``h.rows``
     holds the same as dicts, ``h.client_records`` one dict per sampled client per round (the
     rows of clients.csv), ``h.client_accuracy`` one dict per client per evaluated round (the rows
     of client_accuracy.csv, with eval_per_client), ``h.config`` the resolved config as a dict,
@@ -111,6 +112,22 @@ class History:
         return max(self.test_accuracy, default=math.nan)
 
     @property
+    def tokens(self) -> bool:
+        """A token-level run (a language model): its rows have ``test_perplexity``, and its test
+        accuracy is the token accuracy."""
+        return any(row.get("test_perplexity") is not None for row in self.rows)
+
+    @property
+    def final_perplexity(self) -> float | None:
+        """The last evaluated round's test perplexity; None for a classification run."""
+        return self.rows[-1].get("test_perplexity") if self.rows else None
+
+    @property
+    def best_perplexity(self) -> float | None:
+        """The lowest test perplexity of the evaluated rounds; None for a classification run."""
+        return min((v for v in self.test_perplexity if v is not None), default=None)
+
+    @property
     def personal_accuracy(self) -> list[float] | None:
         """The mean accuracy of the clients' personal models on their own test splits, per
         evaluated round, where the run scored personal models (summary.json's client_eval_model
@@ -121,10 +138,12 @@ class History:
 
     def __repr__(self) -> str:
         where = f" in {self.run_dir}" if self.run_dir else ""
-        return (
-            f"History({self.name!r}: {len(self.rows)} evaluated rounds, "
-            f"final accuracy {self.final_accuracy:.4f}{where})"
+        final = (
+            f"final perplexity {self.final_perplexity:.2f}, token accuracy {self.final_accuracy:.4f}"
+            if self.tokens
+            else f"final accuracy {self.final_accuracy:.4f}"
         )
+        return f"History({self.name!r}: {len(self.rows)} evaluated rounds, {final}{where})"
 
 
 def load_run(run_dir: str | os.PathLike) -> History:

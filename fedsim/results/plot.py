@@ -15,10 +15,11 @@ from pathlib import Path
 from statistics import fmean, stdev
 
 import matplotlib
+import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
 
 from ..core.errors import FedsimError, write_error
 from ..core.files import write_atomically
@@ -48,6 +49,7 @@ _HAS = {
     "epsilon": "a run with a privacy section has it",
     "cumulative_bytes": "every run counts them except in mode: hogwild, where nothing travels",
     "simulated_time": "every run keeps the simulated clock (runs resumed from an older version's checkpoint do not)",
+    "test_perplexity": "a language model's run (token-level data) has it",
     **dict.fromkeys(SPREAD, "a run with eval_per_client: true and data.test_partition: true has it"),
 }
 
@@ -55,7 +57,7 @@ _HAS = {
 def plot_runs(
     runs: History | str | os.PathLike | Iterable[History | str | os.PathLike],
     *,
-    metric: str = "test_accuracy",
+    metric: str | None = None,
     x: str = "round",
     label: str | None = None,
     loss: bool = False,
@@ -64,7 +66,8 @@ def plot_runs(
     title: str | None = None,
     spread: bool = False,
 ) -> Figure:
-    """A figure of ``metric`` per round for each run, overlaid.
+    """A figure of ``metric`` per round for each run, overlaid: by default test accuracy; for language
+    models' runs (History.tokens) test loss, with the perplexity (its exp) on a right-hand log axis.
 
     ``runs``: History objects, run directories or glob patterns (mixed freely). ``label``: a
     config key (dotted for sections, e.g. ``"data.alpha"``) whose value names each line in
@@ -75,7 +78,8 @@ def plot_runs(
     ``"epsilon"`` (the privacy spent, for runs with a privacy section), ``"bytes"`` (the
     megabytes sent up and down since round 1, ``cumulative_bytes``) or ``"simulated_seconds"``
     (the simulated clock of system.py and mode: async, ``simulated_time``). ``loss``: add a panel of
-    test loss below. ``width``: ``"single"`` (3.5 in), ``"double"`` (7 in) or inches.
+    test loss below (language models' runs drawn by loss: of token accuracy). ``width``:
+    ``"single"`` (3.5 in), ``"double"`` (7 in) or inches.
 
     ``spread``: draw how the global model fares on each client's own test split (runs with
     eval_per_client): the mean over the clients as the line, ± one standard deviation over the
@@ -83,7 +87,7 @@ def plot_runs(
     in seed are averaged.
     """
     histories = as_histories(runs)
-    metric, inches = _checked_options(histories, metric, x, band, spread, width)
+    metrics, inches, tokens = _checked_options(histories, metric, x, band, spread, width, loss)
     distinguish = ("name",) if label is None else (label,)
     groups = group_repeats(histories, distinguish)
 
@@ -95,7 +99,6 @@ def plot_runs(
         height = panel * (1.55 if loss else 1) + _legend_height(legend, columns, label)
         fig = Figure(figsize=(inches, height), layout="constrained")
         axes = fig.subplots(2 if loss else 1, 1, sharex=True, squeeze=False)[:, 0]
-        metrics = [metric, "test_loss"] if loss else [metric]
         handles = []  # by hand: matplotlib leaves out labels that start with "_" (__main__:my_rule)
         for i, (group, name) in enumerate(zip(groups, names)):
             style = {"color": PALETTE[i % len(PALETTE)], "linestyle": LINESTYLES[i // len(PALETTE) % len(LINESTYLES)]}
@@ -106,8 +109,8 @@ def plot_runs(
                 for ax, column in zip(axes, metrics)
             ]
             handles.append(lines[0])
-        _label_axes(axes, metrics, x, spread)
-        axes[0].set_title(title if title is not None else _default_title(histories, metric, x))
+        _label_axes(axes, metrics, x, spread, tokens)
+        axes[0].set_title(title if title is not None else _default_title(histories, metrics[0], x, tokens))
         if legend:
             _add_legend(fig, handles, legend, label, columns)
     return fig
@@ -120,18 +123,39 @@ def _add_legend(fig: Figure, handles: list, legend: list[str], label: str | None
     fig.legend(handles, legend, title=label, loc="outside lower center", ncols=columns, frameon=False)
 
 
-def _label_axes(axes, metrics: list[str], x: str, spread: bool) -> None:
+def _label_axes(axes, metrics: list[str], x: str, spread: bool, tokens: bool) -> None:
     for ax, column in zip(axes, metrics):
-        ax.set_ylabel("client accuracy (%)" if spread and column == SPREAD[0] else _axis_label(column))
+        ax.set_ylabel("client accuracy (%)" if spread and column == SPREAD[0] else _axis_label(column, tokens))
         ax.grid(True, alpha=0.3, linewidth=0.6)
+        if column == "test_perplexity":  # it grows exponentially with the loss
+            ax.set_yscale("log")
+        elif column == "test_loss" and tokens:  # perplexity = exp(loss): the same curve, read on the right
+            side = ax.secondary_yaxis("right", functions=(_exp, _log))
+            side.set_ylabel("test perplexity (log scale)")
+            low, high = _exp(np.array(ax.get_ylim()))  # a narrow span may hold no 1-2-5 decade tick
+            side.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)) if high > 4 * low else MaxNLocator(5))
+            side.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     axes[-1].set_xlabel(X_AXES[x])
     if x == "round":
         axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
 
 
-def _checked_options(histories, metric: str, x: str, band: str, spread: bool, width) -> tuple[str, float]:
-    """plot_runs' options checked against each other and the runs: the metric to draw (with
-    ``spread``, the clients' mean accuracy) and the figure's width in inches."""
+def _exp(loss):
+    return np.exp(np.minimum(loss, 700.0))  # beyond it a float64 overflows
+
+
+def _log(perplexity):
+    return np.log(np.maximum(perplexity, 1e-300))
+
+
+def _checked_options(
+    histories, metric: str | None, x: str, band: str, spread: bool, width, loss: bool
+) -> tuple[list[str], float, bool]:
+    """plot_runs' options checked against each other and the runs: the metrics of its panels (with
+    ``spread``, the clients' mean accuracy; by default, test loss for language models' runs), the
+    figure's width in inches, and whether every run is a language model's."""
+    tokens = all(h.tokens for h in histories)
+    metric = metric or ("test_loss" if tokens and not spread else "test_accuracy")
     _check_choice("metric", metric, METRICS)
     _check_choice("x", x, X_AXES)
     _check_choice("band", band, BANDS)
@@ -144,7 +168,8 @@ def _checked_options(histories, metric: str, x: str, band: str, spread: bool, wi
     inches = WIDTHS.get(width, width)
     if not isinstance(inches, (int, float)) or not 0.5 <= inches <= 50:
         raise FedsimError(f"width: {width!r} is not 'single', 'double' or a width from 0.5 to 50 inches")
-    return metric, inches
+    below = "test_accuracy" if tokens and metric in ("test_loss", "test_perplexity") else "test_loss"
+    return [metric, below] if loss else [metric], inches, tokens
 
 
 def as_histories(runs: History | str | os.PathLike | Iterable[History | str | os.PathLike]) -> list[History]:
@@ -202,12 +227,15 @@ def accuracy_figure(history: History) -> Figure:
     axis reaches down to chance, 1 / num_classes (from summary.json), marked by a dotted line,
     and spans at least 20 points: a run that learns nothing reads as flat, not as a zoomed-in
     wiggle. A run that scored personal models (see History.personal_accuracy) also has their
-    mean accuracy over the clients' own test splits, as a second line: global, personal."""
-    figure = plot_runs([history], width=5.0)
+    mean accuracy over the clients' own test splits, as a second line: global, personal.
+
+    A language model's run (History.tokens) shows its test loss, with the perplexity on the right, and
+    its token accuracy below (see plot_runs), without a chance line."""
+    figure = plot_runs([history], width=5.0, loss=history.tokens)
     values = [100 * v for v in history.test_accuracy]
     personal = history.personal_accuracy
     if personal is not None:
-        ax = figure.axes[0]
+        ax = figure.axes[-1]
         (line,) = ax.plot(
             history.round, [100 * v for v in personal], color=PALETTE[1], marker="o" if len(personal) <= 12 else None
         )
@@ -215,7 +243,7 @@ def accuracy_figure(history: History) -> Figure:
         ax.legend([ax.lines[0], line], ["global", "personal"], loc="lower right", frameon=False, fontsize="small")
         values += [100 * v for v in personal if not math.isnan(v)]
     classes = history.summary.get("num_classes")
-    if classes:
+    if classes and not history.tokens:
         ax, chance = figure.axes[0], 100.0 / classes
         ax.axhline(chance, color="0.45", linestyle=":", linewidth=1)
         ax.annotate(
@@ -356,7 +384,7 @@ def _legend_height(texts: list[str], columns: int, title: str | None) -> float:
     return 0.17 * rows + 0.1
 
 
-def _default_title(histories: list[History], metric: str, x: str) -> str:
+def _default_title(histories: list[History], metric: str, x: str, tokens: bool = False) -> str:
     """The runs' name, and below it what they ran (dataset, split, model, rule, algorithm and the
     keys set on top of the experiment, see describe_run) when they all ran the same; otherwise
     the metric."""
@@ -364,7 +392,7 @@ def _default_title(histories: list[History], metric: str, x: str) -> str:
     if len(names) == 1:
         described = {describe_run(h.config, defining(h.summary.get("overrides") or {})) for h in histories if h.config}
         return "\n".join([names.pop(), *_wrapped(described.pop(), 60)]) if len(described) == 1 else names.pop()
-    what = _axis_label(metric).split(" (")[0].capitalize()
+    what = _axis_label(metric, tokens).split(" (")[0].capitalize()
     return {
         "round": f"{what} per round",
         "seconds": f"{what} over wall time",
@@ -380,8 +408,10 @@ def _wrapped(text: str, width: int) -> list[str]:
     return textwrap.wrap(text, width, break_on_hyphens=False)
 
 
-def _axis_label(column: str) -> str:
+def _axis_label(column: str, tokens: bool = False) -> str:
     text = column.replace("_", " ")
+    if tokens and column == "test_accuracy":  # a language model's: correct next tokens over scored ones
+        text = "test token accuracy"
     if column.endswith("accuracy"):
         return f"{text} (%)"
     if column.endswith("seconds"):

@@ -1,9 +1,10 @@
 """What a run prints: its per-round lines, as one updating line on a terminal, and its
 messages (start, warnings, early stop), which go through ``logging.getLogger("fedsim")``.
 
-With the display on, the per-round lines (``round  3/10  test acc ...``) replace each other on
-one line, led by a bar and followed by an estimate of the time left; any other line first ends
-that line and then prints as usual. With the display off, every line prints as it comes, which
+With the display on, the per-round lines (``round  3/10  test acc ...``; a language model's
+``round  3/10  test loss 2.1034  ppl 8.19  tok acc 0.4127 ...``) replace each other on one line,
+led by a bar and followed by an estimate of the time left; any other line first ends that line
+and then prints as usual. With the display off, every line prints as it comes, which
 is what a log file or a CI job wants. A notebook user silences or redirects the messages with
 the logging module (``logging.getLogger("fedsim").setLevel(logging.WARNING)``).
 """
@@ -30,7 +31,10 @@ class RoundLog:
     the stream is a terminal. ``quiet``: print nothing but warnings. ``stream``: where to write;
     by default ``sys.stdout`` as it is at each call (Jupyter gives every cell its own).
     ``write``: a function that takes each line instead (no display). ``personal``: the run scores
-    personal models, so each line also shows their mean accuracy (``personal acc``).
+    personal models, so each line also shows their mean accuracy (``personal acc``). ``tokens``: a
+    token-level run (a language model), whose lines lead with test loss and perplexity (``ppl``)
+    and call its accuracy token accuracy (``tok acc``); set by the first row that has a
+    ``test_perplexity``, and kept, so that the rounds left unevaluated read alike.
     """
 
     def __init__(
@@ -49,6 +53,7 @@ class RoundLog:
         self._shown = 0  # characters of the progress line on screen; 0: no line open
         self._first = None  # (time, round) of the first round line, to measure the pace
         self.personal = False
+        self.tokens = False
 
     @property
     def stream(self) -> TextIO:
@@ -71,12 +76,14 @@ class RoundLog:
 
     def round_end(self, row: dict, rounds: int) -> None:
         """The line of a finished round: its own line, or the updating display."""
+        self.tokens = self.tokens or row.get("test_perplexity") is not None
         if self.quiet:
             return
+        metrics = _metrics(row, self.personal, self.tokens)
         if not self.enabled():
-            self(f"round {row['round']:>{len(str(rounds))}}/{rounds}  {_metrics(row, self.personal)}")
+            self(f"round {row['round']:>{len(str(rounds))}}/{rounds}  {metrics}")
             return
-        text = self._render(row["round"], rounds, _metrics(row, self.personal))
+        text = self._render(row["round"], rounds, metrics)
         # spaces overwrite what is left of a longer previous line; "\r" goes back to its start
         self._write("\r" + text.ljust(self._shown))
         self._shown = len(text)
@@ -128,16 +135,24 @@ class RoundLog:
         return rest
 
 
-def _metrics(row: dict, personal: bool = False) -> str:
-    acc = "   -  " if math.isnan(row["test_accuracy"]) else f"{row['test_accuracy']:.4f}"
+def _metrics(row: dict, personal: bool = False, tokens: bool = False) -> str:
+    named = "tok acc" if tokens else "acc"
+    acc = _cell(row["test_accuracy"])
     if personal:  # beside the global model's: the mean over the clients' own models and test splits
-        mean = row.get("client_accuracy_mean")
-        acc += "  personal acc " + ("   -  " if mean is None or math.isnan(mean) else f"{mean:.4f}")
-    loss = "   -  " if math.isnan(row["test_loss"]) else f"{row['test_loss']:.4f}"
+        acc += f"  personal {named} " + _cell(row.get("client_accuracy_mean"))
+    loss = _cell(row["test_loss"])
     extra = f"  dropped {row['dropped_clients']}" if row["dropped_clients"] else ""
     if row.get("epsilon") is not None:  # privacy spent so far (DP-FedAvg)
         extra += f"  eps {row['epsilon']:.3g}"
-    return f"test acc {acc}  test loss {loss}  train loss {row['train_loss']:.4f}  {row['seconds']:.2f} s{extra}"
+    rest = f"train loss {row['train_loss']:.4f}  {row['seconds']:.2f} s{extra}"
+    if tokens:  # a language model is judged by its loss and perplexity first
+        return f"test loss {loss}  ppl {_cell(row.get('test_perplexity'), '.2f')}  tok acc {acc}  {rest}"
+    return f"test acc {acc}  test loss {loss}  {rest}"
+
+
+def _cell(value: float | None, spec: str = ".4f") -> str:
+    """A figure of the line, or a dash where the round has none (not evaluated)."""
+    return "   -  " if value is None or math.isnan(value) else format(value, spec)
 
 
 class _ToRoundLog(logging.Handler):

@@ -34,6 +34,7 @@ from ..engine.records import METRIC_COLUMNS as COLUMNS  # metrics.csv's, in orde
 # that rows of an older version lack (a resumed run rewrites those rows): empty in metrics.csv, None
 # in a History
 OPTIONAL_COLUMNS = {
+    "test_perplexity",
     "epsilon",
     "clip",
     "client_accuracy_mean",

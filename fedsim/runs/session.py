@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from ..core.errors import FedsimError, OutputError, exception_text, explain_resource_error
+from ..core.flat import base_bytes
 from ..engine.buffers import RoundBuffers
 from ..engine.state import GlobalState
 from ..execution.distributed import Ranks
@@ -28,7 +29,7 @@ from ..execution.hogwild import HogwildRunner
 from ..execution.interrupts import shielded, then_shielded
 from ..execution.pool import PoolKeeper
 from ..execution.ranks import RanksExecutor
-from ..execution.resources import peak_memory_mb
+from ..execution.resources import peak_memory_mb, pss_bytes
 from ..execution.runner import ClientRunner
 from ..experiment import components
 from ..experiment.config import Config, overrides_of
@@ -86,13 +87,21 @@ def what_ran(config: dict, input_shape: tuple, num_classes: int, overrides: dict
 
 
 def outcome(rows: list[dict], target: float | None) -> dict:
-    """summary.json's account of how the run went, from its evaluated rounds' rows."""
+    """summary.json's account of how the run went, from its evaluated rounds' rows. A token-level
+    run (a language model: rows with ``test_perplexity``) also has ``final_test_perplexity`` and
+    ``best_test_perplexity`` (the lowest); its accuracies are token accuracies."""
     accuracies = [r["test_accuracy"] for r in rows]
+    perplexities = [r["test_perplexity"] for r in rows if r.get("test_perplexity") is not None]
     return {
         "rounds": rows[-1]["round"] if rows else 0,
         "final_test_accuracy": accuracies[-1] if accuracies else None,
         "best_test_accuracy": max(accuracies) if accuracies else None,
         "final_test_loss": rows[-1]["test_loss"] if rows else None,
+        **(
+            {"final_test_perplexity": perplexities[-1], "best_test_perplexity": min(perplexities)}
+            if perplexities
+            else {}
+        ),
         "rounds_to_target": next((r["round"] for r in rows if target and r["test_accuracy"] >= target), None),
     }
 
@@ -153,14 +162,25 @@ def update_bytes(state: GlobalState, compression: Compression | None) -> tuple[i
     return size * length, compression.compressor.message_bytes(n) + size * (length - n)
 
 
-def where_it_ran(device: torch.device, workers: int, worker_peak_memory_mb: list[float]) -> dict:
-    """summary.json's account of the machine: the device, the workers and the memory they took."""
+def where_it_ran(
+    device: torch.device, workers: int, worker_peak_memory: list[int], worker_pss: list[int], state: GlobalState
+) -> dict:
+    """summary.json's account of the machine: the device, the workers and the memory they took.
+    On a CPU also each process's proportional set size, in which memory shared by several
+    processes (the data, a frozen base) counts once over all of them; and the frozen base's size."""
+    megabytes = lambda sizes: [round(b / 2**20, 1) for b in sizes]  # noqa: E731
     return {
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "workers": workers,
-        "worker_peak_memory_mb": worker_peak_memory_mb,
+        "worker_peak_memory_mb": megabytes(worker_peak_memory),
         "server_peak_memory_mb": peak_memory_mb(device),
+        **(
+            {"worker_pss_mb": megabytes(worker_pss), "server_pss_mb": megabytes([pss_bytes()])[0]}
+            if device.type == "cpu" and any(worker_pss)
+            else {}
+        ),
+        **({"frozen_base_mb": round(base_bytes(state.model.base) / 2**20, 1)} if state.model.base else {}),
     }
 
 
@@ -316,6 +336,7 @@ class Session:
             if message:
                 logger.info(message)
         self.log.personal = bool(self.client_eval) and self.state.algorithm.has_personal_model
+        self.log.tokens = self.engine.test[1].ndim == 2  # a language model's run: loss and perplexity first
 
     def _start(self) -> None:
         self.executor.start(self.buffers)
@@ -363,7 +384,7 @@ class Session:
     def _finish(self, ended_by: BaseException | None) -> None:
         """Stop the workers, write the summary and plot, tell the callbacks; called with signals held."""
         status = self.status
-        self.worker_peak_memory_mb = [round(b / 2**20, 1) for b in self.executor.peak_memory]
+        self.worker_memory = list(self.executor.peak_memory), list(self.executor.pss_memory)  # bytes: peak, PSS
         self.executor.close(finished=status == "finished", ended_by=ended_by)
         if not self.ranks.is_root:
             self.log.close()
@@ -402,7 +423,7 @@ class Session:
             ),
             "startup_seconds": self.startup_seconds,
             "wall_seconds": round(self.elapsed_before + time.perf_counter() - self.t_start, 3),
-            **where_it_ran(self.device, self.workers, self.worker_peak_memory_mb),
+            **where_it_ran(self.device, self.workers, *self.worker_memory, self.state),
             **({"ranks": self.executor.rank_memory} if self.ranks.several else {}),
             "torch": torch.__version__,
         }

@@ -14,7 +14,8 @@ but as repeats of one configuration: the runs of a point share its name (so ``fe
 ``results_table`` pool them), and the table and ``sweep.csv`` have one row per configuration,
 with the mean and sample standard deviation over the seeds (``runs.csv`` keeps one row per run).
 Where a target accuracy is set (``target``, or else the configuration's ``stop_at_accuracy``),
-they also report the rounds to it over the seeds that reached it, and how many did.
+they also report the rounds to it over the seeds that reached it, and how many did. A sweep of
+language models' runs also reports the final and best (lowest) test perplexity.
 """
 
 from __future__ import annotations

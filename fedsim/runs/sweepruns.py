@@ -1,6 +1,7 @@
 """A sweep's runs and what it reports of them: the per-run and per-configuration rows of
 ``runs.csv`` and ``sweep.csv``, and the table it prints (under --seeds, mean ± sample standard
-deviation over each configuration's seeds)."""
+deviation over each configuration's seeds). A sweep of language models' runs also reports their
+final and best (lowest) test perplexity."""
 
 from __future__ import annotations
 
@@ -72,6 +73,12 @@ def configurations(runs: list[SweepRun]) -> list[list[SweepRun]]:
     return list(groups.values())
 
 
+def _tokens(runs: list[SweepRun]) -> bool:
+    """Every run is a language model's (token-level): the tables add its perplexity, and call its
+    accuracy token accuracy. A sweep that mixes in classification runs is tabled as one of those."""
+    return all(run.history.tokens for run in runs)
+
+
 def _repeated(runs: list[SweepRun]) -> bool:
     return any(run.seed is not None for run in runs)
 
@@ -93,6 +100,11 @@ def _row(run: SweepRun, target: float | None, runs: list[SweepRun]) -> dict:
         **({"seed": run.seed} if run.seed is not None else {}),
         "final_test_accuracy": h.final_accuracy,
         "best_test_accuracy": h.best_accuracy,
+        **(
+            {"final_test_perplexity": h.final_perplexity, "best_test_perplexity": h.best_perplexity}
+            if _tokens(runs)
+            else {}
+        ),
         "seconds_per_round": round(seconds_per_round(h), 4),
         "rounds": h.rows[-1]["round"] if h.rows else 0,
     }
@@ -122,6 +134,7 @@ def _group_row(group: list[SweepRun], target: float | None, runs: list[SweepRun]
         "final_test_accuracy_std": _blank(final_sd if n > 1 else None),
         "best_test_accuracy": best,
         "best_test_accuracy_std": _blank(best_sd if n > 1 else None),
+        **(_perplexity_columns(histories) if _tokens(runs) else {}),
         "seconds_per_round": round(mean_and_sd(seconds_per_round(h) for h in histories)[0], 4),
     }
     if _with_epsilon(runs):
@@ -137,6 +150,19 @@ def _group_row(group: list[SweepRun], target: float | None, runs: list[SweepRun]
             "reached_target": _blank(stats["reached"]),
         }
     return row
+
+
+def _perplexity_columns(histories: list[History]) -> dict:
+    """A configuration's final and best (lowest) test perplexity over its seeds: mean and sample
+    standard deviation (empty below two seeds)."""
+    columns = {}
+    for which in ("final", "best"):
+        mean, sd = mean_and_sd(getattr(h, f"{which}_perplexity") for h in histories)
+        columns |= {
+            f"{which}_test_perplexity": mean,
+            f"{which}_test_perplexity_std": _blank(sd if len(histories) > 1 else None),
+        }
+    return columns
 
 
 def _epsilon(history: History) -> float | None:
@@ -178,7 +204,8 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def format_table(runs: list[SweepRun], target: float | None = None) -> str:
-    """A fixed-width table: run, final and best test accuracy, the epsilon spent (runs with a
+    """A fixed-width table: run, final and best test accuracy (where every run is a language
+    model's: final and best test perplexity first, then token accuracy), the epsilon spent (runs with a
     privacy section), the FIGURES of summary.json some run has (the personal models' final mean
     accuracy, megabytes sent and compression ratio, mean staleness, clients lost), rounds to the
     target (where one is set), seconds per round. Under --seeds, one row per configuration: its
@@ -191,8 +218,13 @@ def format_table(runs: list[SweepRun], target: float | None = None) -> str:
     ]
     if repeated:
         columns.append(("seeds", [str(len(g)) for g in groups]))
-    for title, value in (("final acc", lambda h: h.final_accuracy), ("best acc", lambda h: h.best_accuracy)):
-        columns.append((title, [_accuracy([value(run.history) for run in g]) for g in groups]))
+    tokens = _tokens(runs)
+    if tokens:  # a language model is judged by its perplexity first
+        for title, value in (("final ppl", lambda h: h.final_perplexity), ("best ppl", lambda h: h.best_perplexity)):
+            columns.append((title, [_accuracy([value(run.history) for run in g], ".2f") for g in groups]))
+    named = "tok acc" if tokens else "acc"
+    for title, value in (("final", lambda h: h.final_accuracy), ("best", lambda h: h.best_accuracy)):
+        columns.append((f"{title} {named}", [_accuracy([value(run.history) for run in g]) for g in groups]))
     if _with_epsilon(runs):
         epsilons = [_mean_epsilon([run.history for run in g]) for g in groups]
         columns.append(("epsilon", ["–" if e is None else f"{e:.3g}" for e in epsilons]))
@@ -233,7 +265,7 @@ def _printable(text: str) -> str:
         return text.replace("±", "+/-").replace("–", "-")
 
 
-def _accuracy(values: list[float]) -> str:
-    """One run's accuracy, or the mean ± sample standard deviation of several."""
+def _accuracy(values: list[float], spec: str = ".4f") -> str:
+    """One run's accuracy (or perplexity), or the mean ± sample standard deviation of several."""
     mean, sd = mean_and_sd(values)
-    return f"{mean:.4f}" if len(values) == 1 else f"{mean:.4f} ± {sd:.4f}"
+    return format(mean, spec) if len(values) == 1 else f"{mean:{spec}} ± {sd:{spec}}"

@@ -10,7 +10,10 @@ import torch
 
 from ..core.errors import FedsimError
 from ..core.flat import FlatModel
+from ..core.streams import model_seed
 from ..experiment import components
+from ..experiment.config import Config
+from ..fl.lora import LoraConfig
 from ..results.history import load_run
 from ..results.rundir import RunDirectory
 
@@ -21,9 +24,10 @@ def load_model(
     """The global model of a run as its checkpoint holds it (the last round's, unless
     ``checkpoint_every`` says otherwise), an ``nn.Module`` on the CPU in eval mode.
 
-    The model is built again as the run built it: config.yaml's ``model`` for the shape of its
-    data (summary.json). A model given to the run as an object is given again, ``model=TwoLayer``,
-    as fedsim.resume takes it.
+    The model is built again as the run built it: config.yaml's ``model``, ``model_options`` and
+    ``lora`` for the shape of its data (summary.json), its frozen base (if any) from the run's
+    seed. A model given to the run as an object is given again, ``model=TwoLayer``, as
+    fedsim.resume takes it.
     """
     path = Path(run_dir)
     history = load_run(path)
@@ -40,7 +44,12 @@ def load_model(
             f"fedsim.load_model(run_dir, model=...)"
         )
     state = RunDirectory(path).load_checkpoint()
-    flat = FlatModel(components.build_model(spec, tuple(shape), classes), "cpu")
+    config = history.config
+    built = Config(
+        model=spec, model_options=config.get("model_options") or {}, lora=LoraConfig(**config.get("lora", {}))
+    )
+    torch.manual_seed(model_seed(config.get("seed", 0)))  # a frozen base is the run's initial one: built again
+    flat = FlatModel(components.run_model(built, tuple(shape), classes), "cpu")
     if len(flat) != state["global"].numel():
         raise FedsimError(
             f"{path}: checkpoint.pt holds {state['global'].numel():,} weights where the model "
