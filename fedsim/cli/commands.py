@@ -83,11 +83,16 @@ def _run(args, ranks) -> int:
         raise
     summary = history.summary if history is not None and ranks.is_root else {}
     if summary.get("final_test_accuracy") is not None:
+        final = f"final test accuracy {summary['final_test_accuracy']:.4f}"
+        if summary.get("final_test_perplexity") is not None:  # a language model's: loss and perplexity first
+            final = (
+                f"final test loss {summary['final_test_loss']:.4f}, perplexity {summary['final_test_perplexity']:.2f}, "
+                f"token accuracy {summary['final_test_accuracy']:.4f}"
+            )
         write_or_silence(
             sys.stdout,
-            f"final test accuracy {summary['final_test_accuracy']:.4f} after round "
-            f"{summary['rounds']} ({summary['wall_seconds']:.1f} s); results in "
-            f"{history.run_dir}\n",
+            f"{final} after round {summary['rounds']} ({summary['wall_seconds']:.1f} s); "
+            f"results in {history.run_dir}\n",
         )
     return 0
 

@@ -98,4 +98,6 @@ def apply_lora(module: nn.Module, lora: LoraConfig, model_name: str) -> nn.Modul
     trained = "lora_B" if lora.method == "ffa" else "lora_"
     for name, parameter in module.named_parameters():
         parameter.requires_grad = trained in name
+        if "lora_" in name and parameter.is_floating_point():
+            parameter.data = parameter.data.float()  # adapters in float32 on a bf16 base, as peft's autocast does
     return module

@@ -46,7 +46,10 @@ def load_model(
     state = RunDirectory(path).load_checkpoint()
     config = history.config
     built = Config(
-        model=spec, model_options=config.get("model_options") or {}, lora=LoraConfig(**config.get("lora", {}))
+        model=spec,
+        model_options=config.get("model_options") or {},
+        initial_weights=config.get("initial_weights"),  # a LoRA run's base: the weights it started from
+        lora=LoraConfig(**config.get("lora", {})),
     )
     torch.manual_seed(model_seed(config.get("seed", 0)))  # a frozen base is the run's initial one: built again
     flat = FlatModel(components.run_model(built, tuple(shape), classes), "cpu")

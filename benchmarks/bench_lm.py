@@ -1,0 +1,333 @@
+"""Federated LoRA fine-tuning of a language model: tokens per second and memory per process
+against the number of workers, with one frozen base for every worker and with a copy per worker.
+
+A LoRA run trains small adapters (Hu et al. 2022, "LoRA: Low-Rank Adaptation of Large Language
+Models") on a frozen base that is most of the model. With ``lora.share_base: true`` the server
+holds the base once, in shared memory, and every worker takes views of it; with ``false`` each
+worker clones it, as simulators that load the model in every client do. What should hold on a
+CPU: the total proportional set size (PSS, shared pages counted once) about one base + N adapters
++ per-process overhead with sharing, and about N more bases without; tokens per second alike.
+
+The model is ``char_transformer`` (fedsim/fl/language_models.py, GPT-2's shape over the byte
+vocabulary) at GPT-2 small's width and 4 layers, adapters of rank 8 on its attention input
+(``c_attn``): a base of about 110 MB, large enough that a copy per worker stands out against a
+worker's own few hundred MB, small enough that a 2-core CPU trains a round in seconds. It needs
+no tokenizer files, so the same run works on generated and on real text.
+
+Data: ``shakespeare_text`` (the plays' roles as running text, a client per role, byte tokens)
+where the data root (``--data-root``, else ``$FEDSIM_DATA``) holds ``shakespeare/texts``, its
+test set cut to ``--test-windows`` sequences so that the final evaluation stays short; otherwise
+generated text (random words, one document per client) cut into sequences the same way.
+
+Tokens per second: the training tokens of the rounds after the first, divided by their
+``train_seconds`` (from opening the round barrier until every worker is done). A client's tokens
+are exact: from clients.csv its sample count n and its steps s, the sizes of its first s batches
+(each epoch ceil(n / B) batches of B, the last one n mod B where that is not 0) times the sequence
+length. Every training target is scored: the only padded sequence of a client is its last, and
+the split by time always puts it in the test set (checked on the data in each run).
+
+    python benchmarks/bench_lm.py                          # workers 1,2,4, shared base and a copy each
+    python benchmarks/bench_lm.py --quick                  # a tiny model, seconds
+    FEDSIM_DATA=/path/to/datasets python benchmarks/bench_lm.py   # real Shakespeare text
+    python benchmarks/bench_lm.py --device cuda --workers 1,2,4,8  # on a GPU: CUDA memory per worker
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402 (benchmarks/ is not a package)
+
+DEFAULTS = {"width": 768, "layers": 4, "heads": 12, "rank": 8, "rounds": 4, "steps": 2, "workers": "1,2,4"}
+QUICK = {"width": 128, "layers": 2, "heads": 4, "rank": 4, "rounds": 2, "steps": 1, "workers": "1,2"}
+EVAL_SUBSET = 16  # test sequences scored in the rounds before the last (evaluation is not what this times)
+GENERATED_CLIENTS, GENERATED_WINDOWS = 100, 40  # sequences per generated client, before the split
+TIMING_COLUMNS = [
+    ("data", "data", ""),
+    ("base", "share", ""),
+    ("W", "workers", "d"),
+    ("tokens/round", "tokens_per_round", ",.0f"),
+    ("tokens/s", "tokens_per_second", ",.0f"),
+    ("train s", "train_seconds", ".2f"),
+    ("s/round", "round_seconds", ".2f"),
+    ("startup s", "startup_seconds", ".2f"),
+    ("loss", "final_test_loss", ".3f"),
+]
+
+
+def memory_columns(gpu: bool) -> list[tuple[str, str, str]]:
+    """fedsim's own figures: PSS per process on a CPU, the CUDA allocator's peaks on a GPU."""
+    if gpu:
+        return [
+            ("base", "share", ""),
+            ("W", "workers", "d"),
+            ("base MB", "frozen_base_mb", ".1f"),
+            ("CUDA workers MB", "worker_mb_each", ""),
+            ("CUDA workers sum", "worker_mb_total", ".0f"),
+            ("CUDA server MB", "server_mb", ".0f"),
+        ]
+    return [
+        ("base", "share", ""),
+        ("W", "workers", "d"),
+        ("base MB", "frozen_base_mb", ".1f"),
+        ("PSS workers MB", "worker_mb_each", ""),
+        ("PSS workers sum", "worker_mb_total", ".0f"),
+        ("PSS server MB", "server_mb", ".0f"),
+        ("PSS all MB", "pss_all_mb", ".0f"),
+        ("PSS peak MB", "pss_total_mb", ".0f"),
+    ]
+
+
+COMPARE_COLUMNS = [
+    ("W", "workers", "d"),
+    ("PSS all, shared", "shared_mb", ".0f"),
+    ("PSS all, copies", "copies_mb", ".0f"),
+    ("difference", "difference_mb", ".0f"),
+    ("W x base", "expected_mb", ".0f"),
+    ("tokens/s shared", "shared_tokens_per_second", ",.0f"),
+    ("tokens/s copies", "copies_tokens_per_second", ",.0f"),
+]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds, workers 1,2: seconds")
+    parser.add_argument("--workers", help=f"worker counts, comma-separated (default {DEFAULTS['workers']})")
+    parser.add_argument("--share", default="true,false", help="lora.share_base values to measure")
+    parser.add_argument("--width", type=int, help=f"char_transformer width (default {DEFAULTS['width']})")
+    parser.add_argument("--layers", type=int, help=f"char_transformer layers (default {DEFAULTS['layers']})")
+    parser.add_argument("--heads", type=int, help=f"attention heads (default {DEFAULTS['heads']})")
+    parser.add_argument("--rank", type=int, help=f"LoRA rank (default {DEFAULTS['rank']})")
+    parser.add_argument("--rounds", type=int, help=f"rounds per run (default {DEFAULTS['rounds']})")
+    parser.add_argument("--steps", type=int, help=f"local steps per client and round (default {DEFAULTS['steps']})")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--sequence-length", type=int, default=64)
+    parser.add_argument("--clients-per-round", type=int, help="default: the largest worker count, at least 4")
+    parser.add_argument("--test-windows", type=int, default=256, help="test sequences evaluated (real data)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--data-root", help="folder holding shakespeare/texts (default $FEDSIM_DATA; else generated)")
+    parser.add_argument("--output", help="results JSON (default benchmarks/results/bench_lm-<device>-<time>.json)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # JSON spec of one measurement
+    parser.add_argument("--child-result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+# ----------------------------------------------------------------------------- in the child
+
+
+def generated_text(sequence_length: int, seed: int = 0):
+    """Random words, one document per client, cut into sequences as shakespeare_text cuts a role."""
+    import numpy as np
+
+    from fedsim.data.text import ByteTokenizer, split_by_time, text_dataset, windows
+
+    rng = np.random.default_rng(seed)
+    letters = list("abcdefghijklmnopqrstuvwxyz")
+    words = ["".join(rng.choice(letters, size=rng.integers(1, 9))) for _ in range(500)]
+    length = GENERATED_WINDOWS * sequence_length // 6 + 1  # words of 5 letters and a space on average
+    documents = [[" ".join(rng.choice(words, size=length))] for _ in range(GENERATED_CLIENTS)]
+    x, y, owners = windows(documents, ByteTokenizer(), sequence_length)
+    train, test = split_by_time(owners)
+    parts = [(x[mask], y[mask], owners[mask]) for mask in (train, test)]
+    names = [f"client{i}" for i in range(GENERATED_CLIENTS)]
+    return text_dataset(*parts, ByteTokenizer.vocab_size, "generated_text", client_names=names)
+
+
+def real_text(root: str, sequence_length: int, test_windows: int):
+    """shakespeare_text with its first ``test_windows`` test sequences."""
+    from fedsim.data.datasets import shakespeare_text
+    from fedsim.data.text import ByteTokenizer
+
+    data = shakespeare_text(Path(root), tokenizer=ByteTokenizer(), sequence_length=sequence_length)
+    data.test_x, data.test_y = data.test_x[:test_windows], data.test_y[:test_windows]
+    data.test_clients = data.test_clients[:test_windows]
+    return data
+
+
+def measure(spec: dict) -> dict:
+    """One fedsim run on the data the spec names: its rows, clients, summary and resolved config."""
+    from fedsim.data.tensors import IGNORE_INDEX
+    from fedsim.runs.launch import run  # torch and the engine load here
+
+    length = spec["config"]["data"]["sequence_length"]
+    data = real_text(spec["root"], length, spec["test_windows"]) if spec["root"] else generated_text(length)
+    unscored = int((data.train_y == IGNORE_INDEX).sum())
+    if unscored:  # tokens_per_client counts every training target
+        raise RuntimeError(f"{unscored} training targets are padding; tokens per second would overcount")
+    config = {**spec["config"], "data": {**spec["config"]["data"], "dataset": data}}
+    with tempfile.TemporaryDirectory() as out:
+        history = run(config, out=out, overwrite=True, quiet=True)
+    return {
+        "rows": history.rows,
+        "clients": history.client_records,
+        "summary": history.summary,
+        "config": history.config,
+    }
+
+
+# ----------------------------------------------------------------------------- in the parent
+
+
+def tokens_per_client(samples: int, steps: int, batch_size: int, sequence_length: int) -> int:
+    """Tokens a client trained on: its first ``steps`` batches, epoch after epoch, each epoch
+    ``samples`` in batches of ``batch_size`` and a smaller last one for the remainder."""
+    full, rest = divmod(samples, batch_size)
+    epoch = [batch_size] * full + ([rest] if rest else [])
+    if not epoch:
+        return 0
+    whole_epochs, extra = divmod(steps, len(epoch))
+    return (whole_epochs * samples + sum(epoch[:extra])) * sequence_length
+
+
+def throughput(result: dict, batch_size: int, sequence_length: int) -> dict:
+    """Training tokens per second of training over the rounds after the first, and medians."""
+    later = result["rows"][1:]
+    measured = {row["round"] for row in later}
+    tokens = sum(
+        tokens_per_client(int(c["samples"]), int(c["steps"]), batch_size, sequence_length)
+        for c in result["clients"]
+        if int(c["round"]) in measured
+    )
+    seconds = sum(row["train_seconds"] for row in later)
+    return {
+        "measured_rounds": len(later),
+        "tokens_per_round": tokens / len(later) if later else None,
+        "tokens_per_second": tokens / seconds if seconds > 0 else None,
+        "train_seconds": statistics.median(row["train_seconds"] for row in later) if later else None,
+        "round_seconds": statistics.median(row["seconds"] for row in later) if later else None,
+    }
+
+
+def memory(summary: dict, sampled: dict | None, gpu: bool) -> dict:
+    """Per process as fedsim's summary reports it: PSS after the last round on a CPU, the CUDA
+    allocator's peak (no CUDA context) on a GPU; and the PSS of every process sampled from outside."""
+    workers = summary.get("worker_peak_memory_mb" if gpu else "worker_pss_mb") or []
+    server = summary.get("server_peak_memory_mb" if gpu else "server_pss_mb")
+    return {
+        "frozen_base_mb": summary.get("frozen_base_mb"),
+        "worker_mb": workers,
+        "worker_mb_each": "/".join(f"{m:.0f}" for m in workers) or None,
+        "worker_mb_total": sum(workers) if workers else None,
+        "server_mb": server,
+        "pss_all_mb": None if gpu or server is None or not workers else server + sum(workers),
+        **harness.memory_fields(sampled),
+    }
+
+
+def child_spec(args: argparse.Namespace, device: str, workers: int, share: bool, root: str | None) -> dict:
+    worker_counts = [int(w) for w in harness.split_list(args.workers)]
+    per_round = args.clients_per_round or max(4, *worker_counts)
+    config = {
+        "name": f"lm-{'shared' if share else 'copies'}-{workers}",
+        "seed": 0,
+        "rounds": args.rounds,
+        "clients_per_round": per_round,
+        # fedsim's metrics hold the evaluated rounds only: score each, the rounds before the last on a few sequences
+        "eval_subset": EVAL_SUBSET,
+        "device": device,
+        "workers": workers,
+        "model": "char_transformer",
+        "model_options": {"layers": args.layers, "width": args.width, "heads": args.heads},
+        "data": {"partition": "natural", "num_clients": 200 if root else GENERATED_CLIENTS},
+        "lora": {"rank": args.rank, "share_base": share},
+        "local": {"optimizer": "adamw", "lr": 1e-3, "batch_size": args.batch_size, "steps": args.steps, "epochs": 1},
+    }
+    config["data"]["sequence_length"] = args.sequence_length
+    return {"config": config, "root": root, "test_windows": args.test_windows}
+
+
+def text_root(data_root: str | None) -> str | None:
+    """The data root when it holds the play texts, else None (generated text)."""
+    root = data_root or os.environ.get("FEDSIM_DATA")
+    return root if root and any((Path(root) / "shakespeare" / "texts").glob("*.txt")) else None
+
+
+def measure_all(args: argparse.Namespace, device: str) -> list[dict]:
+    root = text_root(args.data_root)
+    data = "shakespeare_text" if root else "generated"
+    entries = []
+    for share in [value.strip().lower() == "true" for value in harness.split_list(args.share)]:
+        for workers in [int(w) for w in harness.split_list(args.workers)]:
+            entry = {"data": data, "share": "shared" if share else "copies", "share_base": share, "workers": workers}
+            result = harness.run_isolated(Path(__file__), child_spec(args, device, workers, share, root), device)
+            entry.update(status=result["status"], message=result.get("message"))
+            if result["status"] == "ok":
+                summary = result["summary"]
+                entry.update(throughput(result, args.batch_size, args.sequence_length))
+                entry.update(memory(summary, result.get("memory"), device == "cuda"))
+                entry.update({k: summary.get(k) for k in ("startup_seconds", "final_test_loss", "device_name")})
+                entry.update(rows=result["rows"], summary=summary)
+            entries.append(entry)
+            print(f"{data} {entry['share']} workers={workers}: {entry['status']}", flush=True)
+    return entries
+
+
+def comparison(entries: list[dict]) -> list[dict]:
+    """Per worker count, the whole run's PSS with one base and with a copy per worker."""
+    ok = {(e["share_base"], e["workers"]): e for e in entries if e["status"] == "ok"}
+    rows = []
+    for workers in sorted({w for _, w in ok}):
+        shared, copies = ok.get((True, workers)), ok.get((False, workers))
+        if not (shared and copies and shared.get("pss_all_mb") and copies.get("pss_all_mb")):
+            continue
+        rows.append(
+            {
+                "workers": workers,
+                "shared_mb": shared["pss_all_mb"],
+                "copies_mb": copies["pss_all_mb"],
+                "difference_mb": copies["pss_all_mb"] - shared["pss_all_mb"],
+                "expected_mb": workers * (shared["frozen_base_mb"] or 0),
+                "shared_tokens_per_second": shared["tokens_per_second"],
+                "copies_tokens_per_second": copies["tokens_per_second"],
+            }
+        )
+    return rows
+
+
+def report(entries: list[dict], args: argparse.Namespace, device: str) -> list[dict]:
+    ok = [e for e in entries if e["status"] == "ok"]
+    name = ok[0]["device_name"] if ok else device
+    print(f"\nchar_transformer width {args.width}, {args.layers} layers, LoRA rank {args.rank} on c_attn; {name}")
+    print("\nTraining tokens per second (rounds after the first, see the module's docstring)")
+    print(harness.format_table(TIMING_COLUMNS, ok))
+    what = "CUDA allocator peaks per process" if device == "cuda" else "PSS per process after the last round"
+    print(f"\nMemory: {what} (fedsim's summary), PSS of all processes sampled from outside")
+    gpu = device == "cuda"
+    sampled = [c for c in harness.memory_columns(gpu) if gpu or c[1] != "pss_total_mb"]  # PSS peak is ours on a CPU
+    print(harness.format_table(memory_columns(gpu) + sampled, ok))
+    rows = comparison(entries)
+    if rows:
+        print("\nOne base for every worker against a copy per worker (PSS of the server and workers, MB)")
+        print(harness.format_table(COMPARE_COLUMNS, rows))
+    for e in entries:
+        if e["status"] != "ok":
+            print(f"{e['share']} workers={e['workers']}: {e['status']}: {e['message']}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        harness.child_main(args, measure)
+        return 0
+    device = harness.resolved_device(args.device)
+    machine = harness.machine_info()
+    entries = measure_all(args, device)
+    rows = report(entries, args, device)
+    path = harness.write_results("bench_lm", args, machine, device, entries, {"entries": entries, "comparison": rows})
+    print(f"\nwrote {path}")
+    return 1 if any(e["status"] == "failed" for e in entries) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

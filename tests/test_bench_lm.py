@@ -1,0 +1,75 @@
+"""benchmarks/bench_lm.py: the tokens it counts per client, and a --quick run end to end."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def bench_lm(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import bench_lm
+
+    return bench_lm
+
+
+def batched_tokens(samples: int, steps: int, batch_size: int, sequence_length: int) -> int:
+    """What a client's local loop feeds: a shuffled epoch split into batches, epoch after epoch,
+    cut after ``steps`` batches."""
+
+    def batches():
+        while True:
+            yield from torch.randperm(samples).split(batch_size)
+
+    return sum(len(batch) for batch in itertools.islice(batches(), steps)) * sequence_length
+
+
+@pytest.mark.parametrize(
+    "samples, steps, batch_size",
+    [(31, 2, 8), (31, 4, 8), (31, 5, 8), (31, 9, 8), (32, 4, 8), (32, 6, 8), (3, 1, 8), (3, 4, 8), (1, 1, 1)],
+)
+def test_tokens_per_client_follow_the_local_batches(bench_lm, samples, steps, batch_size):
+    expected = batched_tokens(samples, steps, batch_size, 64)
+    assert bench_lm.tokens_per_client(samples, steps, batch_size, 64) == expected
+
+
+def test_tokens_per_second_count_the_rounds_after_the_first(bench_lm):
+    rows = [{"round": r, "train_seconds": s, "seconds": s + 1} for r, s in ((1, 9.0), (2, 2.0), (3, 4.0))]
+    clients = [{"round": r, "samples": n, "steps": 2} for r in (1, 2, 3) for n in (31, 5)]
+    result = bench_lm.throughput({"rows": rows, "clients": clients}, batch_size=8, sequence_length=10)
+    per_round = (16 + 10) * 10  # 31 samples: two batches of 8; 5 samples: the whole epoch twice
+    assert result["tokens_per_round"] == per_round
+    assert result["tokens_per_second"] == pytest.approx(2 * per_round / 6.0)
+    assert result["train_seconds"] == 3.0 and result["measured_rounds"] == 2
+
+
+@pytest.mark.slow
+def test_quick_run_measures_both_bases(tmp_path):
+    output = tmp_path / "lm.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "bench_lm.py"), "--quick", "--workers", "1"]
+    command += ["--device", "cpu", "--data-root", str(tmp_path), "--output", str(output)]  # no texts: generated
+    env = {k: v for k, v in os.environ.items() if k != "FEDSIM_DATA"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(output.read_text())
+    shared, copies = result["entries"]
+    assert (shared["share_base"], copies["share_base"]) == (True, False)
+    for entry in (shared, copies):
+        assert entry["status"] == "ok" and entry["data"] == "generated" and entry["measured_rounds"] == 1
+        # 4 clients a round, each 1 step of 8 full sequences of 64 tokens (every generated client has more)
+        assert entry["tokens_per_round"] == 4 * 8 * 64 and entry["tokens_per_second"] > 0
+        assert len(entry["worker_mb"]) == 1 and entry["frozen_base_mb"] > 0
+        assert entry["pss_all_mb"] == pytest.approx(entry["server_mb"] + sum(entry["worker_mb"]))
+    (row,) = result["comparison"]
+    assert row["workers"] == 1 and row["difference_mb"] == pytest.approx(copies["pss_all_mb"] - shared["pss_all_mb"])
+    assert "One base for every worker against a copy per worker" in done.stdout
