@@ -45,9 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402 (benchmarks/ is not a package)
 
 DEFAULTS = {"width": 768, "layers": 4, "heads": 12, "rank": 8, "rounds": 4, "steps": 2, "workers": "1,2,4"}
-QUICK = {"width": 128, "layers": 2, "heads": 4, "rank": 4, "rounds": 2, "steps": 1, "workers": "1,2"}
+QUICK = {"width": 128, "layers": 2, "heads": 4, "rank": 4, "rounds": 2, "steps": 1, "workers": "1"}
 EVAL_SUBSET = 16  # test sequences scored in the rounds before the last (evaluation is not what this times)
-GENERATED_CLIENTS, GENERATED_WINDOWS = 100, 40  # sequences per generated client, before the split
+GENERATED_CLIENTS = 100
+GENERATED_WINDOWS = 40  # sequences of a generated client, before the split into training and test
 TIMING_COLUMNS = [
     ("data", "data", ""),
     ("base", "share", ""),
@@ -71,6 +72,7 @@ def memory_columns(gpu: bool) -> list[tuple[str, str, str]]:
             ("CUDA workers MB", "worker_mb_each", ""),
             ("CUDA workers sum", "worker_mb_total", ".0f"),
             ("CUDA server MB", "server_mb", ".0f"),
+            ("CUDA all MB", "all_mb", ".0f"),
         ]
     return [
         ("base", "share", ""),
@@ -79,15 +81,15 @@ def memory_columns(gpu: bool) -> list[tuple[str, str, str]]:
         ("PSS workers MB", "worker_mb_each", ""),
         ("PSS workers sum", "worker_mb_total", ".0f"),
         ("PSS server MB", "server_mb", ".0f"),
-        ("PSS all MB", "pss_all_mb", ".0f"),
+        ("PSS all MB", "all_mb", ".0f"),
         ("PSS peak MB", "pss_total_mb", ".0f"),
     ]
 
 
 COMPARE_COLUMNS = [
     ("W", "workers", "d"),
-    ("PSS all, shared", "shared_mb", ".0f"),
-    ("PSS all, copies", "copies_mb", ".0f"),
+    ("all, shared", "shared_mb", ".0f"),
+    ("all, copies", "copies_mb", ".0f"),
     ("difference", "difference_mb", ".0f"),
     ("W x base", "expected_mb", ".0f"),
     ("tokens/s shared", "shared_tokens_per_second", ",.0f"),
@@ -97,7 +99,7 @@ COMPARE_COLUMNS = [
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds, workers 1,2: seconds")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds, 1 worker: seconds")
     parser.add_argument("--workers", help=f"worker counts, comma-separated (default {DEFAULTS['workers']})")
     parser.add_argument("--share", default="true,false", help="lora.share_base values to measure")
     parser.add_argument("--width", type=int, help=f"char_transformer width (default {DEFAULTS['width']})")
@@ -219,7 +221,7 @@ def memory(summary: dict, sampled: dict | None, gpu: bool) -> dict:
         "worker_mb_each": "/".join(f"{m:.0f}" for m in workers) or None,
         "worker_mb_total": sum(workers) if workers else None,
         "server_mb": server,
-        "pss_all_mb": None if gpu or server is None or not workers else server + sum(workers),
+        "all_mb": None if server is None or not workers else server + sum(workers),
         **harness.memory_fields(sampled),
     }
 
@@ -234,15 +236,19 @@ def child_spec(args: argparse.Namespace, device: str, workers: int, share: bool,
         "clients_per_round": per_round,
         # fedsim's metrics hold the evaluated rounds only: score each, the rounds before the last on a few sequences
         "eval_subset": EVAL_SUBSET,
+        "eval_batch_size": 32,  # the server's activations stay small: its PSS after the last round is then steady
         "device": device,
         "workers": workers,
         "model": "char_transformer",
         "model_options": {"layers": args.layers, "width": args.width, "heads": args.heads},
-        "data": {"partition": "natural", "num_clients": 200 if root else GENERATED_CLIENTS},
+        "data": {
+            "partition": "natural",
+            "num_clients": 200 if root else GENERATED_CLIENTS,
+            "sequence_length": args.sequence_length,
+        },
         "lora": {"rank": args.rank, "share_base": share},
         "local": {"optimizer": "adamw", "lr": 1e-3, "batch_size": args.batch_size, "steps": args.steps, "epochs": 1},
     }
-    config["data"]["sequence_length"] = args.sequence_length
     return {"config": config, "root": root, "test_windows": args.test_windows}
 
 
@@ -273,19 +279,20 @@ def measure_all(args: argparse.Namespace, device: str) -> list[dict]:
 
 
 def comparison(entries: list[dict]) -> list[dict]:
-    """Per worker count, the whole run's PSS with one base and with a copy per worker."""
+    """Per worker count, the memory of the server and its workers (PSS on a CPU, the CUDA allocator's
+    peaks on a GPU) with one base and with a copy per worker."""
     ok = {(e["share_base"], e["workers"]): e for e in entries if e["status"] == "ok"}
     rows = []
     for workers in sorted({w for _, w in ok}):
         shared, copies = ok.get((True, workers)), ok.get((False, workers))
-        if not (shared and copies and shared.get("pss_all_mb") and copies.get("pss_all_mb")):
+        if not (shared and copies and shared.get("all_mb") and copies.get("all_mb")):
             continue
         rows.append(
             {
                 "workers": workers,
-                "shared_mb": shared["pss_all_mb"],
-                "copies_mb": copies["pss_all_mb"],
-                "difference_mb": copies["pss_all_mb"] - shared["pss_all_mb"],
+                "shared_mb": shared["all_mb"],
+                "copies_mb": copies["all_mb"],
+                "difference_mb": copies["all_mb"] - shared["all_mb"],
                 "expected_mb": workers * (shared["frozen_base_mb"] or 0),
                 "shared_tokens_per_second": shared["tokens_per_second"],
                 "copies_tokens_per_second": copies["tokens_per_second"],
@@ -307,7 +314,8 @@ def report(entries: list[dict], args: argparse.Namespace, device: str) -> list[d
     print(harness.format_table(memory_columns(gpu) + sampled, ok))
     rows = comparison(entries)
     if rows:
-        print("\nOne base for every worker against a copy per worker (PSS of the server and workers, MB)")
+        what = "CUDA allocator peaks" if gpu else "PSS"
+        print(f"\nOne base for every worker against a copy per worker ({what} of the server and workers, MB)")
         print(harness.format_table(COMPARE_COLUMNS, rows))
     for e in entries:
         if e["status"] != "ok":

@@ -56,7 +56,7 @@ def test_tokens_per_second_count_the_rounds_after_the_first(bench_lm):
 @pytest.mark.slow
 def test_quick_run_measures_both_bases(tmp_path):
     output = tmp_path / "lm.json"
-    command = [sys.executable, str(REPO / "benchmarks" / "bench_lm.py"), "--quick", "--workers", "1"]
+    command = [sys.executable, str(REPO / "benchmarks" / "bench_lm.py"), "--quick"]
     command += ["--device", "cpu", "--data-root", str(tmp_path), "--output", str(output)]  # no texts: generated
     env = {k: v for k, v in os.environ.items() if k != "FEDSIM_DATA"}
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
@@ -69,7 +69,7 @@ def test_quick_run_measures_both_bases(tmp_path):
         # 4 clients a round, each 1 step of 8 full sequences of 64 tokens (every generated client has more)
         assert entry["tokens_per_round"] == 4 * 8 * 64 and entry["tokens_per_second"] > 0
         assert len(entry["worker_mb"]) == 1 and entry["frozen_base_mb"] > 0
-        assert entry["pss_all_mb"] == pytest.approx(entry["server_mb"] + sum(entry["worker_mb"]))
+        assert entry["all_mb"] == pytest.approx(entry["server_mb"] + sum(entry["worker_mb"]))
     (row,) = result["comparison"]
-    assert row["workers"] == 1 and row["difference_mb"] == pytest.approx(copies["pss_all_mb"] - shared["pss_all_mb"])
+    assert row["workers"] == 1 and row["difference_mb"] == pytest.approx(copies["all_mb"] - shared["all_mb"])
     assert "One base for every worker against a copy per worker" in done.stdout

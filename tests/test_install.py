@@ -43,12 +43,18 @@ def test_a_path_that_exists_comes_before_a_shipped_name(tmp_path, monkeypatch):
     assert load_config("mnist_seed").name == "mine"
 
 
-def test_a_missing_file_lists_the_shipped_experiments(tmp_path, monkeypatch):
+def test_a_missing_file_names_the_shipped_experiments_it_is_close_to(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as e:
         load_config("mnist_sed")
-    assert str(e.value).startswith("mnist_sed: file not found; the shipped experiments are ")
-    assert "mnist_seed, niid_bench/fmnist_dirichlet" in str(e.value) and "(fedsim list)" in str(e.value)
+    shipped = len(shipped_experiments())
+    assert (
+        str(e.value)
+        == f"mnist_sed: file not found; did you mean mnist_seed? fedsim list shows the {shipped} shipped experiments"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config("nothing/like/it.yaml")
+    assert str(e.value) == f"nothing/like/it.yaml: file not found; fedsim list shows the {shipped} shipped experiments"
     with pytest.raises(ConfigError):
         load_config("../experiments/mnist_seed")  # a name stays inside the shipped folder
 

@@ -19,6 +19,18 @@ pytestmark = pytest.mark.slow
 
 SEQUENCE = 64
 TINY = {"layers": 2, "width": 64, "heads": 4}
+# the quick CPU version llm/shakespeare_char's header shows, and its LoRA counterpart
+QUICK = {
+    "data.num_clients": 200,
+    "data.sequence_length": SEQUENCE,
+    "model_options.layers": 2,
+    "model_options.width": 64,
+    "rounds": 30,
+    "local.steps": 10,
+    "local.epochs": 2,
+    "eval_every": 10,
+}
+QUICK_LORA = {**{k: v for k, v in QUICK.items() if k != "rounds"}, "rounds": 6, "eval_every": 3}
 BASE_RUN = {
     "seed": 0,
     "device": "cpu",
@@ -69,51 +81,50 @@ def run(root: Path, out: Path, **changes) -> fedsim.results.History:
     return fedsim.run(config, out=out, quiet=True)
 
 
+def shipped(name: str, root: Path, out: Path, **overrides) -> fedsim.results.History:
+    return fedsim.run(name, out=out, quiet=True, **{"data.root": str(root), "device": "cpu", **overrides})
+
+
+def test_the_quick_version_is_the_one_the_experiment_file_shows():
+    header = (Path(fedsim.__file__).parent / "experiments" / "llm" / "shakespeare_char.yaml").read_text()
+    for key, value in QUICK.items():
+        assert f"--set {key}={value}" in header, key
+
+
 @pytest.fixture(scope="module")
 def trained_base(text_root, tmp_path_factory):
-    """A fully trained character transformer: the base the LoRA runs fine-tune."""
-    return run(text_root, tmp_path_factory.mktemp("base") / "run", rounds=20, workers=2)
+    """llm/shakespeare_char's quick version: the base the LoRA runs fine-tune."""
+    return shipped("llm/shakespeare_char", text_root, tmp_path_factory.mktemp("base") / "run", workers=2, **QUICK)
 
 
 def test_char_transformer_learns_next_characters_well_below_the_unigram_baseline(text_root, trained_base):
     baseline = unigram_loss(text_root)
     loss = trained_base.test_loss[-1]
-    assert loss < baseline - 0.4, (loss, baseline)  # real plays: 3.10 -> about 2.5
+    assert loss < baseline - 0.4, (loss, baseline)  # real plays: 3.10 -> about 2.4
     assert trained_base.test_perplexity[-1] == pytest.approx(math.exp(loss), rel=1e-12)
     assert trained_base.summary["best_test_perplexity"] <= trained_base.summary["final_test_perplexity"]
 
 
 def test_lora_fine_tunes_the_trained_base_further_whatever_the_workers_and_a_resume(text_root, trained_base, tmp_path):
-    lora = {"rank": 8, "target_modules": ["c_attn", "c_fc"]}
-    adapted = {**BASE_RUN["local"], "lr": 1e-2}  # adapters take a larger step than the whole model
-    options = dict(initial_weights=str(trained_base.run_dir), lora=lora, rounds=6, eval_every=3, local=adapted)
-    one = run(text_root, tmp_path / "one", workers=1, **options)
+    lora = {"initial_weights": str(trained_base.run_dir), **QUICK_LORA}
+    one = shipped("llm/shakespeare_lora", text_root, tmp_path / "one", workers=1, **lora)
     start = trained_base.test_loss[-1]
     assert one.test_loss[-1] < start - 0.01 < unigram_loss(text_root) - 0.4, (one.test_loss, start)  # deterministic
     # only the adapters travel: the checkpoint holds them, the frozen base is the summary's own figure
     adapters = 2 * 8 * ((64 + 3 * 64) + (64 + 4 * 64))  # 2 layers, A (r x in) and B (out x r) of c_attn, c_fc
     assert torch.load(one.run_dir / "checkpoint.pt", weights_only=True)["global"].numel() == adapters
     assert one.summary["frozen_base_mb"] > 0
-    two = run(text_root, tmp_path / "two", workers=2, **options)
+    two = shipped("llm/shakespeare_lora", text_root, tmp_path / "two", workers=2, **lora)
     assert two.test_loss == one.test_loss and two.train_loss == one.train_loss
     # stopped after round 3, resumed to round 6 by another number of workers: the same numbers
-    run(text_root, tmp_path / "resumed", workers=2, **{**options, "rounds": 3})
+    shipped("llm/shakespeare_lora", text_root, tmp_path / "resumed", workers=2, **{**lora, "rounds": 3})
     resumed = fedsim.resume(tmp_path / "resumed", rounds=6, workers=1, quiet=True)
     assert resumed.test_loss == one.test_loss and resumed.train_loss == one.train_loss
 
 
 def test_ffa_lora_trains_only_b_and_learns(text_root, trained_base, tmp_path):
-    lora = {"rank": 8, "target_modules": ["c_attn", "c_fc"], "method": "ffa"}
-    adapted = {**BASE_RUN["local"], "lr": 1e-2}
-    ffa = run(
-        text_root,
-        tmp_path / "ffa",
-        workers=2,
-        initial_weights=str(trained_base.run_dir),
-        lora=lora,
-        rounds=6,
-        local=adapted,
-    )
+    lora = {"initial_weights": str(trained_base.run_dir), **QUICK_LORA, "lora.method": "ffa"}
+    ffa = shipped("llm/shakespeare_lora", text_root, tmp_path / "ffa", workers=2, **lora)
     assert ffa.test_loss[-1] < trained_base.test_loss[-1] - 0.01, (ffa.test_loss, trained_base.test_loss)
     b_only = 2 * 8 * (3 * 64 + 4 * 64)  # 2 layers, B (out x r) of c_attn and c_fc
     assert torch.load(ffa.run_dir / "checkpoint.pt", weights_only=True)["global"].numel() == b_only

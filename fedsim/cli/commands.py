@@ -20,8 +20,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.resume or args.out:
         refuse_if_in_use(args.resume or args.out)
-    if _may_use_workers(args):
-        start_fork_server()  # the workers' torch is imported in the fork server while this process imports its own
+    if _may_use_workers(args):  # the workers' torch is imported in the fork server while this process imports its own
+        start_fork_server(_worker_imports(args))
     from ..execution.distributed import Ranks, launched
 
     ranks = Ranks.join() if launched() else Ranks()
@@ -51,13 +51,35 @@ def _may_use_workers(args) -> bool:
         key, _, value = text.partition("=")
         if key.strip() == "workers":
             return value.strip() != "0"
+    return _glance(args).get("workers", 1) != 0
+
+
+def _glance(args) -> dict:
+    """The experiment file's (or the resumed run's config.yaml's) keys as written; {} where it
+    cannot be read now (the run says why later)."""
     resume = getattr(args, "resume", None)
     source = Path(resume) / "config.yaml" if resume else args.config and experiment_file(args.config)
     try:
         raw = read_yaml(source) if source else {}
     except FedsimError:
-        return True
-    return not (isinstance(raw, dict) and raw.get("workers") == 0)
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _worker_imports(args) -> list[str]:
+    """The language-model libraries the experiment's workers will import (``model: hf:...``,
+    ``lora.rank``), for the fork server to import once; a glance like ``_may_use_workers``."""
+    from ..execution.processes import worker_imports
+
+    raw = _glance(args)
+    lora = raw.get("lora") if isinstance(raw.get("lora"), dict) else {}
+    values = {"model": raw.get("model"), "lora.rank": lora.get("rank")}
+    for text in [*(args.set or []), *(getattr(args, "grid", None) or [])]:
+        key, _, value = text.partition("=")
+        if key.strip() in values:
+            values[key.strip()] = value.split(",")[-1].strip()
+    rank = values["lora.rank"]
+    return worker_imports(values["model"], int(rank) if str(rank).isdigit() else rank)
 
 
 def _run(args, ranks) -> int:
@@ -237,7 +259,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from ..execution.processes import start_fork_server
 
     if _may_use_workers(args):
-        start_fork_server()
+        start_fork_server(_worker_imports(args))
     from ..execution.pool import kill_all_pools
     from ..runs.sweep import prepare
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -141,8 +142,12 @@ def read_yaml(path: Path) -> dict:
             )
         text = path.read_text()
     except FileNotFoundError:
-        names = ", ".join(shipped_experiments())
-        raise ConfigError(f"{path}: file not found; the shipped experiments are {names} (fedsim list)") from None
+        names = list(shipped_experiments())
+        close = difflib.get_close_matches(path.as_posix().removesuffix(".yaml"), names, n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise ConfigError(
+            f"{path}: file not found; {hint}fedsim list shows the {len(names)} shipped experiments"
+        ) from None
     except IsADirectoryError:
         raise ConfigError(f"{path}: is a directory, expected a YAML experiment file") from None
     except (OSError, UnicodeDecodeError) as e:

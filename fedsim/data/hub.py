@@ -68,10 +68,10 @@ def check_hub_options(spec: object, options: dict | None) -> None:
         raise ConfigError("data.hf: applies to data.dataset hf:<name or path> only")
     if hub:
         check_hub_spec(spec)
-        _options(options)
+        parse_options(options)
 
 
-def _options(options: object) -> dict:
+def parse_options(options: object) -> dict:
     """``data.hf`` with its defaults, or one line naming the key that is wrong."""
     if options is None:
         raise ConfigError(
@@ -111,9 +111,9 @@ def load_hub(spec: str, options: dict | None, root: Path) -> Dataset:
 
     ``root`` is not used: hub datasets live in the ``datasets`` library's own cache (HF_HOME,
     HF_DATASETS_CACHE), where a copy downloaded by any Hugging Face tool is found again."""
-    opts = _options(options)
-    splits = _read(spec, _import_datasets(spec))
-    train, test = _pick_splits(splits, opts, spec)
+    opts = parse_options(options)
+    splits = read_splits(spec, import_datasets(spec))
+    train, test = pick_splits(splits, opts, spec)
     tables = [train.with_format("arrow")[:]] + ([test.with_format("arrow")[:]] if test is not None else [])
     for table, where in zip(tables, ("", f"split {opts['test']!r} of ")):
         _check_columns(table, opts, spec, where)
@@ -122,27 +122,27 @@ def load_hub(spec: str, options: dict | None, root: Path) -> Dataset:
     names = getattr(train.features.get(opts["label"]), "names", None)  # a ClassLabel's
     xs = _images(tables, opts["input"]) if image else [_numbers(t, opts["input"]) for t in tables]
     ys = [_labels(t, opts["label"]) for t in tables]
-    owners = [_column(t, opts["client"], "client") for t in tables] if opts["client"] else None
+    owners = [column_values(t, opts["client"], "client") for t in tables] if opts["client"] else None
     if test is None:
-        held = _hold_out(len(ys[0]), owners[0] if owners else None, opts["test_fraction"])
+        held = hold_out(len(ys[0]), owners[0] if owners else None, opts["test_fraction"])
         if not held.any():
-            _fail("test_fraction", f"holds out none of the {len(held)} samples; raise it, or give a test split")
+            fail_option("test_fraction", f"holds out none of the {len(held)} samples; raise it, or give a test split")
         xs, ys = [xs[0][~held], xs[0][held]], [ys[0][~held], ys[0][held]]
         owners = [owners[0][~held], owners[0][held]] if owners else None
     if len(ys[0]) == 0 or len(ys[1]) == 0:
-        _fail("train" if len(ys[0]) == 0 else "test", f"the split of {spec} has no samples")
+        fail_option("train" if len(ys[0]) == 0 else "test", f"the split of {spec} has no samples")
     if xs[0].shape[1:] != xs[1].shape[1:]:
-        _fail("input", f"train inputs have shape {xs[0].shape[1:]} and test inputs {xs[1].shape[1:]}")
+        fail_option("input", f"train inputs have shape {xs[0].shape[1:]} and test inputs {xs[1].shape[1:]}")
     classes = _classes(ys, names, opts["label"])
     train_x, test_x = _normalize(*xs) if image else (torch.from_numpy(x.astype(np.float32)) for x in xs)
     data = Dataset(train_x, torch.from_numpy(ys[0]), test_x, torch.from_numpy(ys[1]), classes, name=spec)
     if owners:
-        ids, data.client_names = _client_ids(owners)
+        ids, data.client_names = client_ids(owners)
         data.train_clients, data.test_clients = (torch.from_numpy(i) for i in ids)
     return data
 
 
-def _import_datasets(spec: str) -> Any:
+def import_datasets(spec: str) -> Any:
     try:
         import datasets
     except ImportError:
@@ -150,7 +150,7 @@ def _import_datasets(spec: str) -> Any:
     return datasets
 
 
-def _read(spec: str, datasets: Any) -> Mapping[str, Any]:
+def read_splits(spec: str, datasets: Any) -> Mapping[str, Any]:
     """The splits of a local file or folder, or of a hub dataset."""
     check_hub_spec(spec)
     target = spec[len(PREFIX) :]
@@ -166,7 +166,7 @@ def _read(spec: str, datasets: Any) -> Mapping[str, Any]:
                 return saved if isinstance(saved, Mapping) else {"train": saved}
             return datasets.load_dataset(str(path))
     except Exception as e:  # the library raises its own errors, pyarrow's and the parsers' for a bad file
-        raise DataError(f"data.dataset: {spec}: cannot read ({_reason(e)})") from None
+        raise DataError(f"data.dataset: {spec}: cannot read ({failure_reason(e)})") from None
 
 
 def _read_hub(name: str, spec: str, datasets: Any) -> Mapping[str, Any]:
@@ -174,23 +174,23 @@ def _read_hub(name: str, spec: str, datasets: Any) -> Mapping[str, Any]:
     library's retries (23 s measured). Not ``missing=True``: the command line's suggestion of
     generated data would keep data.hf, which only an hf: dataset takes."""
     offline = bool(getattr(datasets.config, "HF_HUB_OFFLINE", False))  # set from HF_HUB_OFFLINE or HF_DATASETS_OFFLINE
-    unreachable = None if offline else _unreachable(datasets.config.HF_ENDPOINT)
+    unreachable = None if offline else hub_unreachable(datasets.config.HF_ENDPOINT)
     try:
         with _cache_only(datasets) if unreachable else contextlib.nullcontext():
             return datasets.load_dataset(name)
     except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
         if not (offline or unreachable):
-            raise DataError(f"data.dataset: {spec}: cannot load it from the hub ({_reason(e)})") from None
+            raise DataError(f"data.dataset: {spec}: cannot load it from the hub ({failure_reason(e)})") from None
         why = "HF_HUB_OFFLINE is set" if offline else f"the hub is out of reach ({unreachable})"
         raise DataError(
             f"data.dataset: {spec}: not in the Hugging Face cache and {why}; download it first "
             f"(datasets.load_dataset({name!r}) with network) or give a local path (hf:/path/to/files)"
         ) from None
     except Exception as e:
-        raise DataError(f"data.dataset: {spec}: cannot load ({_reason(e)})") from None
+        raise DataError(f"data.dataset: {spec}: cannot load ({failure_reason(e)})") from None
 
 
-def _unreachable(endpoint: str) -> str | None:
+def hub_unreachable(endpoint: str) -> str | None:
     """Why the hub cannot be reached, or None where it answers (or a proxy stands between)."""
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return None  # only the library knows how to go through the proxy
@@ -232,25 +232,25 @@ def _without_progress_bars(datasets: Any) -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def _reason(e: Exception) -> str:
+def failure_reason(e: Exception) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return f"{type(e).__name__}: {cut(lines[0], 200)}" if lines else type(e).__name__
 
 
-def _pick_splits(splits: Mapping[str, Any], opts: dict, spec: str) -> tuple[Any, Any | None]:
+def pick_splits(splits: Mapping[str, Any], opts: dict, spec: str) -> tuple[Any, Any | None]:
     """The training split, and the test split (None: hold one out of the training split)."""
     have = ", ".join(splits) or "none"
     if opts["train"] not in splits:
-        _fail("train", f"{spec} has no split {opts['train']!r}; its splits: {have}")
+        fail_option("train", f"{spec} has no split {opts['train']!r}; its splits: {have}")
     test = opts["test"]
     if test is not None and test not in splits and test != DEFAULTS["test"]:
-        _fail("test", f"{spec} has no split {test!r}; its splits: {have} (null: hold out data.hf.test_fraction)")
+        fail_option("test", f"{spec} has no split {test!r}; its splits: {have} (null: hold out data.hf.test_fraction)")
     if test == opts["train"]:
-        _fail("test", f"is the training split {test!r}; name another, or null to hold out data.hf.test_fraction")
+        fail_option("test", f"is the training split {test!r}; name another, or null to hold out data.hf.test_fraction")
     return splits[opts["train"]], splits.get(test)
 
 
-def _fail(key: str, message: str) -> NoReturn:
+def fail_option(key: str, message: str) -> NoReturn:
     raise DataError(f"data.hf.{key}: {message}")
 
 
@@ -262,7 +262,7 @@ def _check_columns(table: Any, opts: dict, spec: str, where: str = "") -> None:
     wanted = [("input", c) for c in inputs] + [("label", opts["label"]), ("client", opts["client"])]
     for key, column in wanted:
         if column is not None and column not in table.column_names:
-            _fail(key, f"no column {column!r} in {where}{spec}; its columns: {', '.join(table.column_names)}")
+            fail_option(key, f"no column {column!r} in {where}{spec}; its columns: {', '.join(table.column_names)}")
 
 
 def _leaf_type(arrow_type: Any) -> Any:
@@ -287,10 +287,10 @@ def _is_image(feature: object, arrow_type: Any) -> bool:
     return type(feature).__name__ == "Image" or stored
 
 
-def _column(table: Any, column: str, key: str) -> np.ndarray:
+def column_values(table: Any, column: str, key: str) -> np.ndarray:
     values = table.column(column)
     if values.null_count:
-        _fail(key, f"column {column!r} has {values.null_count} empty values (null)")
+        fail_option(key, f"column {column!r} has {values.null_count} empty values (null)")
     return values.to_numpy()
 
 
@@ -299,8 +299,8 @@ def _labels(table: Any, column: str) -> np.ndarray:
 
     arrow_type = table.schema.field(column).type
     if not pa.types.is_integer(arrow_type):
-        _fail("label", f"column {column!r} holds {arrow_type}, not integer class labels")
-    return _column(table, column, "label").astype(np.int64)
+        fail_option("label", f"column {column!r} holds {arrow_type}, not integer class labels")
+    return column_values(table, column, "label").astype(np.int64)
 
 
 def _classes(ys: list[np.ndarray], names: list | None, column: str) -> int:
@@ -308,9 +308,9 @@ def _classes(ys: list[np.ndarray], names: list | None, column: str) -> int:
     low, high = min(int(y.min(initial=0)) for y in ys), max(int(y.max(initial=0)) for y in ys)
     classes = len(names) if names is not None else high + 1
     if low < 0 or high >= classes:
-        _fail("label", f"column {column!r} holds labels {low} .. {high}, outside 0 .. {classes - 1}")
+        fail_option("label", f"column {column!r} holds labels {low} .. {high}, outside 0 .. {classes - 1}")
     if classes < 2:
-        _fail("label", f"column {column!r} has {classes} class; a classifier needs at least 2")
+        fail_option("label", f"column {column!r} has {classes} class; a classifier needs at least 2")
     return classes
 
 
@@ -323,16 +323,18 @@ def _numbers(table: Any, columns: str | list[str]) -> np.ndarray:
     for column in columns if isinstance(columns, list) else [columns]:
         leaf = _leaf_type(table.schema.field(column).type)
         if pa.types.is_string(leaf) or pa.types.is_large_string(leaf):
-            _fail("input", f"column {column!r} holds text; for text data give data.hf.text instead of input and label")
+            fail_option(
+                "input", f"column {column!r} holds text; for text data give data.hf.text instead of input and label"
+            )
         if not (pa.types.is_integer(leaf) or pa.types.is_floating(leaf) or pa.types.is_boolean(leaf)):
-            _fail("input", f"column {column!r} holds {table.schema.field(column).type}; use images or numbers")
+            fail_option("input", f"column {column!r} holds {table.schema.field(column).type}; use images or numbers")
         if isinstance(columns, list) and leaf != table.schema.field(column).type:
-            _fail("input", f"column {column!r} holds arrays; a list of input columns takes numbers only")
+            fail_option("input", f"column {column!r} holds arrays; a list of input columns takes numbers only")
         parts.append(_stack(table.column(column), column))
     x = parts[0] if not isinstance(columns, list) else np.stack(parts, axis=1)
     x = x.reshape(len(x), -1) if x.ndim == 1 else x
     if not np.isfinite(x).all():
-        _fail("input", f"{', '.join(columns) if isinstance(columns, list) else columns!r} holds NaN or Inf")
+        fail_option("input", f"{', '.join(columns) if isinstance(columns, list) else columns!r} holds NaN or Inf")
     return x
 
 
@@ -347,14 +349,16 @@ def _stack(chunks: Any, column: str) -> np.ndarray:
         if isinstance(array, pa.ExtensionArray):
             array = array.storage
         if array.null_count:
-            _fail("input", f"column {column!r} has {array.null_count} empty values (null)")
+            fail_option("input", f"column {column!r} has {array.null_count} empty values (null)")
         if not isinstance(array, (pa.ListArray, pa.LargeListArray, pa.FixedSizeListArray)):
             return array.to_numpy(zero_copy_only=False).reshape(shape)
         lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
         if len(lengths) and (lengths != lengths[0]).any():
             other = lengths[np.flatnonzero(lengths != lengths[0])[0]]
             sizes = f"{lengths[0]} and {other} values at depth {len(shape)}"
-            _fail("input", f"column {column!r} holds arrays of mixed shapes ({sizes}); give all samples one shape")
+            fail_option(
+                "input", f"column {column!r} holds arrays of mixed shapes ({sizes}); give all samples one shape"
+            )
         shape.append(int(lengths[0]) if len(lengths) else 0)
         array = array.flatten()
 
@@ -371,7 +375,7 @@ def _images(tables: list[Any], column: str) -> list[np.ndarray]:
     for table in tables:
         structs = table.column(column).combine_chunks()
         if structs.null_count:
-            _fail("input", f"column {column!r} has {structs.null_count} empty images (null)")
+            fail_option("input", f"column {column!r} has {structs.null_count} empty images (null)")
         stored.append(list(zip(structs.field("bytes").to_pylist(), structs.field("path").to_pylist())))
     sizes, modes = set(), set()
     for blob, path in (entry for entries in stored for entry in entries):
@@ -380,7 +384,7 @@ def _images(tables: list[Any], column: str) -> list[np.ndarray]:
             modes.add(image.mode)
     if len(sizes) > 1:
         shown_sizes = " and ".join(f"{w}x{h}" for w, h in sorted(sizes)[:2]) + (", ..." if len(sizes) > 2 else "")
-        _fail("input", f"column {column!r} holds images of mixed sizes ({shown_sizes}); resize them to one size")
+        fail_option("input", f"column {column!r} holds images of mixed sizes ({shown_sizes}); resize them to one size")
     common = next(iter(modes)) if len(modes) == 1 and modes != {"P"} else None
     target = common or ("L" if modes <= {"1", "L"} else "RGB")
     arrays = []
@@ -400,11 +404,11 @@ def _images(tables: list[Any], column: str) -> list[np.ndarray]:
 
 def _open_image(image_module: Any, blob: bytes | None, path: str | None, column: str) -> Any:
     if blob is None and path is None:
-        _fail("input", f"column {column!r} holds an empty image (neither bytes nor a path)")
+        fail_option("input", f"column {column!r} holds an empty image (neither bytes nor a path)")
     try:
         return image_module.open(io.BytesIO(blob) if blob is not None else path)
     except (OSError, ValueError, TypeError, image_module.DecompressionBombError) as e:
-        _fail("input", f"column {column!r} holds an image that cannot be read ({_reason(e)})")
+        fail_option("input", f"column {column!r} holds an image that cannot be read ({failure_reason(e)})")
 
 
 def _normalize(train: np.ndarray, test: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,7 +424,7 @@ def _normalize(train: np.ndarray, test: np.ndarray) -> tuple[torch.Tensor, torch
     return tuple(torch.from_numpy(x).to(torch.float32).sub_(shift).div_(scale) for x in (train, test))
 
 
-def _hold_out(count: int, owners: np.ndarray | None, fraction: float) -> np.ndarray:
+def hold_out(count: int, owners: np.ndarray | None, fraction: float) -> np.ndarray:
     """Which training samples become test samples: round(fraction x n) of each client's n (of
     all n without clients), at most n - 1 so that every client keeps one, drawn without
     replacement from a stream of the client's place among the sorted client names."""
@@ -439,7 +443,7 @@ def _hold_out(count: int, owners: np.ndarray | None, fraction: float) -> np.ndar
     return held
 
 
-def _client_ids(owners: list[np.ndarray]) -> tuple[list[np.ndarray], tuple[str, ...]]:
+def client_ids(owners: list[np.ndarray]) -> tuple[list[np.ndarray], tuple[str, ...]]:
     """Each sample's client as an id into the sorted names of the clients of both splits."""
     names, inverse = np.unique(np.concatenate(owners), return_inverse=True)
     ids = inverse.reshape(-1).astype(np.int64)

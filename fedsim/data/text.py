@@ -119,7 +119,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if path.exists() or target.startswith(("/", ".", "~")):
         raise DataError(f"data.tokenizer: {spec}: no such folder (a tokenizer folder holds tokenizer.json or the like)")
     offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else None
-    unreachable = offline or hub._unreachable(constants.ENDPOINT)
+    unreachable = offline or hub.hub_unreachable(constants.ENDPOINT)
     if not unreachable:
         return HubTokenizer(spec, _from_pretrained(transformers, target, spec, "the hub", local=False))
     why = offline or f"the hub is out of reach ({unreachable})"
@@ -132,7 +132,9 @@ def _from_pretrained(transformers: Any, target: str, spec: str, where: str, loca
     try:
         return transformers.AutoTokenizer.from_pretrained(target, local_files_only=local)
     except Exception as e:  # the library raises OSError, ValueError and its own for what it cannot find or read
-        raise DataError(f"data.tokenizer: {spec}: no tokenizer loads from {where} ({hub._reason(e)}){fix}") from None
+        raise DataError(
+            f"data.tokenizer: {spec}: no tokenizer loads from {where} ({hub.failure_reason(e)}){fix}"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- windows
@@ -260,18 +262,20 @@ def load_hub_text(spec: str, options: dict | None, tokenizer: Tokenizer, sequenc
     documents (``data.hf.client``; else all of them) cut into windows. Its test split where it
     has one, else ``test_fraction`` of each client's documents held out (hub.py's split), so
     that no test token is read in training."""
-    opts = hub._options(options)
-    train, test = hub._pick_splits(hub._read(spec, hub._import_datasets(spec)), opts, spec)
+    opts = hub.parse_options(options)
+    train, test = hub.pick_splits(hub.read_splits(spec, hub.import_datasets(spec)), opts, spec)
     tables = [train.with_format("arrow")[:]] + ([test.with_format("arrow")[:]] if test is not None else [])
     texts = [_documents(table, opts["text"], spec) for table in tables]
     owners = [_owners(table, opts["client"], spec) for table in tables] if opts["client"] else None
     if test is None:
-        held = hub._hold_out(len(texts[0]), owners[0] if owners else None, opts["test_fraction"])
+        held = hub.hold_out(len(texts[0]), owners[0] if owners else None, opts["test_fraction"])
         if not held.any():
-            hub._fail("test_fraction", f"holds out none of the {len(held)} documents; raise it, or give a test split")
+            hub.fail_option(
+                "test_fraction", f"holds out none of the {len(held)} documents; raise it, or give a test split"
+            )
         texts = [texts[0][~held], texts[0][held]]
         owners = [owners[0][~held], owners[0][held]] if owners else None
-    ids, names = hub._client_ids(owners) if owners else ([np.zeros(len(t), dtype=np.int64) for t in texts], None)
+    ids, names = hub.client_ids(owners) if owners else ([np.zeros(len(t), dtype=np.int64) for t in texts], None)
     count = len(names) if names else 1
     parts = []
     for split, documents, owner in zip((opts["train"], opts["test"] if test is not None else "held out"), texts, ids):
@@ -279,7 +283,7 @@ def load_hub_text(spec: str, options: dict | None, tokenizer: Tokenizer, sequenc
         groups = np.split(documents[order], np.cumsum(np.bincount(owner, minlength=count))[:-1])
         parts.append(windows([group.tolist() for group in groups], tokenizer, sequence_length))
         if len(parts[-1][0]) == 0:
-            hub._fail(
+            hub.fail_option(
                 "text", f"the split {split!r} of {spec} has no client with 2 tokens or more (to read, to predict)"
             )
     return text_dataset(parts[0], parts[1], tokenizer.vocab_size, spec, client_names=names)
@@ -290,17 +294,17 @@ def _documents(table: Any, text: str, spec: str) -> np.ndarray:
     fields = template_fields(text)
     for column in fields or [text]:
         if column not in table.column_names:
-            hub._fail("text", f"no column {column!r} in {spec}; its columns: {', '.join(table.column_names)}")
+            hub.fail_option("text", f"no column {column!r} in {spec}; its columns: {', '.join(table.column_names)}")
     if fields is None:
         kind = table.schema.field(text).type
         if str(kind) not in ("string", "large_string", "string_view"):
-            hub._fail("text", f"column {text!r} holds {kind}, not text; name a text column or write a template")
-        return np.asarray(hub._column(table, text, "text"), dtype=object)
-    columns = [hub._column(table, column, "text").tolist() for column in fields]
+            hub.fail_option("text", f"column {text!r} holds {kind}, not text; name a text column or write a template")
+        return np.asarray(hub.column_values(table, text, "text"), dtype=object)
+    columns = [hub.column_values(table, column, "text").tolist() for column in fields]
     return np.array([text.format_map(dict(zip(fields, row))) for row in zip(*columns)], dtype=object)
 
 
 def _owners(table: Any, column: str, spec: str) -> np.ndarray:
     if column not in table.column_names:
-        hub._fail("client", f"no column {column!r} in {spec}; its columns: {', '.join(table.column_names)}")
-    return hub._column(table, column, "client")
+        hub.fail_option("client", f"no column {column!r} in {spec}; its columns: {', '.join(table.column_names)}")
+    return hub.column_values(table, column, "client")

@@ -36,23 +36,32 @@ PRELOAD = ["torch", "cloudpickle", "fedsim.execution.pool", "fedsim.execution.ho
 UNGUARDED_SCRIPT = 87  # the exit status of a worker that found the script calling fedsim.run unguarded
 
 
-def worker_context() -> multiprocessing.context.BaseContext:
+def worker_context(extra: list[str] | tuple[str, ...] = ()) -> multiprocessing.context.BaseContext:
     """The multiprocessing context of worker processes: forks of the fork server, or spawned
-    processes where a platform has no fork server."""
+    processes where a platform has no fork server. ``extra``: modules the fork server imports
+    beside PRELOAD, if it starts now."""
     try:
         context = multiprocessing.get_context("forkserver")
     except ValueError:
         return multiprocessing.get_context("spawn")
-    context.set_forkserver_preload(PRELOAD)  # read when the fork server starts, and only then
+    context.set_forkserver_preload(PRELOAD + list(extra))  # read when the fork server starts, and only then
     return context
 
 
-def start_fork_server() -> None:
+def start_fork_server(extra: list[str] | tuple[str, ...] = ()) -> None:
     """Start the fork server, if it is not running, and return at once: it imports torch and
-    fedsim in its own process while this one goes on."""
-    if worker_context().get_start_method() == "forkserver":
+    fedsim (and ``extra``) in its own process while this one goes on."""
+    if worker_context(extra).get_start_method() == "forkserver":
         with born_ignoring_sigint():
             multiprocessing.forkserver.ensure_running()
+
+
+def worker_imports(model: object, lora_rank: object) -> list[str]:
+    """What a run's workers import beside PRELOAD, for the fork server to import once: a language
+    model's library and peft take seconds and hundreds of MB each, paid once and shared by every
+    fork instead of once per worker."""
+    imports = ["transformers"] if isinstance(model, str) and model.startswith("hf:") else []
+    return imports + (["peft"] if isinstance(lora_rank, int) and lora_rank > 0 else [])
 
 
 def in_worker_start() -> bool:

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.errors import ConfigError, cut
-from ..data.hub import _unreachable
+from ..data.hub import hub_unreachable
 from .models import MODELS
 
 HF_PREFIX = "hf:"
@@ -209,7 +209,7 @@ def hf_model(spec: str, input_shape: tuple[int, ...], num_classes: int, **option
     target = spec[len(HF_PREFIX) :]
     if len(input_shape) != 1:
         raise ConfigError(f"model: {spec} reads sequences of token ids, shape (steps,), not inputs of {input_shape}")
-    kwargs = _options(spec, options)
+    kwargs = parse_options(spec, options)
     config, source, weighted, cached = _config(transformers, spec, target)
     if cached:
         kwargs["local_files_only"] = True
@@ -233,7 +233,7 @@ def hf_model(spec: str, input_shape: tuple[int, ...], num_classes: int, **option
             else:
                 model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
         except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
-            raise ConfigError(f"model: {spec}: cannot build it ({_reason(e)})") from None
+            raise ConfigError(f"model: {spec}: cannot build it ({failure_reason(e)})") from None
     return CausalLM(model)
 
 
@@ -245,7 +245,7 @@ def _import_transformers(spec: str) -> Any:
     return transformers
 
 
-def _options(spec: str, options: dict) -> dict:
+def parse_options(spec: str, options: dict) -> dict:
     """``options`` for transformers, a dtype given as text made a torch dtype (``torch_dtype``,
     the older name, given as ``dtype``, the name transformers 5 wants)."""
     kwargs = dict(options)
@@ -283,7 +283,7 @@ def _config(transformers: Any, spec: str, target: str) -> tuple[Any, str, bool, 
     import huggingface_hub.constants as hub
 
     offline = bool(hub.HF_HUB_OFFLINE)
-    unreachable = None if offline else _unreachable(hub.ENDPOINT)
+    unreachable = None if offline else hub_unreachable(hub.ENDPOINT)
     if not (offline or unreachable):
         return _read_config(transformers, spec, target, "the hub"), target, True, False
     try:
@@ -294,7 +294,7 @@ def _config(transformers: Any, spec: str, target: str) -> tuple[Any, str, bool, 
         raise ConfigError(
             f"model: {spec}: not in the Hugging Face cache ({hub.HF_HUB_CACHE}) and {why}; download it "
             f"first (AutoModelForCausalLM.from_pretrained({target!r}) with network) or give a local folder "
-            f"(hf:/path/to/model) ({_reason(e)})"
+            f"(hf:/path/to/model) ({failure_reason(e)})"
         ) from None
     return config, target, True, True
 
@@ -303,7 +303,7 @@ def _read_config(transformers: Any, spec: str, source: str, where: str) -> Any:
     try:
         return transformers.AutoConfig.from_pretrained(source)
     except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"model: {spec}: cannot read its config from {where} ({_reason(e)})") from None
+        raise ConfigError(f"model: {spec}: cannot read its config from {where} ({failure_reason(e)})") from None
 
 
 @contextlib.contextmanager
@@ -319,6 +319,6 @@ def _quiet(transformers: Any) -> Iterator[None]:
             logging.enable_progress_bar()
 
 
-def _reason(e: Exception) -> str:
+def failure_reason(e: Exception) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return f"{type(e).__name__}: {cut(lines[0], 200)}" if lines else type(e).__name__

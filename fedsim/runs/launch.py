@@ -13,7 +13,7 @@ import yaml
 from ..core.errors import ConfigError, FedsimError, UnguardedScript, explain_resource_error
 from ..execution.distributed import Ranks, RankStopped
 from ..execution.pool import PoolKeeper
-from ..execution.processes import UNGUARDED_SCRIPT, in_worker_start, start_fork_server
+from ..execution.processes import UNGUARDED_SCRIPT, in_worker_start, start_fork_server, worker_imports
 from ..experiment import components
 from ..experiment.config import Config, apply_overrides, directory_name, locate, save_config
 from ..experiment.keys import RESUMABLE_KEYS
@@ -246,8 +246,8 @@ def _setup(
 ) -> Session:
     ranks = ranks or Ranks()
     log = RoundLog(progress, quiet=quiet or not ranks.is_root)
-    if cfg.workers != 0:
-        start_fork_server()  # the workers' imports, while the session loads the data
+    if cfg.workers != 0:  # the workers' imports, while the session loads the data
+        start_fork_server(worker_imports(cfg.model, cfg.lora.rank))
     try:
         with console_logging(log):  # the session says what it loads and starts, as it starts
             session = Session(cfg, log=log, callbacks=callbacks, ranks=ranks, pools=pools)
