@@ -48,10 +48,8 @@ def test_a_missing_file_names_the_shipped_experiments_it_is_close_to(tmp_path, m
     with pytest.raises(ConfigError) as e:
         load_config("mnist_sed")
     shipped = len(shipped_experiments())
-    assert (
-        str(e.value)
-        == f"mnist_sed: file not found; did you mean mnist_seed? fedsim list shows the {shipped} shipped experiments"
-    )
+    assert str(e.value).startswith("mnist_sed: file not found; did you mean mnist_seed")  # the closest first
+    assert str(e.value).endswith(f"? fedsim list shows the {shipped} shipped experiments")
     with pytest.raises(ConfigError) as e:
         load_config("nothing/like/it.yaml")
     assert str(e.value) == f"nothing/like/it.yaml: file not found; fedsim list shows the {shipped} shipped experiments"
