@@ -21,6 +21,11 @@ def did_you_mean(name: object, choices: Iterable[object]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def install(extra: str) -> str:
+    """The command that installs an optional extra, for the line that says it is missing."""
+    return f'pip install "fedsim-sync[{extra}]"'
+
+
 class FedsimError(Exception):
     """A problem the user can fix (bad config, missing data, failed worker).
 

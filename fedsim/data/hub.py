@@ -30,14 +30,14 @@ import numpy as np
 import torch
 
 from ..core.checks import Checks, is_number, shown
-from ..core.errors import ConfigError, DataError, cut
+from ..core.errors import ConfigError, DataError, cut, install
 from .tensors import Dataset
 
 PREFIX = "hf:"
 OPTIONS = ("input", "label", "text", "client", "train", "test", "test_fraction")  # text: see text.py
 DEFAULTS = {"client": None, "train": "train", "test": "test", "test_fraction": 0.1}
 FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "json"}
-INSTALL = 'pip install "fedsim-sync[hf]"'
+INSTALL = install("hf")
 PROBE_SECONDS = 3.0  # how long the hub may take to accept a connection before it counts as out of reach
 HOLDOUT_SEED = 0x6866  # the held-out test split is the data's own, the same for every run seed
 _HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
@@ -126,13 +126,13 @@ def load_hub(spec: str, options: dict | None, root: Path) -> Dataset:
     if test is None:
         held = hold_out(len(ys[0]), owners[0] if owners else None, opts["test_fraction"])
         if not held.any():
-            fail_option("test_fraction", f"holds out none of the {len(held)} samples; raise it, or give a test split")
+            fail("test_fraction", f"holds out none of the {len(held)} samples; raise it, or give a test split")
         xs, ys = [xs[0][~held], xs[0][held]], [ys[0][~held], ys[0][held]]
         owners = [owners[0][~held], owners[0][held]] if owners else None
     if len(ys[0]) == 0 or len(ys[1]) == 0:
-        fail_option("train" if len(ys[0]) == 0 else "test", f"the split of {spec} has no samples")
+        fail("train" if len(ys[0]) == 0 else "test", f"the split of {spec} has no samples")
     if xs[0].shape[1:] != xs[1].shape[1:]:
-        fail_option("input", f"train inputs have shape {xs[0].shape[1:]} and test inputs {xs[1].shape[1:]}")
+        fail("input", f"train inputs have shape {xs[0].shape[1:]} and test inputs {xs[1].shape[1:]}")
     classes = _classes(ys, names, opts["label"])
     train_x, test_x = _normalize(*xs) if image else (torch.from_numpy(x.astype(np.float32)) for x in xs)
     data = Dataset(train_x, torch.from_numpy(ys[0]), test_x, torch.from_numpy(ys[1]), classes, name=spec)
@@ -241,16 +241,16 @@ def pick_splits(splits: Mapping[str, Any], opts: dict, spec: str) -> tuple[Any, 
     """The training split, and the test split (None: hold one out of the training split)."""
     have = ", ".join(splits) or "none"
     if opts["train"] not in splits:
-        fail_option("train", f"{spec} has no split {opts['train']!r}; its splits: {have}")
+        fail("train", f"{spec} has no split {opts['train']!r}; its splits: {have}")
     test = opts["test"]
     if test is not None and test not in splits and test != DEFAULTS["test"]:
-        fail_option("test", f"{spec} has no split {test!r}; its splits: {have} (null: hold out data.hf.test_fraction)")
+        fail("test", f"{spec} has no split {test!r}; its splits: {have} (null: hold out data.hf.test_fraction)")
     if test == opts["train"]:
-        fail_option("test", f"is the training split {test!r}; name another, or null to hold out data.hf.test_fraction")
+        fail("test", f"is the training split {test!r}; name another, or null to hold out data.hf.test_fraction")
     return splits[opts["train"]], splits.get(test)
 
 
-def fail_option(key: str, message: str) -> NoReturn:
+def fail(key: str, message: str) -> NoReturn:
     raise DataError(f"data.hf.{key}: {message}")
 
 
@@ -262,7 +262,7 @@ def _check_columns(table: Any, opts: dict, spec: str, where: str = "") -> None:
     wanted = [("input", c) for c in inputs] + [("label", opts["label"]), ("client", opts["client"])]
     for key, column in wanted:
         if column is not None and column not in table.column_names:
-            fail_option(key, f"no column {column!r} in {where}{spec}; its columns: {', '.join(table.column_names)}")
+            fail(key, f"no column {column!r} in {where}{spec}; its columns: {', '.join(table.column_names)}")
 
 
 def _leaf_type(arrow_type: Any) -> Any:
@@ -290,7 +290,7 @@ def _is_image(feature: object, arrow_type: Any) -> bool:
 def column_values(table: Any, column: str, key: str) -> np.ndarray:
     values = table.column(column)
     if values.null_count:
-        fail_option(key, f"column {column!r} has {values.null_count} empty values (null)")
+        fail(key, f"column {column!r} has {values.null_count} empty values (null)")
     return values.to_numpy()
 
 
@@ -299,7 +299,7 @@ def _labels(table: Any, column: str) -> np.ndarray:
 
     arrow_type = table.schema.field(column).type
     if not pa.types.is_integer(arrow_type):
-        fail_option("label", f"column {column!r} holds {arrow_type}, not integer class labels")
+        fail("label", f"column {column!r} holds {arrow_type}, not integer class labels")
     return column_values(table, column, "label").astype(np.int64)
 
 
@@ -308,9 +308,9 @@ def _classes(ys: list[np.ndarray], names: list | None, column: str) -> int:
     low, high = min(int(y.min(initial=0)) for y in ys), max(int(y.max(initial=0)) for y in ys)
     classes = len(names) if names is not None else high + 1
     if low < 0 or high >= classes:
-        fail_option("label", f"column {column!r} holds labels {low} .. {high}, outside 0 .. {classes - 1}")
+        fail("label", f"column {column!r} holds labels {low} .. {high}, outside 0 .. {classes - 1}")
     if classes < 2:
-        fail_option("label", f"column {column!r} has {classes} class; a classifier needs at least 2")
+        fail("label", f"column {column!r} has {classes} class; a classifier needs at least 2")
     return classes
 
 
@@ -323,18 +323,16 @@ def _numbers(table: Any, columns: str | list[str]) -> np.ndarray:
     for column in columns if isinstance(columns, list) else [columns]:
         leaf = _leaf_type(table.schema.field(column).type)
         if pa.types.is_string(leaf) or pa.types.is_large_string(leaf):
-            fail_option(
-                "input", f"column {column!r} holds text; for text data give data.hf.text instead of input and label"
-            )
+            fail("input", f"column {column!r} holds text; for text data give data.hf.text instead of input and label")
         if not (pa.types.is_integer(leaf) or pa.types.is_floating(leaf) or pa.types.is_boolean(leaf)):
-            fail_option("input", f"column {column!r} holds {table.schema.field(column).type}; use images or numbers")
+            fail("input", f"column {column!r} holds {table.schema.field(column).type}; use images or numbers")
         if isinstance(columns, list) and leaf != table.schema.field(column).type:
-            fail_option("input", f"column {column!r} holds arrays; a list of input columns takes numbers only")
+            fail("input", f"column {column!r} holds arrays; a list of input columns takes numbers only")
         parts.append(_stack(table.column(column), column))
     x = parts[0] if not isinstance(columns, list) else np.stack(parts, axis=1)
     x = x.reshape(len(x), -1) if x.ndim == 1 else x
     if not np.isfinite(x).all():
-        fail_option("input", f"{', '.join(columns) if isinstance(columns, list) else columns!r} holds NaN or Inf")
+        fail("input", f"{', '.join(columns) if isinstance(columns, list) else columns!r} holds NaN or Inf")
     return x
 
 
@@ -349,16 +347,14 @@ def _stack(chunks: Any, column: str) -> np.ndarray:
         if isinstance(array, pa.ExtensionArray):
             array = array.storage
         if array.null_count:
-            fail_option("input", f"column {column!r} has {array.null_count} empty values (null)")
+            fail("input", f"column {column!r} has {array.null_count} empty values (null)")
         if not isinstance(array, (pa.ListArray, pa.LargeListArray, pa.FixedSizeListArray)):
             return array.to_numpy(zero_copy_only=False).reshape(shape)
         lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
         if len(lengths) and (lengths != lengths[0]).any():
             other = lengths[np.flatnonzero(lengths != lengths[0])[0]]
             sizes = f"{lengths[0]} and {other} values at depth {len(shape)}"
-            fail_option(
-                "input", f"column {column!r} holds arrays of mixed shapes ({sizes}); give all samples one shape"
-            )
+            fail("input", f"column {column!r} holds arrays of mixed shapes ({sizes}); give all samples one shape")
         shape.append(int(lengths[0]) if len(lengths) else 0)
         array = array.flatten()
 
@@ -375,7 +371,7 @@ def _images(tables: list[Any], column: str) -> list[np.ndarray]:
     for table in tables:
         structs = table.column(column).combine_chunks()
         if structs.null_count:
-            fail_option("input", f"column {column!r} has {structs.null_count} empty images (null)")
+            fail("input", f"column {column!r} has {structs.null_count} empty images (null)")
         stored.append(list(zip(structs.field("bytes").to_pylist(), structs.field("path").to_pylist())))
     sizes, modes = set(), set()
     for blob, path in (entry for entries in stored for entry in entries):
@@ -384,7 +380,7 @@ def _images(tables: list[Any], column: str) -> list[np.ndarray]:
             modes.add(image.mode)
     if len(sizes) > 1:
         shown_sizes = " and ".join(f"{w}x{h}" for w, h in sorted(sizes)[:2]) + (", ..." if len(sizes) > 2 else "")
-        fail_option("input", f"column {column!r} holds images of mixed sizes ({shown_sizes}); resize them to one size")
+        fail("input", f"column {column!r} holds images of mixed sizes ({shown_sizes}); resize them to one size")
     common = next(iter(modes)) if len(modes) == 1 and modes != {"P"} else None
     target = common or ("L" if modes <= {"1", "L"} else "RGB")
     arrays = []
@@ -404,11 +400,11 @@ def _images(tables: list[Any], column: str) -> list[np.ndarray]:
 
 def _open_image(image_module: Any, blob: bytes | None, path: str | None, column: str) -> Any:
     if blob is None and path is None:
-        fail_option("input", f"column {column!r} holds an empty image (neither bytes nor a path)")
+        fail("input", f"column {column!r} holds an empty image (neither bytes nor a path)")
     try:
         return image_module.open(io.BytesIO(blob) if blob is not None else path)
     except (OSError, ValueError, TypeError, image_module.DecompressionBombError) as e:
-        fail_option("input", f"column {column!r} holds an image that cannot be read ({failure_reason(e)})")
+        fail("input", f"column {column!r} holds an image that cannot be read ({failure_reason(e)})")
 
 
 def _normalize(train: np.ndarray, test: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

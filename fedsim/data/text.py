@@ -21,14 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.errors import ConfigError, DataError, cut
+from ..core.errors import ConfigError, DataError, cut, install
 from . import hub
 from .leaf_plays import TRAIN_FRACTION, read_roles, split_role
 from .tensors import IGNORE_INDEX, Dataset
 
 BYTES = "bytes"
 HF = "hf:"
-INSTALL = 'pip install "fedsim-sync[llm]"'
+INSTALL = install("llm")
 _FIELD = re.compile(r"[^.\[\]{}!:]+")  # a template's {column}: no attribute, index or nested field
 
 
@@ -270,9 +270,7 @@ def load_hub_text(spec: str, options: dict | None, tokenizer: Tokenizer, sequenc
     if test is None:
         held = hub.hold_out(len(texts[0]), owners[0] if owners else None, opts["test_fraction"])
         if not held.any():
-            hub.fail_option(
-                "test_fraction", f"holds out none of the {len(held)} documents; raise it, or give a test split"
-            )
+            hub.fail("test_fraction", f"holds out none of the {len(held)} documents; raise it, or give a test split")
         texts = [texts[0][~held], texts[0][held]]
         owners = [owners[0][~held], owners[0][held]] if owners else None
     ids, names = hub.client_ids(owners) if owners else ([np.zeros(len(t), dtype=np.int64) for t in texts], None)
@@ -283,9 +281,7 @@ def load_hub_text(spec: str, options: dict | None, tokenizer: Tokenizer, sequenc
         groups = np.split(documents[order], np.cumsum(np.bincount(owner, minlength=count))[:-1])
         parts.append(windows([group.tolist() for group in groups], tokenizer, sequence_length))
         if len(parts[-1][0]) == 0:
-            hub.fail_option(
-                "text", f"the split {split!r} of {spec} has no client with 2 tokens or more (to read, to predict)"
-            )
+            hub.fail("text", f"the split {split!r} of {spec} has no client with 2 tokens or more (to read, to predict)")
     return text_dataset(parts[0], parts[1], tokenizer.vocab_size, spec, client_names=names)
 
 
@@ -294,11 +290,11 @@ def _documents(table: Any, text: str, spec: str) -> np.ndarray:
     fields = template_fields(text)
     for column in fields or [text]:
         if column not in table.column_names:
-            hub.fail_option("text", f"no column {column!r} in {spec}; its columns: {', '.join(table.column_names)}")
+            hub.fail("text", f"no column {column!r} in {spec}; its columns: {', '.join(table.column_names)}")
     if fields is None:
         kind = table.schema.field(text).type
         if str(kind) not in ("string", "large_string", "string_view"):
-            hub.fail_option("text", f"column {text!r} holds {kind}, not text; name a text column or write a template")
+            hub.fail("text", f"column {text!r} holds {kind}, not text; name a text column or write a template")
         return np.asarray(hub.column_values(table, text, "text"), dtype=object)
     columns = [hub.column_values(table, column, "text").tolist() for column in fields]
     return np.array([text.format_map(dict(zip(fields, row))) for row in zip(*columns)], dtype=object)
@@ -306,5 +302,5 @@ def _documents(table: Any, text: str, spec: str) -> np.ndarray:
 
 def _owners(table: Any, column: str, spec: str) -> np.ndarray:
     if column not in table.column_names:
-        hub.fail_option("client", f"no column {column!r} in {spec}; its columns: {', '.join(table.column_names)}")
+        hub.fail("client", f"no column {column!r} in {spec}; its columns: {', '.join(table.column_names)}")
     return hub.column_values(table, column, "client")

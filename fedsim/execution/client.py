@@ -1,10 +1,11 @@
-"""Local training: E epochs of SGD on a client's slice of the device-resident data.
+"""Local training: E epochs of SGD (or AdamW) on a client's slice of the device-resident data.
 
-The SGD step works on the flat parameter and gradient tensors (see ``flat.py``), so it is the
-same few kernels for any model. It matches ``torch.optim.SGD`` (weight decay added to the
-gradient, then heavy-ball momentum without dampening); the run's algorithm adds its term to the
-gradient before momentum (``Algorithm.adjust_gradient``) and may ask for the mean of the raw
-gradients (``keeps_mean_gradient``). Two trainers: ``LocalTrainer`` trains clients one after
+The step works on the flat parameter and gradient tensors (see ``flat.py``), so it is the same
+few kernels for any model. It matches ``torch.optim.SGD`` (weight decay added to the gradient,
+then heavy-ball momentum without dampening), or with ``local.optimizer: adamw``
+``torch.optim.AdamW``; the run's algorithm adds its term to the gradient before momentum
+(``Algorithm.adjust_gradient``) and may ask for the mean of the raw gradients
+(``keeps_mean_gradient``). Two trainers: ``LocalTrainer`` trains clients one after
 another, ``VmapTrainer`` a group of clients in lockstep. Neither knows any particular algorithm.
 """
 

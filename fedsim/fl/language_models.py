@@ -21,12 +21,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core.errors import ConfigError, cut
+from ..core.errors import ConfigError, cut, install
 from ..data.hub import hub_unreachable
 from .models import MODELS
 
 HF_PREFIX = "hf:"
-INSTALL = 'pip install "fedsim-sync[llm]"'
+INSTALL = install("llm")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WEIGHT_FILES = ("*.safetensors", "*.bin")
 _HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")

@@ -21,11 +21,13 @@ from typing import Any
 import torch.nn as nn
 
 from ..core.checks import Checks, shown
-from ..core.errors import ConfigError, cut
+from ..core.errors import ConfigError, cut, install
 
 
 @dataclass
 class LoraConfig:
+    """The ``lora:`` section (see the module's docstring)."""
+
     rank: int = 0
     alpha: float = 16.0
     dropout: float = 0.0
@@ -39,7 +41,7 @@ class LoraConfig:
 
 
 METHODS = ("fedit", "ffa")
-INSTALL = 'pip install "fedsim-sync[llm]"'
+INSTALL = install("llm")
 
 
 def check(lora: LoraConfig) -> None:
@@ -79,10 +81,9 @@ def apply_lora(module: nn.Module, lora: LoraConfig, model_name: str) -> nn.Modul
     except ImportError:
         raise ConfigError(f"lora: adapters are placed by peft, which is not installed: {INSTALL}") from None
     targets = lora.target_modules or getattr(module, "lora_targets", None)
+    # a transformers model (an hf: model's .model) gets peft's default layers for its architecture
     inner = getattr(module, "model", None)
-    host = (
-        inner if isinstance(inner, nn.Module) and hasattr(inner, "config") else module
-    )  # peft knows hf models' layers
+    host = inner if isinstance(inner, nn.Module) and hasattr(inner, "config") else module
     if targets is None and host is module:
         raise ConfigError(f"lora.target_modules: name the layers of {model_name} to adapt (or all-linear)")
     config = peft.LoraConfig(

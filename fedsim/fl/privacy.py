@@ -92,7 +92,7 @@ import numpy as np
 import torch
 
 from ..core.checks import FLOAT32, Checks, is_integer, is_number
-from ..core.errors import ConfigError, FedsimError, user_code
+from ..core.errors import ConfigError, FedsimError, install, user_code
 from ..core.streams import privacy_noise_generator
 from .aggregation import float64_blocks, row_norms
 
@@ -101,7 +101,7 @@ REQUIRED = ("clip", "noise_multiplier", "delta")
 DEFAULTS = {"accountant": "pld", "target_quantile": None, "clip_learning_rate": 0.2, "count_noise": None}
 KEYS = (*REQUIRED, *DEFAULTS)
 ACCOUNTANTS = ("pld", "rdp")
-INSTALL = 'pip install "fedsim-sync[privacy]"'
+INSTALL = install("privacy")
 PLD_DISCRETIZATION = 1e-3  # pessimistic: epsilon within rounds x 1e-3 above the exact PLD bound, never below
 PLD_POINTS = 2**20  # the largest PLD grid (estimated) a run may need: a second or two a round at most
 PLD_MIN_DELTA = 1e-14  # ten times the probability dp-accounting's composition cuts off as infinite loss
