@@ -160,23 +160,27 @@ def test_a_transformers_model_learns_and_its_lora_adapters_fine_tune_it(text_roo
     assert torch.load(tuned.run_dir / "checkpoint.pt", weights_only=True)["global"].numel() == adapters
 
 
-def test_workers_share_one_frozen_base_where_peers_hold_a_copy_each(text_root, tmp_path):
+def test_workers_share_one_frozen_base_where_peers_hold_a_copy_each(tmp_path):
     """Proportional set sizes (Linux): with the base shared, the workers' share of it is what the
     three processes split; with a copy per worker, each holds a whole base more."""
     if not Path("/proc/self/smaps_rollup").exists():
         pytest.skip("proportional set sizes are read from /proc (Linux)")
-    big = {"layers": 4, "width": 512, "heads": 8}  # 12.6 M frozen parameters: a 48 MB base
-    options = dict(
-        model_options=big,
-        lora={"rank": 4},
-        rounds=1,
-        clients_per_round=2,
-        workers=2,
-        data={**BASE_RUN["data"], "num_clients": 2},
-        local={**BASE_RUN["local"], "steps": 1},
-    )
-    shared = run(text_root, tmp_path / "shared", **options)
-    copied = run(text_root, tmp_path / "copied", **{**options, "lora": {"rank": 4, "share_base": False}})
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (400, 33), generator=g)
+    data = fedsim.data.Dataset(ids[:320, :-1], ids[:320, 1:], ids[320:, :-1], ids[320:, 1:], 256, name="tokens")
+    cfg = {
+        "device": "cpu",
+        "rounds": 1,
+        "clients_per_round": 2,
+        "workers": 2,
+        "model": "char_transformer",
+        "model_options": {"layers": 4, "width": 512, "heads": 8},  # 12.6 M frozen parameters: a 48 MB base
+        "lora": {"rank": 4},
+        "data": {"dataset": data, "num_clients": 2},
+        "local": {"optimizer": "adamw", "lr": 1e-3, "batch_size": 8, "steps": 2},
+    }
+    shared = fedsim.run(cfg, out=tmp_path / "shared", quiet=True)
+    copied = fedsim.run({**cfg, "lora": {"rank": 4, "share_base": False}}, out=tmp_path / "copied", quiet=True)
     base = shared.summary["frozen_base_mb"]
     assert base == copied.summary["frozen_base_mb"] and base > 40
     saved = sum(copied.summary["worker_pss_mb"]) - sum(shared.summary["worker_pss_mb"])
