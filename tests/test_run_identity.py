@@ -142,3 +142,22 @@ def test_the_header_the_directory_and_the_summary_say_what_ran(tmp_path, capsys,
     assert lines[2].startswith("told: rounds 3 to 3 (resumed from the checkpoint of round 2) of 2/4 clients")
     summary = json.loads((history.run_dir / "summary.json").read_text())
     assert summary["resumed_at_round"] == 3 and summary["overrides"]["local.lr"] == 0.05
+
+
+def test_a_resume_after_a_kill_keeps_how_the_run_was_started(tmp_path):
+    """A run killed before it could write summary.json (kill -9, out of memory, a hang-up): its
+    resume still knows the keys set when the run began, from the run directory's own files."""
+    history = fedsim.run(
+        "mnist_seed",
+        out=tmp_path / "run",
+        quiet=True,
+        rounds=2,
+        workers=0,
+        dataset="synthetic",
+        **{"data.limit": 400, "local.lr": 0.05},
+    )
+    (history.run_dir / "summary.json").unlink()  # what a killed process leaves: no summary
+    fedsim.resume(history.run_dir, rounds=3, quiet=True)
+    summary = json.loads((history.run_dir / "summary.json").read_text())
+    expected = {"data.dataset": "synthetic", "data.limit": 400, "local.lr": 0.05, "rounds": 3, "workers": 0}
+    assert summary["overrides"] == expected

@@ -54,6 +54,15 @@ def run_identity(cfg: Config) -> str:
     return yaml.safe_dump(kept, sort_keys=True)
 
 
+def started_with(state: dict, folder: Path) -> dict:
+    """The keys set when a run began, from its checkpoint (an older checkpoint's: from summary.json,
+    if the run ended well enough to write one), never from what a later process wrote last."""
+    started = state.get("overrides")
+    if not isinstance(started, dict):
+        started = read_mapping(folder / "summary.json", json.loads).get("overrides") or {}
+    return started
+
+
 def ready_message(
     cfg: Config, first_round: int, ranks: int, workers: int, device: torch.device, seconds: float, path: Path
 ) -> str:
@@ -211,7 +220,7 @@ class Session:
         shipped = components.for_workers(cfg)
         make_pool = lambda: new_pool(shipped, self.workers, self.device, runner, pools)  # noqa: E731
         self.executor = Restarting(make_pool) if cfg.on_worker_failure == "restart" else make_pool()
-        self.overrides = overrides_of(cfg)  # a resumed run's are its first start's (see restore)
+        self.overrides = overrides_of(cfg)  # a resumed run's are its first start's and its own (see restore)
         if self.ranks.is_root:  # what ran, and what the next seconds are spent on, before they are spent
             starting = f" and starting {self.workers} workers" if self.workers else ""
             logger.info(f"{cfg.name}: {describe_run(cfg.to_dict(), self.overrides)}")
@@ -261,9 +270,8 @@ class Session:
     def restore(self, state: dict, rows: list[dict], source: Path) -> None:
         """Continue from ``state``, the checkpoint read from the file ``source``."""
         self.state.load_state_dict(state, source)
-        self.first_round, self.elapsed_before = state["round"] + 1, state["elapsed_seconds"]
-        self.rows = rows
-        self.overrides = read_mapping(source.parent / "summary.json", json.loads).get("overrides", self.overrides)
+        self.first_round, self.elapsed_before, self.rows = state["round"] + 1, state["elapsed_seconds"], rows
+        self.overrides = dict(sorted({**started_with(state, source.parent), **self.overrides}.items()))
         records = source.parent / "clients.csv"
         if records.is_file():
             self.client_rows = [r for r in read_clients(records) if r["round"] <= state["round"]]
@@ -364,6 +372,7 @@ class Session:
                         **self.state.state_dict(rnd),
                         "elapsed_seconds": row["elapsed_seconds"],
                         "config": run_identity(cfg),
+                        "overrides": self.overrides,  # how the run was started, for a resume after a kill
                         "file_rows": {"metrics.csv": len(self.rows), "clients.csv": len(self.client_rows)},
                     }
                     self.run_dir.save_checkpoint(checkpoint)
