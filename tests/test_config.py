@@ -36,7 +36,11 @@ def test_data_root_defaults_to_the_environment(monkeypatch):
     monkeypatch.setenv("FEDSIM_DATA", "/some/where")
     assert Config().data.root == "/some/where"
     monkeypatch.delenv("FEDSIM_DATA")
-    assert Config().data.root == "datasets"
+    monkeypatch.setenv("XDG_CACHE_HOME", "/the/cache")
+    assert Config().data.root == "/the/cache/fedsim/datasets"  # one folder, whatever the directory
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert Config().data.root == "/home/someone/.cache/fedsim/datasets"
 
 
 def test_yaml_and_overrides(tmp_path):

@@ -37,7 +37,13 @@ from .keys import defining, flatten_config
 
 
 def default_data_root() -> str:
-    return os.environ.get("FEDSIM_DATA", "datasets")
+    """Where datasets are read and downloaded: ``$FEDSIM_DATA``, else one cache folder for every
+    run whatever directory it starts in (``$XDG_CACHE_HOME/fedsim/datasets``, by default
+    ``~/.cache/fedsim/datasets``)."""
+    if os.environ.get("FEDSIM_DATA"):
+        return os.environ["FEDSIM_DATA"]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "fedsim", "datasets")
 
 
 @dataclass
