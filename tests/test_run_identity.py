@@ -10,6 +10,7 @@ import pytest
 from matplotlib.image import imread
 
 import fedsim
+from fedsim.core.errors import FedsimError
 from fedsim.experiment.components import describe
 from fedsim.experiment.config import directory_name, overrides_of
 from fedsim.experiment.validation import load_config
@@ -161,3 +162,21 @@ def test_a_resume_after_a_kill_keeps_how_the_run_was_started(tmp_path):
     summary = json.loads((history.run_dir / "summary.json").read_text())
     expected = {"data.dataset": "synthetic", "data.limit": 400, "local.lr": 0.05, "rounds": 3, "workers": 0}
     assert summary["overrides"] == expected
+
+
+def test_a_resume_refuses_the_files_of_another_run_with_as_many_rows(tmp_path):
+    """Each file's last row up to the checkpoint is kept in it, cell for cell: another run's
+    metrics.csv or clients.csv, copied in with the same number of rows, is named in one line and
+    nothing is written."""
+    quick = dict(quiet=True, rounds=2, workers=0, dataset="synthetic", **{"data.limit": 400})
+    mine = fedsim.run("mnist_seed", out=tmp_path / "mine", **quick).run_dir
+    other = fedsim.run("mnist_seed", out=tmp_path / "other", seed=2, **quick).run_dir  # its own numbers
+    for name in ("metrics.csv", "clients.csv"):
+        kept = (mine / name).read_bytes()
+        (mine / name).write_bytes((other / name).read_bytes())
+        with pytest.raises(FedsimError) as refused:
+            fedsim.resume(mine, rounds=3, quiet=True)
+        assert str(refused.value).startswith(f"{mine / name}: row ") and "is another run's" in str(refused.value)
+        assert "\n" not in str(refused.value) and (mine / name).read_bytes() == (other / name).read_bytes()
+        (mine / name).write_bytes(kept)
+    assert fedsim.resume(mine, rounds=3, quiet=True).summary["rounds"] == 3  # its own files: resumed

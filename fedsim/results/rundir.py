@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import itertools
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from ..core.errors import FedsimError, cut, write_error
 from ..core.files import atomic_write_text, write_atomically
+from ..engine.records import CLIENT_COLUMNS
 from ..engine.records import METRIC_COLUMNS as COLUMNS  # metrics.csv's, in order: RoundRow's fields
 
 # columns of what a run may leave off (privacy, eval_per_client, the bytes of hogwild), and columns
@@ -138,7 +140,7 @@ class RunDirectory:
             with open(path, "a", newline="") as f:
                 size = f.tell()
                 try:
-                    csv.writer(f).writerow([_format(row.get(c, "")) for c in COLUMNS])
+                    csv.writer(f).writerow([cell_text(row.get(c, "")) for c in COLUMNS])
                     f.flush()
                 except BaseException:
                     f.truncate(size)
@@ -156,7 +158,7 @@ class RunDirectory:
             with open(tmp, "w", newline="") as f:
                 writer = csv.writer(f)
                 writer.writerow(COLUMNS)
-                writer.writerows([_format(row.get(c, "")) for c in COLUMNS] for row in rows)
+                writer.writerows([cell_text(row.get(c, "")) for c in COLUMNS] for row in rows)
 
         write_atomically(self.path / "metrics.csv", write)
 
@@ -192,6 +194,16 @@ class RunDirectory:
             raise FedsimError(f"{path}: not a fedsim checkpoint (its round is {state['round']!r})")
         return state
 
+    @staticmethod
+    def file_marks(rows: list[dict], client_rows: list[dict]) -> dict:
+        """What a checkpoint keeps of metrics.csv and clients.csv: how many rows each holds, and
+        its last row cell for cell, so that a resume knows they are its run's (``check_in_step``)."""
+        files = {"metrics.csv": (rows, COLUMNS), "clients.csv": (client_rows, CLIENT_COLUMNS)}
+        return {
+            "file_rows": {name: len(kept) for name, (kept, _) in files.items()},
+            "file_last_rows": {name: row_cells(kept[-1], columns) for name, (kept, columns) in files.items() if kept},
+        }
+
     def check_in_step(self, state: dict) -> None:
         """Before a round is added, the files must hold what they held when the checkpoint
         ``state`` was saved: as many rows up to its round as it counted (a checkpoint of an older
@@ -209,6 +221,22 @@ class RunDirectory:
                     f"held {counted[name]}; the run directory's files disagree, so the run cannot be "
                     f"continued (restore the file, or start a new run)"
                 )
+            last = (state.get("file_last_rows") or {}).get(name)
+            if rows and isinstance(last, dict):
+                self._check_last_row(path, rows, last)
+
+    def _check_last_row(self, path: Path, count: int, saved: dict) -> None:
+        """The file's row ``count`` must be the one the checkpoint saw last, cell for cell: a file
+        of another run with as many rows differs there (its losses, its times)."""
+        with open(path, newline="") as f:
+            row = next(itertools.islice(csv.DictReader(f), count - 1, None), {})
+        differing = next((column for column, cell in saved.items() if (row.get(column) or "") != cell), None)
+        if differing is not None:
+            raise FedsimError(
+                f"{path}: row {count} is not the one checkpoint.pt was saved after (its {differing} "
+                f"differs): one of the two is another run's, so the run cannot be continued (restore "
+                f"the file, or start a new run)"
+            )
 
 
 class RunInUseError(FedsimError):
@@ -243,11 +271,18 @@ def _lock(path: Path, exclusive: bool) -> int:
     return fd
 
 
-def _format(value) -> str:
-    # repr keeps every bit of a float, so two runs' files are equal exactly when their numbers are
-    if value is None:  # an optional column of a run without its feature
+def cell_text(value) -> str:
+    """A value as a run's CSV files write it: repr keeps every bit of a float, so two runs' files
+    are equal exactly when their numbers are; None (an optional column of a run without its
+    feature) is an empty cell."""
+    if value is None:
         return ""
     return repr(value) if isinstance(value, float) else str(value)
+
+
+def row_cells(row: dict, columns: Iterable[str]) -> dict[str, str]:
+    """A row's cells as its file holds them, by column."""
+    return {column: cell_text(row.get(column, "")) for column in columns}
 
 
 def read_mapping(path: Path, parse: Callable[[str], Any]) -> dict:

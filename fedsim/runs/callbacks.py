@@ -29,7 +29,7 @@ from ..core.errors import user_code, write_error
 from ..core.files import write_atomically
 from ..engine.records import CLIENT_COLUMNS
 from ..results.history import History
-from ..results.rundir import RunDirectory, read_client_accuracy
+from ..results.rundir import RunDirectory, cell_text, read_client_accuracy, row_cells
 
 if TYPE_CHECKING:
     from ..fl.client_eval import ClientEvaluation
@@ -88,7 +88,7 @@ class ClientsFile(Callback):
 
     def on_round_end(self, row: dict, clients: list[dict]) -> None:
         # a record without a column (hogwild's have no steps) leaves its cell empty
-        self._write("a", [[_cell(client.get(c, "")) for c in CLIENT_COLUMNS] for client in clients])
+        self._write("a", [list(row_cells(client, CLIENT_COLUMNS).values()) for client in clients])
 
     def _write(self, mode: str, rows) -> None:
         try:
@@ -137,11 +137,7 @@ class ClientAccuracyFile(Callback):
 
 
 def _cells(records: list[dict], columns) -> list[list[str]]:
-    return [[_cell(record[c]) for c in columns] for record in records]
-
-
-def _cell(value) -> str:
-    return repr(value) if isinstance(value, float) else "" if value is None else str(value)
+    return [[cell_text(record[c]) for c in columns] for record in records]
 
 
 class TensorBoard(Callback):

@@ -373,7 +373,7 @@ class Session:
                         "elapsed_seconds": row["elapsed_seconds"],
                         "config": run_identity(cfg),
                         "overrides": self.overrides,  # how the run was started, for a resume after a kill
-                        "file_rows": {"metrics.csv": len(self.rows), "clients.csv": len(self.client_rows)},
+                        **RunDirectory.file_marks(self.rows, self.client_rows),
                     }
                     self.run_dir.save_checkpoint(checkpoint)
                     self.state.saved_round = rnd
