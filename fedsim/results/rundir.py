@@ -271,7 +271,7 @@ def _lock(path: Path, exclusive: bool) -> int:
     return fd
 
 
-def cell_text(value) -> str:
+def cell_text(value: object) -> str:
     """A value as a run's CSV files write it: repr keeps every bit of a float, so two runs' files
     are equal exactly when their numbers are; None (an optional column of a run without its
     feature) is an empty cell."""
