@@ -1,0 +1,65 @@
+"""Make the figures the docs show, from real runs, so that anyone can make them again.
+
+    FEDSIM_DATA=/path/to/datasets python docs/figures/make_figures.py
+
+``FEDSIM_DATA`` must hold real MNIST and Fashion-MNIST (torchvision's layout) and the Shakespeare
+play texts (``shakespeare/texts``). Each figure is a fedsim run's or a partition's, drawn by
+fedsim's own plotting, written beside this file; the caption in the docs names its data and the
+machine it was made on. About a minute on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import fedsim
+from fedsim.cli import main as fedsim_main
+from fedsim.results.plot import accuracy_figure, save_figure
+
+HERE = Path(__file__).parent
+QUICK_LM = {
+    "data.num_clients": 200,
+    "data.sequence_length": 64,
+    "model_options.layers": 2,
+    "model_options.width": 64,
+    "rounds": 30,
+    "local.steps": 10,
+    "local.epochs": 2,
+    "eval_every": 2,
+}
+
+
+def quick_start(work: Path) -> None:
+    """The quick start's run: mnist_seed on real MNIST."""
+    history = fedsim.run("mnist_seed", out=work / "quickstart", quiet=True, device="cpu")
+    save_figure(accuracy_figure(history), HERE / "quickstart.png")
+
+
+def partition(work: Path) -> None:
+    """Fashion-MNIST split Dir(0.3) over 100 clients: the label mix of each client."""
+    try:
+        code = fedsim_main(["partition", "fmnist_dirichlet", "--out", str(work / "partition")])
+    except SystemExit as e:  # the command's own way to end
+        code = e.code
+    if code not in (0, None):
+        sys.exit("fedsim partition failed")
+    shutil.copy(work / "partition" / "partition.png", HERE / "partition.png")
+
+
+def language_model(work: Path) -> None:
+    """llm/shakespeare_char's quick version: test loss and perplexity over the rounds."""
+    history = fedsim.run("llm/shakespeare_char", out=work / "lm", quiet=True, device="cpu", **QUICK_LM)
+    save_figure(accuracy_figure(history), HERE / "language_model.png")
+
+
+if __name__ == "__main__":
+    if not os.environ.get("FEDSIM_DATA"):
+        sys.exit("set FEDSIM_DATA to a folder holding MNIST, FashionMNIST and shakespeare/texts")
+    with tempfile.TemporaryDirectory() as folder:
+        for make in (quick_start, partition, language_model):
+            make(Path(folder))
+            print(f"made {make.__name__}")
