@@ -113,8 +113,9 @@ def build_model(
 
 
 def run_model(cfg: Config, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
-    """The model a run trains: built with ``model_options``, with LoRA adapters where ``lora``
-    asks for them (only the adapters then train). Every process of a run builds it so."""
+    """The model a run trains: built with ``model_options``, holding the ``initial_weights`` of
+    another run where it names one, with LoRA adapters where ``lora`` asks for them (only the
+    adapters then train). Every process of a run builds it so (a worker on the meta device)."""
     module = build_model(cfg.model, input_shape, num_classes, cfg.model_options)
     if cfg.initial_weights is not None and not next(module.parameters()).is_meta:  # a worker's gets the server's
         load_weights(module, cfg.initial_weights, describe(cfg.model))
