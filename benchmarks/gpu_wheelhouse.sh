@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Wheels for the GPU machine, which has no network: pfl 0.6.0 (the peer of W3) and fedsim's test
-# extras, for CPython 3.12 on manylinux x86_64, into wheelhouse/ (ignored by git; carry it).
-# Resolves the whole closure for that platform, then keeps only the projects the machine's image
-# lacks (PRESENT: its "Python packages already there"), one version each.
+# Wheels for the GPU machine, which has no network: pfl 0.6.0 (the peer of W3) and what it needs
+# that the machine's image lacks, for CPython 3.12 on manylinux x86_64, into wheelhouse/ (ignored
+# by git; the device call carries it). Resolves pfl's whole closure for that platform, then keeps
+# only the projects missing from the image (PRESENT: KINDS.md's "Python packages already there"),
+# one version each. fedsim itself and tests/test_cuda.py need nothing beyond the image (peft and
+# transformers are there), and the calls run no other tests, so no test extras travel.
 #   bash benchmarks/gpu_wheelhouse.sh [PIP]          # PIP: a pip command, default "python3 -m pip"
-# On the GPU machine:
-#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site wheelhouse/*.whl
-#   export PYTHONPATH=/tmp/site
+# benchmarks/gpu/call.sh installs them on the GPU machine:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fedsim-site wheelhouse/*.whl
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=${1:-python3 -m pip}
-WANT=(pfl==0.6.0 "dp-accounting>=0.4,<0.6" nbclient nbformat ipykernel)
+WANT=(pfl==0.6.0)
 PRESENT="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
 certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
 cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock

@@ -174,15 +174,17 @@ def test_workers_share_one_frozen_base_where_peers_hold_a_copy_each(tmp_path):
         "clients_per_round": 2,
         "workers": 2,
         "model": "char_transformer",
-        "model_options": {"layers": 4, "width": 512, "heads": 8},  # 12.6 M frozen parameters: a 48 MB base
+        "model_options": {"layers": 6, "width": 768, "heads": 12},  # 42.7 M frozen parameters: a 163 MB base
         "lora": {"rank": 4},
         "data": {"dataset": data, "num_clients": 2},
-        "local": {"optimizer": "adamw", "lr": 1e-3, "batch_size": 8, "steps": 2},
+        "local": {"optimizer": "adamw", "lr": 1e-3, "batch_size": 8, "steps": 1},
     }
     shared = fedsim.run(cfg, out=tmp_path / "shared", quiet=True)
     copied = fedsim.run({**cfg, "lora": {"rank": 4, "share_base": False}}, out=tmp_path / "copied", quiet=True)
     base = shared.summary["frozen_base_mb"]
-    assert base == copied.summary["frozen_base_mb"] and base > 40
+    assert base == copied.summary["frozen_base_mb"] and base > 160
+    # a copy each costs the 2 workers 2 bases more; the rest of a process's memory moves by tens
+    # of MB from run to run, so more than 1.2 bases saved is what sharing alone explains
     saved = sum(copied.summary["worker_pss_mb"]) - sum(shared.summary["worker_pss_mb"])
-    assert saved > 0.75 * 2 * base, (shared.summary["worker_pss_mb"], copied.summary["worker_pss_mb"], base)
+    assert saved > 1.2 * base, (shared.summary["worker_pss_mb"], copied.summary["worker_pss_mb"], base)
     assert shared.test_loss == copied.test_loss  # where the base lives changes no number
