@@ -40,16 +40,6 @@ STEPS = [
 ]
 # fewer rounds for the slow baselines at --size full: medians are over the rounds after the first
 BASELINE_ROUNDS = {"W1": 2, "W2": 3, "W3": 11}
-COLUMNS = [
-    ("workload", "workload", ""),
-    ("model", "model", ""),
-    ("what", "what", ""),
-    ("config", "config", ""),
-    ("s/round", "round_seconds", ".3f"),
-    ("updates/s", "client_updates_per_second", ",.1f"),
-    ("fedsim x", "ratio", ".2f"),
-    ("acc", "final_test_accuracy", ".4f"),
-]
 
 
 def parse_args(argv=None):
@@ -122,47 +112,9 @@ def run_step(script: str, flags: list[str], timeout: float) -> dict:
 
 
 def summarize(done: list[dict]) -> list[dict]:
-    """Per workload and model: fedsim's fastest configuration, each baseline, and fedsim's ratio to it."""
-    rows = []
-    keys = sorted({(d["workload"], d["model"]) for d in done}, key=str)
-    for workload, model in keys:
-        mine = [d for d in done if (d["workload"], d["model"]) == (workload, model)]
-        fedsim = [
-            e
-            for d in mine
-            if d["step"].startswith("fedsim")
-            for e in d.get("result", {}).get("entries", [])
-            if e.get("client_updates_per_second")
-        ]
-        best = max(fedsim, key=lambda e: e["client_updates_per_second"], default=None)
-        if best:
-            rows.append(
-                {
-                    "workload": workload,
-                    "model": model,
-                    "what": "fedsim",
-                    "config": f"{best['backend']} W={best['workers']}",
-                    **_numbers(best),
-                }
-            )
-        for d in mine:
-            if d["step"].startswith("fedsim"):
-                continue
-            entries = [e for e in d.get("result", {}).get("entries", []) if e.get("client_updates_per_second")]
-            other = max(entries, key=lambda e: e["client_updates_per_second"], default=None)
-            if other is None:
-                rows.append({"workload": workload, "model": model, "what": d["step"], "config": d["status"]})
-                continue
-            config = f"procs={other['procs']}" if "procs" in other else other.get("mode", "")
-            row = {"workload": workload, "model": model, "what": d["step"], "config": config, **_numbers(other)}
-            if best:
-                row["ratio"] = best["client_updates_per_second"] / other["client_updates_per_second"]
-            rows.append(row)
-    return rows
-
-
-def _numbers(entry: dict) -> dict:
-    return {key: entry.get(key) for key in ("round_seconds", "client_updates_per_second", "final_test_accuracy")}
+    """The side-by-side table (harness.side_by_side), per workload and model in sorted order."""
+    ordered = sorted(done, key=lambda d: str((d["workload"], d["model"])))
+    return harness.side_by_side([{**d, "what": d["step"]} for d in ordered])
 
 
 def main(argv=None) -> int:
@@ -173,7 +125,7 @@ def main(argv=None) -> int:
     done, skipped = run_steps(args, deadline)
     rows = summarize(done)
     print("\nSide by side: fedsim's fastest configuration, each baseline; fedsim x = fedsim updates/s / baseline's")
-    print(harness.format_table(COLUMNS, rows))
+    print(harness.format_table(harness.SIDE_BY_SIDE_COLUMNS, rows))
     if skipped:
         print("\nNot run (the budget was spent)")
         print(

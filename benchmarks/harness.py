@@ -515,3 +515,60 @@ def format_table(columns: list[tuple[str, str, str]], rows: list[dict]) -> str:
 
     header = line([h for h, _, _ in columns])
     return "\n".join([header, "-" * len(header)] + [line(values) for values in cells])
+
+
+# the side-by-side table of gpu_all.py and gpu/calls.py: fedsim's fastest configuration and each
+# baseline per workload and model, with fedsim's client updates per second over the baseline's
+SIDE_BY_SIDE_COLUMNS = [
+    ("workload", "workload", ""),
+    ("model", "model", ""),
+    ("what", "what", ""),
+    ("config", "config", ""),
+    ("s/round", "round_seconds", ".3f"),
+    ("updates/s", "client_updates_per_second", ",.1f"),
+    ("fedsim x", "ratio", ".2f"),
+    ("acc", "final_test_accuracy", ".4f"),
+]
+SIDE_BY_SIDE_NUMBERS = (
+    "round_seconds",
+    "client_updates_per_second",
+    "final_test_accuracy",
+    "gpu_worker_mb",
+    "gpu_total_mb",
+)
+
+
+def side_by_side(records: list[dict]) -> list[dict]:
+    """Per workload and model, in the records' order: fedsim's fastest configuration, then each
+    baseline with fedsim's ratio to it. A record names its step in ``what`` (fedsim's start with
+    "fedsim") and holds the step's ``status`` and the benchmark's JSON in ``result``."""
+    rows = []
+    for workload, model in dict.fromkeys((r["workload"], r["model"]) for r in records if r.get("workload")):
+        mine = [r for r in records if (r.get("workload"), r.get("model")) == (workload, model)]
+        best = _fastest([e for r in mine if r["what"].startswith("fedsim") for e in _entries(r)])
+        if best:
+            config = f"{best.get('backend')} W={best.get('workers')}"
+            rows.append({"workload": workload, "model": model, "what": "fedsim", "config": config, **_side(best)})
+        for record in (r for r in mine if not r["what"].startswith("fedsim")):
+            other = _fastest(_entries(record))
+            if other is None:
+                rows.append({"workload": workload, "model": model, "what": record["what"], "config": record["status"]})
+                continue
+            config = f"procs={other['procs']}" if "procs" in other else other.get("mode", "")
+            row = {"workload": workload, "model": model, "what": record["what"], "config": config, **_side(other)}
+            if best:
+                row["ratio"] = best["client_updates_per_second"] / other["client_updates_per_second"]
+            rows.append(row)
+    return rows
+
+
+def _entries(record: dict) -> list[dict]:
+    return [e for e in record.get("result", {}).get("entries", []) if e.get("client_updates_per_second")]
+
+
+def _fastest(candidates: list[dict]) -> dict | None:
+    return max(candidates, key=lambda e: e["client_updates_per_second"], default=None)
+
+
+def _side(entry: dict) -> dict:
+    return {key: entry.get(key) for key in SIDE_BY_SIDE_NUMBERS}

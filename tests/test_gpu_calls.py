@@ -105,7 +105,7 @@ def test_side_by_side_divides_fedsims_fastest_rate_by_each_baselines(calls):
         record("sequential", [33.0], mode="tensors"),
         {"workload": "W2", "model": "fedavg_cnn", "what": "sequential", "status": "stopped"},
     ]
-    rows = {(r["workload"], r["what"]): r for r in calls.side_by_side(records)}
+    rows = {(r["workload"], r["what"]): r for r in calls.harness.side_by_side(records)}
     assert rows[("W3", "fedsim")]["client_updates_per_second"] == 165.0
     assert rows[("W3", "pfl")]["ratio"] == pytest.approx(165.0 / 55.0)
     assert rows[("W3", "sequential")]["ratio"] == pytest.approx(165.0 / 33.0)

@@ -52,14 +52,7 @@ STEP_COLUMNS = [
     ("note", "note", ""),
 ]
 SIDE_COLUMNS = [
-    ("workload", "workload", ""),
-    ("model", "model", ""),
-    ("what", "what", ""),
-    ("config", "config", ""),
-    ("s/round", "round_seconds", ".3f"),
-    ("updates/s", "client_updates_per_second", ",.1f"),
-    ("fedsim x", "ratio", ".2f"),
-    ("acc", "final_test_accuracy", ".4f"),
+    *harness.SIDE_BY_SIDE_COLUMNS,
     ("GPU worker MB", "gpu_worker_mb", ".0f"),
     ("GPU total MB", "gpu_total_mb", ".0f"),
 ]
@@ -178,41 +171,6 @@ def check_gate(record: dict, threshold: float, tiny: bool, run_dir: str) -> dict
     }
 
 
-def side_by_side(records: list[dict]) -> list[dict]:
-    """Per workload and model: fedsim's fastest configuration, then each baseline with fedsim's ratio to it."""
-    rows = []
-    for workload, model in dict.fromkeys((r["workload"], r["model"]) for r in records if r.get("workload")):
-        mine = [r for r in records if (r.get("workload"), r.get("model")) == (workload, model)]
-        best = fastest([e for r in mine if r["what"] == "fedsim" for e in entries(r)])
-        if best:
-            config = f"{best.get('backend')} W={best.get('workers')}"
-            rows.append({"workload": workload, "model": model, "what": "fedsim", "config": config, **numbers(best)})
-        for record in (r for r in mine if r["what"] != "fedsim"):
-            other = fastest(entries(record))
-            if other is None:
-                rows.append({"workload": workload, "model": model, "what": record["what"], "config": record["status"]})
-                continue
-            config = f"procs={other['procs']}" if "procs" in other else other.get("mode", "")
-            row = {"workload": workload, "model": model, "what": record["what"], "config": config, **numbers(other)}
-            if best:
-                row["ratio"] = best["client_updates_per_second"] / other["client_updates_per_second"]
-            rows.append(row)
-    return rows
-
-
-def entries(record: dict) -> list[dict]:
-    return [e for e in record.get("result", {}).get("entries", []) if e.get("client_updates_per_second")]
-
-
-def fastest(candidates: list[dict]) -> dict | None:
-    return max(candidates, key=lambda e: e["client_updates_per_second"], default=None)
-
-
-def numbers(entry: dict) -> dict:
-    keys = ("round_seconds", "client_updates_per_second", "final_test_accuracy", "gpu_worker_mb", "gpu_total_mb")
-    return {key: entry.get(key) for key in keys}
-
-
 def write_json(path: Path, report: dict) -> None:
     """Replace the file whole, so that a call killed mid-write still leaves the previous version."""
     temporary = path.with_suffix(".json.tmp")
@@ -249,7 +207,7 @@ def main(argv=None) -> int:
                     record["status"] = "gate failed"
                 print(f"GATE {record['gate']}: {record['note']}", flush=True)
             report["steps"].append(record)
-            report["side_by_side"] = side_by_side(report["steps"])
+            report["side_by_side"] = harness.side_by_side(report["steps"])
             write_json(path, report)
             if report["gate"] == "FAILED":
                 skipped = [
