@@ -49,13 +49,10 @@ def summary_text(stats: dict) -> str:
     sizes, held = counts.sum(axis=1), (counts > 0).sum(axis=1)
     text = (
         f"{stats['num_clients']} clients hold {sizes.sum():,} samples of {stats['num_classes']} classes; "
-        f"client sizes: min {sizes.min():,}, median {np.median(sizes):,.0f}, max {sizes.max():,}; "
+        f"client sizes: {_spread(sizes)}; "
         f"a client holds {held.mean():.2f} classes on average (min {held.min()}, max {held.max()})."
     )
-    empty = int((sizes == 0).sum())
-    if empty:
-        text += f" {empty} client{' gets' if empty == 1 else 's get'} no samples, which a run refuses."
-    return text
+    return text + _refused(sizes, "samples")
 
 
 def token_stats(parts: Sequence[torch.Tensor | np.ndarray], targets: torch.Tensor) -> dict:
@@ -74,13 +71,19 @@ def token_summary(stats: dict) -> str:
     sizes, tokens = np.asarray(stats["samples"]), np.asarray(stats["tokens"])
     text = (
         f"{stats['num_clients']} clients hold {sizes.sum():,} sequences with {tokens.sum():,} scored tokens; "
-        f"sequences a client: min {sizes.min():,}, median {np.median(sizes):,.0f}, max {sizes.max():,}; "
-        f"scored tokens a client: min {tokens.min():,}, median {np.median(tokens):,.0f}, max {tokens.max():,}."
+        f"sequences a client: {_spread(sizes)}; scored tokens a client: {_spread(tokens)}."
     )
+    return text + _refused(sizes, "sequences")
+
+
+def _spread(values: np.ndarray) -> str:
+    return f"min {values.min():,}, median {np.median(values):,.0f}, max {values.max():,}"
+
+
+def _refused(sizes: np.ndarray, what: str) -> str:
+    """The sentence on clients left without data, which a run refuses ('' when there are none)."""
     empty = int((sizes == 0).sum())
-    if empty:
-        text += f" {empty} client{' gets' if empty == 1 else 's get'} no sequences, which a run refuses."
-    return text
+    return f" {empty} client{' gets' if empty == 1 else 's get'} no {what}, which a run refuses." if empty else ""
 
 
 def token_figure(stats: dict, title: str) -> Figure:
