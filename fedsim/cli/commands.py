@@ -16,12 +16,9 @@ from ..results.rundir import refuse_if_in_use
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run or resume; under torchrun, as one of several ranks (see distributed.py)."""
-    from ..execution.processes import start_fork_server
-
     if args.resume or args.out:
         refuse_if_in_use(args.resume or args.out)
-    if _may_use_workers(args):  # the workers' torch is imported in the fork server while this process imports its own
-        start_fork_server(_worker_imports(args))
+    _start_fork_server(args)
     from ..execution.distributed import Ranks, launched
 
     ranks = Ranks.join() if launched() else Ranks()
@@ -37,7 +34,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         ranks.close(ending)
 
 
-def _may_use_workers(args) -> bool:
+def _start_fork_server(args) -> None:
+    """Start the fork server now, where the run may use workers, so that it imports torch (and the
+    libraries the workers need) while this process imports its own and loads the data."""
+    from ..execution.processes import start_fork_server
+
+    raw = _glance(args)
+    if _may_use_workers(args, raw):
+        start_fork_server(_worker_imports(args, raw))
+
+
+def _may_use_workers(args, raw: dict | None = None) -> bool:
     """False where the experiment file (or the run directory's config.yaml) with ``--set``, and a
     sweep's ``--grid``, say ``workers: 0`` for every run: such runs never fork a worker, and a fork
     server started for them would import torch for nothing, on the core this process needs. A
@@ -51,7 +58,7 @@ def _may_use_workers(args) -> bool:
         key, _, value = text.partition("=")
         if key.strip() == "workers":
             return value.strip() != "0"
-    return _glance(args).get("workers", 1) != 0
+    return (_glance(args) if raw is None else raw).get("workers", 1) != 0
 
 
 def _glance(args) -> dict:
@@ -66,12 +73,12 @@ def _glance(args) -> dict:
     return raw if isinstance(raw, dict) else {}
 
 
-def _worker_imports(args) -> list[str]:
+def _worker_imports(args, raw: dict) -> list[str]:
     """The language-model libraries the experiment's workers will import (``model: hf:...``,
-    ``lora.rank``), for the fork server to import once; a glance like ``_may_use_workers``."""
+    ``lora.rank``, in ``raw``, the file's keys, or set on the command line), for the fork server
+    to import once; a glance like ``_may_use_workers``."""
     from ..execution.processes import worker_imports
 
-    raw = _glance(args)
     lora = raw.get("lora") if isinstance(raw.get("lora"), dict) else {}
     values = {"model": raw.get("model"), "lora.rank": lora.get("rank")}
     for text in [*(args.set or []), *(getattr(args, "grid", None) or [])]:
@@ -256,10 +263,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from ..execution.processes import start_fork_server
-
-    if _may_use_workers(args):
-        start_fork_server(_worker_imports(args))
+    _start_fork_server(args)
     from ..execution.pool import kill_all_pools
     from ..runs.sweep import prepare
 
