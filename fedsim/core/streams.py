@@ -43,6 +43,7 @@ SPEED = 13  # (): each client's relative speed, drawn once (system.py)
 COMPRESSION = 14  # (round, client): the random rounding of a client's compressed update (compression.py)
 ASYNC_START = 15  # (start): which client an async run's j-th start trains, and whether it drops out
 EVAL_SUBSET = 16  # (): the test samples the rounds before the last are scored on (eval_subset)
+POISSON_SIZES = 17  # (block): the sample sizes of a block of a poisson run's rounds (sampling.py)
 
 _KEYS = {
     PARTITION: 0,
@@ -61,6 +62,7 @@ _KEYS = {
     COMPRESSION: 2,
     ASYNC_START: 1,
     EVAL_SUBSET: 0,
+    POISSON_SIZES: 1,
 }
 _WORD = 2**32
 

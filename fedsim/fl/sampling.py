@@ -9,7 +9,8 @@ decides who is online and calls these; see its docstring for the round as a whol
                        The sampling that DP-FedAvg's accounting assumes (McMahan et al. 2018), and
                        the one a run with ``privacy:`` must use. A round may sample more than k
                        clients: the round's buffers hold ``poisson_capacity`` clients, the largest
-                       sample of the run's rounds, known before the first round
+                       sample of the run's rounds, known before the first round because every
+                       round's sample size is drawn in advance, from a stream of its own
 * ``power_of_choice``  Cho, Wang & Joshi (2020), "Client selection in federated learning:
                        convergence analysis and power-of-choice selection strategies": d candidates
                        (``sampling_candidates``, d >= k) drawn without replacement proportional to
@@ -21,19 +22,22 @@ Experiment file (top-level keys, shown with their defaults)::
     client_sampling: uniform      # uniform | by_size | poisson | power_of_choice
     sampling_candidates: null     # d, required by power_of_choice: clients_per_round <= d <= num_clients
 
-Every draw comes from the stream ``streams.SAMPLING`` of (seed, round), so the sample is the same in
-every worker and rank and after a resume.
+Every draw of clients comes from the stream ``streams.SAMPLING`` of (seed, round), so the sample is the same in
+every worker and rank and after a resume. A poisson round's sample size comes from the stream
+``streams.POISSON_SIZES`` of (seed, block), which draws the sizes of ``POISSON_BLOCK`` rounds at once:
+a round's size still depends on (seed, round) alone, not on the run's number of rounds.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from ..core.checks import Checks, shown
 from ..core.registry import Registry
-from ..core.streams import SAMPLING, generator
+from ..core.streams import POISSON_SIZES, SAMPLING, generator
 
 SAMPLINGS = {
     "uniform": "k online clients, equally likely, without replacement (the default)",
@@ -86,8 +90,8 @@ def draw(sampling: str, seed: int, rnd: int, online: np.ndarray, want: int, size
     (every client's number of samples, float64). ``poisson``: each online client independently
     with probability ``want / len(sizes)``."""
     if sampling == "poisson":
-        rng, count = _poisson_count(seed, rnd, len(sizes), want)
-        drawn = rng.choice(len(sizes), size=count, replace=False)
+        count = poisson_size(seed, rnd, len(sizes), want)
+        drawn = generator(SAMPLING, seed, rnd).choice(len(sizes), size=count, replace=False)
         return np.intersect1d(drawn, online)  # sorted; the same law as a coin per online client
     if len(online) <= want:
         return online
@@ -103,16 +107,36 @@ def draw(sampling: str, seed: int, rnd: int, online: np.ndarray, want: int, size
 def poisson_capacity(seed: int, rounds: int, num_clients: int, k: int) -> int:
     """The most clients that any of rounds 1..``rounds`` samples under ``poisson`` (at least ``k``):
     the round's buffers are sized to it, so that no round's sample is ever cut short, which would
-    change the sampling the privacy accounting assumes. One binomial draw per round."""
-    return max([k, *(_poisson_count(seed, rnd, num_clients, k)[1] for rnd in range(1, rounds + 1))])
+    change the sampling the privacy accounting assumes. One vectorised draw per ``POISSON_BLOCK``
+    rounds, so a million rounds take about a tenth of a second."""
+    largest = k
+    for block in range((rounds + POISSON_BLOCK - 1) // POISSON_BLOCK):
+        sizes = _poisson_sizes(seed, block, num_clients, k)[: rounds - block * POISSON_BLOCK]
+        largest = max(largest, int(sizes.max()))
+    return largest
 
 
-def _poisson_count(seed: int, rnd: int, num_clients: int, k: int) -> tuple[np.random.Generator, int]:
-    """Round ``rnd``'s stream and its Poisson sample's size, Binomial(N, k / N): a coin for every
+def poisson_size(seed: int, rnd: int, num_clients: int, k: int) -> int:
+    """How many clients round ``rnd`` samples under ``poisson``: Binomial(N, k / N)."""
+    block, at = divmod(rnd - 1, POISSON_BLOCK)
+    return int(_poisson_sizes(seed, block, num_clients, k)[at])
+
+
+POISSON_BLOCK = 2**16  # rounds whose sample sizes are drawn together (512 KiB of sizes)
+
+
+@functools.lru_cache(maxsize=4)
+def _poisson_sizes(seed: int, block: int, num_clients: int, k: int) -> np.ndarray:
+    """The sample sizes of rounds ``block`` x B + 1 .. (``block`` + 1) x B (B = ``POISSON_BLOCK``),
+    each Binomial(N, k / N), from the stream ``POISSON_SIZES`` of (seed, block). A coin for every
     client is the same law as this size followed by that many clients drawn without replacement,
-    and the size alone is cheap to know for every round in advance."""
-    rng = generator(SAMPLING, seed, rnd)
-    return rng, int(rng.binomial(num_clients, k / num_clients))
+    which the round's own stream then chooses. Drawn apart from the clients, a block at a time, the
+    sizes of a whole run are cheap to know before its first round, and each round's is a function
+    of (seed, round) alone, whatever the run's number of rounds: a resumed run with more rounds
+    samples its earlier ones as before. Cached, as every round reads its own size."""
+    sizes = generator(POISSON_SIZES, seed, block).binomial(num_clients, k / num_clients, size=POISSON_BLOCK)
+    sizes.setflags(write=False)
+    return sizes
 
 
 def choose(
