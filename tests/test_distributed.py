@@ -1,6 +1,7 @@
-"""Several ranks under torchrun (gloo on CPU, on this machine): the numbers of one process,
-whatever the number of ranks or "machines"; a rank that dies ends the job, naming it; a signal,
-or the launcher's death, stops every rank within seconds, as a single process stops."""
+"""Several ranks, started by ``fedsim run --ranks`` or by torchrun (gloo on CPU, on this machine):
+the numbers of one process, whatever the number of ranks or "machines"; a rank that dies ends the
+job, naming it; a signal, or the launcher's death, stops every rank within seconds, as a single
+process stops, and fedsim's launcher exits as rank 0 did."""
 
 from __future__ import annotations
 
@@ -48,16 +49,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, port: int, nnodes: int = 1, node_rank: int = 0) -> tuple[str, ...]:
+def torchrun(nproc: int, port: int) -> tuple[str, ...]:
     return (
         "-m",
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
-        f"--nnodes={nnodes}",
-        f"--node-rank={node_rank}",
         f"--rdzv-endpoint=127.0.0.1:{port}",
         "--monitor-interval=0.2",
     )
+
+
+def launched(args: list[str], tag: str, launcher: str = "fedsim", nproc: int = 2):
+    """``fedsim ARGS`` as ``nproc`` ranks on this machine, by fedsim's launcher or torchrun."""
+    if launcher == "fedsim":
+        return start([*args, "--ranks", str(nproc)], tag)
+    return start(args, tag, launcher=torchrun(nproc, free_port()), **LOOPBACK)
 
 
 def write_config(tmp_path: Path, **changes) -> Path:
@@ -66,9 +72,9 @@ def write_config(tmp_path: Path, **changes) -> Path:
     return path
 
 
-def ranked_run(tmp_path: Path, config: Path, nproc: int = 2, timeout: float = 120) -> Path:
+def ranked_run(tmp_path: Path, config: Path, launcher: str = "fedsim", timeout: float = 120) -> Path:
     out, tag = tmp_path / f"ranked-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
-    proc = start(["run", str(config), "--out", str(out)], tag, launcher=torchrun(nproc, free_port()), **LOOPBACK)
+    proc = launched(["run", str(config), "--out", str(out)], tag, launcher)
     stdout, stderr = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, stderr
     round_lines = [line for line in stdout.splitlines() if re.match(r"round\s+\d+/", line)]
@@ -88,10 +94,11 @@ def same_results(a: Path, b: Path) -> None:
     assert rows(a, "clients.csv") == rows(b, "clients.csv")
 
 
-def test_two_ranks_give_the_metrics_of_one_process(tmp_path):
+@pytest.mark.parametrize("launcher", ["fedsim", "torchrun"])
+def test_two_ranks_give_the_metrics_of_one_process(tmp_path, launcher):
     config = write_config(tmp_path)
     single = fedsim.run(config, out=tmp_path / "single", quiet=True).run_dir
-    ranked = ranked_run(tmp_path, config)
+    ranked = ranked_run(tmp_path, config, launcher)
     same_results(single, ranked)
     summary = json.loads((ranked / "summary.json").read_text())
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
@@ -112,8 +119,9 @@ def test_a_robust_rule_and_scaffold_across_ranks_equal_one_process(tmp_path, cha
 def test_two_machines_on_loopback_give_the_same_metrics(tmp_path):
     config, port, tag = write_config(tmp_path, workers=0), free_port(), uuid.uuid4().hex
     out = tmp_path / "two-nodes"
+    machine = ["--ranks", "1", "--nodes", "2", "--rendezvous", f"127.0.0.1:{port}"]
     nodes = [
-        start(["run", str(config), "--out", str(out)], tag, launcher=torchrun(1, port, 2, rank), **LOOPBACK)
+        start(["run", str(config), "--out", str(out), *machine, "--node-rank", str(rank)], tag, **LOOPBACK)
         for rank in (0, 1)
     ]
     results = [node.communicate(timeout=120) for node in nodes]
@@ -128,22 +136,19 @@ def test_two_machines_on_loopback_give_the_same_metrics(tmp_path):
 def test_a_killed_rank_ends_the_job_naming_it(tmp_path, victim):
     tag = uuid.uuid4().hex
     config = write_config(tmp_path, rounds=500)
-    proc = start(
-        ["run", str(config), "--out", str(tmp_path / "run"), "--no-progress"],
-        tag,
-        launcher=torchrun(2, free_port()),
-        **LOOPBACK,
-    )
+    proc = launched(["run", str(config), "--out", str(tmp_path / "run"), "--no-progress"], tag)
     wait_for_round(proc, 2)
     ranks = _ranks(tag)
     assert sorted(ranks) == [0, 1]
     t0 = time.monotonic()
     os.kill(ranks[victim], signal.SIGKILL)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0 and time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < 60
+    assert proc.returncode == (1 if victim else 128 + signal.SIGKILL)  # rank 0's status: its error, or its death
     ours = [line for line in err.splitlines() if line.startswith("fedsim:")]
     assert len(ours) == 1 and f"rank {victim} died" in ours[0], err
-    assert _all_gone(tag)  # the agent reaps what it started
+    assert "Traceback" not in err
+    assert _all_gone(tag)  # the launcher reaps what it started
 
 
 def test_a_peer_still_exiting_when_its_socket_closes_is_named():
@@ -202,16 +207,21 @@ def _interrupted_run(run_dir: Path, err: str, stopped: str = "interrupted") -> N
     ], err
 
 
-@pytest.mark.parametrize("target, signum, code", [("launcher", signal.SIGINT, 130), ("ranks", signal.SIGTERM, 143)])
-def test_a_signal_stops_every_rank_within_seconds(tmp_path, target, signum, code):
-    """Ctrl-C reaches torchrun, which sends it on to every rank's process group; a scheduler's
-    SIGTERM reaches every rank's group itself. Either way each rank stops where it is, at once."""
+@pytest.mark.parametrize(
+    "launcher, target, signum, code",
+    [
+        ("fedsim", "launcher", signal.SIGINT, 130),
+        ("fedsim", "ranks", signal.SIGTERM, 143),
+        ("torchrun", "ranks", signal.SIGTERM, 143),
+    ],
+)
+def test_a_signal_stops_every_rank_within_seconds(tmp_path, launcher, target, signum, code):
+    """Ctrl-C reaches the launcher, which sends it on to every rank's process group; a scheduler's
+    SIGTERM reaches every rank's group itself. Either way each rank stops where it is, at once, and
+    fedsim's launcher ends as rank 0 did (torchrun ends with its own traceback and status 1)."""
     tag, run_dir = uuid.uuid4().hex, tmp_path / "run"
-    proc = start(
-        ["run", str(write_config(tmp_path, rounds=500)), "--out", str(run_dir), "--no-progress"],
-        tag,
-        launcher=torchrun(2, free_port()),
-        **LOOPBACK,
+    proc = launched(
+        ["run", str(write_config(tmp_path, rounds=500)), "--out", str(run_dir), "--no-progress"], tag, launcher
     )
     wait_for_round(proc, 2)
     ranks = _ranks(tag)
@@ -225,26 +235,23 @@ def test_a_signal_stops_every_rank_within_seconds(tmp_path, target, signum, code
     _, err = proc.communicate(timeout=60)
     assert time.monotonic() - t0 < 10, err
     _interrupted_run(run_dir, err)
-    if target == "ranks":  # torchrun's report gives each rank's exit status
+    if launcher == "fedsim":
+        assert proc.returncode == code and "Traceback" not in err, err
+    else:  # torchrun's report gives each rank's exit status
         assert sorted(re.findall(r"exitcode\s+: (-?\d+)", err)) == [str(code)] * 2, err
     assert _all_gone(tag)
 
 
 def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
     tag, run_dir = uuid.uuid4().hex, tmp_path / "run"
-    proc = start(
-        ["run", str(write_config(tmp_path, rounds=500)), "--out", str(run_dir), "--no-progress"],
-        tag,
-        launcher=torchrun(2, free_port()),
-        **LOOPBACK,
-    )
+    proc = launched(["run", str(write_config(tmp_path, rounds=500)), "--out", str(run_dir), "--no-progress"], tag)
     wait_for_round(proc, 2)
     assert sorted(_ranks(tag)) == [0, 1]
     t0 = time.monotonic()
     proc.kill()  # the ranks run in sessions of their own: nothing reaches them
     _, err = proc.communicate(timeout=60)  # the ranks hold its output pipes until they end
     assert time.monotonic() - t0 < 10, err
-    _interrupted_run(run_dir, err, "stopped because its launcher (torchrun) is gone")
+    _interrupted_run(run_dir, err, "stopped because its launcher is gone")
     assert _all_gone(tag)
 
 

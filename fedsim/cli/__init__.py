@@ -20,6 +20,7 @@ __all__ = ["build_parser", "main"]
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what ranks started by --ranks run
     try:
         code = args.func(args)
     except FedsimError as e:

@@ -15,7 +15,14 @@ from ..results.rundir import refuse_if_in_use
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Run or resume; under torchrun, as one of several ranks (see distributed.py)."""
+    """Run or resume; with --ranks, start the ranks that do (launcher.py); as one of several
+    ranks (see distributed.py) under that launcher or torchrun."""
+    from ..execution.launcher import launch, started_by_launcher
+
+    if args.ranks is not None and not started_by_launcher():
+        return launch(args.argv, args.ranks, args.nodes, args.node_rank, args.rendezvous)
+    if args.ranks is None and (args.nodes != 1 or args.node_rank or args.rendezvous):
+        raise FedsimError("--nodes, --node-rank and --rendezvous go with --ranks (the ranks of each machine)")
     if args.resume or args.out:
         refuse_if_in_use(args.resume or args.out)
     _start_fork_server(args)
@@ -162,7 +169,8 @@ def _runner(args, ranks):
 def _stopped_message(ranks, path) -> str | None:
     """What a rank stopped by a signal says, if anything. Under torchrun a SIGTERM most often
     comes from the agent stopping the job because another rank died: say which, when that can
-    be seen from this machine; or this rank stopped itself because its launcher is gone."""
+    be seen from this machine; or this rank stopped itself because its launcher (fedsim run
+    --ranks, torchrun) is gone."""
     from ..execution.distributed import launcher_gone, ranks_named
 
     lost = ranks.lost() if ranks.several else []
@@ -174,7 +182,7 @@ def _stopped_message(ranks, path) -> str | None:
         )  # rank 0 cannot say it any more
     message = _interrupted_message(path)
     if launcher_gone():
-        return message.replace("interrupted", "stopped because its launcher (torchrun) is gone", 1)
+        return message.replace("interrupted", "stopped because its launcher is gone", 1)
     if lost:
         return message.replace("interrupted", f"stopped because {ranks_named(lost)} died", 1)
     return message

@@ -69,6 +69,11 @@ def _add_run_parser(sub) -> None:
         action="store_true",
         help="also write TensorBoard scalars to RUN_DIR/tensorboard (needs the tensorboard package)",
     )
+    ranks = run.add_argument_group("several ranks (one per GPU; docs/scaling.md)")
+    ranks.add_argument("--ranks", type=int, metavar="N", help="start N ranks on this machine")
+    ranks.add_argument("--nodes", type=int, default=1, metavar="M", help="machines in the job (default 1)")
+    ranks.add_argument("--node-rank", type=int, default=0, metavar="I", help="this machine's number, 0 to M-1")
+    ranks.add_argument("--rendezvous", metavar="HOST:PORT", help="where machine 0 listens for the others")
     run.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     run.set_defaults(func=cmd_run)
 

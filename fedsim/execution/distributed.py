@@ -52,6 +52,12 @@ class RankStopped(FedsimError):
     exit_code = 1
 
 
+class RankLost(FedsimError):
+    """A rank of the job died or stopped answering: a failure of the job, not of its input."""
+
+    exit_code = 1
+
+
 def launched() -> bool:
     """Whether this process is one of several ranks (started by torchrun, or by hand)."""
     return os.environ.get("WORLD_SIZE", "1").strip() != "1" and "MASTER_ADDR" in os.environ
@@ -280,7 +286,7 @@ class Ranks:
             if ended:
                 rank, how = min(ended.items())
                 raise RankStopped(f"rank {rank} {how}; the job stopped" if self.is_root and rank else "") from None
-            raise FedsimError(self._gone(what, e)) from None
+            raise RankLost(self._gone(what, e)) from None
 
     def ended(self) -> dict[int, str]:
         """The other ranks that left the job saying how they ended (see ``close``)."""
@@ -331,7 +337,7 @@ class Ranks:
         here = socket.gethostname()
         elsewhere = [rank for rank, (host, _) in enumerate(self.identities) if host != here]
         where = f"; ranks on other machines: {', '.join(map(str, elsewhere))}" if elsewhere else ""
-        return f"a rank stopped answering ({what} failed: {cause}){where}; torchrun's report names it"
+        return f"a rank stopped answering ({what} failed: {cause}){where}; its launcher names a rank that died"
 
 
 def ranks_named(ranks: list[int]) -> str:
@@ -427,7 +433,7 @@ _launcher_pid: int | None = None  # the process that started this rank, once wat
 
 
 def watch_launcher(interval: float = 0.5) -> None:
-    """Stop this rank, as SIGTERM does, when the process that started it (torchrun) is gone:
+    """Stop this rank, as SIGTERM does, when the process that started it (fedsim run --ranks, torchrun) is gone:
     ranks run in sessions of their own, so a launcher killed with SIGKILL signals nobody.
     A thread polls the parent pid. It is plain and portable, where PR_SET_PDEATHSIG is Linux
     only, fires when the parent *thread* ends, and would need its own check for a launcher that
