@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
+import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -591,6 +594,34 @@ def test_a_rank_that_cannot_join_is_one_line_at_once_or_within_the_bound(tmp_pat
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment.format(port=port) in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_ranks_given_different_world_sizes_are_refused_at_once(tmp_path, capsys, monkeypatch):
+    """Each rank would wait for its own set of peers, and those that found theirs would wait in
+    vain: the first rank that sees another's WORLD_SIZE says so."""
+    from torch.distributed import TCPStore
+
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(GOOD))
+    port = free_port()
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+
+    def rank_1_of_3():
+        store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        store.set("fedsim/0/joined/1", f"{socket.gethostname()} {os.getpid()} 3")
+
+    peer = threading.Thread(target=rank_1_of_3, daemon=True)
+    peer.start()
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(path), "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2 and time.monotonic() - t0 < 30  # not the 600 s rendezvous bound
+    err = capsys.readouterr().err
+    assert err == (
+        "fedsim: error: rank 0: rank 1 was started with WORLD_SIZE=3 and this rank with 2; start every rank "
+        "with the same WORLD_SIZE (and --ranks, --nodes)\n"
+    )
 
 
 def test_a_run_without_workers_starts_no_fork_server(tmp_path):

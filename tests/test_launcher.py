@@ -83,3 +83,12 @@ def test_a_rank_that_ignores_the_stop_is_killed(monkeypatch):
     assert launcher._wait({0: python("exit(0)"), 1: deaf}, name_killed=False) == 128 + signal.SIGKILL
     with pytest.raises(ProcessLookupError):
         os.kill(deaf.pid, 0)
+
+
+def test_a_lost_peer_is_told_by_the_first_sentence_of_its_error():
+    from fedsim.execution.distributed import _cause
+
+    gloo = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:7557"
+    assert _cause(RuntimeError(gloo)) == "Connection closed by peer [127.0.0.1]:7557"
+    assert _cause(RuntimeError("Connection reset by peer. Details follow\nline 2")) == "Connection reset by peer"
+    assert _cause(RuntimeError("")) == "RuntimeError"

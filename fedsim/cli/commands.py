@@ -26,7 +26,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.resume or args.out:
         refuse_if_in_use(args.resume or args.out)
     _start_fork_server(args)
-    from ..execution.distributed import Ranks, launched
+    from ..execution.distributed import Ranks
+    from ..execution.rendezvous import launched
 
     ranks = Ranks.join() if launched() else Ranks()
     ending = "failed"
@@ -171,7 +172,7 @@ def _stopped_message(ranks, path) -> str | None:
     comes from the agent stopping the job because another rank died: say which, when that can
     be seen from this machine; or this rank stopped itself because its launcher (fedsim run
     --ranks, torchrun) is gone."""
-    from ..execution.distributed import launcher_gone, ranks_named
+    from ..execution.rendezvous import launcher_gone, ranks_named
 
     lost = ranks.lost() if ranks.several else []
     if not ranks.is_root:

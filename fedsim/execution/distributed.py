@@ -1,6 +1,7 @@
-"""Several ranks: one process per device, launched by torchrun, each with its own worker pool.
+"""Several ranks: one process per device, each with its own worker pool, started by
+``fedsim run --ranks`` (launcher.py) or torchrun, joined as rendezvous.py says.
 
-    torchrun --nproc-per-node=G [--nnodes=N ...] -m fedsim run FILE [--set ...]
+    fedsim run FILE --ranks G [--nodes N --node-rank I --rendezvous HOST:PORT] [--set ...]
 
 Every rank samples the round's clients from the same stream, and trains its share of them:
 the round's slot groups (one slot each, or the vmap groups) are dealt to the ranks in turn,
@@ -27,10 +28,8 @@ from __future__ import annotations
 import datetime
 import functools
 import os
-import signal
+import re
 import socket
-import sys
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -38,11 +37,20 @@ import torch
 
 from ..core.errors import FedsimError
 from .interrupts import Terminated
+from .rendezvous import (
+    launch_numbers,
+    launcher_gone,
+    meet,
+    ranks_named,
+    read,
+    rendezvous_seconds,
+    store_key,
+    watch_launcher,
+)
 
 if TYPE_CHECKING:
     from ..engine.buffers import RoundBuffers
 
-RENDEZVOUS_SECONDS = 600.0  # as torchrun's own rendezvous waits for its nodes (join_timeout)
 LOST_PEER_GRACE_SECONDS = 3.0  # see Ranks.lost: only a failing job ever waits it
 
 
@@ -56,44 +64,6 @@ class RankLost(FedsimError):
     """A rank of the job died or stopped answering: a failure of the job, not of its input."""
 
     exit_code = 1
-
-
-def launched() -> bool:
-    """Whether this process is one of several ranks (started by torchrun, or by hand)."""
-    return os.environ.get("WORLD_SIZE", "1").strip() != "1" and "MASTER_ADDR" in os.environ
-
-
-def launch_numbers() -> tuple[int, int]:
-    """RANK and WORLD_SIZE, refused at once when no job can have them."""
-    numbers = []
-    for name in ("RANK", "WORLD_SIZE"):
-        text = os.environ.get(name, "")
-        try:
-            numbers.append(int(text))
-        except ValueError:
-            raise FedsimError(
-                f"{name}={text!r}: expected a whole number (torchrun sets it; by hand, set it for each rank)"
-            ) from None
-    rank, world = numbers
-    if world < 1:
-        raise FedsimError(f"WORLD_SIZE={world}: expected the number of ranks, at least 1")
-    if not 0 <= rank < world:
-        raise FedsimError(
-            f"RANK={rank} with WORLD_SIZE={world}: no such rank; the ranks of this job are 0 to {world - 1}"
-        )
-    return rank, world
-
-
-def rendezvous_seconds() -> float:
-    """How long a rank waits for the others to join: FEDSIM_RENDEZVOUS_TIMEOUT, in seconds."""
-    text = os.environ.get("FEDSIM_RENDEZVOUS_TIMEOUT", str(RENDEZVOUS_SECONDS))
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not 0 < seconds < float("inf"):
-        raise FedsimError(f"FEDSIM_RENDEZVOUS_TIMEOUT={text!r}: expected a number of seconds above 0")
-    return seconds
 
 
 def rank_device(name: str) -> str:
@@ -132,15 +102,18 @@ class Ranks:
         ranks = cls()
         ranks.rank, ranks.world = launch_numbers()
         ranks.agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it
-        ranks.store = _meet(ranks.rank, ranks.world, rendezvous_seconds(), ranks.agent_store)
-        ranks.identities = [_read(ranks.store, _key("joined", r)).split() for r in range(ranks.world)]
+        ranks.store = meet(ranks.rank, ranks.world, rendezvous_seconds(), ranks.agent_store)
+        ranks.identities = [read(ranks.store, store_key("joined", r)).split()[:2] for r in range(ranks.world)]
         ranks.identities = [(host, int(pid)) for host, pid in ranks.identities]
-        dist.init_process_group(
-            "gloo",
-            store=ranks.store,
-            rank=ranks.rank,
-            world_size=ranks.world,
-            timeout=datetime.timedelta(seconds=timeout_seconds),
+        ranks._collective(
+            lambda: dist.init_process_group(
+                "gloo",
+                store=ranks.store,
+                rank=ranks.rank,
+                world_size=ranks.world,
+                timeout=datetime.timedelta(seconds=timeout_seconds),
+            ),
+            "joining",
         )
         watch_launcher()
         return ranks
@@ -262,7 +235,7 @@ class Ranks:
 
             if self._store_up():
                 try:
-                    self.store.set(_key("ended", self.rank), ending)
+                    self.store.set(store_key("ended", self.rank), ending)
                 except RuntimeError:
                     pass  # its host went in between
             if dist.is_initialized():
@@ -294,10 +267,10 @@ class Ranks:
         if not self._store_up():
             return found
         for rank in range(self.world):
-            key = _key("ended", rank)
+            key = store_key("ended", rank)
             try:
                 if rank != self.rank and self.store.check([key]):
-                    found[rank] = _read(self.store, key)
+                    found[rank] = read(self.store, key)
             except RuntimeError:
                 break  # the store went with its host: nothing more to read
         return found
@@ -330,7 +303,7 @@ class Ranks:
             time.sleep(0.05)
 
     def _gone(self, what: str, error: Exception) -> str:
-        cause = str(error).split("]")[-1].strip().split(". ")[0] or type(error).__name__
+        cause = _cause(error)
         lost = self.lost(grace=LOST_PEER_GRACE_SECONDS)
         if lost:
             return f"{ranks_named(lost)} died ({what} failed: {cause})"
@@ -340,8 +313,11 @@ class Ranks:
         return f"a rank stopped answering ({what} failed: {cause}){where}; its launcher names a rank that died"
 
 
-def ranks_named(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+def _cause(error: Exception) -> str:
+    """The first sentence of a gloo or NCCL error, without the source location it starts with
+    ("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:7557")."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0] or type(error).__name__
 
 
 def _alive(pid: int) -> bool:
@@ -350,105 +326,3 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-# ----------------------------------------------------------------------------- joining and leaving
-
-
-def _key(what: str, rank: int) -> str:
-    # torchrun restarts a failed job under the same store: keep each attempt's keys apart
-    return f"fedsim/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{what}/{rank}"
-
-
-def _read(store, key: str) -> str:
-    return store.get(key).decode()
-
-
-def _meet(rank: int, world: int, seconds: float, agent_store: bool):
-    """The job's store, once every rank has said there that it joined; a rank that cannot be
-    reached, or that does not come, within ``seconds`` is named in one line."""
-    from torch.distributed import TCPStore
-
-    host, port_text = os.environ["MASTER_ADDR"], os.environ.get("MASTER_PORT", "")
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise FedsimError(f"MASTER_PORT={port_text!r}: expected a port number (1 to 65535)")
-    port, deadline = int(port_text), time.monotonic() + seconds
-    bound = f"within {seconds:g} s (FEDSIM_RENDEZVOUS_TIMEOUT)"
-    hosts = rank == 0 and not agent_store
-    if not hosts and not _reachable(host, port, deadline):
-        raise FedsimError(
-            f"rank {rank}: nothing answers at MASTER_ADDR={host} MASTER_PORT={port} {bound}; "
-            f"start rank 0 there, or correct the address"
-        )
-    try:
-        store = TCPStore(
-            host,
-            port,
-            world,
-            is_master=hosts,
-            wait_for_workers=False,
-            multi_tenant=True,
-            timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
-        )
-        store.set(_key("joined", rank), f"{socket.gethostname()} {os.getpid()}")
-    except RuntimeError as e:
-        raise FedsimError(
-            f"rank {rank}: cannot {'open' if hosts else 'use'} the job's store at {host}:{port} "
-            f"({str(e).splitlines()[0]})"
-        ) from None
-    keys, told = [_key("joined", r) for r in range(world)], time.monotonic() + 10.0
-    # polled rather than store.wait, whose time-out c10d also logs on stderr
-    while not store.check(keys):
-        missing = [r for r in range(world) if not store.check([keys[r]])]
-        if time.monotonic() >= deadline:
-            raise FedsimError(
-                f"rank {rank}: {ranks_named(missing)} of {world} (WORLD_SIZE) did not join {bound}; "
-                f"start every rank, or give them longer"
-            )
-        if time.monotonic() >= told:  # say once what it waits for, when that takes a while
-            print(
-                f"fedsim: rank {rank}: waiting for {ranks_named(missing)} of {world} to join (at most {seconds:g} "
-                f"s: FEDSIM_RENDEZVOUS_TIMEOUT)",
-                file=sys.stderr,
-                flush=True,
-            )
-            told = float("inf")
-        time.sleep(0.1)
-    return store
-
-
-def _reachable(host: str, port: int, deadline: float) -> bool:
-    """Whether something accepts connections at host:port before ``deadline``."""
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=max(min(deadline - time.monotonic(), 1.0), 0.1)):
-                return True
-        except OSError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.2)
-
-
-_launcher_pid: int | None = None  # the process that started this rank, once watched
-
-
-def watch_launcher(interval: float = 0.5) -> None:
-    """Stop this rank, as SIGTERM does, when the process that started it (fedsim run --ranks, torchrun) is gone:
-    ranks run in sessions of their own, so a launcher killed with SIGKILL signals nobody.
-    A thread polls the parent pid. It is plain and portable, where PR_SET_PDEATHSIG is Linux
-    only, fires when the parent *thread* ends, and would need its own check for a launcher that
-    died before it was set."""
-    global _launcher_pid
-    _launcher_pid = os.getppid()
-
-    def watch():
-        while not launcher_gone():
-            time.sleep(interval)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="fedsim-launcher", daemon=True).start()
-
-
-def launcher_gone() -> bool:
-    """Whether the launcher this rank watches has ended (its orphans get a new parent)."""
-    return _launcher_pid is not None and os.getppid() != _launcher_pid
