@@ -528,7 +528,7 @@ def test_bad_initial_weights_are_one_line_naming_the_key(tmp_path):
     (tmp_path / "notes.txt").write_text("not a checkpoint\n")
     cases = [
         (tmp_path / "nowhere", "does not exist"),
-        (tmp_path / "notes.txt", "is not a fedsim checkpoint"),
+        (tmp_path / "notes.txt", "notes.txt: corrupt or not a fedsim checkpoint"),
         (run_dir, "it is another model's checkpoint"),  # a real checkpoint, of a model of another size
     ]
     for source, words in cases:

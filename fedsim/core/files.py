@@ -1,4 +1,5 @@
-"""Files written whole or not at all, whatever happens while they are written."""
+"""Files written whole or not at all, whatever happens while they are written; and the
+checkpoint read back, whichever part of fedsim reads it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import write_error
+from .errors import FedsimError, write_error
 
 OUT_ADVICE = "choose another place with --out"
 
@@ -45,3 +46,28 @@ def _as_os_error(path: Path, error: RuntimeError) -> OSError:
     except OSError:
         pass
     return OSError(errno.EIO, str(error).splitlines()[0])
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A run's checkpoint.pt (its round, global weights and the state saved with them), or one
+    line naming ``path`` where it is not one. torch is imported here, so that loading and
+    plotting results does not wait for it."""
+    import pickle
+
+    import torch
+
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
+        raise FedsimError(f"{path}: corrupt or not a fedsim checkpoint") from None
+    if not isinstance(state, dict) or "round" not in state or not isinstance(state.get("global"), torch.Tensor):
+        raise FedsimError(f"{path}: not a fedsim checkpoint (no round and global weights)")
+    if (
+        not isinstance(state["round"], int)
+        or state["round"] < 0
+        or not isinstance(state.get("elapsed_seconds", 0.0), (int, float))
+    ):
+        raise FedsimError(f"{path}: not a fedsim checkpoint (its round is {state['round']!r})")
+    return state

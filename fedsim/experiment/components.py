@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,8 @@ from typing import Any
 import torch
 
 from ..algorithms import ALGORITHMS, Algorithm
-from ..core.errors import ConfigError, user_code
+from ..core.errors import ConfigError, FedsimError, user_code
+from ..core.files import read_checkpoint
 from ..core.flat import FlatModel
 from ..core.registry import is_import_path, load_attr, registered
 from ..data import DATASETS, PARTITIONS, check_dataset_spec
@@ -128,16 +128,16 @@ def load_weights(module: torch.nn.Module, source: str, model_name: str) -> None:
     path = Path(source).expanduser()
     path = path / "checkpoint.pt" if path.is_dir() else path
     try:
-        weights = torch.load(path, weights_only=True, map_location="cpu")["global"]
+        weights = read_checkpoint(path)["global"]
     except FileNotFoundError:
         raise ConfigError(
             f"initial_weights: {path} does not exist; give a run directory or its checkpoint.pt"
         ) from None
-    except (OSError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError):
-        raise ConfigError(f"initial_weights: {path} is not a fedsim checkpoint") from None
+    except FedsimError as e:
+        raise ConfigError(f"initial_weights: {e}") from None
     flat = FlatModel(module, "cpu")
-    if not isinstance(weights, torch.Tensor) or weights.shape != flat.flat.shape:
-        got = f"{weights.numel():,} weights" if isinstance(weights, torch.Tensor) else type(weights).__name__
+    if weights.shape != flat.flat.shape:
+        got = f"{weights.numel():,} weights"
         raise ConfigError(
             f"initial_weights: {path} holds {got} where model {model_name} has {len(flat):,}; "
             f"it is another model's checkpoint"

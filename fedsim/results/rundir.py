@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import FedsimError, cut, write_error
-from ..core.files import atomic_write_text, write_atomically
+from ..core.files import atomic_write_text, read_checkpoint, write_atomically
 from ..engine.records import CLIENT_COLUMNS
 from ..engine.records import METRIC_COLUMNS as COLUMNS  # metrics.csv's, in order: RoundRow's fields
 
@@ -174,25 +174,10 @@ class RunDirectory:
         path = self.path / "checkpoint.pt"
         if not path.is_file():
             raise FedsimError(f"{self.path}: no checkpoint.pt to resume from")
-        import pickle
-
-        import torch
-
         try:
-            state = torch.load(path, weights_only=True, map_location="cpu")
-        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
-            raise FedsimError(
-                f"{path}: corrupt or not a fedsim checkpoint; the run cannot be resumed from it"
-            ) from None
-        if not isinstance(state, dict) or "round" not in state or "global" not in state:
-            raise FedsimError(f"{path}: not a fedsim checkpoint (no round and global weights)")
-        if (
-            not isinstance(state["round"], int)
-            or state["round"] < 0
-            or not isinstance(state.get("elapsed_seconds", 0.0), (int, float))
-        ):
-            raise FedsimError(f"{path}: not a fedsim checkpoint (its round is {state['round']!r})")
-        return state
+            return read_checkpoint(path)
+        except FedsimError as e:
+            raise FedsimError(f"{e}; the run cannot be resumed from it") from None
 
     @staticmethod
     def file_marks(rows: list[dict], client_rows: list[dict]) -> dict:
