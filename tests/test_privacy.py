@@ -16,7 +16,7 @@ from fedsim.algorithms import Algorithm
 from fedsim.core.errors import ConfigError
 from fedsim.experiment.config import Config
 from fedsim.experiment.validation import check_privacy
-from fedsim.fl import aggregation, privacy
+from fedsim.fl import accounting, aggregation, privacy
 from fedsim.fl.aggregation import AGGREGATORS, row_norms
 from fedsim.fl.privacy import Privacy
 from fedsim.fl.sampling import draw, poisson_capacity
@@ -662,7 +662,7 @@ def test_pld_refuses_a_grid_it_cannot_hold_and_names_the_smallest_multiplier_tha
     assert refused(config(clip=C, noise_multiplier=floor / 1.25, delta=1e-5)).startswith(
         "privacy.noise_multiplier: must be >= "
     )
-    spans = privacy.pld_grid_points(0.001, K / N, 1) * privacy.PLD_DISCRETIZATION
+    spans = accounting.pld_grid_points(0.001, K / N, 1) * accounting.PLD_DISCRETIZATION
     assert spans >= 0.5 / 0.001**2 - 10 / 0.001  # the losses one round reaches (with probability q)
     rdp_ = Privacy.from_config(config(clip=C, noise_multiplier=0.001, delta=1e-5, accountant="rdp"))
     assert rdp_.epsilon(10) >= 0.5 / 0.001**2 - 10 / 0.001  # a valid bound is at least one round's loss
@@ -781,7 +781,25 @@ def test_the_estimated_pld_grid_follows_dp_accountings_own():
         one = pld.from_gaussian_mechanism(z, sampling_prob=q, value_discretization_interval=1e-3)
         composed = one.self_compose(rounds) if rounds > 1 else one
         actual = max(composed._pmf_remove.size, composed._pmf_add.size)
-        estimate = privacy.pld_grid_points(z, q, rounds)
+        estimate = accounting.pld_grid_points(z, q, rounds)
         assert 0.4 <= actual / estimate <= 1.6, (z, q, rounds, actual, estimate)
         if rounds == 1:
             assert actual / estimate == pytest.approx(1, abs=0.01)
+
+
+def test_the_accountants_leave_the_programs_logging_alone(monkeypatch):
+    """dp-accounting warns through absl, whose first message calls logging.basicConfig: a root
+    handler that would make fedsim leave its own lines (the run's header) to the program's logging."""
+    import logging
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    configured = []
+    basic_config = logging.basicConfig
+    monkeypatch.setattr(logging, "basicConfig", lambda *a, **k: (configured.append(1), basic_config(*a, **k)))
+    accounting.pld_grid_points(1.0, 0.1, 2)  # an RDP order dp-accounting warns about
+    assert configured and root.handlers == []
+    own = logging.StreamHandler()
+    root.addHandler(own)
+    accounting.pld_grid_points(1.0, 0.1, 2)
+    assert root.handlers == [own]  # the program's own set-up stays

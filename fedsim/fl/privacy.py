@@ -80,20 +80,29 @@ refused, and C is kept in that range. Privacy's errors in a round are a PrivacyE
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import logging
 import math
 from collections.abc import Callable, Mapping
-from statistics import NormalDist
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..core.checks import FLOAT32, Checks, is_integer, is_number
-from ..core.errors import ConfigError, FedsimError, install, user_code
+from ..core.errors import ConfigError, FedsimError, user_code
 from ..core.streams import privacy_noise_generator
+from .accounting import (
+    INSTALL,
+    PLD_DISCRETIZATION,
+    PLD_MIN_DELTA,
+    PLD_POINTS,
+    PLD_TAIL,
+    pld_epsilon,
+    pld_floor,
+    pld_grid_points,
+    pld_loss_distribution,
+    rdp_epsilon,
+    rdp_floor,
+)
 from .aggregation import float64_blocks, row_norms
 
 RULES = ("fedavg", "mean")  # the rules that privacy's clipped, noised mean replaces
@@ -101,12 +110,6 @@ REQUIRED = ("clip", "noise_multiplier", "delta")
 DEFAULTS = {"accountant": "pld", "target_quantile": None, "clip_learning_rate": 0.2, "count_noise": None}
 KEYS = (*REQUIRED, *DEFAULTS)
 ACCOUNTANTS = ("pld", "rdp")
-INSTALL = install("privacy")
-PLD_DISCRETIZATION = 1e-3  # pessimistic: epsilon within rounds x 1e-3 above the exact PLD bound, never below
-PLD_POINTS = 2**20  # the largest PLD grid (estimated) a run may need: a second or two a round at most
-PLD_MIN_DELTA = 1e-14  # ten times the probability dp-accounting's composition cuts off as infinite loss
-_PLD_TAIL = 1e-15  # that probability: dp-accounting's tail_mass_truncation
-_NOISE_SDS = -NormalDist().inv_cdf(0.5 * math.exp(-50))  # ~9.75: dp-accounting cuts each tail of the noise at 0.5 e^-50
 _CLIP_SPAN = math.log(FLOAT32.max / FLOAT32.tiny)  # ln of the range privacy.clip may take, about 176
 
 # Clipping aims at C (1 - 2^-30), not C: in float64 the scale, the products and the norm each
@@ -155,7 +158,7 @@ class Privacy:
             _CHECKS.fail(
                 "delta",
                 f"must be >= {PLD_MIN_DELTA:g} for accountant pld, got {delta!r}: its composition cuts off "
-                f"{_PLD_TAIL:g} of probability, counted as infinite loss (epsilon inf); or use accountant: rdp",
+                f"{PLD_TAIL:g} of probability, counted as infinite loss (epsilon inf); or use accountant: rdp",
             )
         self.num_clients = _TOP.count("data.num_clients", num_clients, 1)
         self.clients_per_round = _TOP.count("clients_per_round", clients_per_round, 1)
@@ -247,10 +250,10 @@ class Privacy:
         if self.noise_multiplier == 0 or rounds <= self._carried:
             return
         z, q = self.noise_multiplier, self.sample_rate
-        if self.accountant == "rdp" and z < _rdp_floor(rounds):
+        if self.accountant == "rdp" and z < rdp_floor(rounds):
             _CHECKS.fail(
                 "noise_multiplier",
-                f"must be >= {_rdp_floor(rounds):g} (or 0: no noise) for accountant rdp over {rounds:,} rounds, "
+                f"must be >= {rdp_floor(rounds):g} (or 0: no noise) for accountant rdp over {rounds:,} rounds, "
                 f"got {z!r}: below it the Renyi divergences dp-accounting sums (terms up to 1024^2 / (2 z^2), over "
                 f"the rounds) overflow float64, and the epsilon it then returns, 0, is not a bound",
             )
@@ -258,11 +261,11 @@ class Privacy:
         if points > PLD_POINTS:
             _CHECKS.fail(
                 "noise_multiplier",
-                f"must be >= {_pld_floor(q, rounds):g} (or 0: no noise) for accountant pld over {rounds:,} rounds "
+                f"must be >= {pld_floor(q, rounds):g} (or 0: no noise) for accountant pld over {rounds:,} rounds "
                 f"at q = {q:.3g}, got {z!r}: the privacy losses they reach would need a grid of "
                 f"{f'about {points:.2g}' if points < 1e308 else 'over 1e308'} points of {PLD_DISCRETIZATION:g}, "
                 f"past the {PLD_POINTS:,} fedsim allows (a second or two a round); or use accountant: rdp, "
-                f"which takes any noise_multiplier >= {_rdp_floor(rounds):g} in milliseconds",
+                f"which takes any noise_multiplier >= {rdp_floor(rounds):g} in milliseconds",
             )
         self._carried = rounds
 
@@ -337,21 +340,13 @@ class Privacy:
             return math.inf
         self.check_rounds(rounds)  # done before the first round for the run's rounds; here for more
         if rounds not in self._epsilons:
-            self._epsilons[rounds] = (
-                self._pld_epsilon(rounds)
-                if self.accountant == "pld"
-                else _rdp(self.noise_multiplier, self.sample_rate, rounds, self.delta)
-            )
+            if self.accountant == "rdp":
+                self._epsilons[rounds] = rdp_epsilon(self.noise_multiplier, self.sample_rate, rounds, self.delta)
+            else:
+                if self._loss_distribution is None:
+                    self._loss_distribution = pld_loss_distribution(self.noise_multiplier, self.sample_rate)
+                self._epsilons[rounds] = pld_epsilon(self._loss_distribution, rounds, self.delta)
         return self._epsilons[rounds]
-
-    def _pld_epsilon(self, rounds: int) -> float:
-        if self._loss_distribution is None:
-            pld = _import("dp_accounting.pld.privacy_loss_distribution")
-            self._loss_distribution = pld.from_gaussian_mechanism(
-                self.noise_multiplier, sampling_prob=self.sample_rate, value_discretization_interval=PLD_DISCRETIZATION
-            )
-        composed = self._loss_distribution.self_compose(rounds) if rounds > 1 else self._loss_distribution
-        return float(composed.get_epsilon_for_delta(self.delta))
 
 
 class PrivacyError(FedsimError):
@@ -359,63 +354,6 @@ class PrivacyError(FedsimError):
     algorithm's server_update (engine/update.py), which calls it, lets it pass naming privacy."""
 
     exit_code = 1
-
-
-# ----------------------------------------------------------------------------- what the accountants carry
-
-
-def pld_grid_points(noise_multiplier: float, sample_rate: float, rounds: int) -> float:
-    """About how many points dp-accounting's PLD grid needs after ``rounds`` rounds (tests compare it with the
-    library's): min(rounds, 3) times one round's span of privacy losses (exact to 1%), or, if larger, the RDP
-    epsilon at delta 5e-16 (half the tail the composition cuts off), near the highest loss the grid keeps."""
-    first = min(rounds, 3) * _round_span(noise_multiplier, sample_rate)
-    if first > PLD_POINTS * PLD_DISCRETIZATION:  # refused already (and RDP may overflow for such a z)
-        return first / PLD_DISCRETIZATION
-    return max(first, _rdp(noise_multiplier, sample_rate, rounds, _PLD_TAIL / 2)) / PLD_DISCRETIZATION
-
-
-def _round_span(z: float, q: float) -> float:
-    """The range of one round's privacy loss in dp-accounting's PLD: the Gaussian's (x - 1/2) / z^2
-    for x within _NOISE_SDS deviations, through the subsampling's log(1 - q + q e^loss)."""
-    with np.errstate(all="ignore"):
-        loss = (0.5 + _NOISE_SDS * z) / np.float64(z) ** 2
-        if q == 1:
-            return float(2 * loss)
-        keep, log_q = math.log1p(-q), math.log(q)
-        return float(np.logaddexp(keep, log_q + loss) - np.logaddexp(keep, log_q - loss))
-
-
-def _pld_floor(q: float, rounds: int) -> float:
-    """The smallest z whose PLD grid fits PLD_POINTS (it shrinks as z grows), within 1%, rounded up to 2 digits."""
-    fits = lambda z: pld_grid_points(z, q, rounds) <= PLD_POINTS  # noqa: E731
-    low = high = 0.05
-    while fits(low):
-        low /= 4
-    while not fits(high):
-        high *= 4
-    while high > 1.01 * low:
-        middle = math.sqrt(low * high)
-        low, high = (low, middle) if fits(middle) else (middle, high)
-    return _two_digits_up(high)
-
-
-def _rdp_floor(rounds: int) -> float:
-    """The smallest z for which dp-accounting's RDP stays below 1e300: its terms reach 1024^2 / (2 z^2)
-    (1024: its top order) and a round's divergence about 512 / z^2, summed over the rounds."""
-    return _two_digits_up(math.sqrt(512 * max(1024, rounds) / 1e300))
-
-
-def _two_digits_up(x: float) -> float:
-    """``x`` rounded up to two significant digits: a floor that holds as the message prints it."""
-    step = 10.0 ** (math.floor(math.log10(x)) - 1)
-    return float(f"{math.ceil(x / step) * step:.2g}")
-
-
-def _rdp(noise_multiplier: float, sample_rate: float, rounds: int, delta: float) -> float:
-    dp = _import("dp_accounting")
-    accountant = _import("dp_accounting.rdp").RdpAccountant()
-    accountant.compose(dp.PoissonSampledDpEvent(sample_rate, dp.GaussianDpEvent(noise_multiplier)), rounds)
-    return float(accountant.get_epsilon(delta))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -435,15 +373,3 @@ def _weighted_sum(rows: torch.Tensor, coefficients: torch.Tensor) -> torch.Tenso
     for start, block in float64_blocks(rows):
         torch.mv(block.T, coefficients, out=out[start : start + block.shape[1]])
     return out
-
-
-def _import(module: str):
-    """A module of dp-accounting, imported only when first needed (it takes seconds), with one
-    line naming the extra if it cannot be. absl's warnings about orders the RDP accountant
-    leaves out are not the user's concern."""
-    try:
-        found = importlib.import_module(module)
-    except ImportError as e:
-        raise ConfigError(f"privacy: its accounting needs the dp-accounting package ({e}): {INSTALL}") from None
-    logging.getLogger("absl").setLevel(logging.ERROR)
-    return found
