@@ -236,7 +236,7 @@ def test_a_signal_stops_every_rank_within_seconds(tmp_path, launcher, target, si
     assert time.monotonic() - t0 < 10, err
     _interrupted_run(run_dir, err)
     if launcher == "fedsim":
-        assert proc.returncode == code and "Traceback" not in err, err
+        assert proc.returncode == code and "Traceback" not in err and "c10d" not in err, err
     else:  # torchrun's report gives each rank's exit status
         assert sorted(re.findall(r"exitcode\s+: (-?\d+)", err)) == [str(code)] * 2, err
     assert _all_gone(tag)

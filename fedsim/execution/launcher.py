@@ -5,8 +5,8 @@
 
 Each rank is ``fedsim run`` with the same arguments, started in a process group of its own with
 the variables torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT);
-rank 0 hosts the job's store. The launcher passes each stop signal on to every rank and waits
-for them: the ranks say what happened (rank 0 the interrupted line and the resume command, a
+the launcher of machine 0 holds the job's store. The launcher passes each stop signal on to
+every rank and waits for them: the ranks say what happened (rank 0 the interrupted line and the resume command, a
 rank that saw another die names it), and the command exits as rank 0 did: 130 after Ctrl-C, 143
 after SIGTERM, fedsim's own status after an error. Where torchrun stops the other ranks the
 moment one ends, cutting short what they were about to say, and then ends with its own
@@ -37,6 +37,7 @@ def launch(argv: list[str], ranks: int, nodes: int = 1, node_rank: int = 0, rend
     check_launch(ranks, nodes, node_rank, rendezvous)
     host, port = ("127.0.0.1", free_port()) if nodes == 1 else rendezvous.rsplit(":", 1)
     env = {**os.environ, "MASTER_ADDR": host, "MASTER_PORT": str(port), LAUNCHER: str(os.getpid())}
+    env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the store is machine 0's launcher's, as torchrun's agent's
     env.update(WORLD_SIZE=str(nodes * ranks), LOCAL_WORLD_SIZE=str(ranks), GROUP_RANK=str(node_rank))
     if nodes == 1:
         env.setdefault("GLOO_SOCKET_IFNAME", loopback_name())  # the ranks talk over loopback
@@ -59,7 +60,10 @@ def launch(argv: list[str], ranks: int, nodes: int = 1, node_rank: int = 0, rend
                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(local)},
                 start_new_session=True,  # a terminal's Ctrl-C reaches the launcher, which passes it on once
             )
-        return _wait(procs, name_killed=node_rank > 0) if procs else 128 + stopped[0]
+        store = _host_store(int(port)) if node_rank == 0 and procs else None  # while the ranks import torch
+        code = _wait(procs, name_killed=node_rank > 0) if procs else 128 + stopped[0]
+        del store  # kept until every rank has ended: each says there how it ended
+        return code
     finally:
         for proc in procs.values():  # the launcher itself failed: leave nothing behind
             if proc.poll() is None:
@@ -97,6 +101,20 @@ def _wait(procs: dict[int, subprocess.Popen], name_killed: bool) -> int:
             print(f"fedsim: rank {rank} was killed by {_signal_name(-proc.returncode)}", file=sys.stderr, flush=True)
     failed = [_status(proc.returncode) for _, proc in sorted(procs.items()) if proc.returncode]
     return failed[0] if failed else 0
+
+
+def _host_store(port: int):
+    """The job's store (distributed.py), held by the launcher of machine 0: it outlives every rank,
+    so a rank that leaves last still finds there how the others ended, where a store held by
+    rank 0 would be gone with it (and c10d would print its failed calls)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    except RuntimeError as e:
+        raise FedsimError(f"cannot open the job's store on port {port} ({str(e).splitlines()[0]})") from None
 
 
 def started_by_launcher() -> bool:
