@@ -63,3 +63,24 @@ def test_without_it_every_round_is_scored_on_the_whole_test_set(tmp_path, capsys
     subset = fedsim.run(config(), out=tmp_path / "subset", quiet=True)
     assert history.test_accuracy[-1] == subset.test_accuracy[-1]  # training is the same either way
     assert history.train_loss == subset.train_loss
+
+
+@pytest.mark.slow
+def test_a_round_that_reaches_stop_at_accuracy_on_the_subset_is_scored_on_everything(tmp_path):
+    """The run stops, and rounds_to_target counts, only on the whole test set's score: a round
+    whose subset score reaches the target is scored again in full, as a last round is."""
+    learns = {"rounds": 8, "clients_per_round": 4, "data": {"dataset": "synthetic", "limit": 2000, "num_clients": 4}}
+    full = fedsim.run(config(**learns, eval_subset=None), out=tmp_path / "full", quiet=True)
+    subset = fedsim.run(config(**learns), out=tmp_path / "subset", quiet=True)
+    # a target that some round reaches on the subset while the whole test set scores it lower
+    pairs = list(zip(subset.test_accuracy[:-1], full.test_accuracy[:-1]))
+    target = next((s for s, f in pairs if s > f), None)
+    assert target is not None, pairs  # the subset (300 of 1,000) scores some round higher
+    stopped = fedsim.run(config(**learns, stop_at_accuracy=target), out=tmp_path / "stop", quiet=True)
+    rounds = len(stopped.test_accuracy)
+    reached_in_full = next((r for r, f in enumerate(full.test_accuracy, 1) if f >= target), None)
+    assert rounds == (reached_in_full or 8) and rounds < 8  # it stops early, on the whole test set's score
+    assert stopped.test_accuracy[-1] == full.test_accuracy[rounds - 1]  # scored on all of it
+    assert stopped.summary["rounds_to_target"] == reached_in_full
+    for r, (score, s, f) in enumerate(zip(stopped.test_accuracy, subset.test_accuracy, full.test_accuracy), 1):
+        assert score == (f if s >= target or r == rounds else s), r  # training is the same in the three runs

@@ -234,7 +234,19 @@ class Engine:
         return (
             f"rounds before the last are scored on {len(self.test_subset[1]):,} of the {len(self.test[1]):,} test "
             f"samples (eval_subset, the same every round); round {self.cfg.rounds} on all of them"
+            + (", as is a round that reaches stop_at_accuracy on the subset" if self.cfg.stop_at_accuracy else "")
         )
+
+    def reaches(self, row: dict, target: float | None) -> bool:
+        """Whether the round of ``row`` reaches stop_at_accuracy ``target`` (never where its test
+        accuracy is NaN). One that does on eval_subset is scored again on the whole test set, as a
+        last round is, and ``row`` updated: the run stops, and rounds_to_target counts, only on
+        that score."""
+        if target is None or not row["test_accuracy"] >= target:
+            return False
+        if self.test_subset is not None and row["round"] < self.cfg.rounds:
+            row.update(self.scores(full=True))
+        return row["test_accuracy"] >= target
 
     def evaluate_round(self, rnd: int) -> tuple[bool, dict]:
         """Whether round ``rnd`` is evaluated (every eval_every-th and the last), and its scores."""
@@ -246,9 +258,7 @@ class Engine:
         cfg, module = self.cfg, self.state.model.module
         if not evaluated:
             return {"test_accuracy": math.nan, "test_loss": math.nan}
-        scored = self.test if rnd == cfg.rounds or self.test_subset is None else self.test_subset
-        accuracy, loss = evaluate(module, *scored, cfg.eval_batch_size)
-        perplexity = {"test_perplexity": tasks.perplexity(loss)} if self.test[1].ndim == 2 else {}
+        scores = self.scores(full=rnd == cfg.rounds)
         if not self.client_eval:
             per_client = {}
         elif not self.state.algorithm.has_personal_model:
@@ -263,7 +273,15 @@ class Engine:
                 cfg.eval_batch_size,
                 rnd,
             )
-        return {"test_accuracy": accuracy, "test_loss": loss, **perplexity, **per_client}
+        return {**scores, **per_client}
+
+    def scores(self, full: bool) -> dict:
+        """The global model's test accuracy and loss (and perplexity, for tokens): on the whole
+        test set where ``full`` or no eval_subset is set, else on the subset."""
+        scored = self.test if full or self.test_subset is None else self.test_subset
+        accuracy, loss = evaluate(self.state.model.module, *scored, self.cfg.eval_batch_size)
+        perplexity = {"test_perplexity": tasks.perplexity(loss)} if self.test[1].ndim == 2 else {}
+        return {"test_accuracy": accuracy, "test_loss": loss, **perplexity}
 
     def _train_metrics(self, round_, records: list[ClientRecord]) -> dict:
         """The mean training loss over the kept clients' samples, as each client's loss is the mean

@@ -359,8 +359,7 @@ class Session:
         for rnd in range(self.first_round, cfg.rounds + 1):
             result = self.engine.run_round(rnd)
             row = {**result.row, "elapsed_seconds": round(self.elapsed_before + time.perf_counter() - self.t_start, 4)}
-            target = cfg.stop_at_accuracy
-            reached = target is not None and row["test_accuracy"] >= target  # False for NaN
+            reached = self.engine.reaches(row, cfg.stop_at_accuracy)
             with shielded():
                 if result.evaluated:
                     self.rows.append(row)
@@ -383,7 +382,7 @@ class Session:
             # the other ranks, if any, get the new state or learn that the run is over
             self.executor.end_round(rnd, result.trained, go_on=self.status != "finished")
             if reached:
-                logger.info(f"reached stop_at_accuracy {target} in round {rnd}")
+                logger.info(f"reached stop_at_accuracy {cfg.stop_at_accuracy} in round {rnd}")
                 break
 
     def history(self) -> History:
