@@ -803,3 +803,20 @@ def test_the_accountants_leave_the_programs_logging_alone(monkeypatch):
     root.addHandler(own)
     accounting.pld_grid_points(1.0, 0.1, 2)
     assert root.handlers == [own]  # the program's own set-up stays
+
+
+@pytest.mark.slow
+def test_a_run_that_adaptive_clipping_breaks_names_the_clipping_key(tmp_path):
+    """A clip_learning_rate that the bounds allow can still move the clip to where training fails:
+    the stop names privacy's key beside local.lr, and where the clip went."""
+    import fedsim
+    from fedsim.core.errors import NonFiniteError
+
+    changes = {"data.dataset": "synthetic", "data.limit": 2000, "data.num_clients": 100, "clients_per_round": 10}
+    changes |= {"privacy.target_quantile": 0.5, "privacy.clip_learning_rate": 350, "privacy.count_noise": 1}
+    with pytest.raises(NonFiniteError) as error:
+        fedsim.run("dp_fedavg", out=tmp_path / "run", quiet=True, device="cpu", workers=0, rounds=6, **changes)
+    message = str(error.value)
+    assert (
+        "lower local.lr or privacy.clip_learning_rate (adaptive clipping has moved privacy.clip from 0.2 to" in message
+    )

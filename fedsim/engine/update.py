@@ -139,9 +139,10 @@ class AggregateUpdates:
             self.compression.compress(updates[:, : self.state.model.num_params], clients.tolist(), finite, rnd)
         keep = finite.nonzero().flatten()
         bad = clients[(~finite).cpu()].tolist()
+        advice = self._privacy_advice()
         if bad:  # the round's clients trained at once, from one model: all non-finite is as many in a row
             in_a_row = 0 if len(keep) else len(bad)
-            stop_on_nonfinite(cfg, self.state, rnd, bad[0], in_a_row, k, f"every client's update ({k}) is")
+            stop_on_nonfinite(cfg, self.state, rnd, bad[0], in_a_row, k, f"every client's update ({k}) is", *advice)
         warn_dropped(rnd, bad)
         norms, stats = row_norms(updates), b.stats[:k].cpu()
         records = [
@@ -192,6 +193,13 @@ class AggregateUpdates:
             )
 
         return aggregate
+
+    def _privacy_advice(self) -> list[str]:
+        """Where adaptive clipping has moved the clip, and the noise with it, the key to blame too."""
+        if not self.privacy or self.privacy.current_clip == self.privacy.clip:
+            return []
+        moved = f"{self.privacy.clip:g} to {self.privacy.current_clip:.3g}"
+        return [f"lower local.lr or privacy.clip_learning_rate (adaptive clipping has moved privacy.clip from {moved})"]
 
     def update(self, rnd: int, round_: Round) -> None:
         """The new global model; a non-finite one is never kept. The global state can become
