@@ -88,7 +88,10 @@ def test_personal_accuracy_on_the_line_in_the_summary_the_table_and_the_plot(tmp
 @pytest.mark.slow
 def test_fedavg_looks_as_before(tmp_path, capsys):
     history, summary, rows, _ = run(tmp_path, "plain")
-    assert not NEW_KEYS & set(summary)
+    # only its traffic, which every run has: all it sent, whole
+    assert NEW_KEYS & set(summary) == {"megabytes_sent", "compression_ratio"}
+    assert summary["megabytes_sent"] == pytest.approx(sum(r["bytes_up"] + r["bytes_down"] for r in rows) / 1e6)
+    assert summary["compression_ratio"] == 1
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("round ")]
     for line, row in zip(lines, rows, strict=True):
         expected = (
@@ -124,10 +127,13 @@ def test_compression_megabytes_and_ratio_against_the_same_run_uncompressed(tmp_p
     uncompressed = sum(r["bytes_up"] + r["bytes_down"] for r in whole_rows)
     assert summary["compression_ratio"] == pytest.approx(sent / uncompressed, rel=1e-12)
     assert 0 < summary["compression_ratio"] < 1
-    assert "megabytes_sent" not in whole_summary
+    # the uncompressed run, the baseline, has its traffic too, at a ratio of 1
+    assert whole_summary["megabytes_sent"] == pytest.approx(uncompressed / 1e6, rel=1e-12)
+    assert whole_summary["compression_ratio"] == 1
     table = format_table([sweep_run(packed), sweep_run(whole)]).splitlines()
     assert "MB sent" in table[0] and "ratio" in table[0]
     assert f"{sent / 1e6:.3g}" in table[1] and f"{sent / uncompressed:.3g}" in table[1]
+    assert table[2].split()[-3:-1] == [f"{uncompressed / 1e6:.3g}", "1"]
 
 
 @pytest.mark.slow

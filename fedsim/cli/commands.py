@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import shlex
 import sys
 from pathlib import Path
 
@@ -113,10 +114,7 @@ def _run(args, ranks) -> int:
         return 130 if isinstance(e, KeyboardInterrupt) else 143
     except DataError as e:
         if e.missing and not args.resume:  # offer what works at once, without the files
-            limit = " --set data.limit=null" if cfg.data.limit else ""
-            raise DataError(
-                f"{e}; or try it now on generated data: fedsim run {args.config} --set data.dataset=synthetic{limit}"
-            ) from None
+            raise DataError(f"{e}; or try it now on generated data: {_on_generated_data(args, cfg)}") from None
         raise
     summary = history.summary if history is not None and ranks.is_root else {}
     if summary.get("final_test_accuracy") is not None:
@@ -165,6 +163,15 @@ def _runner(args, ranks):
     cfg = agree_on_config(ranks, load)
     path = RunDirectory.target(args.out, directory_name(cfg), args.overwrite) if ranks.is_root else None
     return functools.partial(start_run, cfg, out=path, overwrite=args.overwrite, **shown), path, cfg
+
+
+def _on_generated_data(args, cfg) -> str:
+    """The same ``fedsim run`` on the generated dataset, as a shell command: the user's own --set
+    keys kept, but for the data.dataset (and data.limit) it replaces."""
+    replaced = {"data.dataset": "synthetic", **({"data.limit": "null"} if cfg.data.limit else {})}
+    kept = [text for text in args.set or [] if text.partition("=")[0].strip() not in replaced]
+    sets = [*kept, *(f"{key}={value}" for key, value in replaced.items())]
+    return shlex.join(["fedsim", "run", args.config, *(word for text in sets for word in ("--set", text))])
 
 
 def _stopped_message(ranks, path) -> str | None:

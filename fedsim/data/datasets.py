@@ -27,6 +27,12 @@ from .text import BYTES, Tokenizer, load_hub_text, load_tokenizer, plays_text
 
 DATASETS = Registry("dataset")
 
+# Every class is at least one coordinate of the model (a row or a bias of its output layer), and a
+# run's messages index the model's coordinates by int32 (top-k's, fl/compression.py). Real counts
+# lie far below: ImageNet-21k's 21,841 classes, language models' vocabularies of 50k to 262k.
+MAX_CLASSES = 2**31 - 1
+_WHY = "each class is a coordinate of the model, and messages index coordinates by int32"
+
 
 def from_tensors(
     train_x: torch.Tensor | np.ndarray,
@@ -59,6 +65,8 @@ def from_tensors(
     data = checked(
         Dataset(*(parts[key] for key in _TENSOR_KEYS), num_classes if num_classes is not None else 0, name), where
     )
+    if data.num_classes > MAX_CLASSES:  # before a model or a per-class table is sized by it
+        raise DataError(f"{where}: num_classes is {data.num_classes:,}; at most {MAX_CLASSES:,} (2**31 - 1: {_WHY})")
     train_x, test_x = data.train_x.to(torch.float32), data.test_x.to(torch.float32)
     if not (torch.isfinite(train_x).all() and torch.isfinite(test_x).all()):
         raise DataError(f"{where}: the inputs hold NaN or Inf")

@@ -96,7 +96,38 @@ def model_builder(spec: Any) -> Callable[..., torch.nn.Module]:
     if isinstance(spec, str) and not is_import_path(spec):
         return target  # registered builders take (input_shape, num_classes, **options)
     count = _takes(target, (0, 2), "model", "a model builder takes no arguments or (input_shape, num_classes)")
-    return (lambda shape, classes, **options: target(**options)) if count == 0 else target
+    return (lambda shape, classes, /, **options: target(**options)) if count == 0 else target
+
+
+def check_model_options(spec: Any, options: dict) -> None:
+    """Refuse a ``model_options`` key that names an argument fedsim fills itself: a builder is
+    called with the dataset's input shape and number of classes as its first two arguments, so
+    an option of the same name would give that argument twice."""
+    builder = model_builder(spec)
+    try:
+        signature = inspect.signature(builder.__init__ if inspect.isclass(builder) else builder)
+    except (TypeError, ValueError):
+        return  # a builtin: nothing to compare
+    params = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    filled = params[1:3] if inspect.isclass(builder) else params[:2]  # past self
+    sources = (
+        "the input shape comes from the dataset's inputs",
+        "the number of classes comes from the dataset (its labels, or the num_classes its file declares)",
+    )
+    for param, source in zip(filled, sources):
+        if param.kind is param.POSITIONAL_OR_KEYWORD and param.name in options:  # positional-only names stay free
+            raise ConfigError(
+                f"model_options.{param.name}: {source}, and fedsim passes it to model {describe(spec)} "
+                f"itself; remove it from model_options"
+            )
+    if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+        return  # it takes any option: its own error names what it refuses
+    named = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    takes = [name for name in named[len(filled) + inspect.isclass(builder) :] if name not in ("self",)]
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        listed = f"it takes: {', '.join(takes)}" if takes else "it takes no options"
+        raise ConfigError(f"model_options: {describe(spec)} takes no option {unknown[0]!r}; {listed}")
 
 
 def build_model(
@@ -267,7 +298,7 @@ def check(cfg: Config) -> None:
     """Everything that can be checked before the data is loaded: each component resolves, has
     the right kind and signature, and the rule works on clients_per_round rows."""
 
-    model_builder(cfg.model)
+    check_model_options(cfg.model, cfg.model_options)
     rule = aggregator(cfg.aggregator, cfg.aggregator_options)
     if cfg.clients_per_round <= _PROBE_ROWS:  # Krum's distances are k x k; beyond this the first round checks
         probe_aggregator(cfg.aggregator, rule, cfg.clients_per_round)

@@ -21,7 +21,7 @@ from ..experiment.validation import load_config
 from ..results.history import History
 from ..results.progress import RoundLog, console_logging
 from ..results.rundir import RunDirectory
-from .session import Session, run_identity
+from .session import Session, run_identity, started_with
 
 
 def run(
@@ -160,7 +160,8 @@ def resume_run(
     if cfg is None:
         return History(loaded["rows"], loaded["cfg"].to_dict(), path) if ranks.is_root else None
     try:
-        session = _setup(cfg, quiet, progress, callbacks, ranks, pools)
+        started = started_with(loaded["state"], path) if ranks.is_root else {}  # the header shows them again
+        session = _setup(cfg, quiet, progress, callbacks, ranks, pools, started)
     except BaseException:
         if ranks.is_root:
             directory.unlock()
@@ -242,7 +243,13 @@ def _check_same_run(path: Path, state: dict, cfg: Config, asked=frozenset()) -> 
 
 
 def _setup(
-    cfg: Config, quiet: bool, progress: bool | None, callbacks=(), ranks: Ranks | None = None, pools=None
+    cfg: Config,
+    quiet: bool,
+    progress: bool | None,
+    callbacks=(),
+    ranks: Ranks | None = None,
+    pools=None,
+    started: dict | None = None,
 ) -> Session:
     ranks = ranks or Ranks()
     log = RoundLog(progress, quiet=quiet or not ranks.is_root)
@@ -250,7 +257,7 @@ def _setup(
         start_fork_server(worker_imports(cfg.model, cfg.lora.rank))
     try:
         with console_logging(log):  # the session says what it loads and starts, as it starts
-            session = Session(cfg, log=log, callbacks=callbacks, ranks=ranks, pools=pools)
+            session = Session(cfg, log=log, callbacks=callbacks, ranks=ranks, pools=pools, started=started)
     except FedsimError as e:
         raise locate(cfg, e) from None
     except (RuntimeError, OSError) as e:

@@ -123,20 +123,23 @@ def personal_outcome(rows: list[dict]) -> dict:
 
 
 def feature_figures(cfg: Config, rows: list[dict], client_rows: list[dict], update_bytes: tuple | None) -> dict:
-    """summary.json's figure of each feature the run had on, and only of those.
+    """summary.json's figure of each feature the run had on, and only of those; and of every run
+    that sends anything (all but hogwild's) its traffic, the baseline compression is judged by.
 
-    compression (``update_bytes``: an update's bytes whole and compressed): ``megabytes_sent``, the
-    bytes sent down and up since round 1 over 10^6; ``compression_ratio``, those bytes over what the
-    same rounds would have sent uncompressed: the same traffic with each update that arrived (a
-    clients.csv row whose work was not lost as a dropout or straggler) at its whole size instead.
+    ``megabytes_sent``, the bytes sent down and up since round 1 over 10^6; ``compression_ratio``,
+    those bytes over what the same rounds would have sent uncompressed: the same traffic with each
+    update that arrived (a clients.csv row whose work was not lost as a dropout or straggler) at
+    its whole size instead (``update_bytes``: an update's bytes whole and compressed; None, and so
+    a ratio of 1, without compression).
+
     privacy: the last evaluated round's ``final_epsilon`` and the config's ``delta``. async: the
     ``staleness_mean`` and ``staleness_max`` of the updates used (clients.csv rows with dropped 0).
     dropouts or a deadline: ``clients_lost``, the clients.csv rows lost as dropout or straggler."""
     figures = {}
     sent = rows[-1].get("cumulative_bytes") if rows else None
-    if update_bytes and sent is not None:
+    if sent is not None:
         arrived = sum(1 for r in client_rows if r["dropped"] not in ("dropout", "straggler"))
-        whole = sent + arrived * (update_bytes[0] - update_bytes[1])
+        whole = sent + arrived * (update_bytes[0] - update_bytes[1] if update_bytes else 0)
         figures |= {"megabytes_sent": sent / 1e6, "compression_ratio": sent / whole if whole else None}
     if cfg.privacy:
         figures |= {"final_epsilon": rows[-1].get("epsilon") if rows else None, "delta": cfg.privacy.get("delta")}
@@ -207,6 +210,7 @@ class Session:
         callbacks: Iterable[object] = (),
         ranks: Ranks | None = None,
         pools: PoolKeeper | None = None,
+        started: dict | None = None,  # a resumed run's keys set when it began (started_with)
     ):
         self.cfg, self.ranks = cfg, ranks or Ranks()
         self.log = log if isinstance(log, RoundLog) else RoundLog(progress=False, write=log or print)
@@ -220,7 +224,7 @@ class Session:
         shipped = components.for_workers(cfg)
         make_pool = lambda: new_pool(shipped, self.workers, self.device, runner, pools)  # noqa: E731
         self.executor = Restarting(make_pool) if cfg.on_worker_failure == "restart" else make_pool()
-        self.overrides = overrides_of(cfg)  # a resumed run's are its first start's and its own (see restore)
+        self.overrides = dict(sorted({**(started or {}), **overrides_of(cfg)}.items()))
         if self.ranks.is_root:  # what ran, and what the next seconds are spent on, before they are spent
             starting = f" and starting {self.workers} workers" if self.workers else ""
             logger.info(f"{cfg.name}: {describe_run(cfg.to_dict(), self.overrides)}")
@@ -271,7 +275,6 @@ class Session:
         """Continue from ``state``, the checkpoint read from the file ``source``."""
         self.state.load_state_dict(state, source)
         self.first_round, self.elapsed_before, self.rows = state["round"] + 1, state["elapsed_seconds"], rows
-        self.overrides = dict(sorted({**started_with(state, source.parent), **self.overrides}.items()))
         records = source.parent / "clients.csv"
         if records.is_file():
             self.client_rows = [r for r in read_clients(records) if r["round"] <= state["round"]]

@@ -49,9 +49,18 @@ def _figure(history: History, key: str) -> float | None:
     return value if isinstance(value, (int, float)) else None
 
 
+# every run that sends anything has these: they are columns only where some run compresses
+_TRAFFIC = ("megabytes_sent", "compression_ratio")
+
+
 def _figures(runs: list[SweepRun]) -> list[tuple]:
     """The FIGURES some run of the sweep has (personal models, compression, async, ...)."""
-    return [f for f in FIGURES if any(_figure(run.history, f[0]) is not None for run in runs)]
+    compressed = any(run.config.compression.type != "none" for run in runs)
+    return [
+        f
+        for f in FIGURES
+        if (compressed or f[0] not in _TRAFFIC) and any(_figure(run.history, f[0]) is not None for run in runs)
+    ]
 
 
 def _mean_figure(histories: list[History], key: str) -> float | None:
