@@ -212,3 +212,18 @@ def test_a_model_option_the_builder_does_not_take_is_refused_before_anything_loa
         check_model_options(model, options)
     assert str(error.value).startswith(words), error.value
     check_model_options("char_transformer", {"layers": 2})  # one it takes
+
+
+def test_personal_models_that_nothing_scores_are_warned_about():
+    from fedsim.experiment.validation import unused_settings
+
+    base = {"name": "p", "data": {"dataset": "synthetic", "num_clients": 4}, "clients_per_round": 2}
+    warned = "algorithm ditto trains a model per client, which only eval_per_client: true"
+
+    def warnings(**changes):
+        return " | ".join(unused_settings(load_config({**base, **changes})))
+
+    assert warned in warnings(algorithm="ditto")
+    scored = {"eval_per_client": True, "data": {**base["data"], "test_partition": True}}
+    assert "trains a model per client" not in warnings(algorithm="ditto", **scored)
+    assert "trains a model per client" not in warnings(algorithm="fedavg")

@@ -291,6 +291,23 @@ def aggregator_warning(cfg: Config) -> str | None:
     )
 
 
+def personal_warning(cfg: Config) -> str | None:
+    """A line for a run whose algorithm trains personal models that nothing will score: without
+    eval_per_client every figure it shows is the global model's, as under FedAvg."""
+    if cfg.eval_per_client or cfg.mode != "sync":
+        return None
+    try:
+        personal = algorithm(cfg.algorithm, cfg.algorithm_options).has_personal_model
+    except ConfigError:
+        return None  # the run says why
+    if not personal:
+        return None
+    return (
+        f"algorithm {describe(cfg.algorithm)} trains a model per client, which only eval_per_client: true "
+        f"(with data.test_partition: true) scores; every accuracy shown is the global model's"
+    )
+
+
 # ----------------------------------------------------------------------------- checks and shipping
 
 

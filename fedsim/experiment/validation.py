@@ -304,7 +304,7 @@ def unused_settings(cfg: Config) -> list[str]:
     """Partition options set to other than their default although the chosen partition does not
     read them, and system settings that do nothing (see System.warnings): a run would silently
     ignore them, so the run warns. So it does for a rule other than the one the algorithm's
-    paper fixes."""
+    paper fixes, and for personal models that nothing scores."""
     used, default = options_for(cfg.data.partition, cfg.data), DataConfig()
     privacy = cfg.privacy if isinstance(cfg.privacy, dict) else {}
     return (
@@ -329,7 +329,7 @@ def unused_settings(cfg: Config) -> list[str]:
                 if value != getattr(asynchronous.AsyncConfig(), key)
             ]
         )
-        + [w for w in [components.aggregator_warning(cfg)] if w]
+        + [w for w in [components.aggregator_warning(cfg), components.personal_warning(cfg)] if w]
     )
 
 
