@@ -227,3 +227,28 @@ def test_personal_models_that_nothing_scores_are_warned_about():
     scored = {"eval_per_client": True, "data": {**base["data"], "test_partition": True}}
     assert "trains a model per client" not in warnings(algorithm="ditto", **scored)
     assert "trains a model per client" not in warnings(algorithm="fedavg")
+
+
+def test_the_final_line_gives_each_features_figure():
+    from fedsim.results.progress import final_line
+
+    base = {"final_test_accuracy": 0.91234, "rounds": 30, "wall_seconds": 76.94}
+    assert final_line(base, "runs/r") == "final test accuracy 0.9123 after round 30 (76.9 s); results in runs/r"
+    everything = {
+        **base,
+        "final_personal_accuracy": 0.5274,
+        "megabytes_sent": 1.78208,
+        "compression_ratio": 0.5104,
+        "final_epsilon": 1.9171,
+        "delta": 1e-5,
+        "staleness_mean": 0.8567,
+        "staleness_max": 5,
+        "clients_lost": 95,
+    }
+    assert final_line(everything, "runs/r") == (
+        "final test accuracy 0.9123, personal accuracy 0.5274 after round 30 (76.9 s); 1.78 MB sent, 0.51 of "
+        "uncompressed; epsilon 1.92 at delta 1e-05; staleness 0.86 on average, 5 at most; 95 sampled clients' "
+        "work lost; results in runs/r"
+    )
+    uncompressed = {**base, "megabytes_sent": 3.5, "compression_ratio": 1.0, "clients_lost": 0}
+    assert final_line(uncompressed, "runs/r") == final_line(base, "runs/r")  # nothing to compare, nothing lost

@@ -101,7 +101,7 @@ def _worker_imports(args, raw: dict) -> list[str]:
 def _run(args, ranks) -> int:
     from ..core.errors import DataError
     from ..execution.pool import kill_all_pools
-    from ..results.progress import write_or_silence
+    from ..results.progress import final_line, write_or_silence
 
     runner, path, cfg = _runner(args, ranks)
     install_handlers(kill_all_pools)
@@ -118,17 +118,7 @@ def _run(args, ranks) -> int:
         raise
     summary = history.summary if history is not None and ranks.is_root else {}
     if summary.get("final_test_accuracy") is not None:
-        final = f"final test accuracy {summary['final_test_accuracy']:.4f}"
-        if summary.get("final_test_perplexity") is not None:  # a language model's: loss and perplexity first
-            final = (
-                f"final test loss {summary['final_test_loss']:.4f}, perplexity {summary['final_test_perplexity']:.2f}, "
-                f"token accuracy {summary['final_test_accuracy']:.4f}"
-            )
-        write_or_silence(
-            sys.stdout,
-            f"{final} after round {summary['rounds']} ({summary['wall_seconds']:.1f} s); "
-            f"results in {history.run_dir}\n",
-        )
+        write_or_silence(sys.stdout, final_line(summary, history.run_dir) + "\n")
     return 0
 
 

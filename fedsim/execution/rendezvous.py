@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 import time
+from typing import Any
 
 from ..core.errors import FedsimError
 
@@ -68,11 +69,11 @@ def store_key(what: str, rank: int) -> str:
     return f"fedsim/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{what}/{rank}"
 
 
-def read(store, key: str) -> str:
+def read(store: Any, key: str) -> str:
     return store.get(key).decode()
 
 
-def meet(rank: int, world: int, seconds: float, agent_store: bool):
+def meet(rank: int, world: int, seconds: float, agent_store: bool) -> Any:
     """The job's store, once every rank has said there that it joined; a rank that cannot be
     reached, or that does not come, within ``seconds`` is named in one line."""
     from torch.distributed import TCPStore

@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from statistics import NormalDist
+from typing import Any
 
 import numpy as np
 
@@ -83,7 +84,7 @@ def rdp_epsilon(noise_multiplier: float, sample_rate: float, rounds: int, delta:
         return float(accountant.get_epsilon(delta))
 
 
-def pld_loss_distribution(noise_multiplier: float, sample_rate: float):
+def pld_loss_distribution(noise_multiplier: float, sample_rate: float) -> Any:
     """One round's privacy loss distribution, on dp-accounting's grid of PLD_DISCRETIZATION."""
     pld = _import("dp_accounting.pld.privacy_loss_distribution")
     with _library_logging():
@@ -92,7 +93,7 @@ def pld_loss_distribution(noise_multiplier: float, sample_rate: float):
         )
 
 
-def pld_epsilon(loss_distribution, rounds: int, delta: float) -> float:
+def pld_epsilon(loss_distribution: Any, rounds: int, delta: float) -> float:
     """Epsilon at ``delta`` after ``rounds`` rounds of ``loss_distribution`` composed."""
     with _library_logging():
         composed = loss_distribution.self_compose(rounds) if rounds > 1 else loss_distribution

@@ -150,6 +150,32 @@ def _metrics(row: dict, personal: bool = False, tokens: bool = False) -> str:
     return f"test acc {acc}  test loss {loss}  {rest}"
 
 
+def final_line(summary: dict, run_dir: str | os.PathLike) -> str:
+    """The line a finished run ends with: its final scores (a language model's loss and perplexity
+    first; personal models' mean beside the global model's), its wall time, the figure of each
+    feature it had on (summary.json's), and where its files are."""
+    if summary.get("final_test_perplexity") is not None:
+        final = (
+            f"final test loss {summary['final_test_loss']:.4f}, perplexity {summary['final_test_perplexity']:.2f}, "
+            f"token accuracy {summary['final_test_accuracy']:.4f}"
+        )
+    else:
+        final = f"final test accuracy {summary['final_test_accuracy']:.4f}"
+    if summary.get("final_personal_accuracy") is not None:
+        final += f", personal accuracy {summary['final_personal_accuracy']:.4f}"
+    figures = []
+    if summary.get("compression_ratio") not in (None, 1):
+        figures.append(f"{summary['megabytes_sent']:.3g} MB sent, {summary['compression_ratio']:.3g} of uncompressed")
+    if summary.get("final_epsilon") is not None:
+        figures.append(f"epsilon {summary['final_epsilon']:.3g} at delta {summary['delta']:g}")
+    if summary.get("staleness_mean") is not None:
+        figures.append(f"staleness {summary['staleness_mean']:.2f} on average, {summary['staleness_max']} at most")
+    if summary.get("clients_lost"):
+        figures.append(f"{summary['clients_lost']} sampled clients' work lost")
+    said = "".join(f"; {figure}" for figure in figures)
+    return f"{final} after round {summary['rounds']} ({summary['wall_seconds']:.1f} s){said}; results in {run_dir}"
+
+
 def _cell(value: float | None, spec: str = ".4f") -> str:
     """A figure of the line, or a dash where the round has none (not evaluated)."""
     return "   -  " if value is None or math.isnan(value) else format(value, spec)
