@@ -6,9 +6,9 @@
 Each rank is ``fedsim run`` with the same arguments, started in a process group of its own with
 the variables torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT);
 the launcher of machine 0 holds the job's store. The launcher passes each stop signal on to
-every rank and waits for them: the ranks say what happened (rank 0 the interrupted line and the resume command, a
-rank that saw another die names it), and the command exits as rank 0 did: 130 after Ctrl-C, 143
-after SIGTERM, fedsim's own status after an error. Where torchrun stops the other ranks the
+every rank and waits for them: the ranks say what happened (rank 0 the interrupted line and the
+resume command, a rank that saw another die names it), and the command exits as rank 0 did: 130
+after Ctrl-C, 143 after SIGTERM, fedsim's own status after an error. Where torchrun stops the other ranks the
 moment one ends, cutting short what they were about to say, and then ends with its own
 traceback and status 1, this launcher gives them time to end on their own, and stops only a
 rank still running ``GRACE_SECONDS`` after the first one ended.
@@ -24,6 +24,7 @@ import sys
 import time
 
 from ..core.errors import FedsimError
+from .rendezvous import ranks_named
 
 GRACE_SECONDS = 30.0  # a rank whose peer ended sees it in its next collective, well within this
 KILL_SECONDS = 10.0  # then SIGTERM's time to stop a rank, as a single process stops, before SIGKILL
@@ -86,7 +87,7 @@ def _wait(procs: dict[int, subprocess.Popen], name_killed: bool) -> int:
         elif kill_at is None and now >= grace_end:
             late = [rank for rank, proc in procs.items() if proc.returncode is None]
             print(
-                f"fedsim: {_named(late)} still running {GRACE_SECONDS:g} s after rank {first} ended; stopping it",
+                f"fedsim: {ranks_named(late)} still running {GRACE_SECONDS:g} s after rank {first} ended; stopping it",
                 file=sys.stderr,
                 flush=True,
             )
@@ -162,10 +163,6 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
             pass  # it ended in between
-
-
-def _named(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def free_port() -> int:
