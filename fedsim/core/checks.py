@@ -121,3 +121,11 @@ class Checks:
         if unknown:
             self.fail(unknown[0], f"unknown key; choose among: {', '.join(keys)}")
         return dict(value)
+
+
+def refuse_unknown(section: str, name: str, options: Mapping, takes: list[str]) -> None:
+    """One line for the first of ``options`` that the component ``name`` does not take (``takes``)."""
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        listed = f"it takes: {', '.join(takes)}" if takes else "it takes no options"
+        raise ConfigError(f"{section}: {name} takes no option {unknown[0]!r}; {listed}")

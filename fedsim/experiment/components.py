@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..algorithms import ALGORITHMS, Algorithm
+from ..core.checks import refuse_unknown
 from ..core.errors import ConfigError, FedsimError, user_code
 from ..core.files import read_checkpoint
 from ..core.flat import FlatModel
@@ -123,15 +124,7 @@ def check_model_options(spec: Any, options: dict) -> None:
     if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
         return  # it takes any option: its own error names what it refuses
     named = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    refuse_unknown("model_options", spec, options, named[len(filled) + inspect.isclass(builder) :])
-
-
-def refuse_unknown(section: str, spec: Any, options: dict, takes: list[str]) -> None:
-    """One line for the first of ``options`` that component ``spec`` does not take (``takes``)."""
-    unknown = sorted(set(options) - set(takes))
-    if unknown:
-        listed = f"it takes: {', '.join(takes)}" if takes else "it takes no options"
-        raise ConfigError(f"{section}: {describe(spec)} takes no option {unknown[0]!r}; {listed}")
+    refuse_unknown("model_options", describe(spec), options, named[len(filled) + inspect.isclass(builder) :])
 
 
 def build_model(
@@ -257,7 +250,7 @@ def algorithm(spec: Any, options: dict) -> Algorithm:
 
     target = _resolve("algorithm", spec, ALGORITHMS)
     if inspect.isclass(target) and issubclass(target, Algorithm):
-        refuse_unknown("algorithm_options", spec, options, list(inspect.signature(target).parameters))
+        refuse_unknown("algorithm_options", describe(spec), options, list(inspect.signature(target).parameters))
         with user_code(f"algorithm: {describe(spec)} failed when it was built", ConfigError):
             return target(**options)
     if isinstance(target, Algorithm):

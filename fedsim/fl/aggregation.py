@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..core.checks import Checks, is_number
+from ..core.checks import Checks, is_number, refuse_unknown
 from ..core.errors import ConfigError
 from ..core.registry import Registry
 
@@ -38,11 +38,7 @@ AGGREGATORS = Registry("aggregator")
 def get(name: str, **options: Any) -> Rule:
     """The rule ``name`` with its options, e.g. ``get("trimmed_mean", beta=0.1)``."""
     factory = AGGREGATORS.get(name)
-    accepted = list(inspect.signature(factory).parameters)
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        takes = f"it takes: {', '.join(accepted)}" if accepted else "it takes no options"
-        raise ConfigError(f"aggregator_options: {name} takes no option '{unknown[0]}'; {takes}")
+    refuse_unknown("aggregator_options", name, options, list(inspect.signature(factory).parameters))
     return factory(**options)
 
 
