@@ -8,7 +8,7 @@ worker clones it, as simulators that load the model in every client do. What sho
 CPU: the total proportional set size (PSS, shared pages counted once) about one base + N adapters
 + per-process overhead with sharing, and about N more bases without; tokens per second alike.
 
-The model is ``char_transformer`` (fedsim/fl/language_models.py, GPT-2's shape over the byte
+The model is ``char_transformer`` (fedsim/models/language.py, GPT-2's shape over the byte
 vocabulary) at GPT-2 small's width and 4 layers, adapters of rank 8 on its attention input
 (``c_attn``): a base of about 110 MB, large enough that a copy per worker stands out against a
 worker's own few hundred MB, small enough that a 2-core CPU trains a round in seconds. It needs

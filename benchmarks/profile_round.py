@@ -77,10 +77,10 @@ class Setup:
         import numpy as np
         import torch
 
+        from fedsim.algorithms.local import LocalTrainer
         from fedsim.core.flat import FlatModel
         from fedsim.core.streams import client_seed
         from fedsim.data.augment import augmentation_for
-        from fedsim.execution.client import LocalTrainer
         from fedsim.experiment import components
         from fedsim.experiment.federation import initial_model, load_federation
         from fedsim.experiment.validation import load_config

@@ -24,6 +24,20 @@ from fedsim.data.datasets import CIFAR10_FOLDER
 from fedsim.experiment.config import Config
 from fedsim.results.rundir import COLUMNS
 
+# ----------------------------------------------------------------------------- callbacks
+
+
+class Recorder:
+    """A callback keeping every round's row (evaluated or not) and client records."""
+
+    def __init__(self):
+        self.rows, self.clients = [], []
+
+    def on_round_end(self, row, clients):
+        self.rows.append(dict(row))
+        self.clients.extend(dict(c) for c in clients)
+
+
 # ----------------------------------------------------------------------------- processes
 
 

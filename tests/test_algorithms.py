@@ -16,15 +16,15 @@ import fedsim
 from fedsim.algorithms import Clients, Round
 from fedsim.algorithms.fednova import FedNova
 from fedsim.algorithms.fedprox import FedProx
+from fedsim.algorithms.local import LocalTrainer
 from fedsim.algorithms.scaffold import Scaffold
 from fedsim.core.flat import FlatModel
 from fedsim.data import from_tensors, load_dataset
-from fedsim.execution.client import LocalTrainer
 from fedsim.experiment import components
 from fedsim.experiment.config import LocalConfig
 from fedsim.experiment.validation import unused_settings
 from fedsim.fl.aggregation import get as aggregation_rule
-from fedsim.fl.models import build_model
+from fedsim.models.zoo import build_model
 
 U32 = 2.0**-24  # float32 unit roundoff
 

@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 
 import fedsim
+from fedsim.algorithms.local import LocalTrainer
 from fedsim.core.errors import ConfigError
 from fedsim.core.flat import FlatModel
 from fedsim.data import Dataset
-from fedsim.execution.client import LocalTrainer
 from fedsim.experiment import components
 from fedsim.experiment.config import LocalConfig
 from fedsim.experiment.federation import initial_model
-from fedsim.fl.models import MODELS, build_model
+from fedsim.models.zoo import MODELS, build_model
 
 
 def count(model):

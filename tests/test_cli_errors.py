@@ -170,8 +170,8 @@ CASES = [
     (
         "model attribute missing",
         yaml.safe_dump(GOOD),
-        ["--set", "model=fedsim.fl.models:no_such_net"],
-        ["--set model: module 'fedsim.fl.models' has no attribute 'no_such_net'"],
+        ["--set", "model=fedsim.models.zoo:no_such_net"],
+        ["--set model: module 'fedsim.models.zoo' has no attribute 'no_such_net'"],
     ),
     (
         "model of the wrong signature",
@@ -182,8 +182,8 @@ CASES = [
     (
         "model that is no function",
         yaml.safe_dump(GOOD),
-        ["--set", "model=fedsim.fl.models:MODELS"],
-        ["--set model: fedsim.fl.models:MODELS is a Registry, not a function or nn.Module class"],
+        ["--set", "model=fedsim.models.zoo:MODELS"],
+        ["--set model: fedsim.models.zoo:MODELS is a Registry, not a function or nn.Module class"],
     ),
     (
         "rule of the wrong signature",
@@ -209,8 +209,8 @@ CASES = [
     (
         "algorithm that is no Algorithm",
         yaml.safe_dump(GOOD),
-        ["--set", "algorithm=fedsim.fl.models:MnistCNN"],
-        ["--set algorithm: fedsim.fl.models:MnistCNN is not a fedsim Algorithm"],
+        ["--set", "algorithm=fedsim.models.zoo:MnistCNN"],
+        ["--set algorithm: fedsim.models.zoo:MnistCNN is not a fedsim Algorithm"],
     ),
     (
         "dataset file missing",
@@ -630,7 +630,7 @@ def test_a_run_without_workers_starts_no_fork_server(tmp_path):
     anything unclear does."""
     from argparse import Namespace
 
-    from fedsim.cli.commands import _may_use_workers
+    from fedsim.cli.commands import _fork_server_imports
 
     (tmp_path / "none.yaml").write_text(yaml.safe_dump(GOOD))
     (tmp_path / "two.yaml").write_text(yaml.safe_dump({**GOOD, "workers": 2}))
@@ -638,7 +638,7 @@ def test_a_run_without_workers_starts_no_fork_server(tmp_path):
     (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(GOOD))
 
     def may(config=None, resume=None, *sets):
-        return _may_use_workers(Namespace(config=config, resume=resume, set=list(sets)))
+        return _fork_server_imports(Namespace(config=config, resume=resume, set=list(sets))) is not None
 
     assert not may(str(tmp_path / "none.yaml"))
     assert not may(None, str(tmp_path / "run"))
@@ -649,9 +649,32 @@ def test_a_run_without_workers_starts_no_fork_server(tmp_path):
     assert may(str(tmp_path / "missing.yaml"))  # the run's own loading says what is wrong
 
     def sweep_may(config, grid, *sets):  # a sweep's grid point comes after its --set
-        return _may_use_workers(Namespace(config=config, grid=grid, set=list(sets)))
+        return _fork_server_imports(Namespace(config=config, grid=grid, set=list(sets))) is not None
 
     assert not sweep_may(str(tmp_path / "none.yaml"), ["aggregator=fedavg,median"])
     assert not sweep_may(str(tmp_path / "two.yaml"), ["workers=0"], "workers=2")
     assert sweep_may(str(tmp_path / "none.yaml"), ["workers=0,2"])
     assert sweep_may(str(tmp_path / "two.yaml"), ["seed=0,1"])
+
+
+def test_the_fork_server_imports_what_any_run_of_the_command_needs(tmp_path):
+    """Which language-model libraries the fork server imports is decided as each run decides it
+    (worker_imports of its config), for every value of a --grid, not only the last."""
+    from argparse import Namespace
+
+    from fedsim.cli.commands import _fork_server_imports
+    from fedsim.execution.processes import worker_imports
+    from fedsim.experiment.validation import load_config
+
+    (tmp_path / "lm.yaml").write_text(yaml.safe_dump({**GOOD, "workers": 2}))
+
+    def imports(grid=(), *sets):
+        return _fork_server_imports(Namespace(config=str(tmp_path / "lm.yaml"), grid=list(grid), set=list(sets)))
+
+    assert imports() == []
+    assert imports((), "lora.rank=8") == ["peft"]
+    assert imports(["lora.rank=8,0"]) == ["peft"]  # the first grid value needs it, the last does not
+    assert imports(["lora.rank=0,4"], "model=hf:gpt2") == ["peft", "transformers"]
+    assert imports((), "lora={rank: 2}") == ["peft"]
+    cfg = load_config({**GOOD, "model": "char_transformer", "lora": {"rank": 2, "target_modules": "qkv"}})
+    assert worker_imports(cfg.to_dict()) == ["peft"]  # a run's own decision, from its loaded config

@@ -100,3 +100,89 @@ def test_one_override_may_be_given_as_a_string():
 def test_an_empty_section_is_no_keys(tmp_path):
     cfg = load_config(write(tmp_path, "rounds: 2\nlocal:\n  # lr: 0.1\n"), ["local.epochs=3"])
     assert cfg.local.epochs == 3 and cfg.local.lr == 0.01
+
+
+# ----------------------------------------------------------------------------- one declaration per section
+
+
+def test_every_key_is_declared_once_with_its_meaning_and_the_docs_table_is_made_from_them():
+    import dataclasses
+    from pathlib import Path
+
+    from fedsim.core.sections import key_rows, sections
+    from fedsim.experiment.config import key_table
+
+    rows = list(key_rows(Config))
+    keys = [key for key, _, _ in rows]
+    assert len(keys) == len(set(keys)) and all(doc for _, _, doc in rows)
+    # every field of every section is a row, and nothing else is
+    declared = {
+        f"{name}.{f.name}" if name else f.name
+        for name, section in sections(Config(privacy=None))
+        for f in dataclasses.fields(section)
+        if not dataclasses.is_dataclass(getattr(section, f.name))
+    }
+    assert declared - {"privacy"} <= set(keys) and {"privacy.clip", "lora.rank", "data.beta"} <= set(keys)
+    docs = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+    assert key_table() in docs.read_text(), "docs/configuration.md's key table is not experiment.config.key_table()"
+
+
+def test_fedsim_list_keys_prints_every_key_with_its_default(capsys):
+    from fedsim.cli import main
+    from fedsim.core.sections import key_rows
+
+    with pytest.raises(SystemExit) as end:
+        main(["list", "keys"])
+    assert end.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == [key for key, _, _ in key_rows(Config)]
+    assert any(line.split()[:2] == ["lora.method", "[fedit]"] for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("changes", "warning"),
+    [
+        ({"data": {"beta": 3}}, "data.beta is 3.0 but data.partition iid does not use it"),
+        (
+            {"data": {"partition": "dirichlet", "sigma": 2}},
+            "data.sigma is 2.0 but data.partition dirichlet does not use it",
+        ),
+        ({"lora": {"method": "ffa"}}, "lora.method is 'ffa' but lora.rank is 0: no adapters"),
+        ({"local": {"beta2": 0.99}}, "local.beta2 is 0.99 but local.optimizer is sgd: it is adamw's"),
+        ({"server_momentum": 0.5}, "server_momentum is 0.5 but server_optimizer is none"),
+        ({"vmap_group_size": 2}, "vmap_group_size is 2 but backend is process: it is vmap's"),
+        ({"attack": {"scale": 3}}, "attack.scale is 3.0 but attack.type none does not use it"),
+    ],
+)
+def test_a_key_set_but_not_read_is_warned_about_in_one_wording(changes, warning):
+    from fedsim.experiment.validation import unused_settings
+
+    assert unused_settings(load_config(changes)) == [warning]
+    assert unused_settings(load_config({})) == []
+
+
+def test_a_partition_option_it_does_not_take_is_refused_by_the_one_helper():
+    from fedsim.data import partition
+
+    with pytest.raises(ConfigError, match=r"^data.partition: iid takes no option 'alpha'; it takes no options$"):
+        partition([0, 1, 2, 3], "iid", 2, seed=0, alpha=0.5)
+
+
+def test_fedsim_models_is_a_package_and_the_short_names_stay():
+    import importlib
+
+    import fedsim
+
+    models = importlib.import_module("fedsim.models")
+    assert models.__file__.endswith("models/__init__.py") and "char_transformer" in models.MODELS
+    assert fedsim.models is models and callable(fedsim.aggregation.get) and fedsim.callbacks.TensorBoard
+    from fedsim import aggregation, attacks
+
+    assert aggregation.__name__ == "fedsim.fl.aggregation" and attacks.__name__ == "fedsim.fl.attacks"
+
+
+def test_the_keys_grouped_by_what_they_mean_for_a_run_are_declared_keys():
+    from fedsim.experiment.config import KEYS
+    from fedsim.results.keys import PLACEMENT_KEYS, RESUMABLE_KEYS, RUN_SPECIFIC_KEYS
+
+    assert PLACEMENT_KEYS | RESUMABLE_KEYS | RUN_SPECIFIC_KEYS <= KEYS

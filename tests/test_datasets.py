@@ -12,7 +12,7 @@ from fedsim.data import DATASETS, load_dataset
 from fedsim.data.augment import augmentation_for, random_crop_flip
 from fedsim.data.datasets import CIFAR10_FOLDER, CIFAR10_MEAN, CIFAR10_STD
 from fedsim.experiment.config import DataConfig
-from fedsim.fl.models import MODELS, build_model
+from fedsim.models.zoo import MODELS, build_model
 
 # ----------------------------------------------------------------------------- CIFAR-10
 

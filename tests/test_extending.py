@@ -203,7 +203,7 @@ def test_a_dataset_of_tensors_is_checked_in_one_line():
     assert data.num_classes == 2 and data.train_x.dtype == torch.float32 and data.train_y.dtype == torch.int64
 
 
-class Recorder(fedsim.Callback):
+class EventRecorder(fedsim.Callback):
     def __init__(self):
         self.events = []
 
@@ -219,7 +219,7 @@ class Recorder(fedsim.Callback):
 
 @pytest.mark.slow
 def test_a_callback_sees_every_round_and_clients_csv_has_every_trained_client(tmp_path):
-    recorder = Recorder()
+    recorder = EventRecorder()
     history = fedsim.run(TINY, out=tmp_path / "run", quiet=True, rounds=3, eval_every=2, callbacks=[recorder])
     assert recorder.events == [("start", 1, "run"), ("round", 1, 3), ("round", 2, 3), ("round", 3, 3), ("end", 2)]
     records = fedsim.load_run(tmp_path / "run").client_records
@@ -235,7 +235,7 @@ def test_a_callback_sees_every_round_and_clients_csv_has_every_trained_client(tm
     frame = history.to_pandas()
     assert list(frame["round"]) == [2, 3] and len(history.to_pandas(clients=True)) == 9
 
-    recorder = Recorder()
+    recorder = EventRecorder()
     fedsim.resume(tmp_path / "run", quiet=True, rounds=4, callbacks=[recorder])
     assert recorder.events[0] == ("start", 4, "run") and recorder.events[1] == ("round", 4, 3)
     assert len(fedsim.load_run(tmp_path / "run").client_records) == 4 * 3

@@ -16,10 +16,10 @@ from matplotlib.axes import Axes
 import fedsim
 from fedsim.cli import main
 from fedsim.core.errors import FedsimError
-from fedsim.engine.records import RoundRow
 from fedsim.experiment.config import Config
 from fedsim.results.plot import accuracy_figure, plot_runs
 from fedsim.results.progress import RoundLog
+from fedsim.results.records import RoundRow
 from fedsim.results.rundir import RunDirectory
 from fedsim.runs.sweepruns import SweepRun, format_table, write_table
 

@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 
 from fedsim.core.flat import FlatModel
-from fedsim.fl.models import MODELS, build_model
+from fedsim.models.zoo import MODELS, build_model
 
 
 def count(model):

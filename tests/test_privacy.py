@@ -226,7 +226,7 @@ def test_adaptive_settings_without_a_target_quantile_are_warned_about():
             "privacy": {"clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-5, "count_noise": 2},
         }
     )
-    assert unused_settings(cfg) == ["privacy.count_noise is 2 but privacy.target_quantile is null: the clip is fixed"]
+    assert unused_settings(cfg) == ["privacy.count_noise is 2.0 but privacy.target_quantile is null: the clip is fixed"]
 
 
 def test_adaptive_clipping_needs_count_noise_above_half_the_noise_multiplier():
@@ -595,7 +595,11 @@ def test_the_experiment_file_plans_its_sweep_and_its_plot():
     assert text.startswith("# What does client-level differential privacy cost")
     assert "McMahan, Ramage, Talwar, Zhang" in text and "ICLR 2018" in text
     cfg = fedsim.load_config(path)
-    assert cfg.privacy == {"clip": 0.2, "noise_multiplier": 1.0, "delta": 1e-5} and cfg.client_sampling == "poisson"
+    assert (cfg.privacy.clip, cfg.privacy.noise_multiplier, cfg.privacy.delta) == (
+        0.2,
+        1.0,
+        1e-5,
+    ) and cfg.client_sampling == "poisson"
     assert (cfg.aggregator, cfg.algorithm, cfg.clients_per_round, cfg.data.num_clients) == (
         "fedavg",
         "fedavg",
@@ -605,7 +609,7 @@ def test_the_experiment_file_plans_its_sweep_and_its_plot():
     sweep_command, plot_command = documented_commands(path)
     args = build_parser().parse_args(sweep_command[1:])
     runs = plan(args.config, args.grid, args.set, args.seeds)  # every point validated
-    assert [run.config.privacy["noise_multiplier"] for run in runs] == [0, 0.5, 1.0, 2.0]
+    assert [run.config.privacy.noise_multiplier for run in runs] == [0, 0.5, 1.0, 2.0]
     plot = build_parser().parse_args(plot_command[1:])
     assert plot.x == "epsilon" and plot.label == "privacy.noise_multiplier"
     # the pattern takes the runs with noise: an infinite epsilon has no place on the axis

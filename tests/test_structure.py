@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fedsim"
-LAYERS = ["cli", "runs", "results", "execution", "engine", "experiment", "fl", "algorithms", "data", "core"]
+LAYERS = ["cli", "runs", "execution", "engine", "experiment", "fl", "algorithms", "models", "data", "results", "core"]
 
 
 def modules():

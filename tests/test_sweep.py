@@ -21,10 +21,11 @@ import fedsim
 import fedsim.runs.launch
 import fedsim.runs.parts
 from fedsim.core.errors import ConfigError, FedsimError
+from fedsim.core.overrides import parse_grid
 from fedsim.results.history import History
 from fedsim.results.rundir import COLUMNS
 from fedsim.runs.parts import check_run
-from fedsim.runs.sweep import parse_grid, plan, sweep
+from fedsim.runs.sweep import plan, sweep
 
 
 @pytest.fixture
@@ -680,7 +681,7 @@ def test_a_sweep_of_private_runs_tables_the_epsilon_they_spent(config_file, monk
     the mean, which is the same value unless a run stopped early)."""
 
     def start_run(cfg, out=None, overwrite=False, quiet=False, pools=None):
-        z = cfg.privacy["noise_multiplier"]
+        z = cfg.privacy.noise_multiplier
         rows = [
             dict.fromkeys(COLUMNS, 0)
             | {"round": r, "test_accuracy": 0.5, "seconds": 1.0, "epsilon": r / z, "test_perplexity": None}

@@ -20,6 +20,7 @@ from support import sample_clients
 
 from fedsim.core.errors import ConfigError
 from fedsim.core.yamlfile import parse_yaml
+from fedsim.experiment.validation import load_config, unused_settings
 from fedsim.fl.system import RoundPlan, System, local_steps
 from fedsim.fl.system_config import SystemConfig
 
@@ -341,11 +342,11 @@ stragglers: partial
     assert plan.metrics(left_out=2)["dropped_clients"] == 2
     assert np.array_equal(plan.clients, plan.sampled) and plan.step_limits == (None, None, None)
     # partial without a deadline is accepted (a sweep may cross deadline: [null, 10] with it) and warned about
-    assert System({"stragglers": "partial"}).warnings() == [
+    assert unused_settings(load_config({"system": {"stragglers": "partial"}})) == [
         "system.stragglers is 'partial' but system.deadline is null: no client can straggle"
     ]
-    assert System(sampling_candidates=5).warnings() == [
-        "sampling_candidates is 5 but client_sampling uniform does not use it"
+    assert unused_settings(load_config({"sampling_candidates": 10})) == [
+        "sampling_candidates is 10 but client_sampling uniform does not use it"
     ]
 
 

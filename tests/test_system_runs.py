@@ -17,14 +17,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from support import documented_commands
+from support import Recorder, documented_commands
 
 import fedsim
 from fedsim.algorithms.fednova import FedNova
+from fedsim.algorithms.local import LocalTrainer, VmapTrainer
 from fedsim.cli import build_parser
 from fedsim.core.errors import ConfigError
 from fedsim.core.flat import FlatModel
-from fedsim.execution.client import LocalTrainer, VmapTrainer
 from fedsim.experiment.config import LocalConfig
 from fedsim.experiment.federation import load_federation
 from fedsim.experiment.validation import load_config, unused_settings
@@ -44,17 +44,6 @@ def within(count, n, p, sd=SD) -> bool:
 
 def phi(x: float) -> float:
     return 0.5 * (1 + math.erf(x / math.sqrt(2)))
-
-
-class Recorder:
-    """A callback keeping every round's row (evaluated or not) and client records."""
-
-    def __init__(self):
-        self.rows, self.clients = [], []
-
-    def on_round_end(self, row, clients):
-        self.rows.append(dict(row))
-        self.clients.extend(dict(c) for c in clients)
 
 
 # ----------------------------------------------------------------------------- the trainers
@@ -360,8 +349,8 @@ def test_the_keys_round_trip_and_settings_that_do_nothing_are_warned_about():
     }
     quiet = load_config({"system": {"stragglers": "partial"}, "sampling_candidates": 10})
     assert unused_settings(quiet) == [
-        "system.stragglers is 'partial' but system.deadline is null: no client can straggle",
         "sampling_candidates is 10 but client_sampling uniform does not use it",
+        "system.stragglers is 'partial' but system.deadline is null: no client can straggle",
     ]
 
 

@@ -4,14 +4,17 @@ arguments and returns the exit status."""
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import shlex
 import sys
 from pathlib import Path
 
 from ..core.errors import FedsimError
+from ..core.overrides import apply_overrides, parse_grid
 from ..core.yamlfile import experiment_file, read_yaml, shipped_experiments
 from ..execution.interrupts import Terminated, install_handlers
+from ..execution.processes import start_fork_server, worker_imports
 from ..results.rundir import refuse_if_in_use
 
 
@@ -44,58 +47,44 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _start_fork_server(args) -> None:
-    """Start the fork server now, where the run may use workers, so that it imports torch (and the
-    libraries the workers need) while this process imports its own and loads the data."""
-    from ..execution.processes import start_fork_server
-
-    raw = _glance(args)
-    if _may_use_workers(args, raw):
-        start_fork_server(_worker_imports(args, raw))
-
-
-def _may_use_workers(args, raw: dict | None = None) -> bool:
-    """False where the experiment file (or the run directory's config.yaml) with ``--set``, and a
-    sweep's ``--grid``, say ``workers: 0`` for every run: such runs never fork a worker, and a fork
-    server started for them would import torch for nothing, on the core this process needs. A
-    glance, not a validation (that comes later, and a run that does use workers starts the fork
-    server then)."""
-    for text in getattr(args, "grid", None) or []:
-        key, _, values = text.partition("=")
-        if key.strip() == "workers":
-            return any(value.strip() != "0" for value in values.split(","))
-    for text in reversed(args.set or []):
-        key, _, value = text.partition("=")
-        if key.strip() == "workers":
-            return value.strip() != "0"
-    return (_glance(args) if raw is None else raw).get("workers", 1) != 0
+    """Start the fork server now, where a run of this command may use workers, so that it imports
+    torch (and the libraries the workers need) while this process imports its own and loads the
+    data."""
+    libraries = _fork_server_imports(args)
+    if libraries is not None:
+        start_fork_server(libraries)
 
 
-def _glance(args) -> dict:
-    """The experiment file's (or the resumed run's config.yaml's) keys as written; {} where it
-    cannot be read now (the run says why later)."""
+def _fork_server_imports(args) -> list[str] | None:
+    """What the fork server imports beside torch for the runs of this command (``worker_imports``
+    of each, as a run decides it from its loaded config), or None where none of them uses workers."""
+    configs = _planned_configs(args)
+    if all(config.get("workers", 1) == 0 for config in configs):
+        return None
+    return sorted({name for config in configs for name in worker_imports(config)})
+
+
+def _planned_configs(args) -> list[dict]:
+    """The raw mapping of every run this command starts: the experiment file (or the resumed run's
+    config.yaml) with ``--set`` applied, once per value of each ``--grid`` key, by the same code
+    that loading applies them with. A glance, not a validation: what cannot be read now gives the
+    file as it is (or nothing), and the run says why later. ``workers: 0`` in every one of them
+    means no fork server, whose import of torch would only take the core this process needs."""
     resume = getattr(args, "resume", None)
     source = Path(resume) / "config.yaml" if resume else args.config and experiment_file(args.config)
+    raw: dict = {}
+    configs = []
     try:
-        raw = read_yaml(source) if source else {}
+        text = read_yaml(source) if source else {}
+        raw = text if isinstance(text, dict) else {}
+        apply_overrides(raw, args.set or [])
+        for key, values in parse_grid(getattr(args, "grid", None) or []):
+            for value in values:
+                configs.append(copy.deepcopy(raw))
+                apply_overrides(configs[-1], [f"{key}={value}"])
     except FedsimError:
-        return {}
-    return raw if isinstance(raw, dict) else {}
-
-
-def _worker_imports(args, raw: dict) -> list[str]:
-    """The language-model libraries the experiment's workers will import (``model: hf:...``,
-    ``lora.rank``, in ``raw``, the file's keys, or set on the command line), for the fork server
-    to import once; a glance like ``_may_use_workers``."""
-    from ..execution.processes import worker_imports
-
-    lora = raw.get("lora") if isinstance(raw.get("lora"), dict) else {}
-    values = {"model": raw.get("model"), "lora.rank": lora.get("rank")}
-    for text in [*(args.set or []), *(getattr(args, "grid", None) or [])]:
-        key, _, value = text.partition("=")
-        if key.strip() in values:
-            values[key.strip()] = value.split(",")[-1].strip()
-    rank = values["lora.rank"]
-    return worker_imports(values["model"], int(rank) if str(rank).isdigit() else rank)
+        return [raw]
+    return configs or [raw]
 
 
 def _run(args, ranks) -> int:
@@ -213,6 +202,9 @@ def _interrupted_message(path) -> str:
 def cmd_list(args: argparse.Namespace) -> int:
     from ..experiment.components import tables
 
+    if getattr(args, "what", None) == "keys":
+        return _list_keys()
+
     experiments = shipped_experiments()
     sections = {
         "experiments (fedsim run NAME)": list(experiments.items()),
@@ -226,12 +218,27 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _list_keys() -> int:
+    """Every key of an experiment file, as the docs' table has it, in plain text."""
+    import re
+
+    from ..core.sections import key_rows
+    from ..experiment.config import Config
+
+    rows = [(key, re.sub(r"`|\[([^]]*)\]\([^)]*\)", r"\1", default), doc) for key, default, doc in key_rows(Config)]
+    width = max(len(key) for key, _, _ in rows)
+    for key, default, doc in rows:
+        plain = re.sub(r"`|\[([^]]*)\]\([^)]*\)", r"\1", doc)
+        print(f"  {key:<{width}}  [{default}]  {plain}")
+    return 0
+
+
 def cmd_partition(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..data.report import write_report
-    from ..experiment.config import locate
     from ..experiment.federation import load_federation
+    from ..experiment.reading import locate
     from ..experiment.validation import load_config
     from ..results.rundir import check_output_path, safe_dir_name
 

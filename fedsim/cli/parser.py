@@ -30,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _add_run_parser(sub)
-    lst = sub.add_parser("list", help="list datasets, partitions, models, aggregators, ...")
+    lst = sub.add_parser("list", help="list datasets, partitions, models, aggregators, ...; with keys, every key")
+    lst.add_argument(
+        "what", nargs="?", choices=["keys"], help="keys: every key of an experiment file, its default and meaning"
+    )
     lst.set_defaults(func=cmd_list)
     _add_partition_parser(sub)
     _add_plot_parser(sub)

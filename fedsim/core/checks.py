@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
+from types import SimpleNamespace
 from typing import NoReturn
 
 import numpy as np
-import torch
 
 from .errors import ConfigError, cut, did_you_mean
 from .registry import Registry
 
-FLOAT32 = torch.finfo(torch.float32)
+# torch.finfo(torch.float32)'s bounds, as Python floats: this module is read before torch is
+# imported (the command line reads an experiment's overrides while the fork server imports torch)
+FLOAT32 = SimpleNamespace(tiny=float(np.finfo(np.float32).tiny), max=float(np.finfo(np.float32).max))
 
 
 def is_number(value: object) -> bool:

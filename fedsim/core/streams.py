@@ -93,7 +93,7 @@ def torch_seed(tag: int, seed: int, *keys: int) -> int:
 
 def client_seed(seed: int, rnd: int, client: int) -> int:
     """A client's shuffling, dropout and augmentation in one round (an async run's ``rnd`` is the
-    client's start, see engine/asynchronous.py)."""
+    client's start, see engine/async_loop.py)."""
     return torch_seed(CLIENT, seed, rnd, client)
 
 

@@ -1,4 +1,7 @@
-"""Datasets as device-ready tensors, and their split among clients."""
+"""Datasets as device-ready tensors, and their split among clients; the ``data:`` section
+(``config.py``).
+
+It may import results and core; models and everything above import it."""
 
 from . import cifar100, hub, leaf  # noqa: F401 (they register their datasets)
 from .datasets import DATASETS, Dataset, check_dataset_spec, from_tensors, load_dataset

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..core.checks import refuse_unknown
 from ..core.errors import ConfigError
 from ..core.registry import Registry
 from ..core.streams import partition_rng, test_split_rng
@@ -59,13 +60,7 @@ def partition(
         )
     if num_clients > len(labels):
         raise ConfigError(f"data.num_clients: {num_clients} clients but only {len(labels)} samples")
-    accepted = set(inspect.signature(fn).parameters) - {"labels", "num_clients", "rng", *COLUMNS}
-    unknown = set(options) - accepted
-    if unknown:
-        raise ConfigError(
-            f"partition '{method}' takes no option {sorted(unknown)[0]!r}; it takes: "
-            f"{', '.join(sorted(accepted)) or 'no options'}"
-        )
+    refuse_unknown("data.partition", method, options, sorted(partition_options(method)))
     for name in set(inspect.signature(fn).parameters) & set(COLUMNS):
         if name not in (columns or {}):
             raise ConfigError(f"data.partition: {method} needs a dataset with {COLUMNS[name]}; this one has none")
@@ -74,11 +69,15 @@ def partition(
     return [torch.as_tensor(np.asarray(p), dtype=torch.int64) for p in parts]
 
 
+def partition_options(method: str) -> set[str]:
+    """The ``data.*`` options a partition method takes: its parameters, but for what every method
+    is given (labels, num_clients, rng) and the dataset's columns."""
+    return set(inspect.signature(PARTITIONS.get(method)).parameters) - {"labels", "num_clients", "rng", *COLUMNS}
+
+
 def options_for(method: str, data_config: Any) -> dict:
     """The ``data.*`` values that a partition method takes, read from a DataConfig."""
-    fn = PARTITIONS.get(method)
-    names = set(inspect.signature(fn).parameters) - {"labels", "num_clients", "rng", *COLUMNS}
-    return {name: getattr(data_config, name) for name in names if hasattr(data_config, name)}
+    return {name: getattr(data_config, name) for name in partition_options(method) if hasattr(data_config, name)}
 
 
 def samples_of(clients: np.ndarray, kept: np.ndarray) -> list[np.ndarray]:

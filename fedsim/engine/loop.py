@@ -25,10 +25,10 @@ from ..core.flat import FlatModel
 from ..core.streams import eval_subset_rng
 from ..experiment.components import describe
 from ..experiment.config import Config
-from ..fl import tasks
 from ..fl.system import RoundPlan, System
+from ..models import tasks
+from ..results.records import ClientRecord, RoundRow
 from .buffers import RoundBuffers
-from .records import ClientRecord, RoundRow
 from .state import GlobalState
 
 if TYPE_CHECKING:

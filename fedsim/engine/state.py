@@ -13,8 +13,8 @@ import torch
 from ..core.checks import is_integer
 from ..core.errors import FedsimError
 from ..core.flat import FlatModel
-from ..experiment.keys import flatten_config
 from ..fl.client_state import ClientStates
+from ..results.keys import flatten_config
 
 if TYPE_CHECKING:
     from ..algorithms import Algorithm
@@ -44,7 +44,7 @@ class GlobalState:
         # checkpoint of an earlier version, which did not count them)
         self.bytes_sent: int | None = 0
         self.simulated_time: float | None = 0.0  # simulated seconds since round 1 (None: as bytes_sent)
-        self.schedule = None  # an async run's clients in flight (engine/asynchronous.py's Schedule)
+        self.schedule = None  # an async run's clients in flight (engine/async_loop.py's Schedule)
         self.server_state = {
             name: torch.zeros(*shape, device=device) for name, shape in algorithm.server_state(n).items()
         }

@@ -24,8 +24,8 @@ from ..core.errors import NonFiniteError, UserCodeError, user_code
 from ..core.streams import attack_generator
 from ..fl.aggregation import row_norms
 from ..fl.attacks import Attack
+from ..results.records import ClientRecord
 from .buffers import RoundBuffers
-from .records import ClientRecord
 from .state import GlobalState
 
 if TYPE_CHECKING:

@@ -6,4 +6,8 @@ hogwild.py   ``mode: hogwild``: the workers train the shared global weights in p
 ranks.py     several ranks: wraps one of the above on every rank (over distributed.py,
              rendezvous.py)
 launcher.py  fedsim run --ranks: starts the ranks (as torchrun would) and ends as rank 0 did
+processes.py the fork server the workers are forked from; interrupts.py, resources.py
+
+How a client trains is not here but in algorithms/local.py: this folder holds processes, ranks
+and their plumbing.
 """

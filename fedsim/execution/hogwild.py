@@ -31,10 +31,10 @@ from ..algorithms import Round
 from ..core.flat import FlatModel
 from ..core.streams import client_seed
 from ..engine.buffers import RoundBuffers
-from ..engine.records import ClientRecord
 from ..engine.state import GlobalState
 from ..engine.update import check_finite
 from ..experiment.config import Config
+from ..results.records import ClientRecord
 from .runner import ClientRunner
 
 

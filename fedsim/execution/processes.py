@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+from collections.abc import Mapping
 
 from .interrupts import born_ignoring_sigint
 
@@ -56,12 +57,15 @@ def start_fork_server(extra: list[str] | tuple[str, ...] = ()) -> None:
             multiprocessing.forkserver.ensure_running()
 
 
-def worker_imports(model: object, lora_rank: object) -> list[str]:
-    """What a run's workers import beside PRELOAD, for the fork server to import once: a language
-    model's library and peft take seconds and hundreds of MB each, paid once and shared by every
-    fork instead of once per worker."""
+def worker_imports(config: Mapping) -> list[str]:
+    """What the workers of a run with this config (a config.yaml's mapping, a file with its
+    overrides applied, or ``Config.to_dict()``) import beside PRELOAD, for the fork server to
+    import once: a language model's library and peft take seconds and hundreds of MB each, paid
+    once and shared by every fork instead of once per worker."""
+    model, lora = config.get("model"), config.get("lora")
+    rank = lora.get("rank") if isinstance(lora, Mapping) else None
     imports = ["transformers"] if isinstance(model, str) and model.startswith("hf:") else []
-    return imports + (["peft"] if isinstance(lora_rank, int) and lora_rank > 0 else [])
+    return imports + (["peft"] if isinstance(rank, int) and rank > 0 else [])
 
 
 def in_worker_start() -> bool:

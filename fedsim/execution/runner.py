@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..algorithms import Clients, LocalResult
+from ..algorithms.local import LocalTrainer, Trained, VmapTrainer
 from ..core.flat import FlatModel
 from ..core.streams import client_seed, group_seed
 from ..data.augment import augmentation_for
@@ -18,7 +19,6 @@ from ..engine.buffers import RoundBuffers
 from ..experiment import components
 from ..experiment.config import Config
 from ..fl.attacks import make_attack
-from .client import LocalTrainer, Trained, VmapTrainer
 from .resources import peak_rss_bytes
 
 

@@ -34,15 +34,16 @@ from ..core.files import read_checkpoint
 from ..core.flat import FlatModel
 from ..core.registry import is_import_path, load_attr, registered
 from ..data import DATASETS, PARTITIONS, check_dataset_spec
-from ..fl import aggregation, language_models
+from ..fl import aggregation
 from ..fl.aggregation import AGGREGATORS
 from ..fl.asynchronous import ASYNC_METHODS
 from ..fl.attacks import ATTACKS
 from ..fl.compression import COMPRESSORS
-from ..fl.lora import apply_lora
-from ..fl.models import MODELS
 from ..fl.sampling import CLIENT_SAMPLINGS
 from ..fl.server_opt import SERVER_OPTIMIZERS
+from ..models import language as language_models
+from ..models.lora import apply_lora
+from ..models.zoo import MODELS
 from .config import Config, describe
 
 KEYS = ("model", "aggregator", "algorithm", "data.dataset")

@@ -1,6 +1,7 @@
-"""Experiment configuration: typed dataclasses, ``--set`` overrides, and each value's type.
+"""Experiment configuration: the run's own keys (``Config``), ``--set`` overrides, and each value's type.
 
-An experiment is one YAML file whose keys mirror the dataclasses below. Every key has a
+An experiment is one YAML file whose keys mirror ``Config`` and its sections, each section a
+dataclass declared beside the feature it configures (see core/sections.py). Every key has a
 default, so a file only says what differs. Errors name the file (or ``--set``), the dotted
 key and what is allowed, in one line. What the values may be, and how they combine, is
 checked by validation.py, which also loads a config whole (``load_config``).
@@ -8,155 +9,279 @@ checked by validation.py, which also loads a config whole (``load_config``).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import difflib
 import hashlib
 import inspect
-import math
-import os
-import types
-import typing
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from ..core.checks import shown
-from ..core.errors import ConfigError, FedsimError, cut
+from ..algorithms.local import LocalConfig
+from ..core.checks import Checks, shown
+from ..core.errors import cut
 from ..core.files import atomic_write_text
-from ..core.yamlfile import RefusedYAML, parse_yaml
+from ..core.overrides import apply_overrides, parse_override
+from ..core.sections import is_section, key_rows, option
+from ..data.config import DataConfig, default_data_root
 from ..data.tensors import Dataset
 from ..fl.asynchronous import AsyncConfig
+from ..fl.attacks import AttackConfig
 from ..fl.compression import CompressionConfig
-from ..fl.lora import LoraConfig
+from ..fl.privacy import PrivacyConfig
 from ..fl.system_config import SystemConfig
-from .keys import defining, flatten_config
+from ..models.lora import LoraConfig
+from ..results.keys import defining, flatten_config
+
+__all__ = [
+    "AsyncConfig",
+    "AttackConfig",
+    "CompressionConfig",
+    "Config",
+    "DataConfig",
+    "LocalConfig",
+    "LoraConfig",
+    "PrivacyConfig",
+    "SystemConfig",
+    "apply_overrides",
+    "default_data_root",
+    "parse_override",
+]
 
 
-def default_data_root() -> str:
-    """Where datasets are read and downloaded: ``$FEDSIM_DATA``, else one cache folder for every
-    run whatever directory it starts in (``$XDG_CACHE_HOME/fedsim/datasets``, by default
-    ``~/.cache/fedsim/datasets``)."""
-    if os.environ.get("FEDSIM_DATA"):
-        return os.environ["FEDSIM_DATA"]
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "fedsim", "datasets")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
-@dataclass
-class DataConfig:
-    dataset: Any = "mnist"  # a name, a .pt/.npz file, an import path, or a Dataset (see components.py)
-    root: str = field(default_factory=default_data_root)
-    partition: str = "iid"
-    num_clients: int = 10
-    limit: int | None = None  # use only the first N training samples
-    download: bool = True  # fetch a missing dataset into root (torchvision's sources)
-    placement: str = "auto"  # device | host | auto: on the device when it takes <= half its free memory
-    # partition options; each partition reads the ones it needs
-    alpha: float = 0.5  # dirichlet concentration (label skew, or sizes for quantity); pachinko: of the coarse labels
-    beta: float = 10.0  # pachinko: concentration of the fine labels within a coarse label
-    min_samples: int = 1  # dirichlet: re-draw until every client has this many
-    balanced: bool = False  # dirichlet: NIID-Bench's cap, no more classes for a client holding N / num_clients
-    shards_per_client: int = 2
-    classes_per_client: int = 2
-    sigma: float = 1.0  # quantity: log-normal spread of client sizes
-    quantity_skew: str = "lognormal"  # quantity: lognormal | dirichlet
-    test_partition: bool = False  # also split the test set per client, same distribution
-    augment: bool | None = None  # training-time augmentation; None = the dataset's default
-    hf: dict | None = None  # hf: datasets: which columns and splits to use (see data/hub.py)
-    # text datasets: token ids in sequences of sequence_length tokens (see data/text.py)
-    tokenizer: str = "bytes"  # bytes (built in, 256 ids) | hf:<name or folder> (a transformers tokenizer)
-    sequence_length: int = 128
+def _not_power_of_choice(key: str, cfg: Any, config: Any) -> str | None:
+    return (
+        None if cfg.client_sampling == "power_of_choice" else f"client_sampling {cfg.client_sampling} does not use it"
+    )
 
 
-@dataclass
-class LocalConfig:
-    epochs: int = 1
-    steps: int | None = None  # the most local steps a client takes in a round (FlowerTune's max_steps); null: all
-    batch_size: int = 64
-    lr: float = 0.01
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    precision: str = "fp32"  # fp32 | bf16 (autocast of forward and loss; weights and SGD stay fp32)
-    optimizer: str = "sgd"  # sgd (with momentum) | adamw (fresh moments for every client's round)
-    beta1: float = 0.9  # adamw's moment decays and epsilon, torch.optim.AdamW's defaults
-    beta2: float = 0.999
-    eps: float = 1e-8
+def _not_vmap(key: str, cfg: Any, config: Any) -> str | None:
+    return None if cfg.backend == "vmap" else f"backend is {cfg.backend}: it is vmap's"
 
 
-@dataclass
-class AttackConfig:
-    type: str = "none"
-    fraction: float = 0.0  # share of all clients that are Byzantine (a seeded set)
-    scale: float = 1.0  # sign_flip sends -scale x update, scale sends scale x update
+def _no_server_optimizer(key: str, cfg: Any, config: Any) -> str | None:
+    return "server_optimizer is none" if cfg.server_optimizer == "none" else None
 
 
 @dataclass
 class Config:
-    name: str = "experiment"
-    seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    rounds: int = 10
-    workers: int | None = None  # None: min(clients_per_round, CPU cores), capped on a GPU; 0: none
-    mode: str = "sync"  # sync | async (see asynchronous.py) | hogwild: one shared model trained lock-free (hogwild.py)
-    backend: str = "process"  # process | vmap
-    vmap_group_size: int = 0  # vmap: clients trained together in one group; 0 = the whole round
-    clients_per_round: int = 10
-    client_sampling: str = "uniform"  # uniform | by_size | poisson | power_of_choice (see sampling.py)
-    sampling_candidates: int | None = None  # power_of_choice: d candidates, clients_per_round <= d
-    eval_every: int = 1
-    eval_batch_size: int = 2000
-    eval_subset: int | None = None  # score the rounds before the last on this many test samples (seeded); null: all
-    eval_per_client: bool = False  # also score the global model on every client's test split (data.test_partition)
-    stop_at_accuracy: float | None = None
-    model: Any = "mnist_cnn"  # model, algorithm, aggregator: a name, an import path or an object
-    model_options: dict = field(default_factory=dict)  # keywords of the model's builder (its sizes)
-    initial_weights: str | None = None  # a run directory (or its checkpoint.pt) whose global model to start from
-    algorithm: Any = "fedavg"
-    algorithm_options: dict = field(default_factory=dict)
-    aggregator: Any = "fedavg"  # load_config: unset or null gives the algorithm's paper's rule (mean for scaffold)
-    aggregator_options: dict = field(default_factory=dict)
-    server_optimizer: str = "none"
-    server_lr: float | None = None  # None: the optimizer's own default
-    server_momentum: float = 0.9
-    server_beta1: float = 0.9
-    server_beta2: float = 0.99
-    server_tau: float = 1e-3
-    checkpoint_every: int = 1
-    worker_timeout: float | None = None  # seconds; None: generous and scaled to the round
-    on_worker_failure: str = "stop"  # stop | restart
-    on_nonfinite: str = "drop"  # drop | fail
-    sharing_strategy: str = "file_descriptor"  # file_descriptor | file_system (CPU runs)
-    client_state_limit_mb: float | None = None  # the most the clients' state may take; None: half the host's memory
-    privacy: dict | None = None  # DP-FedAvg: {clip, noise_multiplier, delta} (see privacy.py); null: off
-    data: DataConfig = field(default_factory=DataConfig)
-    local: LocalConfig = field(default_factory=LocalConfig)
-    attack: AttackConfig = field(default_factory=AttackConfig)
-    system: SystemConfig = field(default_factory=SystemConfig)
-    compression: CompressionConfig = field(default_factory=CompressionConfig)  # see compression.py
-    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)  # mode: async (see asynchronous.py)
-    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters as the updates (see lora.py)
+    """An experiment: the run's own keys, then one section per feature (each declared beside its
+    feature, see core/sections.py)."""
+
+    name: str = option("experiment", "run name (run directory prefix, plot titles)")
+    seed: int = option(
+        0,
+        "every random choice derives from (seed, round, client), each purpose (split, sample, a client's "
+        "shuffling, noise, ...) from a stream of its own that no other stream's keys can reproduce "
+        "(`fedsim/core/streams.py`)",
+    )
+    device: str = option("auto", "`auto` (cuda if available, else cpu), `cpu`, `cuda`, `cuda:N`")
+    rounds: int = option(10, "communication rounds")
+    workers: int | None = option(
+        None,
+        "worker processes; `null`: min(clients_per_round, CPU cores), on a GPU also capped by free memory (see "
+        "[Resources](reliability.md#resources)); `0`: none, the server trains the clients itself, one after "
+        "another (for debugging, where a breakpoint in a model stops in the one process, and for tiny runs; same "
+        "numbers, no round timeout)",
+    )
+    mode: str = option(
+        "sync",
+        "`sync`: clients train copies of the global model, the server aggregates them; `async`: the server waits "
+        "for no round, applying updates as they arrive on the simulated clock (see "
+        "[Asynchronous rounds](asynchronous.md)); `hogwild`: the workers train one shared model lock-free, every "
+        "client every round (see [Hogwild mode](scaling.md#hogwild-mode))",
+    )
+    backend: str = option(
+        "process",
+        "`process`: a worker trains its clients one by one; `vmap`: a worker trains a group of clients in "
+        "lockstep (see [Backends](architecture.md#backends))",
+    )
+    vmap_group_size: int = option(
+        0, "`vmap`: clients trained together in one group; `0` = all clients of the round", unread=_not_vmap
+    )
+    clients_per_round: int = option(
+        10,
+        "clients sampled (without replacement) each round, among those online (see "
+        "[System heterogeneity](data.md#system-heterogeneity-and-client-sampling)); under `poisson` sampling the "
+        "expected number",
+    )
+    client_sampling: str = option(
+        "uniform",
+        "how the round's clients are chosen: `uniform`, `by_size`, `poisson` (each client with probability "
+        "`clients_per_round` / `data.num_clients`, which `privacy:` needs; see "
+        "[Privacy](privacy.md#differential-privacy)), `power_of_choice`",
+    )
+    sampling_candidates: int | None = option(
+        None,
+        "`power_of_choice`: d candidates, `clients_per_round` <= d <= `data.num_clients`",
+        unread=_not_power_of_choice,
+    )
+    eval_every: int = option(1, "evaluate every N rounds (and always after the last)")
+    eval_batch_size: int = option(
+        2000,
+        "test-set batch size, in samples (a text dataset's: sequences, whose scores take batch x "
+        "`data.sequence_length` x vocabulary floats: set it lower for a language model)",
+    )
+    eval_subset: int | None = option(
+        None,
+        "score the rounds before the last on this many test samples, drawn by the seed and the same every round "
+        "(the header says so); the last round is scored on the whole test set. For quick runs whose evaluation "
+        "would take longer than their training. A round whose score on the subset reaches `stop_at_accuracy` is "
+        "scored again on the whole test set, as the last round is: the run stops, and `rounds_to_target` counts, "
+        "only on that score",
+    )
+    eval_per_client: bool = option(
+        False,
+        "also score the global model on every client's own test split (needs `data.test_partition: true`; see "
+        "[Per-client evaluation](privacy.md#per-client-evaluation))",
+    )
+    stop_at_accuracy: float | None = option(None, "stop once test accuracy reaches this fraction")
+    model: Any = option(
+        "mnist_cnn",
+        "see [Datasets and models](data.md#datasets-and-models); `char_transformer`, or `hf:<name or folder>` for "
+        "a Hugging Face causal language model (see [Language models](language-models.md)); or an import path "
+        "`pkg.module:build` (see [Extending fedsim](extending.md))",
+    )
+    model_options: dict = option(
+        doc="keywords of the model's builder: `char_transformer`'s `layers`, `heads`, `width`, `dropout`; an `hf:` "
+        "model's `from_pretrained` options (`dtype: bfloat16`, `attn_implementation`)",
+        factory=dict,
+    )
+    initial_weights: str | None = option(
+        None,
+        "a run directory (or its `checkpoint.pt`) whose global model this run starts from, before LoRA adapters "
+        "are placed on it: a model trained by one run, fine-tuned by another",
+    )
+    algorithm: Any = option(
+        "fedavg",
+        "`fedavg`, `fedprox`, `scaffold`, `fednova`, `feddyn`, `ditto`, `fedper`, `fedrep`, or an import path (see "
+        "[Client algorithms](algorithms.md#client-algorithms))",
+    )
+    algorithm_options: dict = option(
+        doc="the algorithm's options (`fedprox`'s `mu`, `feddyn`'s `alpha`, ...)", factory=dict
+    )
+    aggregator: Any = option(
+        "fedavg",
+        "aggregation rule (see [Aggregation](algorithms.md#aggregation-rules)), or an import path; not set (or "
+        "`null`): the rule the algorithm's paper fixes, `mean` for `scaffold` and `feddyn`, else `fedavg` (another "
+        "rule for those two is run with a warning naming the paper's)",
+        shown_default="see meaning",
+    )
+    aggregator_options: dict = option(doc="the rule's options", factory=dict)
+    server_optimizer: str = option("none", "`none`, `fedavgm`, `fedadagrad`, `fedadam`, `fedyogi`")
+    server_lr: float | None = option(
+        None, "server learning rate; `null`: the optimizer's default", unread=_no_server_optimizer
+    )
+    server_momentum: float = option(0.9, "`fedavgm`'s momentum", unread=_no_server_optimizer)
+    server_beta1: float = option(0.9, "the adaptive optimizers' first moment decay", unread=_no_server_optimizer)
+    server_beta2: float = option(0.99, "the adaptive optimizers' second moment decay", unread=_no_server_optimizer)
+    server_tau: float = option(1e-3, "the adaptive optimizers' degree of adaptivity", unread=_no_server_optimizer)
+    checkpoint_every: int = option(1, "rounds between checkpoints (0: never)")
+    worker_timeout: float | None = option(
+        None,
+        "seconds a round may take; `null`: 15 min for the first round, then 10x the slowest round (at least 2 min)",
+    )
+    on_worker_failure: str = option("stop", "`stop`, or `restart` the pool and re-run the round")
+    on_nonfinite: str = option("drop", "a client update with NaN/Inf is dropped (`drop`) or stops the run (`fail`)")
+    sharing_strategy: str = option(
+        "file_descriptor",
+        "torch.multiprocessing sharing strategy for CPU tensors (`file_system` where descriptor limits bite)",
+    )
+    client_state_limit_mb: float | None = option(
+        None,
+        "the most the clients' kept state may take (see [Personal models](personal-models.md)); `null`: half the "
+        "host's memory",
+    )
+    privacy: PrivacyConfig | None = option(None, "client-level differential privacy (off without the section)")
+    data: DataConfig = option(factory=DataConfig)
+    local: LocalConfig = option(factory=LocalConfig)
+    attack: AttackConfig = option(factory=AttackConfig)
+    system: SystemConfig = option(factory=SystemConfig)
+    compression: CompressionConfig = option(factory=CompressionConfig)
+    asynchronous: AsyncConfig = option(factory=AsyncConfig)
+    lora: LoraConfig = option(factory=LoraConfig)
+
+    def check(self) -> None:
+        """How the run is executed: name, device, rounds, workers, evaluation, failures."""
+        checks = Checks()
+        if not self.name.strip() or any(ord(ch) < 32 or ord(ch) == 127 for ch in self.name):
+            checks.fail("name", f"must be a non-empty name without control characters, got {shown(self.name)}")
+        if not _DEVICE.fullmatch(self.device):
+            checks.fail("device", f"must be auto, cpu, cuda or cuda:N, got {cut(repr(self.device))}")
+        checks.at_least("seed", self.seed, 0)
+        checks.at_least("rounds", self.rounds, 1)
+        checks.at_least("data.num_clients", self.data.num_clients, 1)
+        if self.data.num_clients > MAX_CLIENTS:  # the engine keeps per-client tensors (attackers, SCAFFOLD's c_i)
+            checks.fail("data.num_clients", f"must be at most {MAX_CLIENTS:,}, got {self.data.num_clients:,}")
+        checks.at_least("clients_per_round", self.clients_per_round, 1)
+        if self.clients_per_round > self.data.num_clients:
+            checks.fail(
+                "clients_per_round",
+                f"must be <= data.num_clients ({self.data.num_clients}), got {self.clients_per_round}",
+            )
+        if self.workers is not None:
+            checks.at_least("workers", self.workers, 0)
+            if self.workers > self.clients_per_round:
+                checks.fail(
+                    "workers",
+                    f"must be <= clients_per_round ({self.clients_per_round}): "
+                    f"a worker without a client would idle, got {self.workers}",
+                )
+        checks.at_least("vmap_group_size", self.vmap_group_size, 0)
+        if self.backend == "vmap" and self.workers is not None and self.workers > groups_per_round(self):
+            checks.fail(
+                "workers",
+                f"must be <= the {groups_per_round(self)} vmap group(s) of a round (clients_per_round "
+                f"/ vmap_group_size, rounded up), got {self.workers}",
+            )
+        checks.at_least("eval_every", self.eval_every, 1)
+        if self.eval_subset is not None:
+            checks.at_least("eval_subset", self.eval_subset, 1)
+        checks.at_least("eval_batch_size", self.eval_batch_size, 1)
+        checks.at_least("checkpoint_every", self.checkpoint_every, 0)
+        if self.stop_at_accuracy is not None and not 0 < self.stop_at_accuracy <= 1:
+            checks.fail("stop_at_accuracy", f"must be a fraction in (0, 1], got {self.stop_at_accuracy}")
+        if self.worker_timeout is not None and not 0 < self.worker_timeout <= MAX_TIMEOUT:
+            checks.fail(
+                "worker_timeout",
+                f"must be > 0 and at most {MAX_TIMEOUT:,} seconds (waits are counted in "
+                f"milliseconds of a C int), got {self.worker_timeout}",
+            )
+        checks.one_of("mode", self.mode, ("sync", "async", "hogwild"))
+        checks.one_of("backend", self.backend, ("process", "vmap"))
+        checks.one_of("on_worker_failure", self.on_worker_failure, ("stop", "restart"))
+        checks.one_of("on_nonfinite", self.on_nonfinite, ("drop", "fail"))
+        checks.one_of("sharing_strategy", self.sharing_strategy, ("file_descriptor", "file_system"))
+        if self.client_state_limit_mb is not None:
+            checks.positive("client_state_limit_mb", self.client_state_limit_mb)
+        if self.eval_per_client and not self.data.test_partition:
+            checks.fail(
+                "eval_per_client", "needs data.test_partition: true, which gives every client its own test split"
+            )
+        self._check_server_optimizer(checks)
+
+    def _check_server_optimizer(self, checks: Checks) -> None:
+        """The server optimizer's constants (its name is checked against its registry, with the
+        components)."""
+        if self.server_lr is not None and self.server_lr <= 0:
+            checks.fail("server_lr", f"must be > 0, got {self.server_lr}")
+        for key in ("server_momentum", "server_beta1", "server_beta2"):
+            checks.within(key, getattr(self, key), 0, 1, "[)")
+        if not 0 < self.server_tau <= 1e18:
+            checks.fail(
+                "server_tau", f"must be > 0 and at most 1e18 (its square must fit in float32), got {self.server_tau}"
+            )
 
     def to_dict(self) -> dict:
         """Plain values only: a component given as an object is named by ``describe``."""
 
         def plain(value):
-            if isinstance(
-                value,
-                (
-                    Config,
-                    DataConfig,
-                    LocalConfig,
-                    AttackConfig,
-                    SystemConfig,
-                    CompressionConfig,
-                    AsyncConfig,
-                    LoraConfig,
-                ),
-            ):
+            if is_section(value):
                 return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
             if isinstance(value, dict):
                 return {k: plain(v) for k, v in value.items()}
@@ -169,175 +294,18 @@ class Config:
         return plain(self)
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """'local.lr=0.1' -> ('local.lr', 0.1); the value is read as YAML (text that is not YAML
-    stays text)."""
-    key, sep, value = text.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(f"--set {cut(text)}: expected dotted.key=value, e.g. --set local.lr=0.05")
-    try:
-        parsed = parse_yaml(value) if value.strip() else None
-    except RefusedYAML as e:
-        raise ConfigError(f"--set {key}: YAML refused: {e.problem}") from None
-    except ValueError as e:  # an integer of more digits than Python converts
-        raise ConfigError(f"--set {key}: {cut(str(e))}") from None
-    except yaml.YAMLError:
-        parsed = value
-    return key, parsed
+def key_table() -> str:
+    """Every key of an experiment file as the Markdown table of docs/configuration.md: key,
+    default, meaning, in the order the sections declare them."""
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    lines += [f"| `{key}` | {default} | {doc} |" for key, default, doc in key_rows(Config)]
+    return "\n".join(lines) + "\n"
 
 
-def apply_overrides(
-    raw: dict, overrides: dict[str, Any] | str | Iterable[str], origin: str = "config"
-) -> dict[str, str]:
-    """Write overrides into the raw dict in place; return the dotted keys they set, each with how
-    its user spelled it: ``--set`` for the command line's "key=value" strings, ``keyword`` for a
-    dict (fedsim.run's keywords).
-
-    A dotted key reaches into a section (``local.lr``) or an option mapping
-    (``aggregator_options.beta``); a section that holds something other than a mapping is
-    an error, never silently replaced (an empty one, ``local:``, counts as no keys)."""
-    if isinstance(overrides, dict):
-        items, spelled = list(_flatten(overrides)), "keyword"
-    else:
-        items = [parse_override(o) for o in ([overrides] if isinstance(overrides, str) else overrides)]
-        spelled = "--set"
-    for key, value in items:
-        node = raw
-        parts = key.split(".")
-        for depth, part in enumerate(parts[:-1]):
-            if node.get(part) is None:
-                node[part] = {}
-            elif not isinstance(node[part], dict):
-                section = ".".join(parts[: depth + 1])
-                where = spelled if section in {k for k, _ in items} else f"{origin}:"
-                raise ConfigError(
-                    f"{where} {section}: expected a mapping of keys (for {spelled} {key}), got {shown(node[part])}"
-                )
-            node = node[part]
-        node[parts[-1]] = value
-    return {key: spelled for key, _ in items}
-
-
-def _flatten(d: dict, prefix: str = ""):
-    for key, value in d.items():
-        dotted = f"{prefix}{key}"
-        # a dict value for a section (data, local, attack) sets its keys one by one;
-        # aggregator_options is itself a dict-valued key and is set whole
-        if isinstance(value, dict) and dotted in _SECTIONS:
-            yield from _flatten(value, dotted + ".")
-        else:
-            yield dotted, value
-
-
-_SECTIONS = {f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)}
-_KEYS = {f.name for f in dataclasses.fields(Config)} | {
-    f"{section}.{f.name}" for section in _SECTIONS for f in dataclasses.fields(getattr(Config(), section))
-}
-
-
-# ----------------------------------------------------------------------------- typing
-
-
-def where(origin: str, key: str, from_overrides: dict[str, str]) -> str:
-    """Where a key's value came from: ``--set key`` or ``keyword key``, as its user spelled it
-    (also when that gave one of its sub-keys, such as aggregator_options.beta; see
-    apply_overrides), or ``FILE: key``."""
-    spelled = from_overrides.get(key) or next((s for k, s in from_overrides.items() if k.startswith(key + ".")), None)
-    return f"{spelled} {key}" if spelled else f"{origin}: {key}"
-
-
-def locate(cfg: Config, error: FedsimError) -> FedsimError:
-    """An error found after loading (when the data is split, say) that names a key, named as
-    validation names it: with the file, or the --set (or keyword), that gave the value."""
-    origin, overrides = getattr(cfg, "origin", ("config", {}))
-    key, sep, rest = str(error).partition(": ")
-    if not sep or key not in _KEYS:
-        return error
-    located = copy.copy(error)
-    located.args = (f"{where(origin, key, overrides)}: {rest}",)
-    return located
-
-
-def build(cls, raw: dict, prefix: str, origin: str, from_overrides: dict[str, str]) -> Any:
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in raw.items():
-        dotted = f"{prefix}{key}"
-        if dotted in _MOVED:
-            raise ConfigError(f"{where(origin, dotted, from_overrides)}: is now {_MOVED[dotted]}")
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
-            raise ConfigError(f"{where(origin, cut(dotted), from_overrides)}: unknown key{hint}")
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            if value is None:  # `local:` with every key commented out
-                value = {}
-            if not isinstance(value, dict):
-                raise ConfigError(
-                    f"{where(origin, dotted, from_overrides)}: expected a mapping of keys, got {shown(value)}"
-                )
-            kwargs[key] = build(hint, value, dotted + ".", origin, from_overrides)
-        else:
-            kwargs[key] = _coerce(value, hint, where(origin, dotted, from_overrides))
-    return cls(**kwargs)
-
-
-_TYPE_WORDS = {
-    int: "an integer",
-    float: "a number",
-    str: "a string",
-    bool: "true or false",
-    dict: "a mapping",
-    Any: "a name, an import path (pkg.module:name) or, from Python, the object",
-}
-_MOVED = {"local.mu": "algorithm_options.mu (with algorithm: fedprox)"}
-# Integers become int64 tensors and seeds, floats float32 tensor values: beyond these the
-# engine cannot represent a value, so validation refuses it rather than a later traceback.
-MAX_INT = 2**63 - 1
-MAX_FLOAT = 3.4e38
-MIN_FLOAT = 1.18e-38  # smaller magnitudes are float32 subnormals: an lr of 1e-45 would be 0
 MAX_TIMEOUT = 1_000_000  # seconds
 MAX_CLIENTS = 100_000_000
-
-
-def _coerce(value, hint, where: str):
-    optional = False
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        optional, hint = True, args[0]
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{where}: expected {_TYPE_WORDS[hint]}, got null")
-    if hint is Any:  # a component: checked when it is resolved (components.check)
-        return value
-    ok = {
-        int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, (int, float)) and not isinstance(value, bool),
-        str: isinstance(value, str),
-        bool: isinstance(value, bool),
-        dict: isinstance(value, dict),
-    }[hint]
-    if not ok:
-        raise ConfigError(f"{where}: expected {_TYPE_WORDS[hint]}, got {shown(value)}")
-    if hint is int and abs(value) > MAX_INT:
-        raise ConfigError(
-            f"{where}: must be within ±(2^63 - 1), the 64-bit integers the engine computes "
-            f"with; got a {value.bit_length()}-bit integer"
-        )
-    if hint is float:
-        value = float(value)
-        if not math.isfinite(value) or abs(value) > MAX_FLOAT or 0 < abs(value) < MIN_FLOAT:
-            raise ConfigError(
-                f"{where}: must be a finite number within ±3.4e38 (float32), and 0 or at least "
-                f"1.2e-38 in size, got {value}"
-            )
-    if hint is str and ("\0" in value or len(value) > 1000):
-        raise ConfigError(f"{where}: must be text of at most 1,000 characters without NUL bytes")
-    return value
+SECTIONS = {key.rpartition(".")[0] for key, _, _ in key_rows(Config)} - {""}
+KEYS = {key for key, _, _ in key_rows(Config)} | SECTIONS  # every dotted key, and every section's name
 
 
 def vmap_group_size(cfg: Config) -> int:

@@ -9,37 +9,23 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..algorithms import Algorithm
-from ..core.checks import Checks, shown
-from ..core.errors import ConfigError, cut
+from ..core.checks import Checks
+from ..core.errors import ConfigError
 from ..core.registry import is_import_path
+from ..core.sections import sections, unused
 from ..core.yamlfile import experiment_file, read_yaml
-from ..data import options_for
-from ..data.hub import check_hub_options
-from ..data.text import check_tokenizer_spec, template_fields
-from ..fl import asynchronous, compression, lora
 from ..fl.aggregation import AGGREGATORS
 from ..fl.compression import feeds_back
 from ..fl.privacy import RULES, Privacy
 from ..fl.system import System
 from ..fl.system_config import SystemConfig
 from . import components
-from .config import MAX_CLIENTS, MAX_TIMEOUT, Config, DataConfig, apply_overrides, build, groups_per_round, where
-
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-_PARTITION_KEYS = (
-    "alpha",
-    "min_samples",
-    "balanced",
-    "shards_per_client",
-    "classes_per_client",
-    "sigma",
-    "quantity_skew",
-)
+from .config import SECTIONS, Config, apply_overrides
+from .reading import build, where
 
 
 def load_config(
@@ -63,7 +49,7 @@ def load_config(
     else:
         origin = str(source)
         raw = read_yaml(experiment_file(source))
-    from_overrides = {**earlier, **apply_overrides(raw, overrides or {}, origin)}
+    from_overrides = {**earlier, **apply_overrides(raw, overrides or {}, origin, SECTIONS)}
     rule_named = raw.get("aggregator") is not None
     if not rule_named:  # no aggregator, or null: the one the algorithm's paper fixes
         raw.pop("aggregator", None)
@@ -80,19 +66,16 @@ def load_config(
 
 
 def validate(cfg: Config) -> None:
-    """Every check, section by section; raises ConfigError naming the first bad key."""
+    """Every section's own checks (its ``check`` method), then what the sections say together;
+    raises ConfigError naming the first bad key."""
+    for _, section in sections(cfg):
+        if hasattr(section, "check"):
+            section.check()
     checks = Checks()
-    _check_run(cfg, checks)
-    _check_data(cfg.data, Checks("data"))
-    _check_training(cfg, checks)
     tables = components.tables()
-    checks.choice("data.partition", cfg.data.partition, tables["partitions"])
     checks.choice("server_optimizer", cfg.server_optimizer, tables["server optimizers"])
-    checks.choice("attack.type", cfg.attack.type, tables["attacks"])
-    if cfg.attack.type != "none" and cfg.attack.fraction == 0:
-        checks.fail("attack.fraction", f"attack.type is {cfg.attack.type} but fraction is 0; set a fraction in (0, 1)")
-    if cfg.eval_per_client and not cfg.data.test_partition:
-        checks.fail("eval_per_client", "needs data.test_partition: true, which gives every client its own test split")
+    if cfg.local.optimizer == "adamw" and cfg.backend == "vmap":
+        checks.fail("backend", "vmap steps its clients by SGD; local.optimizer: adamw trains with backend: process")
     components.check(cfg)
     if cfg.backend == "vmap" and components.algorithm(cfg.algorithm, cfg.algorithm_options).trains_own_way:
         checks.fail(
@@ -101,118 +84,12 @@ def validate(cfg: Config) -> None:
             f"{components.describe(cfg.algorithm)} trains each client its own way: use backend: "
             f"process",
         )
-    compression.check(cfg.compression)
-    asynchronous.check(cfg.asynchronous)
-    lora.check(cfg.lora)
     if cfg.mode == "hogwild":  # first: it refuses whole sections that the checks below detail
         check_hogwild(cfg, checks)
     if cfg.mode == "async":
         check_async(cfg, checks)
     System.check_config(cfg)
     check_privacy(cfg)  # after the components it is combined with are known to be valid
-
-
-def _check_run(cfg: Config, checks: Checks) -> None:
-    """How the run is executed: name, device, rounds, workers, evaluation, failures."""
-    if not cfg.name.strip() or any(ord(ch) < 32 or ord(ch) == 127 for ch in cfg.name):
-        checks.fail("name", f"must be a non-empty name without control characters, got {shown(cfg.name)}")
-    if not _DEVICE.fullmatch(cfg.device):
-        checks.fail("device", f"must be auto, cpu, cuda or cuda:N, got {cut(repr(cfg.device))}")
-    checks.at_least("seed", cfg.seed, 0)
-    checks.at_least("rounds", cfg.rounds, 1)
-    checks.at_least("data.num_clients", cfg.data.num_clients, 1)
-    if cfg.data.num_clients > MAX_CLIENTS:  # the engine keeps per-client tensors (attackers, SCAFFOLD's c_i)
-        checks.fail("data.num_clients", f"must be at most {MAX_CLIENTS:,}, got {cfg.data.num_clients:,}")
-    checks.at_least("clients_per_round", cfg.clients_per_round, 1)
-    if cfg.clients_per_round > cfg.data.num_clients:
-        checks.fail(
-            "clients_per_round", f"must be <= data.num_clients ({cfg.data.num_clients}), got {cfg.clients_per_round}"
-        )
-    if cfg.workers is not None:
-        checks.at_least("workers", cfg.workers, 0)
-        if cfg.workers > cfg.clients_per_round:
-            checks.fail(
-                "workers",
-                f"must be <= clients_per_round ({cfg.clients_per_round}): "
-                f"a worker without a client would idle, got {cfg.workers}",
-            )
-    checks.at_least("vmap_group_size", cfg.vmap_group_size, 0)
-    if cfg.backend == "vmap" and cfg.workers is not None and cfg.workers > groups_per_round(cfg):
-        checks.fail(
-            "workers",
-            f"must be <= the {groups_per_round(cfg)} vmap group(s) of a round (clients_per_round "
-            f"/ vmap_group_size, rounded up), got {cfg.workers}",
-        )
-    checks.at_least("eval_every", cfg.eval_every, 1)
-    if cfg.eval_subset is not None:
-        checks.at_least("eval_subset", cfg.eval_subset, 1)
-    checks.at_least("eval_batch_size", cfg.eval_batch_size, 1)
-    checks.at_least("checkpoint_every", cfg.checkpoint_every, 0)
-    if cfg.stop_at_accuracy is not None and not 0 < cfg.stop_at_accuracy <= 1:
-        checks.fail("stop_at_accuracy", f"must be a fraction in (0, 1], got {cfg.stop_at_accuracy}")
-    if cfg.worker_timeout is not None and not 0 < cfg.worker_timeout <= MAX_TIMEOUT:
-        checks.fail(
-            "worker_timeout",
-            f"must be > 0 and at most {MAX_TIMEOUT:,} seconds (waits are counted in "
-            f"milliseconds of a C int), got {cfg.worker_timeout}",
-        )
-    checks.one_of("mode", cfg.mode, ("sync", "async", "hogwild"))
-    checks.one_of("backend", cfg.backend, ("process", "vmap"))
-    checks.one_of("on_worker_failure", cfg.on_worker_failure, ("stop", "restart"))
-    checks.one_of("on_nonfinite", cfg.on_nonfinite, ("drop", "fail"))
-    checks.one_of("sharing_strategy", cfg.sharing_strategy, ("file_descriptor", "file_system"))
-    if cfg.client_state_limit_mb is not None:
-        checks.positive("client_state_limit_mb", cfg.client_state_limit_mb)
-
-
-def _check_data(d: DataConfig, checks: Checks) -> None:
-    check_hub_options(d.dataset, d.hf)
-    if isinstance(d.hf, dict) and isinstance(d.hf.get("text"), str):
-        template_fields(d.hf["text"])  # a template's braces, before any data is read
-    check_tokenizer_spec(d.tokenizer)
-    checks.within("sequence_length", d.sequence_length, 2, 1_000_000)
-    if d.limit is not None and d.limit < d.num_clients:
-        checks.fail("limit", f"must be >= data.num_clients ({d.num_clients}) so every client gets data, got {d.limit}")
-    if d.alpha <= 0:
-        checks.fail("alpha", f"must be > 0, got {d.alpha}")
-    checks.at_least("sigma", d.sigma, 0)
-    checks.at_least("min_samples", d.min_samples, 0)
-    checks.at_least("shards_per_client", d.shards_per_client, 1)
-    checks.at_least("classes_per_client", d.classes_per_client, 1)
-    checks.one_of("quantity_skew", d.quantity_skew, ("lognormal", "dirichlet"))
-    checks.one_of("placement", d.placement, ("auto", "device", "host"))
-
-
-def _check_training(cfg: Config, checks: Checks) -> None:
-    """Local training, the server optimizer and the attack."""
-    local = Checks("local")
-    local.at_least("epochs", cfg.local.epochs, 1)
-    if cfg.local.steps is not None:
-        local.at_least("steps", cfg.local.steps, 1)
-    local.at_least("batch_size", cfg.local.batch_size, 1)
-    if cfg.local.lr <= 0:
-        local.fail("lr", f"must be > 0, got {cfg.local.lr}")
-    local.within("momentum", cfg.local.momentum, 0, 1, "[)")
-    local.at_least("weight_decay", cfg.local.weight_decay, 0)
-    local.one_of("precision", cfg.local.precision, ("fp32", "bf16"))
-    local.one_of("optimizer", cfg.local.optimizer, ("sgd", "adamw"))
-    if cfg.local.optimizer == "adamw":
-        local.within("beta1", cfg.local.beta1, 0, 1, "[)")
-        local.within("beta2", cfg.local.beta2, 0, 1, "[)")
-        local.positive("eps", cfg.local.eps)
-        if cfg.local.momentum:
-            local.fail("momentum", "is SGD's; adamw's first moment decays by local.beta1: leave momentum at 0")
-        if cfg.backend == "vmap":
-            checks.fail("backend", "vmap steps its clients by SGD; local.optimizer: adamw trains with backend: process")
-    if cfg.server_lr is not None and cfg.server_lr <= 0:
-        checks.fail("server_lr", f"must be > 0, got {cfg.server_lr}")
-    for key in ("server_momentum", "server_beta1", "server_beta2"):
-        checks.within(key, getattr(cfg, key), 0, 1, "[)")
-    if not 0 < cfg.server_tau <= 1e18:
-        checks.fail(
-            "server_tau", f"must be > 0 and at most 1e18 (its square must fit in float32), got {cfg.server_tau}"
-        )
-    Checks("attack").within("fraction", cfg.attack.fraction, 0, 1, "[)")
 
 
 def check_hogwild(cfg: Config, checks: Checks) -> None:
@@ -257,7 +134,7 @@ def check_hogwild(cfg: Config, checks: Checks) -> None:
 
 
 def check_async(cfg: Config, checks: Checks) -> None:
-    """``mode: async`` (asynchronous.py): refuse, naming the key, every setting it would
+    """``mode: async`` (fl/asynchronous.py): refuse, naming the key, every setting it would
     silently ignore or apply wrongly."""
     algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
     method = cfg.asynchronous.method
@@ -301,36 +178,10 @@ def _refuse(checks: Checks, refused: list, mode: str) -> None:
 
 
 def unused_settings(cfg: Config) -> list[str]:
-    """Partition options set to other than their default although the chosen partition does not
-    read them, and system settings that do nothing (see System.warnings): a run would silently
-    ignore them, so the run warns. So it does for a rule other than the one the algorithm's
-    paper fixes, and for personal models that nothing scores."""
-    used, default = options_for(cfg.data.partition, cfg.data), DataConfig()
-    privacy = cfg.privacy if isinstance(cfg.privacy, dict) else {}
-    return (
-        [
-            f"data.{key} is {getattr(cfg.data, key)!r} but data.partition {cfg.data.partition} does not use it"
-            for key in _PARTITION_KEYS
-            if key not in used and getattr(cfg.data, key) != getattr(default, key)
-        ]
-        + [
-            f"privacy.{key} is {privacy[key]!r} but privacy.target_quantile is null: the clip is fixed"
-            for key in ("clip_learning_rate", "count_noise")
-            if privacy.get(key) is not None and privacy.get("target_quantile") is None
-        ]
-        + compression.unused_options(cfg.compression)
-        + System.from_config(cfg).warnings()
-        + (
-            asynchronous.unused_options(cfg.asynchronous)
-            if cfg.mode == "async"
-            else [
-                f"asynchronous.{key} is set but mode is {cfg.mode}: set mode: async to use it"
-                for key, value in vars(cfg.asynchronous).items()
-                if value != getattr(asynchronous.AsyncConfig(), key)
-            ]
-        )
-        + [w for w in [components.aggregator_warning(cfg), components.personal_warning(cfg)] if w]
-    )
+    """Keys set to other than their default that this run does not read (each section's options
+    say when theirs are not: core/sections.unused), for the run to warn of; and a rule other than
+    the one the algorithm's paper fixes, and personal models that nothing scores."""
+    return unused(cfg) + [w for w in [components.aggregator_warning(cfg), components.personal_warning(cfg)] if w]
 
 
 # ----------------------------------------------------------------------------- privacy and the rest

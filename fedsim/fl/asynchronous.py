@@ -25,68 +25,65 @@ A "round" of an async run is one server update: ``rounds`` counts them, ``eval_e
 start). clients.csv has a row per client whose update was applied, with its staleness, and per
 client that dropped out meanwhile.
 
-Experiment file (every key optional; shown with its default)::
-
-    mode: async
-    asynchronous:
-      method: fedbuff           # fedbuff | fedasync
-      buffer_size: 10           # fedbuff: K, the updates one server update applies
-      mixing: 0.6               # fedasync: a, the weight of a fresh update (0, 1]
-      staleness: polynomial     # constant | polynomial | hinge: s(tau)
-      staleness_a: 0.5          # polynomial's exponent, hinge's slope
-      staleness_b: 4            # hinge: the staleness up to which an update counts in full
+Its keys, their defaults and meanings are declared once, in ``AsyncConfig`` below (``fedsim list
+keys`` prints them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..core.checks import Checks
 from ..core.registry import Registry
+from ..core.sections import option
 
 ASYNC_METHODS = Registry("async method")
 STALENESS = ("constant", "polynomial", "hinge")
 _CHECKS = Checks("asynchronous")
 
 
+_UNREAD = {"fedbuff": ("mixing",), "fedasync": ("buffer_size",)}
+_UNREAD_BY_STALENESS = {"constant": ("staleness_a", "staleness_b"), "polynomial": ("staleness_b",), "hinge": ()}
+
+
+def _unread(key: str, section: Any, config: Any) -> str | None:
+    mode = getattr(config, "mode", "async")
+    if mode != "async":
+        return f"mode is {mode}: set mode: async to use it"
+    if key in _UNREAD.get(section.method, ()) + _UNREAD_BY_STALENESS.get(section.staleness, ()):
+        return f"it is not read by asynchronous.method {section.method} with staleness {section.staleness}"
+    return None
+
+
 @dataclass
 class AsyncConfig:
     """The ``asynchronous:`` section, read in ``mode: async``."""
 
-    method: str = "fedbuff"  # fedbuff | fedasync
-    buffer_size: int = 10  # fedbuff: K updates per server update
-    mixing: float = 0.6  # fedasync: the mixing weight of an update of staleness 0
-    staleness: str = "polynomial"  # constant | polynomial | hinge
-    staleness_a: float = 0.5  # polynomial: s = (1 + tau)^-a; hinge: the slope a
-    staleness_b: int = 4  # hinge: s = 1 up to this staleness
+    method: str = option(
+        "fedbuff",
+        "with `mode: async`: `fedbuff` (a server update every `buffer_size` updates) or `fedasync` (every "
+        "update applied on arrival; see [Asynchronous rounds](asynchronous.md))",
+        unread=_unread,
+    )
+    buffer_size: int = option(10, "`fedbuff`: K, the updates one server update applies", unread=_unread)
+    mixing: float = option(0.6, "`fedasync`: a, the weight of a fresh update, in (0, 1]", unread=_unread)
+    staleness: str = option(
+        "polynomial", "how a stale update is weighted: `constant`, `polynomial` or `hinge`", unread=_unread
+    )
+    staleness_a: float = option(0.5, "`polynomial`'s exponent, `hinge`'s slope", unread=_unread)
+    staleness_b: int = option(4, "`hinge`: the staleness up to which an update counts in full", unread=_unread)
 
-
-def check(section: AsyncConfig) -> None:
-    """One-line ConfigErrors naming the key."""
-    _CHECKS.choice("method", section.method, ASYNC_METHODS)
-    _CHECKS.at_least("buffer_size", section.buffer_size, 1)
-    _CHECKS.within("mixing", section.mixing, 0, 1, "(]")
-    _CHECKS.one_of("staleness", section.staleness, STALENESS)
-    _CHECKS.within("staleness_a", section.staleness_a, 0, 100)
-    _CHECKS.at_least("staleness_b", section.staleness_b, 0)
-
-
-def unused_options(section: AsyncConfig) -> list[str]:
-    """Keys set to other than their default that the chosen method or staleness does not read."""
-    default = AsyncConfig()
-    unread = {"fedbuff": ["mixing"], "fedasync": ["buffer_size"]}[section.method] + {
-        "constant": ["staleness_a", "staleness_b"],
-        "polynomial": ["staleness_b"],
-        "hinge": [],
-    }[section.staleness]
-    return [
-        f"asynchronous.{key} is {getattr(section, key)!r} but it is not read by asynchronous.method "
-        f"{section.method} with staleness {section.staleness}"
-        for key in unread
-        if getattr(section, key) != getattr(default, key)
-    ]
+    def check(self) -> None:
+        """One-line ConfigErrors naming the key."""
+        _CHECKS.choice("method", self.method, ASYNC_METHODS)
+        _CHECKS.at_least("buffer_size", self.buffer_size, 1)
+        _CHECKS.within("mixing", self.mixing, 0, 1, "(]")
+        _CHECKS.one_of("staleness", self.staleness, STALENESS)
+        _CHECKS.within("staleness_a", self.staleness_a, 0, 100)
+        _CHECKS.at_least("staleness_b", self.staleness_b, 0)
 
 
 def staleness_weight(section: AsyncConfig, staleness: int) -> float:

@@ -7,14 +7,45 @@ server before aggregation (``rewrite``), or changes the labels they train on (``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..core.checks import Checks
 from ..core.registry import Registry
+from ..core.sections import option
 from ..core.streams import attackers_rng
 
 ATTACKS = Registry("attack")
+
+
+def _no_attack(key: str, attack: Any, config: Any) -> str | None:
+    return "attack.type is none" if attack.type == "none" else None
+
+
+def _not_scaled(key: str, attack: Any, config: Any) -> str | None:
+    return None if attack.type in ("sign_flip", "scale") else f"attack.type {attack.type} does not use it"
+
+
+@dataclass
+class AttackConfig:
+    """The ``attack:`` section: Byzantine clients (see [Attacks](algorithms.md#attacks))."""
+
+    type: str = option(
+        "none", "what the Byzantine clients do (see [Attacks](algorithms.md#attacks)); `none`: no attack"
+    )
+    fraction: float = option(
+        0.0, "the share of all clients that are Byzantine, in [0, 1) (a seeded set)", unread=_no_attack
+    )
+    scale: float = option(1.0, "`sign_flip` sends -scale x update, `scale` sends scale x update", unread=_not_scaled)
+
+    def check(self) -> None:
+        checks = Checks("attack")
+        checks.choice("type", self.type, ATTACKS)
+        checks.within("fraction", self.fraction, 0, 1, "[)")
+        if self.type != "none" and self.fraction == 0:
+            checks.fail("fraction", f"attack.type is {self.type} but fraction is 0; set a fraction in (0, 1)")
 
 
 class Attack:

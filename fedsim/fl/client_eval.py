@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from . import tasks
+from ..models import tasks
 
 CLIENT_ACCURACY_COLUMNS = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")
 

@@ -1,13 +1,7 @@
 """Compressed client updates: what each client sends the server in place of its whole update.
 
-Experiment file (every key optional; shown with its default)::
-
-    compression:
-      type: none            # none | topk | qsgd
-      ratio: 0.01           # topk: the share of the coordinates a client sends
-      levels: 15            # qsgd: s, the quantization levels (s = 2^b - 1 fills b bits)
-      bucket_size: 512      # qsgd: coordinates that share one norm; null: the whole update
-      error_feedback: null  # true | false; null: on for topk, off for qsgd
+Its keys, their defaults and meanings are declared once, in ``CompressionConfig`` below (``fedsim list
+keys`` prints them).
 
 ``topk`` (Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with memory") sends the k = round(ratio
 x n) coordinates of largest magnitude (at least one). ``qsgd`` (Alistarh, Grubic, Li, Tomioka,
@@ -55,6 +49,7 @@ import torch
 
 from ..core.checks import Checks
 from ..core.registry import Registry
+from ..core.sections import option
 from ..core.streams import compression_generator
 from .client_state import ClientStates
 
@@ -64,15 +59,44 @@ _CHECKS = Checks("compression")
 RESIDUAL = "error_feedback"  # its name among the clients' state
 
 
+def _not_read_by_compressor(key: str, section: Any, config: Any) -> str | None:
+    if section.type not in COMPRESSORS or key in COMPRESSORS.get(section.type).options:
+        return None
+    return f"compression.type {section.type} does not use it"
+
+
 @dataclass
 class CompressionConfig:
     """The ``compression:`` section; the defaults send every update whole."""
 
-    type: str = "none"  # none | topk | qsgd
-    ratio: float = 0.01  # topk: the share of the coordinates a client sends
-    levels: int = 15  # qsgd: s quantization levels of |v_i| / ||v||
-    bucket_size: int | None = 512  # qsgd: coordinates that share one norm; None: the whole update
-    error_feedback: bool | None = None  # None: the compressor's usual choice (topk on, qsgd off)
+    type: str = option(
+        "none",
+        "what each client sends: its whole update (`none`), `topk` or `qsgd` (see "
+        "[Compressed updates](algorithms.md#compressed-updates))",
+    )
+    ratio: float = option(0.01, "`topk`: the share of the coordinates a client sends", unread=_not_read_by_compressor)
+    levels: int = option(15, "`qsgd`: s quantization levels of |v_i| / ||v||", unread=_not_read_by_compressor)
+    bucket_size: int | None = option(
+        512, "`qsgd`: coordinates that share one norm; `null`: the whole update", unread=_not_read_by_compressor
+    )
+    error_feedback: bool | None = option(
+        None,
+        "clients keep what they have not sent and add it to their next update; `null`: on for `topk`, off for `qsgd`",
+    )
+
+    def check(self) -> None:
+        """One-line ConfigErrors naming the key."""
+        _CHECKS.choice("type", self.type, COMPRESSORS)
+        _CHECKS.within("ratio", self.ratio, 0, 1, "(]")
+        _CHECKS.within("levels", self.levels, 1, MAX_LEVELS)
+        if self.bucket_size is not None:
+            _CHECKS.at_least("bucket_size", self.bucket_size, 1)
+        if self.type == "none" and self.error_feedback:
+            _CHECKS.fail(
+                "error_feedback",
+                "compression.type none sends every update whole, so nothing is left to feed "
+                "back; choose compression.type topk or qsgd",
+            )
 
 
 class Compressor:
@@ -149,36 +173,11 @@ class QSGD(Compressor):
         return -(-bits // 8)
 
 
-def check(section: CompressionConfig) -> None:
-    """One-line ConfigErrors naming the key."""
-    _CHECKS.choice("type", section.type, COMPRESSORS)
-    _CHECKS.within("ratio", section.ratio, 0, 1, "(]")
-    _CHECKS.within("levels", section.levels, 1, MAX_LEVELS)
-    if section.bucket_size is not None:
-        _CHECKS.at_least("bucket_size", section.bucket_size, 1)
-    if section.type == "none" and section.error_feedback:
-        _CHECKS.fail(
-            "error_feedback",
-            "compression.type none sends every update whole, so nothing is left to feed "
-            "back; choose compression.type topk or qsgd",
-        )
-
-
 def feeds_back(section: CompressionConfig) -> bool:
     """Whether the clients keep residuals: ``error_feedback``, or the compressor's usual choice."""
     if section.error_feedback is None:
         return COMPRESSORS.get(section.type).error_feedback
     return section.error_feedback
-
-
-def unused_options(section: CompressionConfig) -> list[str]:
-    """Options set to other than their default that the chosen compressor does not read."""
-    default, reads = CompressionConfig(), COMPRESSORS.get(section.type).options
-    return [
-        f"compression.{key} is {getattr(section, key)!r} but compression.type {section.type} does not use it"
-        for key in ("ratio", "levels", "bucket_size")
-        if key not in reads and getattr(section, key) != getattr(default, key)
-    ]
 
 
 def client_shapes(section: CompressionConfig, n: int) -> dict[str, tuple[int, ...]]:

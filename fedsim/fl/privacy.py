@@ -83,12 +83,14 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from ..core.checks import FLOAT32, Checks, is_integer, is_number
 from ..core.errors import ConfigError, FedsimError, user_code
+from ..core.sections import option, required_keys
 from ..core.streams import privacy_noise_generator
 from .accounting import (
     INSTALL,
@@ -106,9 +108,41 @@ from .accounting import (
 from .aggregation import float64_blocks, row_norms
 
 RULES = ("fedavg", "mean")  # the rules that privacy's clipped, noised mean replaces
-REQUIRED = ("clip", "noise_multiplier", "delta")
-DEFAULTS = {"accountant": "pld", "target_quantile": None, "clip_learning_rate": 0.2, "count_noise": None}
-KEYS = (*REQUIRED, *DEFAULTS)
+
+
+def _fixed_clip(key: str, privacy: Any, config: Any) -> str | None:
+    return None if privacy.target_quantile is not None else "privacy.target_quantile is null: the clip is fixed"
+
+
+@dataclass
+class PrivacyConfig:
+    """The ``privacy:`` section: client-level differential privacy, DP-FedAvg (see
+    [Differential privacy](privacy.md#differential-privacy)). Without the section (or with
+    ``privacy: null``) privacy is off; with it, its three required keys must be given. Its values
+    are checked with the run's sampling (``Privacy.from_config``)."""
+
+    clip: float | None = option(doc="C: every client's update is clipped to this L2 norm", required=True)
+    noise_multiplier: float | None = option(
+        doc="z: the noise added to the sum has standard deviation z C", required=True
+    )
+    delta: float | None = option(doc="the target δ of the (ε, δ) guarantee, below 1 / data.num_clients", required=True)
+    accountant: str = option("pld", "`pld` (privacy loss distributions) or `rdp` (Rényi DP, looser)")
+    target_quantile: float | None = option(
+        None,
+        "adaptive clipping (Andrew et al. 2021): the share of updates the clip should leave unclipped; `null`: "
+        "a fixed clip",
+    )
+    clip_learning_rate: float = option(0.2, "adaptive clipping: how fast the clip moves", unread=_fixed_clip)
+    count_noise: float | None = option(
+        None,
+        "adaptive clipping: the noise on the count of unclipped updates; `null`: clients_per_round / 20",
+        unread=_fixed_clip,
+    )
+
+
+KEYS = tuple(f.name for f in fields(PrivacyConfig))
+REQUIRED = required_keys(PrivacyConfig)
+DEFAULTS = {key: getattr(PrivacyConfig(), key) for key in KEYS if key not in REQUIRED}
 ACCOUNTANTS = ("pld", "rdp")
 _CLIP_SPAN = math.log(FLOAT32.max / FLOAT32.tiny)  # ln of the range privacy.clip may take, about 176
 

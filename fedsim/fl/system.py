@@ -213,15 +213,6 @@ class System:
             num_clients=cfg.data.num_clients,
         )
 
-    def warnings(self) -> list[str]:
-        """Settings that are valid but do nothing here, for the run to log (as unused_settings)."""
-        s, messages = self.spec, []
-        if s.stragglers == "partial" and s.deadline is None:
-            messages.append("system.stragglers is 'partial' but system.deadline is null: no client can straggle")
-        if s.candidates is not None and s.sampling != "power_of_choice":
-            messages.append(f"sampling_candidates is {s.candidates} but client_sampling {s.sampling} does not use it")
-        return messages
-
     @property
     def needs_losses(self) -> bool:
         """Whether ``round`` needs the candidates' losses (power_of_choice)."""

@@ -1,21 +1,5 @@
 """The ``system:`` section of an experiment: its dataclass and its checks (see system.py for what
-it simulates).
-
-Experiment file (every key optional; shown with its default unless marked as an example)::
-
-    system:
-      availability: 1.0           # p in (0, 1]: every client online with probability p each round;
-                                  #   or per-client probabilities, drawn once per client:
-                                  #   {uniform: [low, high]} (0 <= low <= high <= 1, high > 0)
-                                  #   or {beta: [a, b]} (a, b > 0)
-      dropout: 0.0                # in [0, 1): a sampled client fails before reporting
-      speed: null                 # null: every client 1; {lognormal: sigma} (median 1, 0 <= sigma <= 10)
-                                  #   or {uniform: [low, high]} (0 < low <= high), drawn once per client
-      deadline: null              # simulated seconds a round waits; null: no deadline, no stragglers
-      step_seconds: 1.0           # simulated seconds one local SGD step takes at speed 1
-      stragglers: drop            # drop | partial (accepted without a deadline, where it does nothing:
-                                  #   see System.warnings)
-"""
+it simulates: clients offline, failing, slow and late)."""
 
 from __future__ import annotations
 
@@ -25,7 +9,12 @@ from typing import Any
 
 from ..core.checks import Checks, is_number, shown
 from ..core.errors import cut
+from ..core.sections import option
 from .sampling import check_sampling
+
+
+def _without_deadline(key: str, system: Any, config: Any) -> str | None:
+    return None if system.deadline is not None else "system.deadline is null: no client can straggle"
 
 
 @dataclass
@@ -34,12 +23,27 @@ class SystemConfig:
     one-key mapping, ``speed`` null or a one-key mapping: typed loosely so that the message of the
     checks below, listing every form, is the one a bad value gets."""
 
-    availability: Any | None = 1.0  # online probability: p, {uniform: [low, high]} or {beta: [a, b]}
-    dropout: float = 0.0  # a sampled client fails before reporting
-    speed: Any | None = None  # relative compute speed: null (all 1), {lognormal: sigma}, {uniform: [lo, hi]}
-    deadline: float | None = None  # simulated seconds a round waits; null: no stragglers
-    step_seconds: float = 1.0  # simulated seconds of one local step at speed 1
-    stragglers: str = "drop"  # drop | partial: keep the steps finished by the deadline
+    availability: Any | None = option(
+        1.0,
+        "p in (0, 1]: every client online with probability p each round; or per-client probabilities, drawn once "
+        "per client: `{uniform: [low, high]}` or `{beta: [a, b]}` (see "
+        "[System heterogeneity](data.md#system-heterogeneity-and-client-sampling))",
+    )
+    dropout: float = option(0.0, "in [0, 1): the chance that a sampled client fails before reporting")
+    speed: Any | None = option(
+        None,
+        "relative compute speed, drawn once per client: `null` (every client 1), `{lognormal: sigma}` (median 1) "
+        "or `{uniform: [low, high]}`",
+    )
+    deadline: float | None = option(None, "simulated seconds a round waits; `null`: no deadline, no stragglers")
+    step_seconds: float = option(1.0, "simulated seconds one local step takes at speed 1")
+    stragglers: str = option(
+        "drop", "`drop`, or `partial`: keep the steps a straggler finished by the deadline", unread=_without_deadline
+    )
+
+    def check(self) -> None:
+        """The section's own values (the sampling keys it is simulated with: ``System.check_config``)."""
+        parse_system(self, "uniform", None)
 
 
 KEYS = tuple(f.name for f in fields(SystemConfig))

@@ -1,6 +1,8 @@
-"""What a run leaves and how it is read back: the run directory's files (``rundir.py``), runs
-loaded as Histories and compared (``history.py``), plots (``plot.py``) and the round line
-(``progress.py``). It may import core only.
+"""What a run leaves and how it is read back: what each round records (``records.py``: the
+columns of metrics.csv and clients.csv), the run directory's files (``rundir.py``), which keys
+tell runs apart (``keys.py``), runs loaded as Histories and compared (``history.py``), plots
+(``plot.py``) and the round line (``progress.py``). It may import core only, so reading runs back
+needs neither torch nor the features; every layer above may import it.
 
 ``fedsim.results.load_run`` and the other names below keep their public path.
 """

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ConfigError, FedsimError, cut
 from ..core.yamlfile import parse_yaml
-from ..experiment.keys import RUN_SPECIFIC_KEYS, flatten_config
+from .keys import RUN_SPECIFIC_KEYS, flatten_config
 from .rundir import COLUMNS, read_client_accuracy, read_clients, read_mapping, read_metrics
 
 if TYPE_CHECKING:

@@ -23,8 +23,8 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
 
 from ..core.errors import FedsimError, write_error
 from ..core.files import write_atomically
-from ..experiment.keys import RUN_SPECIFIC_KEYS, defining, flatten_config
 from .history import History, describe_run, finished, group_repeats, load_run, load_runs
+from .keys import RUN_SPECIFIC_KEYS, defining, flatten_config
 from .rundir import COLUMNS, check_output_path
 
 # Okabe & Ito's palette, which stays distinct under the common colour-vision deficiencies;

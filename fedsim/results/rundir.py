@@ -29,8 +29,8 @@ from typing import Any
 
 from ..core.errors import FedsimError, cut, write_error
 from ..core.files import atomic_write_text, read_checkpoint, write_atomically
-from ..engine.records import CLIENT_COLUMNS
-from ..engine.records import METRIC_COLUMNS as COLUMNS  # metrics.csv's, in order: RoundRow's fields
+from .records import CLIENT_COLUMNS
+from .records import METRIC_COLUMNS as COLUMNS
 
 # columns of what a run may leave off (privacy, eval_per_client, the bytes of hogwild), and columns
 # that rows of an older version lack (a resumed run rewrites those rows): empty in metrics.csv, None

@@ -4,5 +4,5 @@ checkpoints, the round line, interrupts), sweeps (``sweep.py``, ``sweepdir.py``)
 a trained model loaded back (``trained.py``).
 
 The top layer under the commands: it may import every layer below (execution, engine,
-experiment, fl, algorithms, data, results, core); nothing below imports it.
+experiment, fl, algorithms, models, data, results, core); nothing below imports it.
 """

@@ -27,8 +27,8 @@ import torch
 
 from ..core.errors import user_code, write_error
 from ..core.files import write_atomically
-from ..engine.records import CLIENT_COLUMNS
 from ..results.history import History
+from ..results.records import CLIENT_COLUMNS
 from ..results.rundir import RunDirectory, cell_text, read_client_accuracy, row_cells
 
 if TYPE_CHECKING:

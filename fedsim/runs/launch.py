@@ -15,10 +15,11 @@ from ..execution.distributed import Ranks, RankStopped
 from ..execution.pool import PoolKeeper
 from ..execution.processes import UNGUARDED_SCRIPT, in_worker_start, start_fork_server, worker_imports
 from ..experiment import components
-from ..experiment.config import Config, apply_overrides, directory_name, locate, save_config
-from ..experiment.keys import RESUMABLE_KEYS
+from ..experiment.config import SECTIONS, Config, apply_overrides, directory_name, save_config
+from ..experiment.reading import locate
 from ..experiment.validation import load_config
 from ..results.history import History
+from ..results.keys import RESUMABLE_KEYS
 from ..results.progress import RoundLog, console_logging
 from ..results.rundir import RunDirectory
 from .session import Session, run_identity, started_with
@@ -201,7 +202,7 @@ def agree_on_config(ranks: Ranks, load: Callable[[], Config | None]) -> Config |
 
 def _resumable(overrides: list[str] | dict | None) -> set[str]:
     """The keys a resume sets, each one that a resume may change (else one line)."""
-    spelled = apply_overrides({}, overrides or {})
+    spelled = apply_overrides({}, overrides or {}, sections=SECTIONS)
     bad = sorted(set(spelled) - RESUMABLE_KEYS - set(components.KEYS))
     if bad:
         raise ConfigError(
@@ -254,7 +255,7 @@ def _setup(
     ranks = ranks or Ranks()
     log = RoundLog(progress, quiet=quiet or not ranks.is_root)
     if cfg.workers != 0:  # the workers' imports, while the session loads the data
-        start_fork_server(worker_imports(cfg.model, cfg.lora.rank))
+        start_fork_server(worker_imports(cfg.to_dict()))
     try:
         with console_logging(log):  # the session says what it loads and starts, as it starts
             session = Session(cfg, log=log, callbacks=callbacks, ranks=ranks, pools=pools, started=started)

@@ -12,7 +12,7 @@ from ..algorithms import Algorithm
 from ..core.errors import ConfigError, FedsimError, user_code
 from ..core.flat import FlatModel
 from ..data.tensors import Dataset
-from ..engine.asynchronous import AsyncEngine
+from ..engine.async_loop import AsyncEngine
 from ..engine.buffers import RoundBuffers
 from ..engine.loop import Engine, Executor
 from ..engine.state import GlobalState
@@ -20,8 +20,9 @@ from ..engine.update import AggregateUpdates
 from ..execution.distributed import Ranks, rank_device
 from ..execution.hogwild import AdoptSharedWeights
 from ..experiment import components
-from ..experiment.config import Config, groups_per_round, locate
+from ..experiment.config import Config, groups_per_round
 from ..experiment.federation import Federation, initial_model, load_federation
+from ..experiment.reading import locate
 from ..fl.attacks import make_attack
 from ..fl.client_eval import ClientEvaluation
 from ..fl.client_state import ClientStates

@@ -33,12 +33,12 @@ from ..execution.resources import peak_memory_mb, pss_bytes
 from ..execution.runner import ClientRunner
 from ..experiment import components
 from ..experiment.config import Config, overrides_of
-from ..experiment.keys import RESUMABLE_KEYS, flatten_config
 from ..experiment.validation import unused_settings
 from ..fl.client_eval import ClientEvaluation
 from ..fl.compression import Compression
 from ..fl.server_opt import make_server_optimizer
 from ..results.history import History, describe_run
+from ..results.keys import RESUMABLE_KEYS, flatten_config
 from ..results.progress import RoundLog, console_logging
 from ..results.rundir import RunDirectory, read_clients, read_mapping
 from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart, notify
@@ -142,7 +142,7 @@ def feature_figures(cfg: Config, rows: list[dict], client_rows: list[dict], upda
         whole = sent + arrived * (update_bytes[0] - update_bytes[1] if update_bytes else 0)
         figures |= {"megabytes_sent": sent / 1e6, "compression_ratio": sent / whole if whole else None}
     if cfg.privacy:
-        figures |= {"final_epsilon": rows[-1].get("epsilon") if rows else None, "delta": cfg.privacy.get("delta")}
+        figures |= {"final_epsilon": rows[-1].get("epsilon") if rows else None, "delta": cfg.privacy.delta}
     if cfg.mode == "async":
         stale = [r["staleness"] for r in client_rows if r["dropped"] == 0 and r.get("staleness") is not None]
         figures |= {
@@ -161,7 +161,7 @@ def feature_header(cfg: Config, update_bytes: tuple | None) -> str | None:
         whole, sent = update_bytes
         parts.append(f"an update travels as {sent} of its {whole} bytes ({sent / whole:.3g} of its whole size)")
     if cfg.privacy:
-        parts.append(f"privacy: epsilon is spent at delta {cfg.privacy.get('delta'):g}")
+        parts.append(f"privacy: epsilon is spent at delta {cfg.privacy.delta:g}")
     return "; ".join(parts) or None
 
 

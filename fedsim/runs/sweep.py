@@ -29,28 +29,13 @@ from pathlib import Path
 
 from ..core.errors import ConfigError, FedsimError, write_error
 from ..core.files import atomic_write_text
+from ..core.overrides import parse_grid
 from ..experiment.config import Config
 from ..experiment.validation import load_config
 from ..results.history import check_target, load_run
 from ..results.rundir import safe_dir_name
 from .sweepdir import SWEEP_FILE, identity, left_to_do, placement, sweep_root
 from .sweepruns import SweepRun, _printable, _row, format_table, write_csv, write_table
-
-
-def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
-    """``["aggregator=fedavg,median", "seed=0,1"]`` -> ``[("aggregator", ["fedavg", "median"]), ...]``."""
-    grid, seen = [], set()
-    for spec in specs:
-        key, sep, values = spec.partition("=")
-        key = key.strip()
-        texts = [v.strip() for v in values.split(",")]
-        if not sep or not key or not all(texts):
-            raise ConfigError(f"--grid {spec}: expected key=value1,value2,... e.g. --grid aggregator=fedavg,median")
-        if key in seen:
-            raise ConfigError(f"--grid {key}: given twice; list all its values in one --grid")
-        seen.add(key)
-        grid.append((key, texts))
-    return grid
 
 
 def parse_seeds(seeds: str | Iterable[int]) -> list[int]:

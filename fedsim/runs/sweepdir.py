@@ -11,8 +11,8 @@ import yaml
 
 from ..core.errors import FedsimError
 from ..experiment.config import Config
-from ..experiment.keys import PLACEMENT_KEYS, flatten_config
 from ..experiment.validation import load_config
+from ..results.keys import PLACEMENT_KEYS, flatten_config
 from ..results.rundir import RunDirectory, read_mapping
 
 SWEEP_FILE = "sweep.json"  # what each run of the sweep is, so that the same sweep continues it

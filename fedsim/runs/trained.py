@@ -13,7 +13,7 @@ from ..core.flat import FlatModel
 from ..core.streams import model_seed
 from ..experiment import components
 from ..experiment.config import Config
-from ..fl.lora import LoraConfig
+from ..models.lora import LoraConfig
 from ..results.history import load_run
 from ..results.rundir import RunDirectory
 

@@ -1,4 +1,4 @@
-"""Asynchronous rounds on the simulated clock (see asynchronous.py for the methods): each call of
+"""Asynchronous rounds on the simulated clock (see fl/asynchronous.py for the methods): each call of
 ``run_round`` plays the clock forward until the next server update.
 
 Events happen in the order of the simulated clock, never of the machine's: a client that
@@ -31,9 +31,9 @@ from ..core.streams import async_start_generator
 from ..experiment.config import Config
 from ..fl.asynchronous import make_method
 from ..fl.system import System
+from ..results.records import ClientRecord, RoundRow
 from .buffers import RoundBuffers
 from .loop import Engine, Executor, RoundResult
-from .records import ClientRecord, RoundRow
 from .state import GlobalState
 from .update import check_finite, stop_on_nonfinite, warn_dropped
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..core.errors import ConfigError, cut, install
 from ..data.hub import hub_unreachable
-from .models import MODELS
+from .zoo import MODELS
 
 HF_PREFIX = "hf:"
 INSTALL = install("llm")

@@ -9,11 +9,11 @@ import torch
 
 import fedsim
 from fedsim.algorithms import ALGORITHMS, Clients, LocalResult
+from fedsim.algorithms.local import LocalTrainer, VmapTrainer
 from fedsim.core.flat import FlatModel
-from fedsim.execution.client import LocalTrainer, VmapTrainer
 from fedsim.experiment.config import LocalConfig
 from fedsim.fl.attacks import LabelFlip
-from fedsim.fl.models import build_model
+from fedsim.models.zoo import build_model
 
 U32 = 2.0**-24  # float32 unit roundoff
 
@@ -134,7 +134,7 @@ def test_vmap_group_equals_clients_trained_one_by_one(options):
 @pytest.mark.slow
 def test_vmap_refuses_models_with_batch_norm_statistics(tmp_path, monkeypatch):
     from fedsim.core.errors import ConfigError
-    from fedsim.fl.models import MODELS
+    from fedsim.models.zoo import MODELS
 
     class WithBatchNorm(torch.nn.Module):
         def __init__(self):

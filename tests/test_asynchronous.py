@@ -190,7 +190,7 @@ def test_asynchronous_keys_are_checked_and_warned_about_where_unread():
     warned = unused_settings(load_config(RUN, ["asynchronous.mixing=0.3"]))
     assert any("asynchronous.mixing" in w and "fedbuff" in w for w in warned)
     warned = unused_settings(load_config({**RUN, "mode": "sync"}, ["asynchronous.buffer_size=3"]))
-    assert any("asynchronous.buffer_size is set but mode is sync" in w for w in warned)
+    assert "asynchronous.buffer_size is 3 but mode is sync: set mode: async to use it" in warned
 
 
 def test_the_shipped_comparison_runs_three_servers_on_one_federation():
@@ -308,7 +308,12 @@ def test_an_async_run_whose_updates_all_turn_nonfinite_after_its_first_stops_in_
 
 def poisoned(client: int) -> dict:
     """FedBuff (K = 2) in which ``client`` sends non-finite weights whenever it trains."""
-    cfg = {**RUN, "rounds": 5, "algorithm": "test_async:PoisonsOneClient", "algorithm_options": {"client": client}}
+    cfg = {
+        **RUN,
+        "rounds": 5,
+        "algorithm": "test_asynchronous:PoisonsOneClient",
+        "algorithm_options": {"client": client},
+    }
     return {**cfg, "asynchronous": {"buffer_size": 2}}
 
 

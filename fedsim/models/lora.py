@@ -1,16 +1,8 @@
 """The ``lora:`` section: parameter-efficient fine-tuning with LoRA adapters (Hu et al. 2022,
 "LoRA: Low-Rank Adaptation of Large Language Models"), placed by Hugging Face ``peft``.
 
-Experiment file (every key optional; shown with its default)::
-
-    lora:
-      rank: 0                 # r of every adapter; 0: no adapters, every parameter is trained
-      alpha: 16.0             # the adapters' output is scaled by alpha / rank
-      dropout: 0.0            # dropout on an adapter's input
-      target_modules: null    # the layers to adapt: names (suffixes) or "all-linear"; null: peft's
-                              #   default for a transformers model
-      method: fedit           # fedit: A and B trained and averaged (FedIT); ffa: A frozen (FFA-LoRA)
-      share_base: true        # the frozen base: one copy for all workers; false: a copy per worker
+Its keys, their defaults and meanings are declared once, in ``LoraConfig`` below (``fedsim list
+keys`` prints them).
 """
 
 from __future__ import annotations
@@ -22,42 +14,60 @@ import torch.nn as nn
 
 from ..core.checks import Checks, shown
 from ..core.errors import ConfigError, cut, install
+from ..core.sections import option
+
+
+def _without_adapters(key: str, lora: Any, config: Any) -> str | None:
+    return None if lora.rank > 0 else "lora.rank is 0: no adapters"
 
 
 @dataclass
 class LoraConfig:
     """The ``lora:`` section (see the module's docstring)."""
 
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: Any | None = None  # a name, a list of names, "all-linear", or null
-    method: str = "fedit"  # fedit | ffa
-    share_base: bool = True
+    rank: int = option(
+        0,
+        "r of every LoRA adapter; `0`: no adapters, every parameter is trained. Otherwise only the adapters "
+        "train, travel, are aggregated and checkpointed (see [Language models](language-models.md))",
+    )
+    alpha: float = option(16.0, "the adapters' output is scaled by alpha / rank", unread=_without_adapters)
+    dropout: float = option(0.0, "dropout on an adapter's input, in [0, 1)", unread=_without_adapters)
+    target_modules: Any | None = option(
+        None,
+        "the layers to adapt: a name (suffix), a list of them, or `all-linear`; `null`: the model's own list",
+        unread=_without_adapters,
+    )
+    method: str = option(
+        "fedit",
+        "`fedit`: A and B trained and averaged (FedIT); `ffa`: A frozen, B alone trained and sent (FFA-LoRA)",
+        unread=_without_adapters,
+    )
+    share_base: bool = option(
+        True, "the frozen base: one copy every worker reads; `false`: a copy per worker", unread=_without_adapters
+    )
 
     @property
     def enabled(self) -> bool:
         return self.rank > 0
 
+    def check(self) -> None:
+        """The section's values, each refused in one line."""
+        checks = Checks("lora")
+        checks.at_least("rank", self.rank, 0)
+        if self.alpha <= 0:
+            checks.fail("alpha", f"must be > 0, got {self.alpha}")
+        checks.within("dropout", self.dropout, 0, 1, "[)")
+        checks.one_of("method", self.method, METHODS)
+        targets = self.target_modules
+        if not (targets is None or _names(targets)):
+            checks.fail(
+                "target_modules",
+                f"must be a layer name, a list of them or all-linear (null: the model's), got {shown(targets)}",
+            )
+
 
 METHODS = ("fedit", "ffa")
 INSTALL = install("llm")
-
-
-def check(lora: LoraConfig) -> None:
-    """The section's values, each refused in one line."""
-    checks = Checks("lora")
-    checks.at_least("rank", lora.rank, 0)
-    if lora.alpha <= 0:
-        checks.fail("alpha", f"must be > 0, got {lora.alpha}")
-    checks.within("dropout", lora.dropout, 0, 1, "[)")
-    checks.one_of("method", lora.method, METHODS)
-    targets = lora.target_modules
-    if not (targets is None or _names(targets)):
-        checks.fail(
-            "target_modules",
-            f"must be a layer name, a list of them or all-linear (null: the model's), got {shown(targets)}",
-        )
 
 
 def _names(value: object) -> bool:

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from fedsim.core.errors import ConfigError
 from fedsim.experiment.components import build_model
-from fedsim.fl import language_models
-from fedsim.fl.language_models import CausalLM, CharTransformer, char_transformer, hf_model, is_hf_model
-from fedsim.fl.models import MODELS
+from fedsim.models import language as language_models
+from fedsim.models.language import CausalLM, CharTransformer, char_transformer, hf_model, is_hf_model
+from fedsim.models.zoo import MODELS
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -328,6 +328,6 @@ def test_the_models_module_does_not_import_the_language_models():
     import ast
     from pathlib import Path
 
-    source = Path(language_models.__file__).with_name("models.py").read_text()
+    source = Path(language_models.__file__).with_name("zoo.py").read_text()
     imported = {getattr(node, "module", None) for node in ast.walk(ast.parse(source))}
-    assert "language_models" not in imported and "char_transformer" in MODELS
+    assert "language" not in imported and "char_transformer" in MODELS

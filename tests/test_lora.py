@@ -13,23 +13,23 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from support import Recorder
 from test_text_data import play_root  # a generated play folder in the layout of the real texts
 
 import fedsim
 from fedsim.algorithms.fedprox import FedProx
+from fedsim.algorithms.local import LocalTrainer
 from fedsim.core.errors import ConfigError
 from fedsim.core.flat import FlatModel
 from fedsim.data.datasets import load_dataset
 from fedsim.data.tensors import IGNORE_INDEX
 from fedsim.engine.loop import evaluate
-from fedsim.execution.client import LocalTrainer
 from fedsim.experiment.components import load_weights, run_model
 from fedsim.experiment.config import Config, LocalConfig
 from fedsim.experiment.validation import load_config
-from fedsim.fl import lora as lora_section
 from fedsim.fl.client_eval import ClientEvaluation
-from fedsim.fl.language_models import char_transformer, hf_model
-from fedsim.fl.lora import LoraConfig, apply_lora
+from fedsim.models.language import char_transformer, hf_model
+from fedsim.models.lora import LoraConfig, apply_lora
 from fedsim.results.rundir import read_clients
 
 transformers = pytest.importorskip("transformers")
@@ -179,17 +179,6 @@ def test_adamw_settings_refused_in_one_line(overrides, words):
 
 
 # ----------------------------------------------------------------------------- 2. local.steps
-
-
-class Recorder:
-    """A callback keeping every round's row and client records."""
-
-    def __init__(self):
-        self.rows, self.clients = [], []
-
-    def on_round_end(self, row, clients):
-        self.rows.append(dict(row))
-        self.clients.extend(dict(c) for c in clients)
 
 
 def linear_classifier() -> nn.Module:
@@ -433,9 +422,9 @@ def test_lora_on_layers_the_model_lacks_is_one_line():
 )
 def test_lora_section_refuses_each_bad_value_in_one_line(changes, key):
     with pytest.raises(ConfigError) as error:
-        lora_section.check(LoraConfig(**{"rank": 4, **changes}))
+        LoraConfig(**{"rank": 4, **changes}).check()
     assert str(error.value).startswith(f"lora.{key}: ") and "\n" not in str(error.value)
-    lora_section.check(LoraConfig(rank=4, target_modules=["q_proj", "v_proj"], method="ffa", dropout=0.1))
+    LoraConfig(rank=4, target_modules=["q_proj", "v_proj"], method="ffa", dropout=0.1).check()
 
 
 class OneLayer(nn.Module):

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from support import Recorder
 from test_algorithms import CLASSES, COUNTS, tiny_linear, tiny_samples
 
 import fedsim
@@ -16,17 +17,6 @@ from fedsim.data import from_tensors
 
 BATCH = 2
 EPOCH_STEPS = {n: math.ceil(n / BATCH) for n in COUNTS}  # samples -> steps of one epoch
-
-
-class Recorder:
-    """A callback keeping every round's row and client records."""
-
-    def __init__(self):
-        self.rows, self.clients = [], []
-
-    def on_round_end(self, row, clients):
-        self.rows.append(dict(row))
-        self.clients.extend(dict(c) for c in clients)
 
 
 def run(tmp_path, algorithm, system, *, rounds=2, clients_per_round=3, **options):

@@ -120,6 +120,6 @@ def test_a_failing_model_is_one_line_with_or_without_workers(small_config, tmp_p
     with pytest.raises(ConfigError) as info:
         fedsim.run(dict(small_config, workers=0), out=tmp_path / "built", quiet=True, model=not_built)
     assert str(info.value) == (
-        "keyword model: test_engine:not_built failed when it was built (ValueError: weights file missing)"
+        "keyword model: test_loop:not_built failed when it was built (ValueError: weights file missing)"
     )
     assert child_pids() == []

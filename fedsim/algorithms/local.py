@@ -1,4 +1,5 @@
-"""Local training: E epochs of SGD (or AdamW) on a client's slice of the device-resident data.
+"""Local training, which every client algorithm hooks into (the ``local:`` section): E epochs of
+SGD (or AdamW) on a client's slice of the device-resident data.
 
 The step works on the flat parameter and gradient tensors (see ``flat.py``), so it is the same
 few kernels for any model. It matches ``torch.optim.SGD`` (weight decay added to the gradient,
@@ -15,17 +16,66 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..algorithms import Algorithm
+from ..core.checks import Checks
 from ..core.flat import FlatModel
-from ..fl import tasks
+from ..core.sections import option
+from ..models import tasks
+from .base import Algorithm
 
-if TYPE_CHECKING:
-    from ..experiment.config import LocalConfig
+
+def _not_adamw(key: str, local: Any, config: Any) -> str | None:
+    return None if local.optimizer == "adamw" else f"local.optimizer is {local.optimizer}: it is adamw's"
+
+
+@dataclass
+class LocalConfig:
+    """The ``local:`` section: how every client trains in a round."""
+
+    epochs: int = option(1, "local epochs per round")
+    steps: int | None = option(
+        None,
+        "the most local steps a client takes in a round (FlowerTune's `max_steps`); the simulated clock "
+        "charges these; `null`: all",
+    )
+    batch_size: int = option(64, "local batch size")
+    lr: float = option(0.01, "local learning rate")
+    momentum: float = option(0.0, "local SGD momentum (reset for every client every round)")
+    weight_decay: float = option(0.0, "local weight decay: L2 in the gradient for SGD, decoupled for AdamW")
+    precision: str = option(
+        "fp32", "`bf16`: autocast of forward pass and loss (weights, gradients and the optimizer step stay fp32)"
+    )
+    optimizer: str = option(
+        "sgd",
+        "`sgd` (with momentum), or `adamw` (torch.optim.AdamW's step, with moments fresh for every client's "
+        "round, as a client that builds its optimizer when it gets the model)",
+    )
+    beta1: float = option(0.9, "`adamw`'s first moment decay (torch.optim.AdamW's default)", unread=_not_adamw)
+    beta2: float = option(0.999, "`adamw`'s second moment decay", unread=_not_adamw)
+    eps: float = option(1e-8, "`adamw`'s epsilon", unread=_not_adamw)
+
+    def check(self) -> None:
+        checks = Checks("local")
+        checks.at_least("epochs", self.epochs, 1)
+        if self.steps is not None:
+            checks.at_least("steps", self.steps, 1)
+        checks.at_least("batch_size", self.batch_size, 1)
+        if self.lr <= 0:
+            checks.fail("lr", f"must be > 0, got {self.lr}")
+        checks.within("momentum", self.momentum, 0, 1, "[)")
+        checks.at_least("weight_decay", self.weight_decay, 0)
+        checks.one_of("precision", self.precision, ("fp32", "bf16"))
+        checks.one_of("optimizer", self.optimizer, ("sgd", "adamw"))
+        if self.optimizer == "adamw":
+            checks.within("beta1", self.beta1, 0, 1, "[)")
+            checks.within("beta2", self.beta2, 0, 1, "[)")
+            checks.positive("eps", self.eps)
+            if self.momentum:
+                checks.fail("momentum", "is SGD's; adamw's first moment decays by local.beta1: leave momentum at 0")
 
 
 @dataclass
