@@ -1,5 +1,16 @@
-"""Federated LoRA fine-tuning of a language model: tokens per second and memory per process
-against the number of workers, with one frozen base for every worker and with a copy per worker.
+"""Federated LoRA fine-tuning of a language model: tokens per second and the memory of all
+processes, for what users run and for fedsim's ways, on the same model, data, steps and clients.
+
+Four kinds of run (``--kinds``):
+
+- ``sequential``: what the LLM federated-learning libraries run (Shepherd, OpenFedLLM,
+  FederatedScope-LLM): one process, one base, the clients one after another with peft adapters
+  reset to the global ones, torch.optim.AdamW for each, the adapters averaged by samples;
+- ``copies``: fedsim's process backend with a copy of the base in every worker
+  (``lora.share_base: false``), as simulators that load the model per client hold it;
+- ``shared``: fedsim's process backend on one base every worker reads;
+- ``batched``: fedsim's batched adapters (``backend: vmap``), groups of ``--groups`` clients
+  trained in lockstep through one pass of the shared base per step.
 
 A LoRA run trains small adapters (Hu et al. 2022, "LoRA: Low-Rank Adaptation of Large Language
 Models") on a frozen base that is most of the model. With ``lora.share_base: true`` the server
@@ -26,7 +37,7 @@ are exact: from clients.csv its sample count n and its steps s, the sizes of its
 length. Every training target is scored: the only padded sequence of a client is its last, and
 the split by time always puts it in the test set (checked on the data in each run).
 
-    python benchmarks/bench_lm.py                          # workers 1,2,4, shared base and a copy each
+    python benchmarks/bench_lm.py                          # workers 1,2,4, every kind
     python benchmarks/bench_lm.py --quick                  # a tiny model, seconds
     FEDSIM_DATA=/path/to/datasets python benchmarks/bench_lm.py   # real Shakespeare text
     python benchmarks/bench_lm.py --device cuda --workers 1,2,4,8  # on a GPU: CUDA memory per worker
@@ -44,21 +55,33 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402 (benchmarks/ is not a package)
 
-DEFAULTS = {"width": 768, "layers": 4, "heads": 12, "rank": 8, "rounds": 4, "steps": 2, "workers": "1,2,4"}
-QUICK = {"width": 128, "layers": 2, "heads": 4, "rank": 4, "rounds": 2, "steps": 1, "workers": "1"}
+DEFAULTS = {
+    "width": 768,
+    "layers": 4,
+    "heads": 12,
+    "rank": 8,
+    "rounds": 4,
+    "steps": 2,
+    "workers": "1,2,4",
+    "groups": "1,4,8",
+}
+KINDS = ("sequential", "copies", "shared", "batched")
+QUICK = {"width": 128, "layers": 2, "heads": 4, "rank": 4, "rounds": 2, "steps": 1, "workers": "1", "groups": "4"}
 EVAL_SUBSET = 16  # test sequences scored in the rounds before the last (evaluation is not what this times)
 GENERATED_CLIENTS = 100
 GENERATED_WINDOWS = 40  # sequences of a generated client, before the split into training and test
 TIMING_COLUMNS = [
     ("data", "data", ""),
-    ("base", "share", ""),
+    ("kind", "kind", ""),
     ("W", "workers", "d"),
+    ("group", "group", ""),
     ("tokens/round", "tokens_per_round", ",.0f"),
     ("tokens/s", "tokens_per_second", ",.0f"),
     ("train s", "train_seconds", ".2f"),
     ("s/round", "round_seconds", ".2f"),
     ("startup s", "startup_seconds", ".2f"),
     ("loss", "final_test_loss", ".3f"),
+    ("x sequential", "to_sequential", ".2f"),
 ]
 
 
@@ -66,7 +89,7 @@ def memory_columns(gpu: bool) -> list[tuple[str, str, str]]:
     """fedsim's own figures: PSS per process on a CPU, the CUDA allocator's peaks on a GPU."""
     if gpu:
         return [
-            ("base", "share", ""),
+            ("kind", "kind", ""),
             ("W", "workers", "d"),
             ("base MB", "frozen_base_mb", ".1f"),
             ("CUDA workers MB", "worker_mb_each", ""),
@@ -75,7 +98,7 @@ def memory_columns(gpu: bool) -> list[tuple[str, str, str]]:
             ("CUDA all MB", "all_mb", ".0f"),
         ]
     return [
-        ("base", "share", ""),
+        ("kind", "kind", ""),
         ("W", "workers", "d"),
         ("base MB", "frozen_base_mb", ".1f"),
         ("PSS workers MB", "worker_mb_each", ""),
@@ -101,7 +124,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds, 1 worker: seconds")
     parser.add_argument("--workers", help=f"worker counts, comma-separated (default {DEFAULTS['workers']})")
-    parser.add_argument("--share", default="true,false", help="lora.share_base values to measure")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"what to measure, of {', '.join(KINDS)}")
+    parser.add_argument("--groups", help="batched: clients per group, vmap_group_size (default 1,4,8)")
     parser.add_argument("--width", type=int, help=f"char_transformer width (default {DEFAULTS['width']})")
     parser.add_argument("--layers", type=int, help=f"char_transformer layers (default {DEFAULTS['layers']})")
     parser.add_argument("--heads", type=int, help=f"attention heads (default {DEFAULTS['heads']})")
@@ -110,7 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help=f"local steps per client and round (default {DEFAULTS['steps']})")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--sequence-length", type=int, default=64)
-    parser.add_argument("--clients-per-round", type=int, help="default: the largest worker count, at least 4")
+    parser.add_argument("--clients-per-round", type=int, default=8)
     parser.add_argument("--test-windows", type=int, default=256, help="test sequences evaluated (real data)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--data-root", help="folder holding shakespeare/texts (default $FEDSIM_DATA; else generated)")
@@ -166,6 +190,8 @@ def measure(spec: dict) -> dict:
     unscored = int((data.train_y == IGNORE_INDEX).sum())
     if unscored:  # tokens_per_client counts every training target
         raise RuntimeError(f"{unscored} training targets are padding; tokens per second would overcount")
+    if spec["kind"] == "sequential":
+        return {"sequential": sequential_loop(spec, data)}
     config = {**spec["config"], "data": {**spec["config"]["data"], "dataset": data}}
     with tempfile.TemporaryDirectory() as out:
         history = run(config, out=out, overwrite=True, quiet=True)
@@ -226,14 +252,12 @@ def memory(summary: dict, sampled: dict | None, gpu: bool) -> dict:
     }
 
 
-def child_spec(args: argparse.Namespace, device: str, workers: int, share: bool, root: str | None) -> dict:
-    worker_counts = [int(w) for w in harness.split_list(args.workers)]
-    per_round = args.clients_per_round or max(4, *worker_counts)
+def child_spec(args: argparse.Namespace, device: str, kind: str, workers: int, group: int | None, root) -> dict:
     config = {
-        "name": f"lm-{'shared' if share else 'copies'}-{workers}",
+        "name": f"lm-{kind}-{workers}" + (f"-{group}" if group else ""),
         "seed": 0,
         "rounds": args.rounds,
-        "clients_per_round": per_round,
+        "clients_per_round": args.clients_per_round,
         # fedsim's metrics hold the evaluated rounds only: score each, the rounds before the last on a few sequences
         "eval_subset": EVAL_SUBSET,
         "eval_batch_size": 32,  # the server's activations stay small: its PSS after the last round is then steady
@@ -246,10 +270,64 @@ def child_spec(args: argparse.Namespace, device: str, workers: int, share: bool,
             "num_clients": 200 if root else GENERATED_CLIENTS,
             "sequence_length": args.sequence_length,
         },
-        "lora": {"rank": args.rank, "share_base": share},
+        "lora": {"rank": args.rank, "share_base": kind != "copies"},
         "local": {"optimizer": "adamw", "lr": 1e-3, "batch_size": args.batch_size, "steps": args.steps, "epochs": 1},
     }
-    return {"config": config, "root": root, "test_windows": args.test_windows}
+    if kind == "batched":
+        config.update(backend="vmap", vmap_group_size=group)
+    return {"kind": kind, "config": config, "root": root, "test_windows": args.test_windows}
+
+
+def sequential_loop(spec: dict, data) -> dict:
+    """What the LLM federated-learning libraries run: one process and one base, the round's clients
+    one after another, each from the global adapters with a fresh torch.optim.AdamW, the adapters
+    then averaged by the clients' samples. peft places the adapters as in fedsim's runs."""
+    import time
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from fedsim.models.language import char_transformer
+    from fedsim.models.lora import LoraConfig, apply_lora
+
+    cfg, local = spec["config"], spec["config"]["local"]
+    length = cfg["data"]["sequence_length"]
+    torch.manual_seed(0)
+    model = char_transformer((length,), data.num_classes, **cfg["model_options"])
+    apply_lora(model, LoraConfig(rank=cfg["lora"]["rank"]), "char_transformer")
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    averaged = [p.detach().clone() for p in adapters]
+    owners = data.train_clients
+    ids = torch.unique(owners)[: cfg["data"]["num_clients"]].numpy()
+    rng = np.random.default_rng(0)
+    rounds = []
+    for _ in range(cfg["rounds"]):
+        began, tokens, total, samples = time.perf_counter(), 0, [torch.zeros_like(p) for p in adapters], 0
+        for client in rng.choice(ids, size=cfg["clients_per_round"], replace=False):
+            rows = (owners == int(client)).nonzero().flatten()
+            with torch.no_grad():
+                for p, value in zip(adapters, averaged):
+                    p.copy_(value)
+            optimizer = torch.optim.AdamW(adapters, lr=local["lr"])
+            for _, batch in zip(range(local["steps"]), rows[torch.randperm(len(rows))].split(local["batch_size"])):
+                loss = F.cross_entropy(model(data.train_x[batch]).flatten(0, 1), data.train_y[batch].flatten())
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                tokens += len(batch) * length
+            for t, p in zip(total, adapters):
+                t.add_(p.detach(), alpha=len(rows))
+            samples += len(rows)
+        averaged = [t / samples for t in total]
+        rounds.append({"seconds": time.perf_counter() - began, "tokens": tokens})
+    later = rounds[1:]
+    return {
+        "tokens_per_round": statistics.fmean(r["tokens"] for r in later),
+        "tokens_per_second": sum(r["tokens"] for r in later) / sum(r["seconds"] for r in later),
+        "train_seconds": statistics.median(r["seconds"] for r in later),
+        "round_seconds": statistics.median(r["seconds"] for r in later),
+    }
 
 
 def text_root(data_root: str | None) -> str | None:
@@ -261,30 +339,43 @@ def text_root(data_root: str | None) -> str | None:
 def measure_all(args: argparse.Namespace, device: str) -> list[dict]:
     root = text_root(args.data_root)
     data = "shakespeare_text" if root else "generated"
+    kinds = [k for k in harness.split_list(args.kinds) if k in KINDS]
+    worker_counts = [int(w) for w in harness.split_list(args.workers)]
+    groups = [int(g) for g in harness.split_list(args.groups)]
+    plan = [("sequential", 1, None)] if "sequential" in kinds else []
+    plan += [(kind, w, None) for kind in ("copies", "shared") if kind in kinds for w in worker_counts]
+    if "batched" in kinds:  # a worker trains one group at a time: no more workers than groups
+        plan += [("batched", w, g) for g in groups for w in worker_counts if w <= -(-args.clients_per_round // g)]
     entries = []
-    for share in [value.strip().lower() == "true" for value in harness.split_list(args.share)]:
-        for workers in [int(w) for w in harness.split_list(args.workers)]:
-            entry = {"data": data, "share": "shared" if share else "copies", "share_base": share, "workers": workers}
-            result = harness.run_isolated(Path(__file__), child_spec(args, device, workers, share, root), device)
-            entry.update(status=result["status"], message=result.get("message"))
-            if result["status"] == "ok":
-                summary = result["summary"]
-                entry.update(throughput(result, args.batch_size, args.sequence_length))
-                entry.update(memory(summary, result.get("memory"), device == "cuda"))
-                entry.update({k: summary.get(k) for k in ("startup_seconds", "final_test_loss", "device_name")})
-                entry.update(rows=result["rows"], summary=summary)
-            entries.append(entry)
-            print(f"{data} {entry['share']} workers={workers}: {entry['status']}", flush=True)
+    for kind, workers, group in plan:
+        entry = {"data": data, "kind": kind, "workers": workers, "group": group or ""}
+        result = harness.run_isolated(Path(__file__), child_spec(args, device, kind, workers, group, root), device)
+        entry.update(status=result["status"], message=result.get("message"))
+        if result["status"] == "ok" and kind == "sequential":
+            entry.update(result["sequential"], **harness.memory_fields(result.get("memory")))
+            entry["all_mb"] = entry.get("pss_total_mb")
+        elif result["status"] == "ok":
+            summary = result["summary"]
+            entry.update(throughput(result, args.batch_size, args.sequence_length))
+            entry.update(memory(summary, result.get("memory"), device == "cuda"))
+            entry.update({k: summary.get(k) for k in ("startup_seconds", "final_test_loss", "device_name")})
+            entry.update(rows=result["rows"], summary=summary)
+        entries.append(entry)
+        print(f"{data} {kind} workers={workers} group={group or '-'}: {entry['status']}", flush=True)
+    sequential = next((e for e in entries if e["kind"] == "sequential" and e["status"] == "ok"), None)
+    for e in entries:
+        if sequential and e.get("tokens_per_second"):
+            e["to_sequential"] = e["tokens_per_second"] / sequential["tokens_per_second"]
     return entries
 
 
 def comparison(entries: list[dict]) -> list[dict]:
     """Per worker count, the memory of the server and its workers (PSS on a CPU, the CUDA allocator's
     peaks on a GPU) with one base and with a copy per worker."""
-    ok = {(e["share_base"], e["workers"]): e for e in entries if e["status"] == "ok"}
+    ok = {(e["kind"], e["workers"]): e for e in entries if e["status"] == "ok"}
     rows = []
     for workers in sorted({w for _, w in ok}):
-        shared, copies = ok.get((True, workers)), ok.get((False, workers))
+        shared, copies = ok.get(("shared", workers)), ok.get(("copies", workers))
         if not (shared and copies and shared.get("all_mb") and copies.get("all_mb")):
             continue
         rows.append(
@@ -303,7 +394,7 @@ def comparison(entries: list[dict]) -> list[dict]:
 
 def report(entries: list[dict], args: argparse.Namespace, device: str) -> list[dict]:
     ok = [e for e in entries if e["status"] == "ok"]
-    name = ok[0]["device_name"] if ok else device
+    name = next((e["device_name"] for e in ok if e.get("device_name")), device)
     print(f"\nchar_transformer width {args.width}, {args.layers} layers, LoRA rank {args.rank} on c_attn; {name}")
     print("\nTraining tokens per second (rounds after the first, see the module's docstring)")
     print(harness.format_table(TIMING_COLUMNS, ok))
@@ -319,7 +410,7 @@ def report(entries: list[dict], args: argparse.Namespace, device: str) -> list[d
         print(harness.format_table(COMPARE_COLUMNS, rows))
     for e in entries:
         if e["status"] != "ok":
-            print(f"{e['share']} workers={e['workers']}: {e['status']}: {e['message']}")
+            print(f"{e['kind']} workers={e['workers']}: {e['status']}: {e['message']}")
     return rows
 
 

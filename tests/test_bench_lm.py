@@ -54,7 +54,7 @@ def test_tokens_per_second_count_the_rounds_after_the_first(bench_lm):
 
 
 @pytest.mark.slow
-def test_quick_run_measures_both_bases(tmp_path):
+def test_quick_run_measures_every_kind(tmp_path):
     output = tmp_path / "lm.json"
     command = [sys.executable, str(REPO / "benchmarks" / "bench_lm.py"), "--quick"]
     command += ["--device", "cpu", "--data-root", str(tmp_path), "--output", str(output)]  # no texts: generated
@@ -62,14 +62,18 @@ def test_quick_run_measures_both_bases(tmp_path):
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(output.read_text())
-    shared, copies = result["entries"]
-    assert (shared["share_base"], copies["share_base"]) == (True, False)
-    for entry in (shared, copies):
+    sequential, copies, shared, batched = result["entries"]
+    assert [e["kind"] for e in result["entries"]] == ["sequential", "copies", "shared", "batched"]
+    assert batched["group"] == 4 and batched["summary"]["config"]["backend"] == "vmap"
+    # 8 clients a round, each 1 step of 8 full sequences of 64 tokens (every generated client has more)
+    assert sequential["status"] == "ok" and sequential["tokens_per_round"] == 8 * 8 * 64
+    assert sequential["to_sequential"] == 1 and sequential["all_mb"] > 0
+    for entry in (copies, shared, batched):
         assert entry["status"] == "ok" and entry["data"] == "generated" and entry["measured_rounds"] == 1
-        # 4 clients a round, each 1 step of 8 full sequences of 64 tokens (every generated client has more)
-        assert entry["tokens_per_round"] == 4 * 8 * 64 and entry["tokens_per_second"] > 0
+        assert entry["tokens_per_round"] == 8 * 8 * 64 and entry["tokens_per_second"] > 0
         assert len(entry["worker_mb"]) == 1 and entry["frozen_base_mb"] > 0
         assert entry["all_mb"] == pytest.approx(entry["server_mb"] + sum(entry["worker_mb"]))
+        assert entry["to_sequential"] == pytest.approx(entry["tokens_per_second"] / sequential["tokens_per_second"])
     (row,) = result["comparison"]
     assert row["workers"] == 1 and row["difference_mb"] == pytest.approx(copies["all_mb"] - shared["all_mb"])
     assert "One base for every worker against a copy per worker" in done.stdout

@@ -192,3 +192,82 @@ def test_bf16_autocast_trains_close_to_fp32_and_keeps_fp32_weights():
     # cross-entropy moves by at most twice that (its gradient in the logits has l1 norm <= 2): 0.03
     assert abs(results["bf16"][0] - results["fp32"][0]) < 0.05
     assert not torch.equal(results["bf16"][1], results["fp32"][1])  # autocast really ran
+
+
+# ----------------------------------------------------------------------------- batched adapters
+
+
+def adapted_transformer(method: str, seed: int = 0):
+    """A small char_transformer with LoRA adapters on its attention (``whole``: none, every
+    parameter trained), B moved off zero (as after some rounds) so that every adapter's gradient
+    is alive from the first step."""
+    from fedsim.models.language import char_transformer
+    from fedsim.models.lora import LoraConfig, apply_lora
+
+    torch.manual_seed(seed)
+    module = char_transformer((12,), 40, layers=2, heads=2, width=32)
+    if method != "whole":
+        apply_lora(module, LoraConfig(rank=4, alpha=8.0, method=method), "char_transformer")
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return module
+
+
+def token_problem():
+    """Sequences of 12 token ids with next-token targets, the last few positions of some ignored
+    (a client's padded end), cut among three clients of unequal sizes."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 40, (70, 12), generator=g)
+    y = torch.roll(x, -1, dims=1)
+    y[::5, 9:] = -100  # IGNORE_INDEX
+    return x, y, [torch.arange(0, 29), torch.arange(29, 34), torch.arange(34, 47)]
+
+
+# Not adamw with a model trained whole: attention's key biases have a gradient that is 0 in exact
+# arithmetic and rounding noise in float32, which AdamW's g / (sqrt(v) + eps) turns into steps of
+# full size and random sign, different in any two summation orders.
+@pytest.mark.parametrize(
+    ("method", "optimizer"), [("fedit", "sgd"), ("fedit", "adamw"), ("ffa", "sgd"), ("ffa", "adamw"), ("whole", "sgd")]
+)
+def test_batched_adapters_give_each_client_what_the_process_trainer_gives_it(method, optimizer):
+    """One group of three clients of 29, 5 and 13 sequences, one of them a straggler stopped
+    after 3 steps, trained through one pass of the frozen base per step (FedIT, FFA-LoRA; or a
+    language model trained whole, by torch.func.vmap): each client's weights, steps and mean loss
+    per scored token are those of the process trainer for it alone."""
+    from fedsim.models.lora import groupable
+
+    x, y, clients = token_problem()
+    if optimizer == "adamw":
+        cfg = local(optimizer="adamw", momentum=0.0, lr=1e-2, weight_decay=0.01, epochs=2, batch_size=4)
+    else:
+        cfg = local(epochs=2, batch_size=4)
+    seeds, limits = [7, 8, 9], [None, None, 3]
+
+    one = LocalTrainer(FlatModel(adapted_transformer(method), "cpu"), x, y, cfg, num_classes=40)
+    start = one.model.flat.clone()
+    assert groupable(one.model.module) == (method != "whole")
+    expected, losses, steps = [], [], []
+    for ix, seed, limit in zip(clients, seeds, limits):
+        trained = one.train(ix, start, seed, max_steps=limit)
+        expected.append(one.model.flat.clone())
+        losses.append(float(trained.loss))
+        steps.append(int(trained.steps))
+
+    model = FlatModel(adapted_transformer(method), "cpu")
+    group = VmapTrainer(model.module, x, y, cfg, num_classes=40)
+    weights, trained = group.train(clients, start, seeds, group_seed=5, max_steps=limits)
+    assert trained.steps.tolist() == steps == [16, 4, 3]
+    # The same arithmetic but for the order of the batched sums, whose results differ by at most
+    # n u relative (n = 96, the widest layer's outputs), and AdamW's bias corrections, rounded to
+    # float32 here and kept in float64 by the process trainer (a few u a step). As in the test
+    # above, from an exact common start the weights then differ by <= n u max |w - start| and the
+    # loss by <= 2 n u relative; tolerances: 2 n u times each (the SGD cases agree exactly, and the
+    # AdamW ones to 0.33 n u, on this machine).
+    twice_nu = 2 * 96 * U32
+    for i in range(3):
+        moved = float((expected[i] - start).abs().max())
+        assert moved > 0
+        torch.testing.assert_close(weights[i], expected[i], rtol=0, atol=twice_nu * moved)
+    torch.testing.assert_close(trained.loss, torch.tensor(losses), rtol=2 * twice_nu, atol=0)

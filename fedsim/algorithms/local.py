@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..core.checks import Checks
 from ..core.flat import FlatModel
 from ..core.sections import option
-from ..models import tasks
+from ..models import lora, tasks
 from .base import Algorithm
 
 
@@ -264,18 +263,44 @@ class VmapTrainer:
         self.device = next(module.parameters()).device  # compute; the data may stay in host memory
         self.data_device = train_x.device
         module.train()
-        self.shapes = {name: p.shape for name, p in module.named_parameters()}
+        # the trained parameters are batched, one copy per client; a frozen base (LoRA) is not:
+        # every client's rows pass through the one base, each through its own adapters
+        self.shapes = {name: p.shape for name, p in module.named_parameters() if p.requires_grad}
 
         autocast = _autocast(local, self.device)
+        if lora.groupable(module):
+            self.step = self._grouped_step(module, autocast)
+            return
 
         def batch_loss(params, x, y, weight):
             with autocast:
                 scores = functional_call(module, params, (x,))
-                per_sample = F.cross_entropy(scores, y, reduction="none").float()
-            return (per_sample * weight).sum() / weight.sum().clamp_min(1.0)  # mean over real samples
+                per_target = tasks.loss(scores, y, reduction="none").view(y.shape)
+            counted = tasks.counted(y, weight)
+            # the mean over the real samples' scored targets, as the process trainer's loss is
+            return (per_target * counted).sum() / counted.sum().clamp_min(1.0)
 
         # randomness="different": each client of the group draws its own dropout masks
         self.step = vmap(grad_and_value(batch_loss), randomness="different")
+
+    @staticmethod
+    def _grouped_step(module: torch.nn.Module, autocast: torch.autocast) -> Callable:
+        """The step of a model whose trained parameters are LoRA adapters: the group's sequences
+        stacked into one batch pass through the frozen base once, each row through its own
+        client's adapters (``lora.grouped_adapters``); the sum of the clients' losses is
+        differentiated, so each client's gradient is that of its own loss."""
+
+        def step(params, x, y, weight):
+            leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
+            with lora.grouped_adapters(module, leaves), autocast:
+                scores = module(x.flatten(0, 1))
+                per_target = tasks.loss(scores, y.flatten(0, 1), reduction="none").view(y.shape)
+            counted = tasks.counted(y, weight)
+            losses = (per_target * counted).flatten(1).sum(dim=1) / counted.flatten(1).sum(dim=1).clamp_min(1.0)
+            grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
+            return dict(zip(leaves, grads)), losses.detach()
+
+        return step
 
     def _views(self, stacked: torch.Tensor) -> dict[str, torch.Tensor]:
         views, offset = {}, 0
@@ -318,13 +343,17 @@ class VmapTrainer:
         # every client's steps and samples, known before training: no host sync per step
         full = [local.epochs * -(-n // b) for n in sizes]
         left = [f if m is None else min(m, f) for f, m in zip(full, max_steps or [None] * c)]
-        steps, seen = list(left), [0] * c
+        steps = list(left)
+        seen = torch.zeros(c, device=self.device)  # scored targets trained on
         torch.manual_seed(group_seed)  # dropout and augmentation of this group, this round
         generators = [torch.Generator(self.data_device).manual_seed(s) for s in client_seeds]
         weights = start.expand(c, -1).clone()
         params = self._views(weights)
         start_params = start[: weights.shape[1]]
         momentum = torch.zeros_like(weights) if local.momentum else None
+        # adamw: each client's first and second moments and its steps so far (bias correction)
+        moments = (torch.zeros_like(weights), torch.zeros_like(weights), torch.zeros(c, 1, device=self.device))
+        moments = moments if local.optimizer == "adamw" else None
         loss_sum = torch.zeros(c, device=self.device)
         gradient_sum = torch.zeros_like(weights) if algorithm.keeps_mean_gradient else None
         for _ in range(local.epochs):
@@ -332,7 +361,6 @@ class VmapTrainer:
             if not any(used):
                 break  # every client of the group has reached its step limit
             left = [s - -(-u // b) for s, u in zip(left, used)]
-            seen = [t + u for t, u in zip(seen, used)]
             index, sample_weight = self._epoch_plan(clients_indices, generators, used)
             for batch, w in zip(index, sample_weight):
                 x, y = _batch(self.train_x, self.train_y, batch, self.device)  # [c, B, ...], [c, B]
@@ -343,25 +371,47 @@ class VmapTrainer:
                 grads, losses = self.step(params, x, y, w)
                 grad = torch.cat([grads[name].reshape(c, -1) for name in self.shapes], dim=1)
                 active = (w.sum(dim=1) > 0).to(weights.dtype)[:, None]  # clients that have this step
-                self._descend(grad, weights, active, momentum, gradient_sum, (start_params, local_state))
-                loss_sum.add_(losses * w.sum(dim=1))
+                self._descend(grad, weights, active, momentum, moments, gradient_sum, (start_params, local_state))
+                targets = tasks.counted(y, w).flatten(1).sum(dim=1)
+                loss_sum.add_(losses * targets)
+                seen.add_(targets)
         steps = torch.tensor(steps, device=self.device)
         mean_gradient = None if gradient_sum is None else gradient_sum / steps[:, None].to(weights.dtype)
-        return weights, Trained(loss_sum / torch.tensor(seen, device=self.device), steps, mean_gradient)
+        return weights, Trained(loss_sum / seen, steps, mean_gradient)
 
-    def _descend(self, grad, weights, active, momentum, gradient_sum, term_arguments: tuple) -> None:
-        """One SGD step of every client that has it (``active``, [c, 1]): weight decay, the
-        algorithm's term, momentum; a client without this step keeps its weights and momentum.
-        ``term_arguments``: the start and the clients' own state, for ``adjust_gradient``."""
+    def _descend(self, grad, weights, active, momentum, moments, gradient_sum, term_arguments: tuple) -> None:
+        """One step of every client that has it (``active``, [c, 1]): weight decay, the
+        algorithm's term, then SGD with momentum or AdamW; a client without this step keeps its
+        weights and optimizer state. ``term_arguments``: the start and the clients' own state,
+        for ``adjust_gradient``."""
         local, algorithm = self.local, self.algorithm
-        if local.weight_decay:
+        if local.weight_decay and moments is None:  # SGD's decay is in the gradient; AdamW's apart
             grad.add_(weights, alpha=local.weight_decay)
         if gradient_sum is not None:
             gradient_sum.add_(grad * active)
         if algorithm.has_gradient_term:
             algorithm.adjust_gradient(grad, weights, *term_arguments)
+        if moments is not None:
+            self._adamw(grad, weights, active, moments)
+            return
         step = grad
         if momentum is not None:
             momentum.copy_(torch.where(active > 0, momentum * local.momentum + grad, momentum))
             step = momentum
         weights.sub_(step * active, alpha=local.lr)
+
+    def _adamw(self, grad, weights, active, moments) -> None:
+        """``LocalTrainer._adamw`` for every client that has this step, each with its own moments
+        and its own step count for the bias correction."""
+        local = self.local
+        first, second, count = moments
+        count.add_(active)
+        if local.weight_decay:
+            weights.sub_(weights * active, alpha=local.lr * local.weight_decay)
+        first.copy_(torch.where(active > 0, first.lerp(grad, 1 - local.beta1), first))
+        second.copy_(torch.where(active > 0, second * local.beta2 + (1 - local.beta2) * grad * grad, second))
+        steps = count.double().clamp_min(1.0)  # a client yet without a step is not moved (active 0)
+        correction1 = (1 - local.beta1**steps).to(weights.dtype)
+        correction2 = (1 - local.beta2**steps).sqrt().to(weights.dtype)
+        denominator = (second.sqrt() / correction2).add_(local.eps)
+        weights.sub_(first / denominator * (local.lr / correction1) * active)

@@ -44,10 +44,10 @@ class ClientRunner:
             algorithm=self.algorithm,
             augment=augmentation_for(config.data, input_shape),
         )
+        self.model = self.flat_model(module, device)  # the frozen base placed, where there is one
         if config.backend == "vmap":
-            self.trainer = VmapTrainer(module.to(device), buffers.train_x, buffers.train_y, config.local, **options)
+            self.trainer = VmapTrainer(self.model.module, buffers.train_x, buffers.train_y, config.local, **options)
         else:
-            self.model = self.flat_model(module, device)
             self.trainer = LocalTrainer(self.model, buffers.train_x, buffers.train_y, config.local, **options)
 
     def flat_model(self, module: torch.nn.Module, device: torch.device) -> FlatModel:

@@ -74,11 +74,6 @@ def initial_model(cfg: Config, data: Dataset) -> torch.nn.Module:
     torch.manual_seed(model_seed(cfg.seed))
     module = components.run_model(cfg, data.input_shape, data.num_classes)
     components.probe_model(cfg.model, module, data.train_x[:2], data.num_classes, data.tokens)
-    if cfg.backend == "vmap" and (data.tokens or cfg.lora.enabled):
-        raise ConfigError(
-            "backend: vmap trains classification models whole; a token-level task or LoRA adapters "
-            "train with backend: process"
-        )
     recurrent = next((m for m in module.modules() if isinstance(m, torch.nn.RNNBase)), None)
     if cfg.backend == "vmap" and recurrent is not None:  # no batching rule: at best one client at a time
         raise ConfigError(

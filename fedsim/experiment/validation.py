@@ -74,8 +74,6 @@ def validate(cfg: Config) -> None:
     checks = Checks()
     tables = components.tables()
     checks.choice("server_optimizer", cfg.server_optimizer, tables["server optimizers"])
-    if cfg.local.optimizer == "adamw" and cfg.backend == "vmap":
-        checks.fail("backend", "vmap steps its clients by SGD; local.optimizer: adamw trains with backend: process")
     components.check(cfg)
     if cfg.backend == "vmap" and components.algorithm(cfg.algorithm, cfg.algorithm_options).trains_own_way:
         checks.fail(

@@ -7,9 +7,12 @@ keys`` prints them).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from ..core.checks import Checks, shown
@@ -112,3 +115,56 @@ def apply_lora(module: nn.Module, lora: LoraConfig, model_name: str) -> nn.Modul
         if "lora_" in name and parameter.is_floating_point():
             parameter.data = parameter.data.float()  # adapters in float32 on a bf16 base, as peft's autocast does
     return module
+
+
+# ----------------------------------------------------------------------------- batched adapters
+
+
+class GroupedLinear(nn.Module):
+    """One adapter matrix (an A or a B) for a group of c clients at once: the group's rows,
+    stacked client after client (``[c x rows, ..., in]``), each through its own client's
+    ``weight[i]`` (``[c, out, in]``) in one batched matmul, so that the frozen layer it adapts
+    computes all the group's rows in one pass (as mLoRA fuses several adapters' batches)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight  # a plain tensor: the trainer owns it and asks autograd for its gradient
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(len(self.weight), -1, x.shape[-1])
+        return torch.bmm(rows, self.weight.transpose(1, 2).to(rows.dtype)).reshape(*x.shape[:-1], -1)
+
+
+def groupable(module: nn.Module) -> bool:
+    """Whether every parameter ``module`` trains is a LoRA adapter matrix that ``GroupedLinear``
+    can stand in for (peft's A or B of a linear layer)."""
+    trained = [name for name, p in module.named_parameters() if p.requires_grad]
+    return bool(trained) and all(_adapter_slot(module, name) is not None for name in trained)
+
+
+def _adapter_slot(module: nn.Module, name: str) -> tuple[nn.ModuleDict, str] | None:
+    """The ModuleDict and key that hold the adapter whose weight is the parameter ``name``."""
+    path, _, attribute = name.rpartition(".")
+    holder_path, _, key = path.rpartition(".")
+    if attribute != "weight" or holder_path.rpartition(".")[2] not in ("lora_A", "lora_B"):
+        return None
+    holder = module.get_submodule(holder_path)
+    linear = holder[key] if isinstance(holder, nn.ModuleDict) and key in holder else None
+    return (holder, key) if isinstance(linear, nn.Linear) and linear.bias is None else None
+
+
+@contextmanager
+def grouped_adapters(module: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[nn.Module]:
+    """``module`` with each adapter named in ``weights`` (its parameter's name -> the group's
+    ``[c, out, in]``) replaced by a ``GroupedLinear``, for one forward pass of a group's rows."""
+    swapped = []
+    try:
+        for name, weight in weights.items():
+            holder, key = _adapter_slot(module, name)
+            swapped.append((holder, key, holder[key]))
+            holder[key] = GroupedLinear(weight)
+        yield module
+    finally:
+        for holder, key, adapter in swapped:
+            holder[key] = adapter
+

@@ -25,6 +25,13 @@ def hits(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return right if right.ndim == 1 else right.sum(dim=1)
 
 
+def counted(targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float, the shape of ``targets``: 1 where a target is scored in a sample of ``weight`` 1 (a
+    sample of weight 0 pads a batch), else 0; ``weight`` has the targets' leading dimensions."""
+    weight = weight.reshape(*weight.shape, *[1] * (targets.ndim - weight.ndim))
+    return (targets != IGNORE_INDEX).to(weight.dtype) * weight
+
+
 def scored(targets: torch.Tensor) -> torch.Tensor:
     """int64 [B]: each sample's scored targets (1 for a class label)."""
     if targets.ndim == 1:
