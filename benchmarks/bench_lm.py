@@ -359,7 +359,7 @@ def measure_all(args: argparse.Namespace, device: str) -> list[dict]:
             entry.update(throughput(result, args.batch_size, args.sequence_length))
             entry.update(memory(summary, result.get("memory"), device == "cuda"))
             entry.update({k: summary.get(k) for k in ("startup_seconds", "final_test_loss", "device_name")})
-            entry.update(rows=result["rows"], summary=summary)
+            entry.update(rows=result["rows"], summary=summary, backend=result["config"]["backend"])
         entries.append(entry)
         print(f"{data} {kind} workers={workers} group={group or '-'}: {entry['status']}", flush=True)
     sequential = next((e for e in entries if e["kind"] == "sequential" and e["status"] == "ok"), None)

@@ -64,7 +64,7 @@ def test_quick_run_measures_every_kind(tmp_path):
     result = json.loads(output.read_text())
     sequential, copies, shared, batched = result["entries"]
     assert [e["kind"] for e in result["entries"]] == ["sequential", "copies", "shared", "batched"]
-    assert batched["group"] == 4 and batched["summary"]["config"]["backend"] == "vmap"
+    assert batched["group"] == 4 and batched["backend"] == "vmap" and shared["backend"] == "process"
     # 8 clients a round, each 1 step of 8 full sequences of 64 tokens (every generated client has more)
     assert sequential["status"] == "ok" and sequential["tokens_per_round"] == 8 * 8 * 64
     assert sequential["to_sequential"] == 1 and sequential["all_mb"] > 0

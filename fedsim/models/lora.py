@@ -167,4 +167,3 @@ def grouped_adapters(module: nn.Module, weights: dict[str, torch.Tensor]) -> Ite
     finally:
         for holder, key, adapter in swapped:
             holder[key] = adapter
-
