@@ -99,7 +99,8 @@ class Config:
     backend: str = option(
         "process",
         "`process`: a worker trains its clients one by one; `vmap`: a worker trains a group of clients in "
-        "lockstep (see [Backends](architecture.md#backends))",
+        "lockstep (see [Backends](architecture.md#backends)); with LoRA, batched adapters (see "
+        "[Language models](language-models.md#batched-adapters))",
     )
     vmap_group_size: int = option(
         0, "`vmap`: clients trained together in one group; `0` = all clients of the round", unread=_not_vmap
