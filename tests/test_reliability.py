@@ -92,7 +92,7 @@ def test_restart_reruns_the_round_and_changes_nothing(tmp_path):
 # ----------------------------------------------------------------------------- interrupts
 
 
-@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_interrupt_stops_cleanly_and_keeps_what_was_written(tmp_path, signum, status):
     tag = uuid.uuid4().hex
     run_dir = tmp_path / "run"
@@ -143,7 +143,10 @@ except BaseException as e:  # KeyboardInterrupt, or fedsim.execution.interrupts.
 """
 
 
-@pytest.mark.parametrize("signum, raised", [(signal.SIGINT, "KeyboardInterrupt"), (signal.SIGTERM, "Terminated")])
+@pytest.mark.parametrize(
+    "signum, raised",
+    [(signal.SIGINT, "KeyboardInterrupt"), (signal.SIGTERM, "Terminated"), (signal.SIGHUP, "Terminated")],
+)
 def test_a_signal_handled_inside_a_finalizer_still_stops_the_command(tmp_path, signum, raised):
     """Python swallows an exception raised in a finalizer (``Exception ignored in ...``); the run
     must still stop, and say nothing of it."""

@@ -2,7 +2,7 @@
 
 User errors print one line on stderr and exit with status 2 (``--debug`` shows the
 traceback). Ctrl-C and SIGTERM stop the run after stopping the workers, keep what was
-written, and exit with 130 and 143; a second Ctrl-C ends everything at once.
+written, and exit with 130 and 143 (129 after SIGHUP, a closed terminal); a second Ctrl-C ends everything at once.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:  # before a command's own handling began (fedsim run while importing torch)
         print("fedsim: interrupted", file=sys.stderr)
         code = 130
-    except Terminated:
-        code = 143
+    except Terminated as e:
+        code = e.exit_code
     except BrokenPipeError:  # `fedsim list | head`: the reader has all it wanted
         from ..results.progress import write_or_silence
 

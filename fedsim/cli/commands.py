@@ -37,7 +37,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     ending = "failed"
     try:
         code = _run(args, ranks)
-        ending = "was interrupted" if code in (130, 143) else "finished"
+        ending = "was interrupted" if code in (129, 130, 143) else "finished"
         return code
     except (KeyboardInterrupt, Terminated):  # while the config was shared, before the run began
         ending = "was interrupted"
@@ -100,7 +100,7 @@ def _run(args, ranks) -> int:
         message = _stopped_message(ranks, path)
         if message:
             print(f"fedsim: {message}", file=sys.stderr)
-        return 130 if isinstance(e, KeyboardInterrupt) else 143
+        return 130 if isinstance(e, KeyboardInterrupt) else e.exit_code
     except DataError as e:
         if e.missing and not args.resume:  # offer what works at once, without the files
             raise DataError(f"{e}; or try it now on generated data: {_on_generated_data(args, cfg)}") from None
@@ -303,5 +303,5 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             planned.interrupted_message() if planned else "sweep interrupted while it was checked; nothing was written"
         )
         print(f"fedsim: {message}", file=sys.stderr)
-        return 130 if isinstance(e, KeyboardInterrupt) else 143
+        return 130 if isinstance(e, KeyboardInterrupt) else e.exit_code
     return 0

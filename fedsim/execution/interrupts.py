@@ -1,4 +1,5 @@
-"""Ctrl-C and SIGTERM: the first stops a run cleanly, a second ends everything at once.
+"""Ctrl-C, SIGTERM and SIGHUP (a closed terminal): the first stops a run cleanly, a second ends
+everything at once.
 
 A run writes its files in short critical sections (a round's row, checkpoint and line; the
 summary and plot at the end). A signal that arrives inside one is held until the section
@@ -17,15 +18,28 @@ from contextlib import contextmanager
 
 
 class Terminated(BaseException):
-    """SIGTERM, raised in the main thread so that the run unwinds and cleans up."""
+    """SIGTERM or SIGHUP, raised in the main thread so that the run unwinds and cleans up; the
+    command then exits as the signal would have ended it (143, or 129 after SIGHUP)."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+# what stops a run: Ctrl-C, a stop asked of the process, and the terminal it ran in closed
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 _exiting = False  # the command has its exit status: a signal has nothing left to stop
 
 
 def install_handlers(kill_workers: Callable[[], object]) -> None:
-    """The command line's handlers: the first SIGINT or SIGTERM raises KeyboardInterrupt or
-    Terminated in the main thread; a second calls ``kill_workers()`` and exits at once. Once
+    """The command line's handlers: the first SIGINT raises KeyboardInterrupt in the main
+    thread, the first SIGTERM or SIGHUP Terminated; a second calls ``kill_workers()`` and exits at once. Once
     the command has its exit status (``exiting``), both are ignored: a signal then (torchrun
     stops the ranks that are left once one has ended) must not change that status."""
     global _exiting
@@ -39,9 +53,9 @@ def install_handlers(kill_workers: Callable[[], object]) -> None:
     def first(signum, frame):
         if _exiting:
             return
-        signal.signal(signal.SIGINT, at_once)
-        signal.signal(signal.SIGTERM, at_once)
-        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+        for stop in STOP_SIGNALS:
+            signal.signal(stop, at_once)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 
     def swallowed(unraisable):
         """Python cannot raise out of a finalizer or a weakref callback: it prints "Exception
@@ -51,17 +65,18 @@ def install_handlers(kill_workers: Callable[[], object]) -> None:
         if not isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated)):
             default_hook(unraisable)
         elif not _exiting:
-            signal.signal(signal.SIGINT, first)
-            signal.signal(signal.SIGTERM, first)
-            signum = signal.SIGINT if isinstance(unraisable.exc_value, KeyboardInterrupt) else signal.SIGTERM
+            for stop in STOP_SIGNALS:
+                signal.signal(stop, first)
+            stopped = unraisable.exc_value
+            signum = signal.SIGINT if isinstance(stopped, KeyboardInterrupt) else stopped.signum
             resend = threading.Timer(0.05, os.kill, (os.getpid(), signum))
             resend.daemon = True
             resend.start()
 
     default_hook = sys.__unraisablehook__
     sys.unraisablehook = swallowed
-    signal.signal(signal.SIGINT, first)
-    signal.signal(signal.SIGTERM, first)
+    for stop in STOP_SIGNALS:
+        signal.signal(stop, first)
     # the interpreter's shut-down runs no Python handler, and restores the default action (death
     # by the signal) for every signal that had one; an ignored signal stays ignored
     atexit.unregister(_ignore_stop_signals)
@@ -76,19 +91,19 @@ def exiting() -> None:
 
 def _ignore_stop_signals() -> None:
     if _exiting:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for stop in STOP_SIGNALS:
+            signal.signal(stop, signal.SIG_IGN)
 
 
 @contextmanager
 def shielded() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM until the block ends, then deliver the first that came to the
+    """Hold the stop signals until the block ends, then deliver the first that came to the
     handler that was in place; a second signal inside the block is delivered at once."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signals are only ever handled in the main thread
         return
     held: list[int] = []
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
 
     def hold(signum, frame):
         if held:  # asked twice: do not wait for the block
