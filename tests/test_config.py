@@ -186,3 +186,14 @@ def test_the_keys_grouped_by_what_they_mean_for_a_run_are_declared_keys():
     from fedsim.results.keys import PLACEMENT_KEYS, RESUMABLE_KEYS, RUN_SPECIFIC_KEYS
 
     assert PLACEMENT_KEYS | RESUMABLE_KEYS | RUN_SPECIFIC_KEYS <= KEYS
+
+
+def test_a_section_set_as_a_mapping_keeps_its_other_keys():
+    raw = {"local": {"lr": 0.1, "momentum": 0.9}, "aggregator_options": {"beta": 0.1, "f": 1}}
+    for overrides in (["local={lr: 0.5}"], {"local": {"lr": 0.5}}):
+        cfg = load_config(raw, overrides)
+        assert (cfg.local.lr, cfg.local.momentum) == (0.5, 0.9)
+    # an option mapping is one key, set whole
+    assert load_config(
+        {"aggregator": "trimmed_mean", **raw}, ["aggregator_options={beta: 0.2}"]
+    ).aggregator_options == {"beta": 0.2}

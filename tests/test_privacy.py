@@ -338,6 +338,8 @@ def test_the_section_as_mapping_or_object():
         ("delta", 0, "(0, 1)"),
         ("delta", 1, "(0, 1)"),
         ("delta", 1.5, "(0, 1)"),
+        ("delta", 0.5, "below 1 / data.num_clients (0.05)"),
+        ("delta", 1 / N, "guarantees nothing"),
         ("delta", None, "required"),
         ("accountant", "gdp", "pld, rdp"),
         ("target_quantile", 1.0, "(0, 1)"),

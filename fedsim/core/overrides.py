@@ -42,13 +42,14 @@ def apply_overrides(
 
     A dotted key reaches into a section (``local.lr``) or an option mapping
     (``aggregator_options.beta``); a section that holds something other than a mapping is
-    an error, never silently replaced (an empty one, ``local:``, counts as no keys). A dict value
-    for one of the ``sections`` (``{"local": {"lr": 0.1}}``) sets its keys one by one."""
+    an error, never silently replaced (an empty one, ``local:``, counts as no keys). A mapping
+    given for one of the ``sections`` (``{"local": {"lr": 0.1}}``, ``--set 'local={lr: 0.1}'``)
+    sets its keys one by one, keeping the section's others."""
     if isinstance(overrides, dict):
         items, spelled = list(_flatten(overrides, sections)), "keyword"
     else:
-        items = [parse_override(o) for o in ([overrides] if isinstance(overrides, str) else overrides)]
-        spelled = "--set"
+        parsed = [parse_override(o) for o in ([overrides] if isinstance(overrides, str) else overrides)]
+        items, spelled = [item for key, value in parsed for item in _flatten({key: value}, sections)], "--set"
     for key, value in items:
         node = raw
         parts = key.split(".")

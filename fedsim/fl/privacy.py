@@ -198,6 +198,15 @@ class Privacy:
         self.clients_per_round = _TOP.count("clients_per_round", clients_per_round, 1)
         if self.clients_per_round > self.num_clients:
             _TOP.fail("clients_per_round", f"must be <= data.num_clients ({num_clients}), got {clients_per_round}")
+        if self.delta >= 1 / self.num_clients:
+            # (epsilon, delta) with delta >= 1/n is met by a mechanism that publishes one client's
+            # data whole, picked at random (Dwork & Roth 2014, 2.3): the guarantee says nothing
+            _CHECKS.fail(
+                "delta",
+                f"must be below 1 / data.num_clients ({1 / self.num_clients:.3g}), usually far below, got "
+                f"{delta!r}: a mechanism that releases a random client's data whole meets any epsilon at a "
+                f"delta of 1 / data.num_clients, so such a delta guarantees nothing",
+            )
         self.sample_rate = self.clients_per_round / self.num_clients  # q
         self.clip_learning_rate = _CHECKS.positive("clip_learning_rate", clip_learning_rate)
         self.count_noise = (
