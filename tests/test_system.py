@@ -382,6 +382,8 @@ def test_local_steps_count_the_last_short_batch():
         ({"speed": {"gamma": 1}}, {}, "system.speed"),
         ({"speed": {"uniform": [0, 1]}}, {}, "system.speed"),
         ({"speed": {"uniform": [2, 1]}}, {}, "system.speed"),
+        ({"speed": {"uniform": [5e-324, 1]}}, {}, "system.speed"),  # a clock of inf simulated seconds
+        ({"speed": {"uniform": [1, 1e31]}}, {}, "system.speed"),
         ({"speed": 2}, {}, "system.speed"),
         ({"speed": {"lognormal": 0.5, "uniform": [1, 2]}}, {}, "system.speed"),
         ({"step_seconds": 0}, {}, "system.step_seconds"),
@@ -425,3 +427,14 @@ def test_bad_values_are_refused_in_one_line_naming_the_key(section, top, key):
     else:
         with pytest.raises(ConfigError, match=f"^{key}: "):
             System(section, **top)
+
+
+def test_the_slowest_speeds_keep_the_simulated_clock_finite():
+    """Speeds are held within [1e-30, 1e30] (uniform bounds outside are refused, lognormal draws
+    held there), so that the largest simulated time a run can sum, 2^63 rounds of 2^63 steps of
+    3.4e38 s at the slowest speed, is finite in float64."""
+    from fedsim.fl.system_config import SPEED_RANGE
+
+    speeds = System({"speed": {"lognormal": 10.0}}).speeds(0, 100_000)
+    assert SPEED_RANGE[0] <= speeds.min() < 1e-10 and 1e10 < speeds.max() <= SPEED_RANGE[1]
+    assert np.isfinite(2.0**63 * 2.0**63 * 3.4e38 / SPEED_RANGE[0])

@@ -61,7 +61,7 @@ from ..algorithms import ALGORITHMS, Algorithm
 from ..core.registry import is_import_path, load_attr
 from ..core.streams import AVAILABILITY, DROPOUT, ONLINE, SPEED, generator
 from .sampling import choose, draw
-from .system_config import SystemConfig, parse_system
+from .system_config import SPEED_RANGE, SystemConfig, parse_system
 
 # A step that ends within a billionth (relative) of the deadline counts as in time: 3 s / 0.1 s is
 # 30 steps, although 3 / 0.1 is 29.999999999999996 in floating point.
@@ -250,8 +250,8 @@ class System:
         if kind == "constant":
             return np.ones(n)
         rng = generator(SPEED, seed)
-        if kind == "lognormal":
-            return np.exp(params[0] * rng.standard_normal(n))  # median exp(0) = 1
+        if kind == "lognormal":  # median exp(0) = 1; the far tails held where the clock stays finite
+            return np.clip(np.exp(params[0] * rng.standard_normal(n)), *SPEED_RANGE)
         return rng.uniform(params[0], params[1], size=n)
 
     def availabilities(self, seed: int, num_clients: int) -> np.ndarray:

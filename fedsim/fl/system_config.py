@@ -51,6 +51,10 @@ STRAGGLERS = ("drop", "partial")
 AVAILABILITY_DISTRIBUTIONS = ("uniform", "beta")
 SPEED_DISTRIBUTIONS = ("lognormal", "uniform")
 MAX_SIGMA = 10.0  # beyond this, lognormal speeds of a large federation over- and underflow float64
+# Speeds are kept within [1e-30, 1e30]: a client's simulated time is then at most step_seconds
+# (< 3.4e38) x steps (< 2^63) / 1e-30 ~ 3e87 s, and a clock summing 2^63 of them stays finite in
+# float64 (~3e106), where a speed of 5e-324 would make it infinite.
+SPEED_RANGE = (1e-30, 1e30)
 _CHECKS = Checks("system")
 
 
@@ -121,9 +125,12 @@ def _speed(value) -> tuple:
             _CHECKS.fail(key, f"lognormal sigma must be in [0, {MAX_SIGMA:g}], got {sigma}")
         return ("lognormal", sigma)
     low, high = _pair(key, name, params, "low, high")
-    if not 0 < low <= high:
+    if not SPEED_RANGE[0] <= low <= high <= SPEED_RANGE[1]:
         _CHECKS.fail(
-            key, f"uniform [low, high] needs 0 < low <= high (a speed of 0 never finishes), got [{low}, {high}]"
+            key,
+            f"uniform [low, high] needs {SPEED_RANGE[0]:g} <= low <= high <= {SPEED_RANGE[1]:g} (speeds relative to "
+            f"1; a speed of 0 never finishes, and one below {SPEED_RANGE[0]:g} would make the simulated clock "
+            f"infinite), got [{low}, {high}]",
         )
     return ("uniform", low, high)
 
