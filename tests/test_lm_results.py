@@ -114,7 +114,7 @@ def test_the_updating_display_of_a_token_run_shows_its_perplexity():
 
 
 def test_summary_of_a_token_run_has_final_and_lowest_perplexity():
-    from fedsim.runs.session import outcome
+    from fedsim.runs.summary import outcome
 
     rows = [round_row(r, loss, acc, True) for r, (loss, acc) in enumerate(zip(LOSSES, TOKEN_ACCURACY), 1)]
     summary = outcome(rows, target=0.3)
@@ -125,7 +125,7 @@ def test_summary_of_a_token_run_has_final_and_lowest_perplexity():
 
 
 def test_summary_of_a_classification_run_keeps_its_keys():
-    from fedsim.runs.session import outcome
+    from fedsim.runs.summary import outcome
 
     rows = [round_row(r, 1.0 - a, a, False) for r, a in enumerate((0.5, 0.7), 1)]
     assert outcome(rows, None) == {

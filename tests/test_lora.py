@@ -692,6 +692,11 @@ def test_a_lora_run_with_batched_adapters_computes_what_the_process_backend_comp
         {**cfg, "backend": "vmap", "vmap_group_size": 2, "workers": 2}, out=tmp_path / "batched", quiet=True
     )
     assert batched.config["backend"] == "vmap" and len(process.client_records) == 8
+    # the run says what it trained: its adapters (rank 2 on c_attn, 16 wide, 48 out) of the whole model
+    trained = 2 * 48 + (2 * 16 if method == "fedit" else 0)
+    for history in (process, batched):
+        assert history.summary["lora"] == {"method": method, "rank": 2}
+        assert history.summary["trainable_parameters"] == trained < history.summary["total_parameters"]
 
     def of(history, key):
         return [record[key] for record in history.client_records]

@@ -180,3 +180,15 @@ def test_a_resume_refuses_the_files_of_another_run_with_as_many_rows(tmp_path):
         assert "\n" not in str(refused.value) and (mine / name).read_bytes() == (other / name).read_bytes()
         (mine / name).write_bytes(kept)
     assert fedsim.resume(mine, rounds=3, quiet=True).summary["rounds"] == 3  # its own files: resumed
+
+
+def test_a_lora_run_and_a_server_optimizer_are_named_in_the_runs_description():
+    from fedsim.experiment.validation import load_config
+    from fedsim.results.history import describe_run
+
+    lora = {"model": "char_transformer", "lora": {"rank": 8, "method": "ffa", "target_modules": "c_attn"}}
+    text = describe_run(load_config({**lora, "data": {"dataset": "shakespeare_text"}}).to_dict())
+    assert "model char_transformer with LoRA ffa rank 8, aggregator fedavg, algorithm fedavg" in text
+    text = describe_run(load_config({"server_optimizer": "fedadam"}).to_dict())
+    assert "model mnist_cnn, aggregator fedavg, server optimizer fedadam, algorithm fedavg" in text
+    assert "LoRA" not in text and "server optimizer" not in describe_run(load_config({}).to_dict())

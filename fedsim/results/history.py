@@ -223,9 +223,9 @@ def _experiment_key(config: dict, distinguish: set) -> tuple:
 
 
 def describe_run(config: dict, overrides: dict | None = None) -> str:
-    """What a run computed, in one line: dataset and split, model, aggregation rule, algorithm (as
-    config.yaml names them), then the keys set on top of its experiment (``overrides``, as
-    summary.json keeps them), cut short where long."""
+    """What a run computed, in one line: dataset and split, model (and its LoRA adapters),
+    aggregation rule and server optimizer, algorithm (as config.yaml names them), then the keys
+    set on top of its experiment (``overrides``, as summary.json keeps them), cut short where long."""
     data = config.get("data") or {}
     # an async run weighs updates by staleness, not by its (refused) rule
     server = (
@@ -233,9 +233,14 @@ def describe_run(config: dict, overrides: dict | None = None) -> str:
         if config.get("mode") == "async"
         else f"aggregator {config.get('aggregator')}"
     )
+    optimizer = config.get("server_optimizer")
+    if optimizer not in (None, "none") and config.get("mode") != "async":
+        server += f", server optimizer {optimizer}"
+    lora = config.get("lora") or {}
+    adapters = f" with LoRA {lora.get('method')} rank {lora.get('rank')}" if (lora.get("rank") or 0) > 0 else ""
     text = (
         f"{data.get('dataset')} ({data.get('partition')}, {data.get('num_clients')} clients), "
-        f"model {config.get('model')}, {server}, algorithm {config.get('algorithm')}"
+        f"model {config.get('model')}{adapters}, {server}, algorithm {config.get('algorithm')}"
     )
     if overrides:
         text += "; with " + cut(", ".join(f"{key}={_plain(value)}" for key, value in overrides.items()), 120)

@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ..core.errors import FedsimError, OutputError, exception_text, explain_resource_error
-from ..core.flat import base_bytes
+from ..core.errors import FedsimError, OutputError, explain_resource_error
 from ..engine.buffers import RoundBuffers
 from ..engine.state import GlobalState
 from ..execution.distributed import Ranks
@@ -29,7 +28,6 @@ from ..execution.hogwild import HogwildRunner
 from ..execution.interrupts import shielded, then_shielded
 from ..execution.pool import PoolKeeper
 from ..execution.ranks import RanksExecutor
-from ..execution.resources import peak_memory_mb, pss_bytes
 from ..execution.runner import ClientRunner
 from ..experiment import components
 from ..experiment.config import Config, overrides_of
@@ -43,6 +41,7 @@ from ..results.progress import RoundLog, console_logging
 from ..results.rundir import RunDirectory, read_clients, read_mapping
 from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart, notify
 from .parts import build_parts, component_names, data_placement, make_engine, resolve_workers, run_device
+from .summary import account, update_bytes
 
 logger = logging.getLogger("fedsim")
 
@@ -80,80 +79,6 @@ def ready_message(
     )
 
 
-def what_ran(config: dict, input_shape: tuple, num_classes: int, overrides: dict, first_round: int) -> dict:
-    """summary.json's account of what ran: the experiment's parts, the shape of its data (what
-    load_model builds the model for), the keys set on top of its file, and the round a resumed
-    run went on from."""
-    return {
-        **{key: config[key] for key in ("model", "aggregator", "algorithm")},
-        "dataset": config["data"]["dataset"],
-        "partition": config["data"]["partition"],
-        "input_shape": list(input_shape),
-        "num_classes": num_classes,
-        "overrides": overrides,
-        "resumed_at_round": first_round if first_round > 1 else None,
-    }
-
-
-def outcome(rows: list[dict], target: float | None) -> dict:
-    """summary.json's account of how the run went, from its evaluated rounds' rows. A token-level
-    run (a language model: rows with ``test_perplexity``) also has ``final_test_perplexity`` and
-    ``best_test_perplexity`` (the lowest); its accuracies are token accuracies."""
-    accuracies = [r["test_accuracy"] for r in rows]
-    perplexities = [r["test_perplexity"] for r in rows if r.get("test_perplexity") is not None]
-    return {
-        "rounds": rows[-1]["round"] if rows else 0,
-        "final_test_accuracy": accuracies[-1] if accuracies else None,
-        "best_test_accuracy": max(accuracies) if accuracies else None,
-        "final_test_loss": rows[-1]["test_loss"] if rows else None,
-        **(
-            {"final_test_perplexity": perplexities[-1], "best_test_perplexity": min(perplexities)}
-            if perplexities
-            else {}
-        ),
-        "rounds_to_target": next((r["round"] for r in rows if target and r["test_accuracy"] >= target), None),
-    }
-
-
-def personal_outcome(rows: list[dict]) -> dict:
-    """summary.json's account of the personal models (a run whose client_eval_model is personal):
-    the final and best mean accuracy of the clients' own models on their own test splits."""
-    means = [r["client_accuracy_mean"] for r in rows if r.get("client_accuracy_mean") is not None]
-    return {"final_personal_accuracy": means[-1] if means else None, "best_personal_accuracy": max(means, default=None)}
-
-
-def feature_figures(cfg: Config, rows: list[dict], client_rows: list[dict], update_bytes: tuple | None) -> dict:
-    """summary.json's figure of each feature the run had on, and only of those; and of every run
-    that sends anything (all but hogwild's) its traffic, the baseline compression is judged by.
-
-    ``megabytes_sent``, the bytes sent down and up since round 1 over 10^6; ``compression_ratio``,
-    those bytes over what the same rounds would have sent uncompressed: the same traffic with each
-    update that arrived (a clients.csv row whose work was not lost as a dropout or straggler) at
-    its whole size instead (``update_bytes``: an update's bytes whole and compressed; None, and so
-    a ratio of 1, without compression).
-
-    privacy: the last evaluated round's ``final_epsilon`` and the config's ``delta``. async: the
-    ``staleness_mean`` and ``staleness_max`` of the updates used (clients.csv rows with dropped 0).
-    dropouts or a deadline: ``clients_lost``, the clients.csv rows lost as dropout or straggler."""
-    figures = {}
-    sent = rows[-1].get("cumulative_bytes") if rows else None
-    if sent is not None:
-        arrived = sum(1 for r in client_rows if r["dropped"] not in ("dropout", "straggler"))
-        whole = sent + arrived * (update_bytes[0] - update_bytes[1] if update_bytes else 0)
-        figures |= {"megabytes_sent": sent / 1e6, "compression_ratio": sent / whole if whole else None}
-    if cfg.privacy:
-        figures |= {"final_epsilon": rows[-1].get("epsilon") if rows else None, "delta": cfg.privacy.delta}
-    if cfg.mode == "async":
-        stale = [r["staleness"] for r in client_rows if r["dropped"] == 0 and r.get("staleness") is not None]
-        figures |= {
-            "staleness_mean": sum(stale) / len(stale) if stale else None,
-            "staleness_max": max(stale, default=None),
-        }
-    if cfg.system.dropout or cfg.system.deadline is not None:
-        figures["clients_lost"] = sum(1 for r in client_rows if r["dropped"] in ("dropout", "straggler"))
-    return figures
-
-
 def feature_header(cfg: Config, update_bytes: tuple | None) -> str | None:
     """The figures known at the start, as a line: an update's size under compression, privacy's delta."""
     parts = []
@@ -163,37 +88,6 @@ def feature_header(cfg: Config, update_bytes: tuple | None) -> str | None:
     if cfg.privacy:
         parts.append(f"privacy: epsilon is spent at delta {cfg.privacy.delta:g}")
     return "; ".join(parts) or None
-
-
-def update_bytes(state: GlobalState, compression: Compression | None) -> tuple[int, int] | None:
-    """An update's bytes whole and as compression sends it (only the trainable parameters are
-    compressed; buffers travel whole), as engine/update.py counts them; None without compression."""
-    if not compression:
-        return None
-    length, n, size = len(state.model), state.model.num_params, state.model.flat.element_size()
-    return size * length, compression.compressor.message_bytes(n) + size * (length - n)
-
-
-def where_it_ran(
-    device: torch.device, workers: int, worker_peak_memory: list[int], worker_pss: list[int], state: GlobalState
-) -> dict:
-    """summary.json's account of the machine: the device, the workers and the memory they took.
-    On a CPU also each process's proportional set size, in which memory shared by several
-    processes (the data, a frozen base) counts once over all of them; and the frozen base's size."""
-    megabytes = lambda sizes: [round(b / 2**20, 1) for b in sizes]  # noqa: E731
-    return {
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "workers": workers,
-        "worker_peak_memory_mb": megabytes(worker_peak_memory),
-        "server_peak_memory_mb": peak_memory_mb(device),
-        **(
-            {"worker_pss_mb": megabytes(worker_pss), "server_pss_mb": megabytes([pss_bytes()])[0]}
-            if device.type == "cpu" and any(worker_pss)
-            else {}
-        ),
-        **({"frozen_base_mb": round(base_bytes(state.model.base) / 2**20, 1)} if state.model.base else {}),
-    }
 
 
 class Session:
@@ -414,30 +308,7 @@ class Session:
 
     def _write_summary(self, status: str, ended_by: BaseException | None) -> None:
         config = self.cfg.to_dict()
-        failed = status == "failed" and ended_by is not None
-        error = str(ended_by) if isinstance(ended_by, FedsimError) else exception_text(ended_by) if failed else None
-        self.summary = {
-            "name": self.cfg.name,
-            "status": status,
-            **({"error": error} if failed else {}),  # what ended a failed run, in the words of its one line
-            **what_ran(config, self.input_shape, self.num_classes, self.overrides, self.first_round),
-            **outcome(self.rows, self.cfg.stop_at_accuracy),
-            **(personal_outcome(self.rows) if self.client_eval and self.state.algorithm.has_personal_model else {}),
-            **feature_figures(self.cfg, self.rows, self.client_rows, update_bytes(self.state, self.compression)),
-            "checkpoint_round": self.state.saved_round,
-            "bytes_sent": self.state.bytes_sent,
-            **self.state.clients.summary(),
-            **(
-                {"client_eval_model": "personal" if self.state.algorithm.has_personal_model else "global"}
-                if self.client_eval
-                else {}
-            ),
-            "startup_seconds": self.startup_seconds,
-            "wall_seconds": round(self.elapsed_before + time.perf_counter() - self.t_start, 3),
-            **where_it_ran(self.device, self.workers, *self.worker_memory, self.state),
-            **({"ranks": self.executor.rank_memory} if self.ranks.several else {}),
-            "torch": torch.__version__,
-        }
+        self.summary = account(self, status, ended_by)
         self.run_dir.write_summary(self.summary)
         if self.rows:
             from ..results.plot import save_accuracy_plot
