@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -271,3 +272,44 @@ def test_batched_adapters_give_each_client_what_the_process_trainer_gives_it(met
         assert moved > 0
         torch.testing.assert_close(weights[i], expected[i], rtol=0, atol=twice_nu * moved)
     torch.testing.assert_close(trained.loss, torch.tensor(losses), rtol=2 * twice_nu, atol=0)
+
+
+# ----------------------------------------------------------------------------- the learning rate over the rounds
+
+
+def flowertune_cosine(current_round: int, total_round: int, lrate_max: float, lrate_min: float) -> float:
+    """FlowerTune's cosine_annealing, as its LLM templates write it."""
+    cos_inner = math.pi * current_round / total_round
+    return lrate_min + 0.5 * (lrate_max - lrate_min) * (1 + math.cos(cos_inner))
+
+
+def test_the_cosine_schedule_is_flowertunes_annealing():
+    cfg = local(lr=0.02, lr_schedule="cosine", lr_min=0.001)
+    assert [cfg.round_lr(t, 10) for t in range(1, 11)] == [flowertune_cosine(t, 10, 0.02, 0.001) for t in range(1, 11)]
+    assert cfg.round_lr(10, 10) == 0.001 and local(lr=0.02).round_lr(7, 10) == 0.02
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_cosine_run_trains_each_round_at_its_rate(tmp_path, optimizer):
+    """Two rounds annealed from lr to 0: round 1 trains at lr / 2, exactly as a constant run at
+    lr / 2 does, and round 2 at 0, so its clients move nothing."""
+    cfg = {
+        "seed": 2,
+        "device": "cpu",
+        "workers": 0,
+        "rounds": 2,
+        "clients_per_round": 2,
+        "model": "mnist_2nn",
+        "data": {"dataset": "synthetic", "limit": 400, "num_clients": 4},
+        "local": {"lr": 0.1 if optimizer == "sgd" else 0.01, "optimizer": optimizer},
+    }
+    lr = cfg["local"]["lr"]
+    annealed = fedsim.run(
+        {**cfg, "local": {**cfg["local"], "lr_schedule": "cosine"}}, out=tmp_path / "cosine", quiet=True
+    )
+    half = fedsim.run({**cfg, "rounds": 1, "local": {**cfg["local"], "lr": lr / 2}}, out=tmp_path / "half", quiet=True)
+    assert annealed.test_accuracy[0] == half.test_accuracy[0] and annealed.test_loss[0] == half.test_loss[0]
+    second = [r for r in annealed.client_records if r["round"] == 2]
+    assert len(second) == 2 and all(r["update_norm"] == 0 for r in second)
+    assert annealed.test_loss[1] == annealed.test_loss[0]

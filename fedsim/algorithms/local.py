@@ -27,6 +27,10 @@ from ..models import lora, tasks
 from .base import Algorithm
 
 
+def _constant_lr(key: str, local: Any, config: Any) -> str | None:
+    return None if local.lr_schedule != "constant" else "local.lr_schedule is constant"
+
+
 def _not_adamw(key: str, local: Any, config: Any) -> str | None:
     return None if local.optimizer == "adamw" else f"local.optimizer is {local.optimizer}: it is adamw's"
 
@@ -42,7 +46,13 @@ class LocalConfig:
         "charges these; `null`: all",
     )
     batch_size: int = option(64, "local batch size")
-    lr: float = option(0.01, "local learning rate")
+    lr: float = option(0.01, "local learning rate (with `lr_schedule: cosine`, the first rounds')")
+    lr_schedule: str = option(
+        "constant",
+        "the learning rate over the rounds: `constant`, or `cosine`: round t of T trains with lr_min + (lr - "
+        "lr_min) (1 + cos(pi t / T)) / 2, as FlowerTune anneals it, whatever `optimizer`",
+    )
+    lr_min: float = option(0.0, "`cosine`: the learning rate it anneals to by the last round", unread=_constant_lr)
     momentum: float = option(0.0, "local SGD momentum (reset for every client every round)")
     weight_decay: float = option(0.0, "local weight decay: L2 in the gradient for SGD, decoupled for AdamW")
     precision: str = option(
@@ -57,6 +67,14 @@ class LocalConfig:
     beta2: float = option(0.999, "`adamw`'s second moment decay", unread=_not_adamw)
     eps: float = option(1e-8, "`adamw`'s epsilon", unread=_not_adamw)
 
+    def round_lr(self, rnd: int, rounds: int) -> float:
+        """The learning rate of round ``rnd`` (1-based) of ``rounds``: ``lr``, or its cosine
+        annealing (Loshchilov & Hutter 2017's SGDR, one cycle over the run), FlowerTune's
+        ``cosine_annealing(current_round, total_round, lrate_max, lrate_min)``."""
+        if self.lr_schedule == "constant":
+            return self.lr
+        return self.lr_min + 0.5 * (self.lr - self.lr_min) * (1 + math.cos(math.pi * min(rnd, rounds) / rounds))
+
     def check(self) -> None:
         checks = Checks("local")
         checks.at_least("epochs", self.epochs, 1)
@@ -65,6 +83,8 @@ class LocalConfig:
         checks.at_least("batch_size", self.batch_size, 1)
         if self.lr <= 0:
             checks.fail("lr", f"must be > 0, got {self.lr}")
+        checks.one_of("lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        checks.within("lr_min", self.lr_min, 0, self.lr, why=" (0 up to local.lr)")
         checks.within("momentum", self.momentum, 0, 1, "[)")
         checks.at_least("weight_decay", self.weight_decay, 0)
         checks.one_of("precision", self.precision, ("fp32", "bf16"))
@@ -127,6 +147,7 @@ class LocalTrainer:
         )
         self.loss_sum = torch.zeros((), device=model.flat.device)
         self.autocast = _autocast(local, model.flat.device)
+        self.lr = local.lr  # this round's (the runner sets it where local.lr_schedule anneals it)
 
     def train(
         self,
@@ -216,7 +237,7 @@ class LocalTrainer:
         update = grad
         if self.momentum is not None:
             update = self.momentum.mul_(local.momentum).add_(grad)
-        params.add_(update, alpha=-local.lr)
+        params.add_(update, alpha=-self.lr)
 
     def _adamw(self, grad: torch.Tensor, trainable: torch.Tensor | None, step: int) -> None:
         """AdamW (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization") as
@@ -225,11 +246,11 @@ class LocalTrainer:
         params, local = self.model.params, self.local
         first, second = self.moments
         if local.weight_decay:
-            params.sub_(params if trainable is None else params * trainable, alpha=local.lr * local.weight_decay)
+            params.sub_(params if trainable is None else params * trainable, alpha=self.lr * local.weight_decay)
         first.lerp_(grad, 1 - local.beta1)
         second.mul_(local.beta2).addcmul_(grad, grad, value=1 - local.beta2)
         denominator = (second.sqrt() / math.sqrt(1 - local.beta2**step)).add_(local.eps)
-        params.addcdiv_(first, denominator, value=-local.lr / (1 - local.beta1**step))
+        params.addcdiv_(first, denominator, value=-self.lr / (1 - local.beta1**step))
 
 
 class VmapTrainer:
@@ -259,6 +280,7 @@ class VmapTrainer:
 
         self.train_x, self.train_y, self.local = train_x, train_y, local
         self.num_classes, self.augment = num_classes, augment
+        self.lr = local.lr  # this round's (the runner sets it where local.lr_schedule anneals it)
         self.algorithm = algorithm or Algorithm()
         self.device = next(module.parameters()).device  # compute; the data may stay in host memory
         self.data_device = train_x.device
@@ -398,7 +420,7 @@ class VmapTrainer:
         if momentum is not None:
             momentum.copy_(torch.where(active > 0, momentum * local.momentum + grad, momentum))
             step = momentum
-        weights.sub_(step * active, alpha=local.lr)
+        weights.sub_(step * active, alpha=self.lr)
 
     def _adamw(self, grad, weights, active, moments) -> None:
         """``LocalTrainer._adamw`` for every client that has this step, each with its own moments
@@ -407,11 +429,11 @@ class VmapTrainer:
         first, second, count = moments
         count.add_(active)
         if local.weight_decay:
-            weights.sub_(weights * active, alpha=local.lr * local.weight_decay)
+            weights.sub_(weights * active, alpha=self.lr * local.weight_decay)
         first.copy_(torch.where(active > 0, first.lerp(grad, 1 - local.beta1), first))
         second.copy_(torch.where(active > 0, second * local.beta2 + (1 - local.beta2) * grad * grad, second))
         steps = count.double().clamp_min(1.0)  # a client yet without a step is not moved (active 0)
         correction1 = (1 - local.beta1**steps).to(weights.dtype)
         correction2 = (1 - local.beta2**steps).sqrt().to(weights.dtype)
         denominator = (second.sqrt() / correction2).add_(local.eps)
-        weights.sub_(first / denominator * (local.lr / correction1) * active)
+        weights.sub_(first / denominator * (self.lr / correction1) * active)

@@ -49,6 +49,7 @@ class HogwildRunner(ClientRunner):
         (slot,) = slots  # the process backend: one client per group
         client = int(b.assignment[slot])
         indices = b.client_samples(client)
+        self.trainer.lr = self.config.local.round_lr(rnd, self.config.rounds)
         trained = self.trainer.train(indices, None, client_seed(self.config.seed, rnd, client))
         b.stats[slot, 0] = len(indices)
         b.stats[slot, 1].copy_(trained.loss[0])

@@ -57,6 +57,7 @@ class ClientRunner:
 
     def train_group(self, slots: list[int], rnd: int) -> None:
         cfg, b = self.config, self.buffers
+        self.trainer.lr = cfg.local.round_lr(rnd, cfg.rounds)
         clients = [int(b.assignment[slot]) for slot in slots]
         rows = slice(slots[0], slots[-1] + 1)
         ids = torch.tensor(clients, device=b.global_flat.device)
