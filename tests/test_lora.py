@@ -705,3 +705,50 @@ def test_a_lora_run_with_batched_adapters_computes_what_the_process_backend_comp
     # a few float32 roundings of a loss of about 5 (log 256 at the start), compounded over 2 rounds
     assert of(batched, "train_loss") == pytest.approx(of(process, "train_loss"), rel=1e-4)
     assert batched.test_loss == pytest.approx(process.test_loss, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_fedsa_lora_averages_the_a_matrices_and_keeps_each_clients_b(tmp_path):
+    """FedSA-LoRA's round from its paper's equations, against FedIT's round on the same clients
+    (whose local training is the same in a first round: both start from the global A and B = 0):
+    the global A is FedIT's (the sample-weighted mean of the clients' A), the global B stays at
+    zero, and the clients' kept B, averaged by their samples, are FedIT's global B."""
+    from fedsim.core.files import read_checkpoint
+
+    root, _ = play_root(tmp_path)
+    cfg = {
+        "seed": 3,
+        "device": "cpu",
+        "rounds": 1,
+        "workers": 0,
+        "clients_per_round": 2,
+        "model": "char_transformer",
+        "model_options": {"layers": 1, "heads": 2, "width": 16},
+        "data": {"dataset": "shakespeare_text", "root": str(root), "sequence_length": 16, "num_clients": 2},
+        "local": {"batch_size": 2, "lr": 0.01, "optimizer": "adamw", "steps": 3},
+        "lora": {"rank": 2, "alpha": 4.0},
+    }
+    fedit = fedsim.run(cfg, out=tmp_path / "fedit", quiet=True)
+    fedsa = fedsim.run({**cfg, "algorithm": "fedsa_lora"}, out=tmp_path / "fedsa", quiet=True)
+    model = char_transformer((16,), 256, layers=1, heads=2, width=16)
+    apply_lora(model, LoraConfig(rank=2, alpha=4.0), "char_transformer")
+    b = torch.cat([torch.full((p.numel(),), "lora_B" in n) for n, p in model.named_parameters() if p.requires_grad])
+    ours, theirs = (read_checkpoint(h.run_dir / "checkpoint.pt") for h in (fedsa, fedit))
+    torch.testing.assert_close(ours["global"][~b], theirs["global"][~b], rtol=0, atol=0)
+    assert not ours["global"][b].any() and theirs["global"][b].abs().max() > 0
+    (kept,) = ours["client_state"].values()
+    samples = {r["client"]: r["samples"] for r in fedsa.client_records}
+    assert sorted(kept) == sorted(samples) == [0, 1]
+    mean = sum(kept[c] * samples[c] for c in kept) / sum(samples.values())
+    # the same weighted mean, rounded in another order: a few float32 units of the largest term
+    largest = max(float(kept[c].abs().max()) for c in kept)
+    torch.testing.assert_close(mean, theirs["global"][b], rtol=0, atol=4 * 2.0**-24 * largest)
+
+
+def test_fedsa_lora_needs_adapters_whose_a_and_b_both_train(tmp_path):
+    root, _ = play_root(tmp_path)
+    base = {"model": "char_transformer", "algorithm": "fedsa_lora", "workers": 0, "rounds": 1, "clients_per_round": 2}
+    base["data"] = {"dataset": "shakespeare_text", "root": str(root), "num_clients": 2, "sequence_length": 16}
+    for lora in ({"rank": 0}, {"rank": 2, "method": "ffa"}):
+        with pytest.raises(ConfigError, match=r"^config: algorithm: fedsa_lora shares LoRA's A matrices"):
+            fedsim.run({**base, "lora": lora}, out=tmp_path / "run", quiet=True)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..core.checks import Checks
-from ..core.errors import did_you_mean
+from ..core.errors import ConfigError, did_you_mean
 from . import ALGORITHMS
 from .base import Algorithm, Clients, LocalResult
 
@@ -48,7 +48,9 @@ class FedPer(Algorithm):
         self.head: torch.Tensor | None = None  # [n] bool: the personal coordinates of the trainable weights
 
     def bind(self, module: torch.nn.Module) -> None:
-        names = [name for name, _ in module.named_parameters()]
+        # the trained parameters, in the order of the flat weights (a frozen LoRA base is not there)
+        trained = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        names = [name for name, _ in trained]
         layers = sorted({name.rpartition(".")[0] for name in names})
         chosen = self.personal_layers or [names[-1].rpartition(".")[0]]
 
@@ -63,10 +65,7 @@ class FedPer(Algorithm):
                     f"{did_you_mean(layer, layers)}; its layers: {', '.join(layers)}",
                 )
         self.head = torch.cat(
-            [
-                torch.full((p.numel(),), any(within(name, layer) for layer in chosen))
-                for name, p in module.named_parameters()
-            ]
+            [torch.full((p.numel(),), any(within(name, layer) for layer in chosen)) for name, p in trained]
         )
         if self.head.all():
             CHECKS.fail(
@@ -107,3 +106,28 @@ class FedPer(Algorithm):
 
     def client_report(self, result: LocalResult, local: SimpleNamespace) -> dict[str, torch.Tensor]:
         return {"head": local.trained[None]}
+
+
+@ALGORITHMS.register(
+    "fedsa_lora", "LoRA's A matrices shared and averaged, each client's B kept as its own (FedSA-LoRA, Guo et al. 2025)"
+)
+class FedSALoRA(FedPer):
+    """FedSA-LoRA (Guo, Yang, Zhou, Li, Ma, Hu 2025, "Selective Aggregation for Low-Rank Adaptation
+    in Federated Learning"): the A matrices learn what the clients share and are averaged by the
+    server; the B matrices learn what is each client's own and stay with it. FedPer with every
+    ``lora_B`` as the personal layers: a client trains its A and B from the global A and its own
+    B (the global B, zero, in its first round), keeps its B and sends its A; ``eval_per_client``
+    scores the global A with the client's own B."""
+
+    def __init__(self):
+        super().__init__(None)
+
+    def bind(self, module: torch.nn.Module) -> None:
+        trained = [name for name, p in module.named_parameters() if p.requires_grad]
+        self.personal_layers = sorted({name.rpartition(".")[0] for name in trained if ".lora_B." in name})
+        if not self.personal_layers or len(self.personal_layers) * 2 > len(trained):
+            raise ConfigError(
+                "algorithm: fedsa_lora shares LoRA's A matrices and keeps each client's B: it needs LoRA "
+                "adapters whose A and B both train (lora.rank > 0 and lora.method: fedit)"
+            )
+        super().bind(module)
