@@ -133,3 +133,16 @@ def test_the_built_wheel_runs_a_shipped_experiment_from_an_empty_directory(tmp_p
     assert "final test accuracy" in done.stdout and "runs/first" in done.stdout
     assert (empty / "runs" / "first" / "metrics.csv").is_file()
     assert sorted(p.name for p in empty.iterdir()) == ["runs"]  # nothing else was written there
+
+
+def test_list_names_the_lora_methods_the_tokenizers_and_the_hf_loaders(capsys):
+    from fedsim.cli import main
+
+    with pytest.raises(SystemExit) as end:
+        main(["list"])
+    assert end.value.code == 0
+    out = capsys.readouterr().out
+    assert "LoRA methods (lora.method):\n  fedit" in out and "\n  ffa " in out
+    assert "tokenizers (data.tokenizer):\n  bytes" in out
+    for form in ("data.dataset: hf:<name or folder>", "model: hf:<name or folder>", "data.tokenizer: hf:<name"):
+        assert f"\n  {form}" in out, form

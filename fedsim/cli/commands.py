@@ -200,7 +200,7 @@ def _interrupted_message(path) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from ..experiment.components import tables
+    from ..experiment.components import forms, tables
 
     if getattr(args, "what", None) == "keys":
         return _list_keys()
@@ -209,6 +209,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     sections = {
         "experiments (fedsim run NAME)": list(experiments.items()),
         **{kind: list(table.describe()) for kind, table in tables().items()},
+        **forms(),
     }
     for kind, entries in sections.items():
         print(f"{kind}:")

@@ -28,6 +28,10 @@ from .tensors import IGNORE_INDEX, Dataset
 
 BYTES = "bytes"
 HF = "hf:"
+FORMS = [  # what data.tokenizer may say
+    (BYTES, "UTF-8 bytes, 256 ids, built in"),
+    (f"{HF}<name or folder>", "a transformers tokenizer from the hub or a folder (fedsim-sync[llm])"),
+]
 INSTALL = install("llm")
 _FIELD = re.compile(r"[^.\[\]{}!:]+")  # a template's {column}: no attribute, index or nested field
 

@@ -33,7 +33,7 @@ from ..core.errors import ConfigError, FedsimError, user_code
 from ..core.files import read_checkpoint
 from ..core.flat import FlatModel
 from ..core.registry import is_import_path, load_attr, registered
-from ..data import DATASETS, PARTITIONS, check_dataset_spec
+from ..data import DATASETS, PARTITIONS, check_dataset_spec, hub, text
 from ..fl import aggregation
 from ..fl.aggregation import AGGREGATORS
 from ..fl.asynchronous import ASYNC_METHODS
@@ -42,6 +42,7 @@ from ..fl.compression import COMPRESSORS
 from ..fl.sampling import CLIENT_SAMPLINGS
 from ..fl.server_opt import SERVER_OPTIMIZERS
 from ..models import language as language_models
+from ..models import lora
 from ..models.lora import apply_lora
 from ..models.zoo import MODELS
 from .config import Config, describe
@@ -359,6 +360,19 @@ def from_server(cfg: Config) -> Config:
     return cfg
 
 
+def forms() -> dict[str, list[tuple[str, str]]]:
+    """What ``fedsim list`` shows beside the name tables: the forms a key may take that no table
+    holds, as (form, what it loads)."""
+    return {
+        "Hugging Face loaders (hf:)": [
+            hub.FORM,
+            language_models.FORM,
+            (f"data.tokenizer: {text.FORMS[1][0]}", text.FORMS[1][1]),
+        ],
+        "tokenizers (data.tokenizer)": text.FORMS,
+    }
+
+
 def tables() -> dict:
     """Every name table, for validation and ``fedsim list``."""
     return {
@@ -372,4 +386,5 @@ def tables() -> dict:
         "client samplings": CLIENT_SAMPLINGS,
         "compressors": COMPRESSORS,
         "async methods": ASYNC_METHODS,
+        "LoRA methods (lora.method)": lora.METHODS,
     }

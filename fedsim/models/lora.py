@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..core.checks import Checks, shown
 from ..core.errors import ConfigError, cut, install
+from ..core.registry import Registry
 from ..core.sections import option
 
 
@@ -60,7 +61,7 @@ class LoraConfig:
         if self.alpha <= 0:
             checks.fail("alpha", f"must be > 0, got {self.alpha}")
         checks.within("dropout", self.dropout, 0, 1, "[)")
-        checks.one_of("method", self.method, METHODS)
+        checks.choice("method", self.method, METHODS)
         targets = self.target_modules
         if not (targets is None or _names(targets)):
             checks.fail(
@@ -69,7 +70,11 @@ class LoraConfig:
             )
 
 
-METHODS = ("fedit", "ffa")
+METHODS = Registry("LoRA method")
+METHODS.register("fedit", "A and B trained, and averaged each as FedAvg averages any parameter (FedIT)")("fedit")
+METHODS.register("ffa", "A frozen at its shared initialisation, B alone trained and sent: exact averaging (FFA-LoRA)")(
+    "ffa"
+)
 INSTALL = install("llm")
 
 
