@@ -184,3 +184,18 @@ def test_a_dataset_file_with_an_impossible_num_classes_is_refused_in_one_line(tm
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(f"fedsim: error: data.dataset ({path}): num_classes is {says} ("), err
     assert err.endswith("; expected an integer\n"), err
+
+
+def test_a_class_count_far_above_the_labels_whose_model_does_not_fit_is_named(tmp_path, capsys):
+    """A dataset file that declares a billion classes for labels 0..9: the model's output layer
+    cannot be allocated, and the one line says that num_classes is why, not only that memory ran out."""
+    path = tmp_path / "billion.pt"
+    x, y = torch.randn(40, 1, 28, 28), torch.arange(40) % 10
+    torch.save({"train_x": x, "train_y": y, "test_x": x[:10], "test_y": y[:10], "num_classes": 10**9}, path)
+    code, err = cli(capsys, tmp_path, f"data.dataset={path}", "data.limit=null", "model=mnist_cnn")
+    assert code == 2, err
+    assert err.splitlines() == [
+        f"fedsim: error: data.dataset ({path}): num_classes is 1,000,000,000 but the labels present go up to 9; the "
+        "model's output layer for so many classes does not fit in memory: set num_classes to the classes there are "
+        "(or leave it out: 10 from the labels)"
+    ]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.errors import ConfigError, DataError
+from ..core.errors import ConfigError, DataError, ResourceError
 from ..core.streams import model_seed
 from ..data import Dataset, load_dataset, options_for, partition
 from ..data.partition import local_test_split, natural_test_split
@@ -68,11 +68,29 @@ def _kept_clients_tests(data: Dataset, parts: list[torch.Tensor]) -> Dataset:
     )
 
 
+def _too_many_classes(data: Dataset) -> DataError | None:
+    """For a model that could not be built for lack of memory: where the dataset's ``num_classes``
+    is above the classes its labels use, the error that names num_classes, not only the memory."""
+    if data.tokens:
+        return None
+    present = int(max(data.train_y.max(), data.test_y.max())) + 1
+    if data.num_classes <= present:
+        return None
+    return DataError(
+        f"data.dataset ({data.name}): num_classes is {data.num_classes:,} but the labels present go up to "
+        f"{present - 1:,}; the model's output layer for so many classes does not fit in memory: set num_classes "
+        f"to the classes there are (or leave it out: {present:,} from the labels)"
+    )
+
+
 def initial_model(cfg: Config, data: Dataset) -> torch.nn.Module:
     """The model, built from ``seed`` (so the same initial weights in every run of the config)
     and probed once on two training samples; refused where the run's backend cannot train it."""
     torch.manual_seed(model_seed(cfg.seed))
-    module = components.run_model(cfg, data.input_shape, data.num_classes)
+    try:
+        module = components.run_model(cfg, data.input_shape, data.num_classes)
+    except ResourceError as e:  # the machine ran out while the model was built
+        raise _too_many_classes(data) or e  # noqa: B904 (the same error, or one line that explains it)
     components.probe_model(cfg.model, module, data.train_x[:2], data.num_classes, data.tokens)
     recurrent = next((m for m in module.modules() if isinstance(m, torch.nn.RNNBase)), None)
     if cfg.backend == "vmap" and recurrent is not None:  # no batching rule: at best one client at a time
