@@ -5,6 +5,7 @@ personal accuracy), and where and on what it ran."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -16,7 +17,7 @@ from ..experiment.config import Config
 from ..fl.compression import Compression
 
 
-def account(session, status: str, ended_by: BaseException | None) -> dict:
+def account(session: Any, status: str, ended_by: BaseException | None) -> dict:
     """summary.json of a Session (runs/session.py) ending with ``status``: what ran, how it went,
     each feature's figure, the clients' kept state, the times, where it ran and in what."""
     s = session
