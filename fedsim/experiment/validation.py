@@ -78,7 +78,7 @@ def validate(cfg: Config) -> None:
     if cfg.backend == "vmap" and components.algorithm(cfg.algorithm, cfg.algorithm_options).trains_own_way:
         checks.fail(
             "backend",
-            f"vmap trains a group's clients in lockstep by one local SGD; algorithm "
+            f"vmap trains a group's clients in lockstep by one local loop; algorithm "
             f"{components.describe(cfg.algorithm)} trains each client its own way: use backend: "
             f"process",
         )
