@@ -10,7 +10,8 @@ import torch
 
 import fedsim
 from fedsim.algorithms import ALGORITHMS, Clients, LocalResult
-from fedsim.algorithms.local import LocalTrainer, VmapTrainer
+from fedsim.algorithms.group import GroupTrainer
+from fedsim.algorithms.local import LocalTrainer
 from fedsim.core.flat import FlatModel
 from fedsim.experiment.config import LocalConfig
 from fedsim.fl.attacks import LabelFlip
@@ -100,7 +101,7 @@ def test_vmap_group_equals_clients_trained_one_by_one(options):
             )
         )
 
-    group = VmapTrainer(build_model("mnist_2nn", (1, 28, 28), 10), x, y, cfg, num_classes=10, algorithm=algorithm)
+    group = GroupTrainer(build_model("mnist_2nn", (1, 28, 28), 10), x, y, cfg, num_classes=10, algorithm=algorithm)
     state = start_clients(algorithm, [0, 1, 2], server, client_state)
     weights, trained = group.train(
         clients, start, seeds, group_seed=5, local_state=state, relabel=relabel, attacked=flip
@@ -257,7 +258,7 @@ def test_batched_adapters_give_each_client_what_the_process_trainer_gives_it(met
         steps.append(int(trained.steps))
 
     model = FlatModel(adapted_transformer(method), "cpu")
-    group = VmapTrainer(model.module, x, y, cfg, num_classes=40)
+    group = GroupTrainer(model.module, x, y, cfg, num_classes=40)
     weights, trained = group.train(clients, start, seeds, group_seed=5, max_steps=limits)
     assert trained.steps.tolist() == steps == [16, 4, 3]
     # The same arithmetic but for the order of the batched sums, whose results differ by at most

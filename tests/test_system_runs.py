@@ -21,7 +21,8 @@ from support import Recorder, documented_commands
 
 import fedsim
 from fedsim.algorithms.fednova import FedNova
-from fedsim.algorithms.local import LocalTrainer, VmapTrainer
+from fedsim.algorithms.group import GroupTrainer
+from fedsim.algorithms.local import LocalTrainer
 from fedsim.cli import build_parser
 from fedsim.core.errors import ConfigError
 from fedsim.core.flat import FlatModel
@@ -98,7 +99,7 @@ def test_both_trainers_stop_partial_clients_after_their_step_limit():
     for ix, s, m in zip(clients, seeds, limits):
         trained = one.train(ix, start, s, max_steps=m)
         local.append((one.model.flat.clone(), int(trained.steps), float(trained.loss)))
-    weights, group = VmapTrainer(linear_model(), x, y, cfg, num_classes=3).train(
+    weights, group = GroupTrainer(linear_model(), x, y, cfg, num_classes=3).train(
         clients, start, seeds, group_seed=5, max_steps=limits
     )
 

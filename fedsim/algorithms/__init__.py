@@ -1,6 +1,6 @@
 """Client algorithms, one per file; every module of this package registers its own. Beside them,
-the local training they hook into (``local.py``: the ``local:`` section, the client loop, the
-vmap trainer) and the interface they implement (``base.py``).
+the local training they hook into (``local.py``: the ``local:`` section and the client loop;
+``group.py``: a group of clients in lockstep) and the interface they implement (``base.py``).
 
 ``ALGORITHMS`` maps names to Algorithm classes. A new algorithm is a new file here (or a
 class of your own, given from Python or named by import path): nothing else changes.

@@ -6,8 +6,9 @@ few kernels for any model. It matches ``torch.optim.SGD`` (weight decay added to
 then heavy-ball momentum without dampening), or with ``local.optimizer: adamw``
 ``torch.optim.AdamW``; the run's algorithm adds its term to the gradient before momentum
 (``Algorithm.adjust_gradient``) and may ask for the mean of the raw gradients
-(``keeps_mean_gradient``). Two trainers: ``LocalTrainer`` trains clients one after
-another, ``VmapTrainer`` a group of clients in lockstep. Neither knows any particular algorithm.
+(``keeps_mean_gradient``). Two trainers: ``LocalTrainer`` here trains clients one after
+another, group.py's ``GroupTrainer`` a group of clients in lockstep; both read what ``Trainer``
+holds, and neither knows any particular algorithm.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from ..core.checks import Checks
 from ..core.flat import FlatModel
 from ..core.sections import option
-from ..models import lora, tasks
+from ..models import tasks
 from .base import Algorithm
 
 
@@ -107,24 +108,28 @@ class Trained:
     weights: torch.Tensor | None = None  # [P] LocalTrainer: its model's weights after training (its own tensor)
 
 
-def _autocast(local, device: torch.device) -> torch.autocast:
+def autocast_for(local: LocalConfig, device: torch.device) -> torch.autocast:
     """bf16 autocast of forward and loss when local.precision is bf16 (weights, gradients and
     the SGD step stay fp32); a disabled context otherwise."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=local.precision == "bf16")
 
 
-def _batch(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor, device: torch.device):
+def batch_on(
+    x: torch.Tensor, y: torch.Tensor, index: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather a batch by index where the data lives, and bring it to the compute device
     (a copy only when the data is kept in host memory, see data.placement)."""
     return x[index].to(device, non_blocking=True), y[index].to(device, non_blocking=True)
 
 
-class LocalTrainer:
-    """Trains clients one after another on one flat model; one per worker process."""
+class Trainer:
+    """What every trainer reads: the training data (where it lives), the ``local:`` section, this
+    round's learning rate, the algorithm's hooks and the augmentation. ``model`` is what the
+    trainer steps: a FlatModel (LocalTrainer) or the module itself (group.py's GroupTrainer)."""
 
     def __init__(
         self,
-        model: FlatModel,
+        model: FlatModel | torch.nn.Module,
         train_x: torch.Tensor,
         train_y: torch.Tensor,
         local: LocalConfig,
@@ -133,12 +138,23 @@ class LocalTrainer:
         algorithm: Algorithm | None = None,
         augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
-        self.model = model
-        self.train_x, self.train_y = train_x, train_y
-        self.local = local
-        self.num_classes = num_classes
+        self.train_x, self.train_y, self.local = train_x, train_y, local
+        self.num_classes, self.augment = num_classes, augment
         self.algorithm = algorithm or Algorithm()
-        self.augment = augment
+        self.lr = local.lr  # this round's (the runner sets it where local.lr_schedule anneals it)
+        self.prepare(model)
+
+    def prepare(self, model: FlatModel | torch.nn.Module) -> None:
+        """What a trainer builds once from its model."""
+        raise NotImplementedError
+
+
+class LocalTrainer(Trainer):
+    """Trains clients one after another on one flat model; one per worker process."""
+
+    def prepare(self, model: FlatModel) -> None:
+        local = self.local
+        self.model = model
         self.momentum = torch.zeros_like(model.params) if local.momentum else None
         # adamw: the first and second moments, afresh for every client's round (as a client that
         # builds its optimizer when it is handed the model)
@@ -146,8 +162,7 @@ class LocalTrainer:
             (torch.zeros_like(model.params), torch.zeros_like(model.params)) if local.optimizer == "adamw" else None
         )
         self.loss_sum = torch.zeros((), device=model.flat.device)
-        self.autocast = _autocast(local, model.flat.device)
-        self.lr = local.lr  # this round's (the runner sets it where local.lr_schedule anneals it)
+        self.autocast = autocast_for(local, model.flat.device)
 
     def train(
         self,
@@ -192,7 +207,7 @@ class LocalTrainer:
                 yield from indices[torch.randperm(len(indices), device=indices.device)].split(local.batch_size)
 
         for batch in itertools.islice(batches(), max_steps):
-            x, y = _batch(self.train_x, self.train_y, batch, model.flat.device)
+            x, y = batch_on(self.train_x, self.train_y, batch, model.flat.device)
             if self.augment is not None:
                 x = self.augment(x)
             if relabel is not None:
@@ -251,189 +266,3 @@ class LocalTrainer:
         second.mul_(local.beta2).addcmul_(grad, grad, value=1 - local.beta2)
         denominator = (second.sqrt() / math.sqrt(1 - local.beta2**step)).add_(local.eps)
         params.addcdiv_(first, denominator, value=-self.lr / (1 - local.beta1**step))
-
-
-class VmapTrainer:
-    """Trains a group of clients in lockstep: one batched forward and backward per step for
-    the whole group, with ``torch.func.vmap`` over the stacked ``[c, P]`` client weights.
-
-    Each step does for every client what ``LocalTrainer`` does for one. Clients whose epoch is
-    shorter (fewer samples) are masked out of the steps they do not have, and a short last
-    batch is padded with zero-weight samples, so every client still takes exactly its own
-    ceil(n / B) steps per epoch over its own shuffled samples. A client with a step limit (a
-    partial straggler) has the samples of the batches past its limit masked out the same way.
-    Only models without buffers (no batch-norm statistics) can be trained this way.
-    """
-
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        train_x: torch.Tensor,
-        train_y: torch.Tensor,
-        local: LocalConfig,
-        *,
-        num_classes: int,
-        algorithm: Algorithm | None = None,
-        augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ):
-        from torch.func import functional_call, grad_and_value, vmap
-
-        self.train_x, self.train_y, self.local = train_x, train_y, local
-        self.num_classes, self.augment = num_classes, augment
-        self.lr = local.lr  # this round's (the runner sets it where local.lr_schedule anneals it)
-        self.algorithm = algorithm or Algorithm()
-        self.device = next(module.parameters()).device  # compute; the data may stay in host memory
-        self.data_device = train_x.device
-        module.train()
-        # the trained parameters are batched, one copy per client; a frozen base (LoRA) is not:
-        # every client's rows pass through the one base, each through its own adapters
-        self.shapes = {name: p.shape for name, p in module.named_parameters() if p.requires_grad}
-
-        autocast = _autocast(local, self.device)
-        if lora.groupable(module):
-            self.step = self._grouped_step(module, autocast)
-            return
-
-        def batch_loss(params, x, y, weight):
-            with autocast:
-                scores = functional_call(module, params, (x,))
-                per_target = tasks.loss(scores, y, reduction="none").view(y.shape)
-            counted = tasks.counted(y, weight)
-            # the mean over the real samples' scored targets, as the process trainer's loss is
-            return (per_target * counted).sum() / counted.sum().clamp_min(1.0)
-
-        # randomness="different": each client of the group draws its own dropout masks
-        self.step = vmap(grad_and_value(batch_loss), randomness="different")
-
-    @staticmethod
-    def _grouped_step(module: torch.nn.Module, autocast: torch.autocast) -> Callable:
-        """The step of a model whose trained parameters are LoRA adapters: the group's sequences
-        stacked into one batch pass through the frozen base once, each row through its own
-        client's adapters (``lora.grouped_adapters``); the sum of the clients' losses is
-        differentiated, so each client's gradient is that of its own loss."""
-
-        def step(params, x, y, weight):
-            leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
-            with lora.grouped_adapters(module, leaves), autocast:
-                scores = module(x.flatten(0, 1))
-                per_target = tasks.loss(scores, y.flatten(0, 1), reduction="none").view(y.shape)
-            counted = tasks.counted(y, weight)
-            losses = (per_target * counted).flatten(1).sum(dim=1) / counted.flatten(1).sum(dim=1).clamp_min(1.0)
-            grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
-            return dict(zip(leaves, grads)), losses.detach()
-
-        return step
-
-    def _views(self, stacked: torch.Tensor) -> dict[str, torch.Tensor]:
-        views, offset = {}, 0
-        for name, shape in self.shapes.items():
-            n = shape.numel()
-            views[name] = stacked[:, offset : offset + n].view(len(stacked), *shape)
-            offset += n
-        return views
-
-    def _epoch_plan(self, clients_indices, generators, used: list[int]):
-        """Sample indices [steps, c, B] and weights (1 real, 0 padding) for one epoch in which
-        client i trains on the first ``used[i]`` samples of its shuffled order."""
-        b = self.local.batch_size
-        steps = max(-(-n // b) for n in used)
-        index = torch.zeros(len(clients_indices), steps * b, dtype=torch.int64, device=self.data_device)
-        weight = torch.zeros(len(clients_indices), steps * b, device=self.device)
-        for i, (ix, g, n) in enumerate(zip(clients_indices, generators, used)):
-            index[i, :n] = ix[torch.randperm(len(ix), device=self.data_device, generator=g)][:n]
-            weight[i, :n] = 1.0
-        shape = (len(clients_indices), steps, b)
-        return index.view(shape).transpose(0, 1), weight.view(shape).transpose(0, 1)
-
-    def train(
-        self,
-        clients_indices: list[torch.Tensor],
-        start: torch.Tensor,
-        client_seeds: list[int],
-        group_seed: int,
-        *,
-        local_state: Any = None,
-        relabel: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
-        attacked: torch.Tensor | None = None,
-        max_steps: list[int | None] | None = None,
-    ) -> tuple[torch.Tensor, Trained]:
-        """Train the group from ``start``; return its ``[c, P]`` weights and what it did.
-        ``relabel`` replaces the labels of the clients marked in ``attacked`` ([c] bool);
-        ``max_steps[i]``: client i stops after that many steps (None: all its epochs)."""
-        local, algorithm, c = self.local, self.algorithm, len(clients_indices)
-        b, sizes = local.batch_size, [len(ix) for ix in clients_indices]
-        # every client's steps and samples, known before training: no host sync per step
-        full = [local.epochs * -(-n // b) for n in sizes]
-        left = [f if m is None else min(m, f) for f, m in zip(full, max_steps or [None] * c)]
-        steps = list(left)
-        seen = torch.zeros(c, device=self.device)  # scored targets trained on
-        torch.manual_seed(group_seed)  # dropout and augmentation of this group, this round
-        generators = [torch.Generator(self.data_device).manual_seed(s) for s in client_seeds]
-        weights = start.expand(c, -1).clone()
-        params = self._views(weights)
-        start_params = start[: weights.shape[1]]
-        momentum = torch.zeros_like(weights) if local.momentum else None
-        # adamw: each client's first and second moments and its steps so far (bias correction)
-        moments = (torch.zeros_like(weights), torch.zeros_like(weights), torch.zeros(c, 1, device=self.device))
-        moments = moments if local.optimizer == "adamw" else None
-        loss_sum = torch.zeros(c, device=self.device)
-        gradient_sum = torch.zeros_like(weights) if algorithm.keeps_mean_gradient else None
-        for _ in range(local.epochs):
-            used = [min(n, s * b) for n, s in zip(sizes, left)]  # what each client trains on this epoch
-            if not any(used):
-                break  # every client of the group has reached its step limit
-            left = [s - -(-u // b) for s, u in zip(left, used)]
-            index, sample_weight = self._epoch_plan(clients_indices, generators, used)
-            for batch, w in zip(index, sample_weight):
-                x, y = _batch(self.train_x, self.train_y, batch, self.device)  # [c, B, ...], [c, B]
-                if self.augment is not None:
-                    x = self.augment(x.flatten(0, 1)).view_as(x)
-                if relabel is not None:
-                    y = torch.where(attacked[:, None], relabel(y, self.num_classes), y)
-                grads, losses = self.step(params, x, y, w)
-                grad = torch.cat([grads[name].reshape(c, -1) for name in self.shapes], dim=1)
-                active = (w.sum(dim=1) > 0).to(weights.dtype)[:, None]  # clients that have this step
-                self._descend(grad, weights, active, momentum, moments, gradient_sum, (start_params, local_state))
-                targets = tasks.counted(y, w).flatten(1).sum(dim=1)
-                loss_sum.add_(losses * targets)
-                seen.add_(targets)
-        steps = torch.tensor(steps, device=self.device)
-        mean_gradient = None if gradient_sum is None else gradient_sum / steps[:, None].to(weights.dtype)
-        return weights, Trained(loss_sum / seen, steps, mean_gradient)
-
-    def _descend(self, grad, weights, active, momentum, moments, gradient_sum, term_arguments: tuple) -> None:
-        """One step of every client that has it (``active``, [c, 1]): weight decay, the
-        algorithm's term, then SGD with momentum or AdamW; a client without this step keeps its
-        weights and optimizer state. ``term_arguments``: the start and the clients' own state,
-        for ``adjust_gradient``."""
-        local, algorithm = self.local, self.algorithm
-        if local.weight_decay and moments is None:  # SGD's decay is in the gradient; AdamW's apart
-            grad.add_(weights, alpha=local.weight_decay)
-        if gradient_sum is not None:
-            gradient_sum.add_(grad * active)
-        if algorithm.has_gradient_term:
-            algorithm.adjust_gradient(grad, weights, *term_arguments)
-        if moments is not None:
-            self._adamw(grad, weights, active, moments)
-            return
-        step = grad
-        if momentum is not None:
-            momentum.copy_(torch.where(active > 0, momentum * local.momentum + grad, momentum))
-            step = momentum
-        weights.sub_(step * active, alpha=self.lr)
-
-    def _adamw(self, grad, weights, active, moments) -> None:
-        """``LocalTrainer._adamw`` for every client that has this step, each with its own moments
-        and its own step count for the bias correction."""
-        local = self.local
-        first, second, count = moments
-        count.add_(active)
-        if local.weight_decay:
-            weights.sub_(weights * active, alpha=self.lr * local.weight_decay)
-        first.copy_(torch.where(active > 0, first.lerp(grad, 1 - local.beta1), first))
-        second.copy_(torch.where(active > 0, second * local.beta2 + (1 - local.beta2) * grad * grad, second))
-        steps = count.double().clamp_min(1.0)  # a client yet without a step is not moved (active 0)
-        correction1 = (1 - local.beta1**steps).to(weights.dtype)
-        correction2 = (1 - local.beta2**steps).sqrt().to(weights.dtype)
-        denominator = (second.sqrt() / correction2).add_(local.eps)
-        weights.sub_(first / denominator * (self.lr / correction1) * active)

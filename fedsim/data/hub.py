@@ -34,10 +34,6 @@ from ..core.errors import ConfigError, DataError, cut, install
 from .tensors import Dataset
 
 PREFIX = "hf:"
-FORM = (
-    "data.dataset: hf:<name or folder>",
-    "a Hugging Face dataset from the hub or a folder it saved; data.hf names its columns and splits",
-)
 OPTIONS = ("input", "label", "text", "client", "train", "test", "test_fraction")  # text: see text.py
 DEFAULTS = {"client": None, "train": "train", "test": "test", "test_fraction": 0.1}
 FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "json"}

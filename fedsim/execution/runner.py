@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from ..algorithms import Clients, LocalResult
-from ..algorithms.local import LocalTrainer, Trained, VmapTrainer
+from ..algorithms.group import GroupTrainer
+from ..algorithms.local import LocalTrainer, Trained
 from ..core.flat import FlatModel
 from ..core.streams import client_seed, group_seed
 from ..data.augment import augmentation_for
@@ -46,7 +47,7 @@ class ClientRunner:
         )
         self.model = self.flat_model(module, device)  # the frozen base placed, where there is one
         if config.backend == "vmap":
-            self.trainer = VmapTrainer(self.model.module, buffers.train_x, buffers.train_y, config.local, **options)
+            self.trainer = GroupTrainer(self.model.module, buffers.train_x, buffers.train_y, config.local, **options)
         else:
             self.trainer = LocalTrainer(self.model, buffers.train_x, buffers.train_y, config.local, **options)
 

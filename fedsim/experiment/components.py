@@ -363,14 +363,13 @@ def from_server(cfg: Config) -> Config:
 def forms() -> dict[str, list[tuple[str, str]]]:
     """What ``fedsim list`` shows beside the name tables: the forms a key may take that no table
     holds, as (form, what it loads)."""
-    return {
-        "Hugging Face loaders (hf:)": [
-            hub.FORM,
-            language_models.FORM,
-            (f"data.tokenizer: {text.FORMS[1][0]}", text.FORMS[1][1]),
-        ],
-        "tokenizers (data.tokenizer)": text.FORMS,
-    }
+    hf = f"{hub.PREFIX}<name or folder>"
+    loaders = [
+        (f"data.dataset: {hf}", "a Hugging Face dataset from the hub or a folder it saved; data.hf names its columns"),
+        (f"model: {hf}", "a Hugging Face causal language model from the hub or a folder; model_options go to it"),
+        (f"data.tokenizer: {hf}", text.FORMS[1][1]),
+    ]
+    return {"Hugging Face loaders (hf:)": loaders, "tokenizers (data.tokenizer)": text.FORMS}
 
 
 def tables() -> dict:

@@ -26,10 +26,6 @@ from ..data.hub import hub_unreachable
 from .zoo import MODELS
 
 HF_PREFIX = "hf:"
-FORM = (
-    "model: hf:<name or folder>",
-    "a Hugging Face causal language model from the hub or a folder; model_options go to from_pretrained",
-)
 INSTALL = install("llm")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WEIGHT_FILES = ("*.safetensors", "*.bin")
