@@ -21,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,15 +30,13 @@ from ..core.errors import FedsimError
 from ..core.streams import async_start_generator
 from ..experiment.config import Config
 from ..fl.asynchronous import make_method
-from ..fl.system import System
 from ..results.records import ClientRecord, RoundRow
-from .buffers import RoundBuffers
-from .loop import Engine, Executor, RoundResult
+from .loop import Engine, RoundResult
 from .state import GlobalState
 from .update import check_finite, stop_on_nonfinite, warn_dropped
 
 if TYPE_CHECKING:
-    from ..fl.client_eval import ClientEvaluation
+    pass
 
 
 @dataclass
@@ -108,19 +106,12 @@ class Schedule:
 
 
 class AsyncEngine(Engine):
-    """An Engine whose round is one server update of FedBuff or FedAsync."""
+    """An Engine whose round is one server update of FedBuff or FedAsync. It takes Engine's
+    arguments; its update strategy and privacy are None (the method applies the updates)."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        state: GlobalState,
-        buffers: RoundBuffers,
-        executor: Executor,
-        system: System,
-        test: tuple[torch.Tensor, torch.Tensor],
-        client_eval: ClientEvaluation | None = None,
-    ):
-        super().__init__(cfg, state, buffers, executor, None, system, test, client_eval)
+    def __init__(self, cfg: Config, state: GlobalState, *parts: Any, **options: Any):
+        super().__init__(cfg, state, *parts, **options)
+        system = self.system
         self.method = make_method(cfg.asynchronous)
         self.schedule = state.schedule = Schedule()
         self.speeds = system.speeds(cfg.seed, cfg.data.num_clients)

@@ -153,7 +153,7 @@ def make_engine(
     the clients' copies (hogwild's adopts the weights they trained in place)."""
     system = System.from_config(cfg)
     if cfg.mode == "async":  # the clock decides when the global model changes (validation refuses the rest)
-        return AsyncEngine(cfg, state, buffers, executor, system, test, client_eval)
+        return AsyncEngine(cfg, state, buffers, executor, None, system, test, client_eval)
     if cfg.mode == "hogwild":
         strategy = AdoptSharedWeights(cfg, state, buffers)
         state.bytes_sent = None  # nothing travels: the workers train one shared model
