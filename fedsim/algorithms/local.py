@@ -47,7 +47,7 @@ class LocalConfig:
         "charges these; `null`: all",
     )
     batch_size: int = option(64, "local batch size")
-    lr: float = option(0.01, "local learning rate (with `lr_schedule: cosine`, the first rounds')")
+    lr: float = option(0.01, "local learning rate (with `lr_schedule: cosine`, the one it anneals from)")
     lr_schedule: str = option(
         "constant",
         "the learning rate over the rounds: `constant`, or `cosine`: round t of T trains with lr_min + (lr - "

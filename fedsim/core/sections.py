@@ -2,10 +2,10 @@
 ``option`` that says its default, its line in the docs and, where the key is read only in some
 runs, when it is not.
 
-From that one declaration come everything that lists a section's keys:
+Everything that lists a section's keys comes from that one declaration:
 
 - the typed reading of an experiment file, with its refusal of an unknown key
-  (``experiment/config.py``'s ``build``: the dataclass's fields and their types);
+  (``experiment/reading.py``'s ``build``: the dataclass's fields and their types);
 - the section's checks: its ``check()`` method, which validation calls for every section;
 - the warning for a key set but not read (``unused``: the option's ``unread``);
 - the key table of ``docs/configuration.md`` and ``fedsim list keys`` (``key_rows``).
@@ -40,8 +40,8 @@ def option(
     Markdown line, as the docs' key table shows it), ``unread`` (see ``Unread``) and, where the
     default is not a plain value, how the table shows it (``shown_default``). A ``required`` key
     has no default (None) and must be given whenever its section is."""
-    metadata = {"doc": doc, "unread": unread, "shown_default": "required" if required else shown_default}
-    metadata["required"] = required
+    shown = "required" if required else shown_default
+    metadata = {"doc": doc, "unread": unread, "shown_default": shown, "required": required}
     if required:
         default = None  # the section's check says that it is missing, by name
     if factory is not None:
