@@ -175,6 +175,34 @@ def test_the_generated_data_suggestion_keeps_the_users_other_keys(tmp_path, caps
     assert f"'data.root={empty}'" in suggestion and "'name=my run'" in suggestion  # quoted for the shell
 
 
+@pytest.mark.slow
+def test_the_generated_data_suggestion_runs_and_is_made_only_where_it_would(tmp_path, capsys):
+    """The command the error suggests is run here and finishes; where generated images cannot
+    stand in (a partition by the data's own clients or coarse labels, a model of characters), the
+    error suggests nothing."""
+    empty = tmp_path / "no data"
+    empty.mkdir()
+    offline = [f"data.root={empty}", "data.download=false", f"name={tmp_path / 'run'}"]
+    quick = ["rounds=1", "workers=0", "data.num_clients=4", "clients_per_round=2"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "mnist_seed", *(w for s in [*offline, *quick] for w in ("--set", s))])
+    assert exit_info.value.code == 2
+    suggestion = _error_line(capsys)[1].partition("or try it now on generated data: ")[2].strip()
+    command = shlex.split(suggestion)
+    assert command[:3] == ["fedsim", "run", "mnist_seed"] and "data.dataset=synthetic" in command
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command[1:], "--out", str(tmp_path / "suggested")])
+    assert exit_info.value.code == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "suggested" / "summary.json").read_text())["status"] == "finished"
+    capsys.readouterr()
+    for experiment, missing in (("leaf/shakespeare", "no LEAF JSON files"), ("adaptive/cifar100", "no CIFAR100 files")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["run", experiment, *(w for s in [*offline, *quick] for w in ("--set", s))])
+        assert exit_info.value.code == 2
+        err = _error_line(capsys)[1]
+        assert missing in err and "generated data" not in err, err
+
+
 # ----------------------------------------------------------------------------- a resumed run's header
 
 

@@ -102,7 +102,7 @@ def _run(args, ranks) -> int:
             print(f"fedsim: {message}", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else e.exit_code
     except DataError as e:
-        if e.missing and not args.resume:  # offer what works at once, without the files
+        if e.missing and not args.resume and serves_generated_data(cfg):  # what works at once, without the files
             raise DataError(f"{e}; or try it now on generated data: {_on_generated_data(args, cfg)}") from None
         raise
     summary = history.summary if history is not None and ranks.is_root else {}
@@ -142,6 +142,25 @@ def _runner(args, ranks):
     cfg = agree_on_config(ranks, load)
     path = RunDirectory.target(args.out, directory_name(cfg), args.overwrite) if ranks.is_root else None
     return functools.partial(start_run, cfg, out=path, overwrite=args.overwrite, **shown), path, cfg
+
+
+def serves_generated_data(cfg) -> bool:
+    """Whether the run would run on the generated images (``synthetic``: 1x28x28, 10 classes, no
+    clients or coarse labels of their own): its partition needs no column of the data's own
+    (``natural``'s clients, ``pachinko``'s coarse labels), and its model takes those images."""
+    import torch
+
+    from ..data.partition import columns_needed
+    from ..experiment import components
+    from ..models.language import is_hf_model
+
+    if columns_needed(cfg.data.partition) or is_hf_model(cfg.model):
+        return False
+    try:
+        model = components.run_model(cfg, (1, 28, 28), 10)
+        return tuple(model(torch.zeros(2, 1, 28, 28)).shape) == (2, 10)
+    except Exception:  # a model for other inputs (text, colour images): no such suggestion
+        return False
 
 
 def _on_generated_data(args, cfg) -> str:

@@ -75,6 +75,11 @@ def partition_options(method: str) -> set[str]:
     return set(inspect.signature(PARTITIONS.get(method)).parameters) - {"labels", "num_clients", "rng", *COLUMNS}
 
 
+def columns_needed(method: str) -> set[str]:
+    """The columns of its own (COLUMNS) a dataset needs for the partition method."""
+    return set(inspect.signature(PARTITIONS.get(method)).parameters) & set(COLUMNS)
+
+
 def options_for(method: str, data_config: Any) -> dict:
     """The ``data.*`` values that a partition method takes, read from a DataConfig."""
     return {name: getattr(data_config, name) for name in partition_options(method) if hasattr(data_config, name)}
