@@ -9,6 +9,7 @@ import functools
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..core.errors import FedsimError
 from ..core.overrides import apply_overrides, parse_grid
@@ -144,7 +145,7 @@ def _runner(args, ranks):
     return functools.partial(start_run, cfg, out=path, overwrite=args.overwrite, **shown), path, cfg
 
 
-def serves_generated_data(cfg) -> bool:
+def serves_generated_data(cfg: Any) -> bool:
     """Whether the run would run on the generated images (``synthetic``: 1x28x28, 10 classes, no
     clients or coarse labels of their own): its partition needs no column of the data's own
     (``natural``'s clients, ``pachinko``'s coarse labels), and its model takes those images."""
