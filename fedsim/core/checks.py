@@ -17,7 +17,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from .errors import ConfigError, cut, did_you_mean
+from .errors import ConfigError, cut, did_you_mean, shown
 from .registry import Registry
 
 # torch.finfo(torch.float32)'s bounds, as Python floats: this module is read before torch is
@@ -35,12 +35,6 @@ def is_number(value: object) -> bool:
 
 def is_integer(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def shown(value: object, limit: int = 60) -> str:
-    """A value for an error message: its type and repr, cut short (it may be huge)."""
-    text = repr(value)
-    return f"{type(value).__name__} {cut(text, limit)}"
 
 
 class Checks:

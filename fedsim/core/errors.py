@@ -13,6 +13,12 @@ def cut(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def shown(value: object, limit: int = 60) -> str:
+    """A value for an error message: its type and repr, cut short (it may be huge)."""
+    text = repr(value)
+    return f"{type(value).__name__} {cut(text, limit)}"
+
+
 def did_you_mean(name: object, choices: Iterable[object]) -> str:
     """``" (did you mean 'median'?)"`` for a name close to one of ``choices``, else ``""``."""
     import difflib

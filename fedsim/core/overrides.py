@@ -10,8 +10,7 @@ from typing import Any
 
 import yaml
 
-from .checks import shown
-from .errors import ConfigError, cut
+from .errors import ConfigError, cut, shown
 from .yamlfile import RefusedYAML, parse_yaml
 
 

@@ -29,8 +29,8 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from ..core.checks import Checks, is_number, shown
-from ..core.errors import ConfigError, DataError, cut, install
+from ..core.checks import Checks, is_number
+from ..core.errors import ConfigError, DataError, cut, install, shown
 from .tensors import Dataset
 
 PREFIX = "hf:"

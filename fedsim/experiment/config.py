@@ -20,8 +20,8 @@ from typing import Any
 import yaml
 
 from ..algorithms.local import LocalConfig
-from ..core.checks import Checks, shown
-from ..core.errors import cut
+from ..core.checks import Checks
+from ..core.errors import cut, shown
 from ..core.files import atomic_write_text
 from ..core.overrides import apply_overrides, parse_override
 from ..core.sections import is_section, key_rows, option

@@ -12,8 +12,7 @@ import types
 import typing
 from typing import Any
 
-from ..core.checks import shown
-from ..core.errors import ConfigError, FedsimError, cut
+from ..core.errors import ConfigError, FedsimError, cut, shown
 from ..core.sections import section_type
 from .config import KEYS, Config
 

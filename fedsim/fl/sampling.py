@@ -35,7 +35,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..core.checks import Checks, shown
+from ..core.checks import Checks
+from ..core.errors import shown
 from ..core.registry import Registry
 from ..core.streams import POISSON_SIZES, SAMPLING, generator
 

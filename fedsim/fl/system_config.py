@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..core.checks import Checks, is_number, shown
-from ..core.errors import cut
+from ..core.checks import Checks, is_number
+from ..core.errors import cut, shown
 from ..core.sections import option
 from .sampling import check_sampling
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core.checks import Checks, shown
-from ..core.errors import ConfigError, cut, install
+from ..core.checks import Checks
+from ..core.errors import ConfigError, cut, install, shown
 from ..core.registry import Registry
 from ..core.sections import option
 
