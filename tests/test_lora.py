@@ -536,6 +536,8 @@ def test_bad_initial_weights_are_one_line_naming_the_key(tmp_path):
 
 
 def lora_run(tmp_path: Path, root: Path, name: str, **changes) -> fedsim.History:
+    """A LoRA run of a one-layer char_transformer on the play texts of ``root``: 2 rounds of both
+    roles (``partition: natural`` unless ``data`` says otherwise), with ``changes``."""
     cfg = {
         "name": name,
         "seed": 3,
@@ -550,7 +552,7 @@ def lora_run(tmp_path: Path, root: Path, name: str, **changes) -> fedsim.History
         "lora": {"rank": 2, "alpha": 4.0},
         **changes,
     }
-    cfg["data"]["partition"] = "natural"
+    cfg["data"].setdefault("partition", "natural")
     return fedsim.run(cfg, out=tmp_path / name, quiet=True)
 
 
@@ -676,21 +678,16 @@ def test_a_lora_run_with_batched_adapters_computes_what_the_process_backend_comp
     workers each training a group on the shared base): every client's reported loss and steps,
     and each round's test loss, as the process backend has them, up to float32 rounding."""
     root, _ = play_root(tmp_path)
-    cfg = {
-        "seed": 3,
-        "device": "cpu",
-        "rounds": 2,
-        "clients_per_round": 4,
-        "model": "char_transformer",
-        "model_options": {"layers": 1, "heads": 2, "width": 16},
-        "data": {"dataset": "shakespeare_text", "root": str(root), "sequence_length": 16, "num_clients": 6},
-        "local": {"batch_size": 2, "lr": 0.01, "optimizer": "adamw", "steps": 3},
-        "lora": {"rank": 2, "alpha": 4.0, "method": method},
-    }
-    process = fedsim.run({**cfg, "workers": 0}, out=tmp_path / "process", quiet=True)
-    batched = fedsim.run(
-        {**cfg, "backend": "vmap", "vmap_group_size": 2, "workers": 2}, out=tmp_path / "batched", quiet=True
-    )
+
+    def run(name, **changes):  # 6 clients of the roles' sequences, 4 a round, batches of 2
+        data = {"dataset": "shakespeare_text", "root": str(root), "sequence_length": 16, "num_clients": 6}
+        data["partition"] = "iid"
+        local = {"batch_size": 2, "lr": 0.01, "optimizer": "adamw", "steps": 3}
+        lora = {"rank": 2, "alpha": 4.0, "method": method}
+        return lora_run(tmp_path, root, name, clients_per_round=4, data=data, local=local, lora=lora, **changes)
+
+    process = run("process")
+    batched = run("batched", backend="vmap", vmap_group_size=2, workers=2)
     assert batched.config["backend"] == "vmap" and len(process.client_records) == 8
     # the run says what it trained: its adapters (rank 2 on c_attn, 16 wide, 48 out) of the whole model
     trained = 2 * 48 + (2 * 16 if method == "fedit" else 0)
@@ -716,20 +713,8 @@ def test_fedsa_lora_averages_the_a_matrices_and_keeps_each_clients_b(tmp_path):
     from fedsim.core.files import read_checkpoint
 
     root, _ = play_root(tmp_path)
-    cfg = {
-        "seed": 3,
-        "device": "cpu",
-        "rounds": 1,
-        "workers": 0,
-        "clients_per_round": 2,
-        "model": "char_transformer",
-        "model_options": {"layers": 1, "heads": 2, "width": 16},
-        "data": {"dataset": "shakespeare_text", "root": str(root), "sequence_length": 16, "num_clients": 2},
-        "local": {"batch_size": 2, "lr": 0.01, "optimizer": "adamw", "steps": 3},
-        "lora": {"rank": 2, "alpha": 4.0},
-    }
-    fedit = fedsim.run(cfg, out=tmp_path / "fedit", quiet=True)
-    fedsa = fedsim.run({**cfg, "algorithm": "fedsa_lora"}, out=tmp_path / "fedsa", quiet=True)
+    fedit = lora_run(tmp_path, root, "fedit", rounds=1)
+    fedsa = lora_run(tmp_path, root, "fedsa", rounds=1, algorithm="fedsa_lora")
     model = char_transformer((16,), 256, layers=1, heads=2, width=16)
     apply_lora(model, LoraConfig(rank=2, alpha=4.0), "char_transformer")
     b = torch.cat([torch.full((p.numel(),), "lora_B" in n) for n, p in model.named_parameters() if p.requires_grad])
