@@ -246,11 +246,13 @@ def _list_keys() -> int:
     from ..core.sections import key_rows
     from ..experiment.config import Config
 
-    rows = [(key, re.sub(r"`|\[([^]]*)\]\([^)]*\)", r"\1", default), doc) for key, default, doc in key_rows(Config)]
+    def plain(markdown: str) -> str:  # code marks dropped, a link by its text
+        return re.sub(r"`|\[([^]]*)\]\([^)]*\)", r"\1", markdown)
+
+    rows = list(key_rows(Config))
     width = max(len(key) for key, _, _ in rows)
     for key, default, doc in rows:
-        plain = re.sub(r"`|\[([^]]*)\]\([^)]*\)", r"\1", doc)
-        print(f"  {key:<{width}}  [{default}]  {plain}")
+        print(f"  {key:<{width}}  [{plain(default)}]  {plain(doc)}")
     return 0
 
 
