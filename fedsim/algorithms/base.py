@@ -164,6 +164,10 @@ class Algorithm:
         server's, ``clients`` the rows ([k, ...]) of the round's clients, ``round.clients``."""
         return round.aggregate(round.updates, round.weights)
 
+    def resume(self, server: dict[str, torch.Tensor]) -> None:
+        """Called in the server once a checkpoint has restored the server state ``server``: the
+        place to rebuild what the state stands for outside it (FLoRA's merges into the base)."""
+
     @property
     def has_personal_model(self) -> bool:
         return type(self).personal_weights is not Algorithm.personal_weights

@@ -44,6 +44,8 @@ COMPRESSION = 14  # (round, client): the random rounding of a client's compresse
 ASYNC_START = 15  # (start): which client an async run's j-th start trains, and whether it drops out
 EVAL_SUBSET = 16  # (): the test samples the rounds before the last are scored on (eval_subset)
 POISSON_SIZES = 17  # (block): the sample sizes of a block of a poisson run's rounds (sampling.py)
+LORA_RANKS = 18  # (): each client's LoRA rank, drawn once (models/lora.py)
+LORA_INIT = 19  # (round, client): the fresh adapters a FLoRA client starts a round from
 
 _KEYS = {
     PARTITION: 0,
@@ -63,6 +65,8 @@ _KEYS = {
     ASYNC_START: 1,
     EVAL_SUBSET: 0,
     POISSON_SIZES: 1,
+    LORA_RANKS: 0,
+    LORA_INIT: 2,
 }
 _WORD = 2**32
 

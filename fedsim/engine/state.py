@@ -95,6 +95,7 @@ class GlobalState:
         self.server_optimizer.load_state_dict(state["server_optimizer"])
         for name, value in state["algorithm"]["server"].items():
             self.server_state[name].copy_(value)
+        self.algorithm.resume(self.server_state)
         for name, value in state.get("privacy", {}).items():
             self.privacy_state[name].copy_(value)
         self.bytes_sent = state.get("bytes_sent")  # a checkpoint of an earlier version did not count them

@@ -15,14 +15,24 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core.checks import Checks
+from ..core.checks import Checks, is_integer
 from ..core.errors import ConfigError, cut, install, shown
 from ..core.registry import Registry
 from ..core.sections import option
+from ..core.streams import LORA_RANKS, generator
 
 
 def _without_adapters(key: str, lora: Any, config: Any) -> str | None:
     return None if lora.rank > 0 else "lora.rank is 0: no adapters"
+
+
+def _ranks_unread(key: str, lora: Any, config: Any) -> str | None:
+    if lora.rank == 0 or lora.client_ranks is None:
+        return _without_adapters(key, lora, config)
+    if config.algorithm in HETEROGENEOUS_RANKS:
+        return None
+    name = config.algorithm if isinstance(config.algorithm, str) else shown(config.algorithm)
+    return f"algorithm {name} trains every client at lora.rank (use {' or '.join(HETEROGENEOUS_RANKS)})"
 
 
 @dataclass
@@ -49,6 +59,13 @@ class LoraConfig:
     share_base: bool = option(
         True, "the frozen base: one copy every worker reads; `false`: a copy per worker", unread=_without_adapters
     )
+    client_ranks: Any | None = option(
+        None,
+        "each client's own rank, at most `rank`, for the methods that let ranks differ (`hetlora`, `flora`): "
+        "`null` (every client `rank`), a list of one rank per client, or drawn once per client: "
+        "`{choice: [r1, r2, ...]}` (each equally likely) or `{uniform: [low, high]}` (whole numbers)",
+        unread=_ranks_unread,
+    )
 
     @property
     def enabled(self) -> bool:
@@ -62,6 +79,8 @@ class LoraConfig:
             checks.fail("alpha", f"must be > 0, got {self.alpha}")
         checks.within("dropout", self.dropout, 0, 1, "[)")
         checks.choice("method", self.method, METHODS)
+        if self.client_ranks is not None:
+            _rank_spec(checks, self.client_ranks, self.rank)
         targets = self.target_modules
         if not (targets is None or _names(targets)):
             checks.fail(
@@ -76,6 +95,47 @@ METHODS.register("ffa", "A frozen at its shared initialisation, B alone trained 
     "ffa"
 )
 INSTALL = install("llm")
+HETEROGENEOUS_RANKS = ("hetlora", "flora")  # the algorithms that read lora.client_ranks
+RANK_FORMS = "null, a list of one rank per client, {choice: [r1, r2, ...]} or {uniform: [low, high]}"
+
+
+def _rank_spec(checks: Checks, spec: Any, most: int) -> tuple[str, list[int]]:
+    """``lora.client_ranks`` as (form, ranks): ("list", one per client), ("choice", the ranks
+    drawn from) or ("uniform", [low, high]); every rank a whole number in [1, lora.rank]."""
+    if isinstance(spec, list):
+        form, ranks = "list", spec
+    elif isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in ("choice", "uniform"):
+        ((form, ranks),) = spec.items()
+        if not isinstance(ranks, list) or not ranks or (form == "uniform" and len(ranks) != 2):
+            checks.fail(
+                "client_ranks",
+                f"{form} takes {'[low, high]' if form == 'uniform' else '[r1, r2, ...]'}, got {shown(ranks)}",
+            )
+    else:
+        checks.fail("client_ranks", f"must be {RANK_FORMS}, got {shown(spec)}")
+    if not ranks or not all(is_integer(r) and 1 <= r <= most for r in ranks):
+        checks.fail("client_ranks", f"ranks must be whole numbers in [1, lora.rank = {most}], got {shown(ranks)}")
+    if form == "uniform" and ranks[0] > ranks[1]:
+        checks.fail("client_ranks", f"uniform takes [low, high] with low <= high, got {shown(ranks)}")
+    return form, [int(r) for r in ranks]
+
+
+def client_ranks(lora: LoraConfig, num_clients: int, seed: int) -> torch.Tensor:
+    """Every client's rank ([N] int64), as ``lora.client_ranks`` sets them: the same whatever the
+    process that asks, since a drawn rank comes from the run's seed alone."""
+    checks = Checks("lora")
+    if lora.client_ranks is None:
+        return torch.full((num_clients,), lora.rank, dtype=torch.int64)
+    form, ranks = _rank_spec(checks, lora.client_ranks, lora.rank)
+    if form == "list":
+        if len(ranks) != num_clients:
+            checks.fail(
+                "client_ranks", f"a list holds one rank per client: {num_clients} (data.num_clients), got {len(ranks)}"
+            )
+        return torch.tensor(ranks, dtype=torch.int64)
+    rng = generator(LORA_RANKS, seed)
+    drawn = rng.choice(ranks, num_clients) if form == "choice" else rng.integers(ranks[0], ranks[1] + 1, num_clients)
+    return torch.as_tensor(drawn, dtype=torch.int64)
 
 
 def _names(value: object) -> bool:
@@ -172,3 +232,66 @@ def grouped_adapters(module: nn.Module, weights: dict[str, torch.Tensor]) -> Ite
     finally:
         for holder, key, adapter in swapped:
             holder[key] = adapter
+
+
+# ----------------------------------------------------------------------------- adapters in the flat weights
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One adapted layer's A ([rank, fan_in]) and B ([fan_out, rank]) as they lie, row-major, in
+    the flat trained weights, so that a method can read and write them there for any number of
+    clients at once (``w``: [..., n])."""
+
+    layer: str  # the adapted layer's module name
+    a_start: int
+    b_start: int
+    rank: int
+    fan_in: int
+    fan_out: int
+    scaling: float  # peft's alpha / rank: the layer adds scaling * B A x
+
+    def a(self, w: torch.Tensor) -> torch.Tensor:
+        return w[..., self.a_start : self.a_start + self.rank * self.fan_in].unflatten(-1, (self.rank, self.fan_in))
+
+    def b(self, w: torch.Tensor) -> torch.Tensor:
+        return w[..., self.b_start : self.b_start + self.fan_out * self.rank].unflatten(-1, (self.fan_out, self.rank))
+
+    def product(self, w: torch.Tensor) -> torch.Tensor:
+        """scaling * B A ([..., fan_out, fan_in]): what the adapter adds to the layer's weight."""
+        return self.scaling * (self.b(w) @ self.a(w))
+
+
+def adapters(module: nn.Module, method: str) -> list[Adapter]:
+    """The adapters of ``module`` (peft's, one per adapted layer) in the flat trained weights, in
+    the order of ``named_parameters``; a ConfigError naming ``method`` where another parameter
+    trains or A does not (FFA-LoRA)."""
+    trained = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    starts, offset = {}, 0
+    for name, p in trained:
+        starts[name] = offset
+        offset += p.numel()
+    shapes, found = {name: p.shape for name, p in trained}, []
+    for name, (fan_out, _) in shapes.items():
+        layer, _, rest = name.partition(".lora_B.")  # rest: "<adapter name>.weight"
+        a_name = f"{layer}.lora_A.{rest}"
+        if rest and a_name in shapes:
+            rank, fan_in = shapes[a_name]
+            scaling = float(module.get_submodule(layer).scaling[rest.rpartition(".")[0]])
+            found.append(Adapter(layer, starts[a_name], starts[name], rank, fan_in, fan_out, scaling))
+    if not found or 2 * len(found) != len(trained):
+        raise ConfigError(
+            f"algorithm: {method} trains LoRA adapters, A and B both, and nothing else: it needs lora.rank > 0 "
+            "and lora.method: fedit"
+        )
+    return found
+
+
+def rank_mask(layout: list[Adapter], n: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """[n] float: 1 on the first ``rank`` components of every adapter (A's rows, B's columns),
+    0 on the rest: a client of rank ``rank`` on adapters of the full rank."""
+    mask = torch.zeros(n, device=device)
+    for adapter in layout:
+        adapter.a(mask)[:rank] = 1
+        adapter.b(mask)[:, :rank] = 1
+    return mask

@@ -58,6 +58,7 @@ class ClientRecord:
     steps: int  # local steps taken: fewer than its full work for a partial straggler, 0 where lost
     model_version: int | None = None  # the server updates applied before it started: the model it trained
     staleness: int | None = None  # the server updates applied while it trained (None where its work was lost)
+    lora_rank: int | None = None  # its adapters' rank after the round, where the algorithm lets ranks differ
 
     def as_row(self) -> dict:
         return dict(vars(self))

@@ -59,4 +59,11 @@ def load_model(
             f"{components.describe(spec)} has {len(flat):,}; it is not this model's checkpoint"
         )
     flat.flat.copy_(state["global"])
+    server = state.get("algorithm", {}).get("server") or {}
+    algorithm = config.get("algorithm") or "fedavg"
+    if server and isinstance(algorithm, str) and not algorithm.startswith("__main__:"):
+        # what the algorithm's state stands for outside the weights: FLoRA's merges into the base
+        rebuilt = components.algorithm(algorithm, config.get("algorithm_options") or {})
+        rebuilt.bind(flat.module)
+        rebuilt.resume(server)
     return flat.module.eval()
