@@ -212,7 +212,7 @@ def test_hetlora_prunes_a_tail_that_shrank_below_its_last_round_and_keeps_one_th
         return local, named(model, trained.weights)
 
     def shrink(w):  # the tail (component 1 of rank 3 with gamma 0.5: floor(1.5) = 1) scaled down
-        for a, b in named(model, w).values():
+        for a, _ in named(model, w).values():
             a[1:3] *= 0.5
 
     before = algorithm.tail_norm(model.flat, 3)
@@ -263,7 +263,7 @@ def test_a_flora_client_starts_each_round_from_fresh_adapters_of_its_rank_as_pef
         return named(model, given["start"])
 
     first = start(1, 1)  # rank 2
-    for layer, (a, b) in first.items():
+    for a, b in first.values():
         fan_in = a.shape[1]
         assert not b.any() and not a[2:].any() and a[:2].all()
         assert a.abs().max() <= 1 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(in), 1/sqrt(in))
