@@ -130,6 +130,16 @@ def test_ffa_lora_trains_only_b_and_learns(text_root, trained_base, tmp_path):
     assert torch.load(ffa.run_dir / "checkpoint.pt", weights_only=True)["global"].numel() == b_only
 
 
+@pytest.mark.parametrize("method", ["hetlora", "flora"])
+def test_the_heterogeneous_rank_files_fine_tune_the_base_further(text_root, trained_base, tmp_path, method):
+    """llm/shakespeare_hetlora and llm/shakespeare_flora, as their headers' quick versions run them."""
+    lora = {"initial_weights": str(trained_base.run_dir), **QUICK_LORA}
+    run = shipped(f"llm/shakespeare_{method}", text_root, tmp_path / method, workers=2, **lora)
+    assert run.test_loss[-1] < trained_base.test_loss[-1] - 0.005, (run.test_loss, trained_base.test_loss)
+    assert {r["lora_rank"] for r in run.client_records} <= {1, 2, 3, 4, 7, 8}  # 2, 4, 8, or pruned by 0.9
+    assert run.summary["lora"]["client_ranks"] == {"choice": [2, 4, 8]}
+
+
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory) -> Path:
     transformers = pytest.importorskip("transformers")

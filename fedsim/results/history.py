@@ -238,6 +238,11 @@ def describe_run(config: dict, overrides: dict | None = None) -> str:
         server += f", server optimizer {optimizer}"
     lora = config.get("lora") or {}
     adapters = f" with LoRA {lora.get('method')} rank {lora.get('rank')}" if (lora.get("rank") or 0) > 0 else ""
+    ranks = lora.get("client_ranks") if adapters else None
+    if isinstance(ranks, list) and ranks:
+        adapters += f" (clients' ranks {min(ranks)} to {max(ranks)})"
+    elif isinstance(ranks, dict):
+        adapters += "".join(f" (clients' ranks {name} {_plain(value)})" for name, value in ranks.items())
     text = (
         f"{data.get('dataset')} ({data.get('partition')}, {data.get('num_clients')} clients), "
         f"model {config.get('model')}{adapters}, {server}, algorithm {config.get('algorithm')}"

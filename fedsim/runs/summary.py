@@ -54,7 +54,11 @@ def what_ran(
     lora = config["lora"]
     return {
         **{key: config[key] for key in ("model", "aggregator", "algorithm", "server_optimizer")},
-        "lora": {"method": lora["method"], "rank": lora["rank"]} if lora["rank"] > 0 else None,
+        "lora": (
+            {"method": lora["method"], "rank": lora["rank"], **_set(client_ranks=lora.get("client_ranks"))}
+            if lora["rank"] > 0
+            else None
+        ),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "total_parameters": sum(p.numel() for p in model.parameters()),
         "dataset": config["data"]["dataset"],
@@ -64,6 +68,10 @@ def what_ran(
         "overrides": overrides,
         "resumed_at_round": first_round if first_round > 1 else None,
     }
+
+
+def _set(**values) -> dict:
+    return {key: value for key, value in values.items() if value is not None}
 
 
 def outcome(rows: list[dict], target: float | None) -> dict:
