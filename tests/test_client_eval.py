@@ -83,7 +83,7 @@ def test_columns_and_table_agree_with_a_direct_evaluation_of_the_final_model(tmp
 
     with open(run_dir / "client_accuracy.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == ["round", "client", "model", "samples", "accuracy"]
+    assert list(rows[0]) == ["round", "client", "client_name", "model", "samples", "accuracy"]
     assert {r["model"] for r in rows} == {"global"}  # fedavg has no personal models
     assert len(rows) == 3 * 10 and [int(r["round"]) for r in rows] == [1] * 10 + [2] * 10 + [3] * 10
     last = rows[-10:]
@@ -120,7 +120,7 @@ def test_scoring_the_clients_changes_nothing_else_and_survives_a_resume(tmp_path
     # stopped after round 2, resumed to 3: the same table as the run that went straight through
     fedsim.run({**CONFIG, "rounds": 2}, out=tmp_path / "resumed", quiet=True)
     (tmp_path / "resumed" / "client_accuracy.csv").write_text(
-        (tmp_path / "resumed" / "client_accuracy.csv").read_text() + "3,0,global,1,0.5\n"
+        (tmp_path / "resumed" / "client_accuracy.csv").read_text() + "3,0,,global,1,0.5\n"
     )  # a row the checkpoint lacks
     resumed = fedsim.resume(tmp_path / "resumed", quiet=True, rounds=3)
     assert (tmp_path / "resumed" / "client_accuracy.csv").read_text() == (

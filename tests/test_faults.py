@@ -383,7 +383,7 @@ def _nan_in_the_weights(run: Path) -> None:
             "clients.csv: holds 0 rows up to round 1, but checkpoint.pt was saved when it held 2",
         ),
         (
-            lambda run: (run / "clients.csv").write_text((run / "clients.csv").read_text() + "1,3,16,2.0,0.5,0,0,1\n"),
+            lambda run: (run / "clients.csv").write_text((run / "clients.csv").read_text() + "1,3,,16,2.0,0.5,0,0,1\n"),
             "clients.csv: holds 3 rows up to round 1",
         ),
         (_nan_in_the_weights, "checkpoint.pt: global holds NaN or Inf; the checkpoint is damaged"),

@@ -433,3 +433,38 @@ def test_config_checks_tokenizer_and_sequence_length_in_one_line():
         with pytest.raises(ConfigError, match=pattern):
             load_config({"data": {"dataset": "shakespeare_text"}}, overrides)
     assert load_config({"data": {"dataset": "shakespeare_text", "tokenizer": "hf:gpt2", "sequence_length": 2}})
+
+
+def test_every_client_keyed_output_names_the_clients_own_role(tmp_path):
+    """A natural client is a role of the plays: clients.csv, client_accuracy.csv and
+    partition.json carry the role beside the client's number, so a row maps back to the data."""
+    import fedsim
+    from fedsim.results.rundir import read_client_accuracy
+
+    root, roles = play_root(tmp_path)
+    data = {"dataset": "shakespeare_text", "root": str(root), "sequence_length": 16, "num_clients": 2}
+    cfg = {
+        "seed": 0,
+        "device": "cpu",
+        "rounds": 1,
+        "workers": 0,
+        "clients_per_round": 2,
+        "model": "char_transformer",
+        "model_options": {"layers": 1, "heads": 2, "width": 16},
+        "eval_per_client": True,
+        "data": {**data, "partition": "natural", "test_partition": True},
+        "local": {"batch_size": 8, "steps": 1},
+    }
+    history = fedsim.run(cfg, out=tmp_path / "run", quiet=True)
+    names = sorted(roles)  # the dataset's clients in the order of their ids
+    assert {r["client"]: r["client_name"] for r in history.client_records} == dict(enumerate(names))
+    accuracy = read_client_accuracy(history.run_dir / "client_accuracy.csv")
+    assert {r["client"]: r["client_name"] for r in accuracy} == dict(enumerate(names))
+    report = write_report(load_config(cfg), load_federation(load_config(cfg)), tmp_path / "partition")
+    assert json.loads((tmp_path / "partition" / "partition.json").read_text())["client_names"] == names
+    assert report["client_names"] == names
+    # a split of fedsim's own (iid) has no names to give: the cells stay empty
+    iid = fedsim.run(
+        {**cfg, "data": {**data, "partition": "iid", "test_partition": True}}, out=tmp_path / "iid", quiet=True
+    )
+    assert {r["client_name"] for r in iid.client_records} == {None}

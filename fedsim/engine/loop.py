@@ -45,7 +45,10 @@ class Executor(Protocol):
 
     busy_seconds: list[float]  # each worker's training time in the last round
     peak_memory: list[int]  # bytes, each worker's peak
-    pss_memory: list[int]  # bytes, each worker's proportional set size after its last round (CPU; 0 unknown)
+    # bytes: each worker's proportional set size and the server's, read at one moment during the
+    # rounds, the one their sum was highest at (0 unknown)
+    pss_memory: list[int]
+    server_pss: int
 
     def start(self, buffers: RoundBuffers) -> None:
         """Take the run's buffers; workers are ready when this returns."""

@@ -42,6 +42,10 @@ class Wrapper(Executor):
     def pss_memory(self) -> list[int]:
         return self.inner.pss_memory
 
+    @property
+    def server_pss(self) -> int:
+        return self.inner.server_pss
+
     def start(self, buffers: RoundBuffers) -> None:
         self.buffers = buffers
         self.inner.start(buffers)

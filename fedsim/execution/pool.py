@@ -31,6 +31,7 @@ import atexit
 import signal
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -58,6 +59,7 @@ from .runner import ClientRunner
 STARTING, IDLE = -2, -1  # RoundBuffers.progress values besides a client id
 RECEIVING = "receiving the run's config and shared buffers"
 NOT_RUNNING = "starting its process (the fork server may still be importing torch)"  # no stage reported yet
+PSS_EVERY = 0.25  # seconds between two readings of every process's PSS during a round (a few ms each)
 FIRST_ROUND_TIMEOUT = 900.0  # the first round also pays for cuDNN set-up and first kernels
 
 
@@ -104,7 +106,7 @@ def _worker_main(rank: int, device: str, sharing_strategy: str, conn: Connection
                 trainer.train_group(slots, rnd)
             buffers.progress[rank] = IDLE
             trainer.synchronize()  # results must be in memory before the server reads them
-            conn.send(("done", time.perf_counter() - started, trainer.peak_memory(), pss_bytes()))
+            conn.send(("done", time.perf_counter() - started, trainer.peak_memory()))
     except (EOFError, BrokenPipeError):
         return  # the server is gone or stopping the pool
     except BaseException as e:  # report, so the server can name the cause; then die
@@ -156,7 +158,9 @@ class WorkerPool(Executor):
         self.round, self.slowest = 0, 0.0  # the longest round so far, in seconds (for the timeout)
         self._in_round = False
         self.peak_memory = [0] * self.num_workers  # bytes, as last reported by each worker
-        self.pss_memory = [0] * self.num_workers  # bytes: its share of what it maps (see resources.pss_bytes)
+        # bytes, the workers' and the server's share of what they map (resources.pss_bytes), read
+        # together every PSS_EVERY seconds of a round: those of the moment their sum was highest
+        self.pss_memory, self.server_pss = [0] * self.num_workers, 0
         self.busy_seconds = [0.0] * self.num_workers  # each worker's training time in the last round
 
     def _fork_workers(self) -> None:
@@ -218,22 +222,29 @@ class WorkerPool(Executor):
             except (BrokenPipeError, OSError):
                 self.processes[rank].join(1)
                 raise WorkerError(self._failure(rank, exit_cause(self.processes[rank].exitcode))) from None
-        self._await_all("done", timeout)
+        self._await_all("done", timeout, self._read_pss)
         self._in_round = False
         self.slowest = max(self.slowest, time.perf_counter() - started)
 
-    def _await_all(self, kind: str, timeout: float) -> None:
-        """Wait until every worker has sent ``kind``; raise WorkerError on the first death,
-        exception report or timeout."""
+    def _await_all(self, kind: str, timeout: float, every: Callable[[], None] | None = None) -> None:
+        """Wait until every worker has sent ``kind``, calling ``every`` (if given) at once and
+        every PSS_EVERY seconds meanwhile; raise WorkerError on the first death, exception
+        report or timeout."""
         waiting = set(range(self.num_workers))
         owner = {p.sentinel: rank for rank, p in enumerate(self.processes)}
         deadline = time.monotonic() + timeout
+        due = time.monotonic()
         while waiting:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 raise WorkerError(self._timeout_message(kind, timeout, sorted(waiting)))
+            if every is not None and now >= due:
+                every()
+                due = now + PSS_EVERY
             pipes = {self.conns[rank]: rank for rank in waiting}
-            ready = wait(list(pipes) + list(owner), timeout=remaining)
+            pause = remaining if every is None else min(remaining, max(due - now, 0.0))
+            ready = wait(list(pipes) + list(owner), timeout=pause)
             for obj in sorted(ready, key=lambda o: o not in pipes):  # messages before deaths
                 if obj in pipes:
                     rank = pipes[obj]
@@ -248,13 +259,19 @@ class WorkerPool(Executor):
                     if message[0] == kind:
                         waiting.discard(rank)
                     if message[0] == "done":
-                        self.busy_seconds[rank], self.peak_memory[rank], self.pss_memory[rank] = message[1:]
+                        self.busy_seconds[rank], self.peak_memory[rank] = message[1:]
                 else:
                     rank = owner[obj]
                     self.processes[rank].join(1)
                     if self.processes[rank].exitcode == UNGUARDED_SCRIPT:
                         raise UnguardedScript()
                     raise WorkerError(self._failure(rank, exit_cause(self.processes[rank].exitcode)))
+
+    def _read_pss(self) -> None:
+        """Every process's PSS at one moment; kept where their sum is the highest so far."""
+        workers, server = [pss_bytes(p.pid) for p in self.processes], pss_bytes()
+        if sum(workers) + server > sum(self.pss_memory) + self.server_pss:
+            self.pss_memory, self.server_pss = workers, server
 
     def _progress(self, rank: int) -> int:
         return STARTING if self.buffers is None else int(self.buffers.progress[rank])
@@ -352,7 +369,7 @@ class InlinePool(Executor):
 
     def __init__(self, config: Config, device: torch.device, runner: type = ClientRunner):
         self.config, self.device, self.runner_type = config, device, runner
-        self.busy_seconds, self.peak_memory, self.pss_memory = [0.0], [0], [0]
+        self.busy_seconds, self.peak_memory, self.pss_memory, self.server_pss = [0.0], [0], [0], 0
 
     def start(self, buffers: RoundBuffers) -> None:
         self.buffers, self.runner = buffers, self.runner_type(self.config, buffers, self.device)
@@ -374,7 +391,7 @@ class InlinePool(Executor):
         finally:
             torch.set_num_threads(threads)
         self.busy_seconds, self.peak_memory = [time.perf_counter() - started], [self.runner.peak_memory()]
-        self.pss_memory = [pss_bytes()]
+        self.server_pss = max(self.server_pss, pss_bytes())  # no worker: the server trains
 
 
 class PoolKeeper:

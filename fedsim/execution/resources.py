@@ -8,6 +8,7 @@ import ctypes
 import multiprocessing.forkserver
 import multiprocessing.resource_sharer
 import os
+import platform
 import resource
 import signal
 import sys
@@ -68,15 +69,33 @@ def peak_memory_mb(device: torch.device) -> float:
     return round(peak_rss_bytes() / 2**20, 1)
 
 
-def pss_bytes() -> int:
-    """This process's proportional set size (Linux): its private memory plus its share of each
-    page it shares, so that memory shared by N processes (the data, a frozen base) counts once
-    over all of them, where resident set sizes count it N times; 0 where /proc does not say."""
+def pss_bytes(pid: int | str = "self") -> int:
+    """A process's proportional set size (Linux; this process's by default): its private memory
+    plus its share of each page it shares, so that memory shared by N processes (the data, a
+    frozen base) counts once over all of them, where resident set sizes count it N times; 0 where
+    /proc does not say (another system, or a process gone)."""
     try:
-        with open("/proc/self/smaps_rollup") as f:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return 0
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what the platform says, else "cpu"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration, IndexError):
+        return platform.processor() or "cpu"
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the system has none): how busy the machine was."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
 
 
 def peak_rss_bytes() -> int:

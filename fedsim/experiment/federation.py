@@ -25,6 +25,15 @@ class Federation:
     parts: list[torch.Tensor]  # one index tensor per client into data.train_x
     natural: bool = False  # the parts are the data's own clients (data.partition: natural)
 
+    def client_names(self) -> list[str] | None:
+        """Each client's own id in the data (a LEAF writer, a play role, an ``hf:`` client value),
+        where the parts are the data's own clients; None otherwise."""
+        data = self.data
+        if not (self.natural and data.client_names and data.train_clients is not None):
+            return None
+        firsts = torch.stack([p[0] for p in self.parts]).to(data.train_clients.device)
+        return [data.client_names[int(i)] for i in data.train_clients[firsts].tolist()]
+
     def test_parts(self, seed: int) -> list[torch.Tensor]:
         """Each client's own test split (data.test_partition): a natural client's own test
         samples where the data has them, else the test set dealt by each client's label mix."""

@@ -65,7 +65,8 @@ class ClientEvaluation:
     ``score`` fills ``last``: the rows of ``client_accuracy.csv`` for the round it scored (see
     callbacks.ClientAccuracyFile)."""
 
-    def __init__(self, test_parts: list[torch.Tensor], device: torch.device):
+    def __init__(self, test_parts: list[torch.Tensor], device: torch.device, names: list[str] | None = None):
+        self.names = names  # each client's own id in the data, where it has one
         self.samples = torch.tensor([len(p) for p in test_parts], dtype=torch.int64)  # [N]
         self.index = torch.cat(test_parts).to(device)  # where the test set lives
         self.owner = torch.repeat_interleave(torch.arange(len(test_parts)), self.samples)
@@ -123,7 +124,14 @@ class ClientEvaluation:
         """Each client's accuracy over its scored targets (its samples' labels, or their tokens)."""
         accuracies = correct.cpu().double() / targets.cpu()  # 0 / 0: NaN, a client without samples
         self.last = [
-            {"round": rnd, "client": c, "model": model, "samples": int(n), "accuracy": float(a)}
+            {
+                "round": rnd,
+                "client": c,
+                "client_name": self.names[c] if self.names else None,
+                "model": model,
+                "samples": int(n),
+                "accuracy": float(a),
+            }
             for c, (n, a) in enumerate(zip(self.samples.tolist(), accuracies.tolist()))
         ]
         return spread(accuracies.numpy())

@@ -71,4 +71,10 @@ class ClientRecord:
         return cls(rnd, client, samples, math.nan, math.nan, why, attacker, 0, model_version)
 
 
-CLIENT_COLUMNS = tuple(f.name for f in fields(ClientRecord))
+# the client's own id in the data (a LEAF writer, a play role), where it has one, beside its number
+CLIENT_COLUMNS = (
+    "round",
+    "client",
+    "client_name",
+    *(f.name for f in fields(ClientRecord) if f.name not in ("round", "client")),
+)

@@ -319,9 +319,12 @@ def _client_cell(column: str, value: str | None):
         return None
     if column in ("train_loss", "update_norm"):
         return float(value)
-    if column == "dropped" and not value.isdigit():
+    if column == "client_name" or (column == "dropped" and not value.isdigit()):
         return value
     return int(value)
+
+
+TEXT_CELLS = ("model", "client_name")  # client_accuracy.csv's cells that are words
 
 
 def read_client_accuracy(path: Path) -> list[dict]:
@@ -329,7 +332,10 @@ def read_client_accuracy(path: Path) -> list[dict]:
     try:
         with open(path, newline="") as f:
             return [
-                {k: (float(v) if k == "accuracy" else v if k == "model" else int(v)) for k, v in row.items()}
+                {
+                    k: (float(v) if k == "accuracy" else v if k in ("model", "client_name") else int(v))
+                    for k, v in row.items()
+                }
                 for row in csv.DictReader(f)
             ]
     except (OSError, UnicodeDecodeError, csv.Error, TypeError, ValueError) as e:

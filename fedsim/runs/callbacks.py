@@ -34,7 +34,7 @@ from ..results.rundir import RunDirectory, cell_text, read_client_accuracy, row_
 if TYPE_CHECKING:
     from ..fl.client_eval import ClientEvaluation
 
-CLIENT_ACCURACY_COLUMNS = ("round", "client", "model", "samples", "accuracy")
+CLIENT_ACCURACY_COLUMNS = ("round", "client", "client_name", "model", "samples", "accuracy")
 
 
 @dataclass
@@ -137,7 +137,7 @@ class ClientAccuracyFile(Callback):
 
 
 def _cells(records: list[dict], columns) -> list[list[str]]:
-    return [[cell_text(record[c]) for c in columns] for record in records]
+    return [[cell_text(record.get(c)) for c in columns] for record in records]  # a row of an older file lacks some
 
 
 class TensorBoard(Callback):

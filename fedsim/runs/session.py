@@ -139,6 +139,7 @@ class Session:
         cfg, device = self.cfg, self.device
         federation, model, privacy, algorithm, clients = build_parts(cfg, device)
         data = federation.data
+        self.client_names = federation.client_names()  # the data's own ids of the clients, where it has them
         self.input_shape, self.num_classes = data.input_shape, data.num_classes
         data_device = data_placement(cfg.data.placement, data, device)
         if data_device != device:
@@ -157,7 +158,9 @@ class Session:
         if self.ranks.several:
             self.executor = RanksExecutor(self.executor, self.ranks, cfg, self.state, device)
         test_parts = federation.test_parts(cfg.seed) if cfg.eval_per_client else None
-        self.client_eval = ClientEvaluation(test_parts, data_device) if test_parts is not None else None
+        self.client_eval = (
+            ClientEvaluation(test_parts, data_device, self.client_names) if test_parts is not None else None
+        )
         test = (data.test_x.to(data_device), data.test_y.to(data_device))
         self.engine = make_engine(
             cfg, self.state, self.buffers, self.executor, test, self.client_eval, privacy, self.compression
@@ -260,7 +263,7 @@ class Session:
             with shielded():
                 if result.evaluated:
                     self.rows.append(row)
-                records = [record.as_row() for record in result.clients]
+                records = [self._named(record.as_row()) for record in result.clients]
                 self.client_rows.extend(records)
                 notify(self.callbacks, "on_round_end", row, records)
                 if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds or reached):
@@ -282,6 +285,10 @@ class Session:
                 logger.info(f"reached stop_at_accuracy {cfg.stop_at_accuracy} in round {rnd}")
                 break
 
+    def _named(self, record: dict) -> dict:
+        """A client's record with its own id in the data beside its number (None where it has none)."""
+        return {**record, "client_name": self.client_names[record["client"]] if self.client_names else None}
+
     def history(self) -> History:
         path = self.run_dir.path if self.run_dir else None
         return History(self.rows, self.cfg.to_dict(), path, self.summary, client_records=self.client_rows)
@@ -289,7 +296,8 @@ class Session:
     def _finish(self, ended_by: BaseException | None) -> None:
         """Stop the workers, write the summary and plot, tell the callbacks; called with signals held."""
         status = self.status
-        self.worker_memory = list(self.executor.peak_memory), list(self.executor.pss_memory)  # bytes: peak, PSS
+        # bytes: each worker's peak; each worker's PSS and the server's, read at one moment
+        self.worker_memory = list(self.executor.peak_memory), list(self.executor.pss_memory), self.executor.server_pss
         self.executor.close(finished=status == "finished", ended_by=ended_by)
         if not self.ranks.is_root:
             self.log.close()

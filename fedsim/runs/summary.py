@@ -4,6 +4,7 @@ personal accuracy), and where and on what it ran."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 from ..core.errors import FedsimError, exception_text
 from ..core.flat import base_bytes
 from ..engine.state import GlobalState
-from ..execution.resources import peak_memory_mb, pss_bytes
+from ..execution.resources import cpu_name, load_average, peak_memory_mb
 from ..experiment.config import Config
 from ..fl.compression import Compression
 
@@ -40,7 +41,9 @@ def account(session: Any, status: str, ended_by: BaseException | None) -> dict:
         "wall_seconds": round(s.elapsed_before + time.perf_counter() - s.t_start, 3),
         **where_it_ran(s.device, s.workers, *s.worker_memory, s.state),
         **({"ranks": s.executor.rank_memory} if s.ranks.several else {}),
-        "torch": torch.__version__,
+        "torch": torch.__version__,  # its build: +cpu, +cu130 (a CUDA build, whatever the device it ran on)
+        "cpus": os.cpu_count(),
+        "load_average": load_average(),  # the 1-minute load average as the run ended
     }
 
 
@@ -143,21 +146,32 @@ def update_bytes(state: GlobalState, compression: Compression | None) -> tuple[i
 
 
 def where_it_ran(
-    device: torch.device, workers: int, worker_peak_memory: list[int], worker_pss: list[int], state: GlobalState
+    device: torch.device,
+    workers: int,
+    worker_peak_memory: list[int],
+    worker_pss: list[int],
+    server_pss: int,
+    state: GlobalState,
 ) -> dict:
     """summary.json's account of the machine: the device, the workers and the memory they took.
     On a CPU also each process's proportional set size, in which memory shared by several
-    processes (the data, a frozen base) counts once over all of them; and the frozen base's size."""
+    processes (the data, a frozen base) counts once over all of them, read for every process at
+    one moment during the rounds (the moment their sum was highest), and that sum; and the frozen
+    base's size."""
     megabytes = lambda sizes: [round(b / 2**20, 1) for b in sizes]  # noqa: E731
     return {
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "workers": workers,
         "worker_peak_memory_mb": megabytes(worker_peak_memory),
         "server_peak_memory_mb": peak_memory_mb(device),
         **(
-            {"worker_pss_mb": megabytes(worker_pss), "server_pss_mb": megabytes([pss_bytes()])[0]}
-            if device.type == "cpu" and any(worker_pss)
+            {
+                "worker_pss_mb": megabytes(worker_pss),
+                "server_pss_mb": megabytes([server_pss])[0],
+                "total_pss_mb": megabytes([server_pss + sum(worker_pss)])[0],
+            }
+            if device.type == "cpu" and server_pss
             else {}
         ),
         **({"frozen_base_mb": round(base_bytes(state.model.base) / 2**20, 1)} if state.model.base else {}),
