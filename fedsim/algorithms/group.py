@@ -52,22 +52,31 @@ class GroupTrainer(Trainer):
             return (per_target * counted).sum() / counted.sum().clamp_min(1.0)
 
         # randomness="different": each client of the group draws its own dropout masks
-        self.step = vmap(grad_and_value(batch_loss), randomness="different")
+        vectorised = vmap(grad_and_value(batch_loss), randomness="different")
+        self.step = lambda params, x, y, weight, rows: vectorised(params, x, y, weight)  # padded: fixed shapes
 
     @staticmethod
     def _grouped_step(module: torch.nn.Module, autocast: torch.autocast) -> Callable:
         """The step of a model whose trained parameters are LoRA adapters: the group's sequences
         stacked into one batch pass through the frozen base once, each row through its own
         client's adapters (``lora.grouped_adapters``); the sum of the clients' losses is
-        differentiated, so each client's gradient is that of its own loss."""
+        differentiated, so each client's gradient is that of its own loss. Only each client's
+        real rows (``rows[i]``, the first of its padded batch) are stacked: a client with a short
+        batch, or none this step, costs the base nothing for the rows it lacks."""
 
-        def step(params, x, y, weight):
+        def step(params, x, y, weight, rows):
+            c = len(rows)
+            x, y, weight = (torch.cat([t[i, :k] for i, k in enumerate(rows)]) for t in (x, y, weight))
             leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
-            with lora.grouped_adapters(module, leaves), autocast:
-                scores = module(x.flatten(0, 1))
-                per_target = tasks.loss(scores, y.flatten(0, 1), reduction="none").view(y.shape)
+            uneven = rows if len(set(rows)) > 1 else None
+            with lora.grouped_adapters(module, leaves, uneven), autocast:
+                scores = module(x)
+                per_target = tasks.loss(scores, y, reduction="none").view(y.shape)
             counted = tasks.counted(y, weight)
-            losses = (per_target * counted).flatten(1).sum(dim=1) / counted.flatten(1).sum(dim=1).clamp_min(1.0)
+            owner = torch.repeat_interleave(torch.arange(c, device=x.device), torch.tensor(rows, device=x.device))
+            sums = per_target.new_zeros(c).index_add_(0, owner, (per_target * counted).flatten(1).sum(dim=1))
+            counts = counted.new_zeros(c).index_add_(0, owner, counted.flatten(1).sum(dim=1))
+            losses = sums / counts.clamp_min(1.0)
             grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
             return dict(zip(leaves, grads)), losses.detach()
 
@@ -133,13 +142,14 @@ class GroupTrainer(Trainer):
                 break  # every client of the group has reached its step limit
             left = [s - -(-u // b) for s, u in zip(left, used)]
             index, sample_weight = self._epoch_plan(clients_indices, generators, used)
-            for batch, w in zip(index, sample_weight):
+            for t, (batch, w) in enumerate(zip(index, sample_weight)):
+                rows = [max(0, min(b, u - t * b)) for u in used]  # each client's real samples, its first
                 x, y = batch_on(self.train_x, self.train_y, batch, self.device)  # [c, B, ...], [c, B]
                 if self.augment is not None:
                     x = self.augment(x.flatten(0, 1)).view_as(x)
                 if relabel is not None:
                     y = torch.where(attacked[:, None], relabel(y, self.num_classes), y)
-                grads, losses = self.step(params, x, y, w)
+                grads, losses = self.step(params, x, y, w, rows)
                 grad = torch.cat([grads[name].reshape(c, -1) for name in self.shapes], dim=1)
                 active = (w.sum(dim=1) > 0).to(weights.dtype)[:, None]  # clients that have this step
                 self._descend(grad, weights, active, momentum, moments, gradient_sum, (start_params, local_state))

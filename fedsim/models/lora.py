@@ -187,17 +187,22 @@ def apply_lora(module: nn.Module, lora: LoraConfig, model_name: str) -> nn.Modul
 
 class GroupedLinear(nn.Module):
     """One adapter matrix (an A or a B) for a group of c clients at once: the group's rows,
-    stacked client after client (``[c x rows, ..., in]``), each through its own client's
-    ``weight[i]`` (``[c, out, in]``) in one batched matmul, so that the frozen layer it adapts
-    computes all the group's rows in one pass (as mLoRA fuses several adapters' batches)."""
+    stacked client after client (``[rows, ..., in]``), each through its own client's
+    ``weight[i]`` (``[c, out, in]``), so that the frozen layer it adapts computes all the
+    group's rows in one pass (as mLoRA fuses several adapters' batches). ``rows``: how many
+    rows each client has (None: as many each, one batched matmul)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, rows: list[int] | None = None):
         super().__init__()
         self.weight = weight  # a plain tensor: the trainer owns it and asks autograd for its gradient
+        self.rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(len(self.weight), -1, x.shape[-1])
-        return torch.bmm(rows, self.weight.transpose(1, 2).to(rows.dtype)).reshape(*x.shape[:-1], -1)
+        weight = self.weight.to(x.dtype)
+        if self.rows is None:
+            rows = x.reshape(len(weight), -1, x.shape[-1])
+            return torch.bmm(rows, weight.transpose(1, 2)).reshape(*x.shape[:-1], -1)
+        return torch.cat([part @ w.T for part, w in zip(x.split(self.rows), weight)])
 
 
 def groupable(module: nn.Module) -> bool:
@@ -219,15 +224,18 @@ def _adapter_slot(module: nn.Module, name: str) -> tuple[nn.ModuleDict, str] | N
 
 
 @contextmanager
-def grouped_adapters(module: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[nn.Module]:
+def grouped_adapters(
+    module: nn.Module, weights: dict[str, torch.Tensor], rows: list[int] | None = None
+) -> Iterator[nn.Module]:
     """``module`` with each adapter named in ``weights`` (its parameter's name -> the group's
-    ``[c, out, in]``) replaced by a ``GroupedLinear``, for one forward pass of a group's rows."""
+    ``[c, out, in]``) replaced by a ``GroupedLinear``, for one forward pass of a group's rows
+    (``rows``: each client's number of them; None: as many each)."""
     swapped = []
     try:
         for name, weight in weights.items():
             holder, key = _adapter_slot(module, name)
             swapped.append((holder, key, holder[key]))
-            holder[key] = GroupedLinear(weight)
+            holder[key] = GroupedLinear(weight, rows)
         yield module
     finally:
         for holder, key, adapter in swapped:
