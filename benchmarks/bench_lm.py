@@ -237,8 +237,9 @@ def throughput(result: dict, batch_size: int, sequence_length: int) -> dict:
 
 
 def memory(summary: dict, sampled: dict | None, gpu: bool) -> dict:
-    """Per process as fedsim's summary reports it: PSS after the last round on a CPU, the CUDA
-    allocator's peak (no CUDA context) on a GPU; and the PSS of every process sampled from outside."""
+    """Per process as fedsim's summary reports it: on a CPU the PSS of every process, read at one
+    moment of a round; on a GPU the CUDA allocator's peak (no CUDA context); and the PSS of
+    every process sampled from outside."""
     workers = summary.get("worker_peak_memory_mb" if gpu else "worker_pss_mb") or []
     server = summary.get("server_peak_memory_mb" if gpu else "server_pss_mb")
     return {
@@ -281,31 +282,35 @@ def child_spec(args: argparse.Namespace, device: str, kind: str, workers: int, g
 def sequential_loop(spec: dict, data) -> dict:
     """What the LLM federated-learning libraries run: one process and one base, the round's clients
     one after another, each from the global adapters with a fresh torch.optim.AdamW, the adapters
-    then averaged by the clients' samples. peft places the adapters as in fedsim's runs."""
+    then averaged by the clients' samples. peft places the adapters as in fedsim's runs. The
+    clients, their samples and each round's draw are fedsim's own (its split and its sampling
+    stream), so that both train the same clients on the same sequences."""
     import time
 
     import numpy as np
     import torch
     import torch.nn.functional as F
 
+    from fedsim.experiment.federation import load_federation
+    from fedsim.experiment.validation import load_config
+    from fedsim.fl.sampling import draw
     from fedsim.models.language import char_transformer
     from fedsim.models.lora import LoraConfig, apply_lora
 
     cfg, local = spec["config"], spec["config"]["local"]
     length = cfg["data"]["sequence_length"]
+    parts = load_federation(load_config({**cfg, "data": {**cfg["data"], "dataset": data}})).parts
+    sizes = np.array([len(part) for part in parts], dtype=np.float64)
     torch.manual_seed(0)
     model = char_transformer((length,), data.num_classes, **cfg["model_options"])
     apply_lora(model, LoraConfig(rank=cfg["lora"]["rank"]), "char_transformer")
     adapters = [p for p in model.parameters() if p.requires_grad]
     averaged = [p.detach().clone() for p in adapters]
-    owners = data.train_clients
-    ids = torch.unique(owners)[: cfg["data"]["num_clients"]].numpy()
-    rng = np.random.default_rng(0)
     rounds = []
-    for _ in range(cfg["rounds"]):
+    for rnd in range(1, cfg["rounds"] + 1):
         began, tokens, total, samples = time.perf_counter(), 0, [torch.zeros_like(p) for p in adapters], 0
-        for client in rng.choice(ids, size=cfg["clients_per_round"], replace=False):
-            rows = (owners == int(client)).nonzero().flatten()
+        for client in draw("uniform", cfg["seed"], rnd, np.arange(len(parts)), cfg["clients_per_round"], sizes):
+            rows = parts[client]
             with torch.no_grad():
                 for p, value in zip(adapters, averaged):
                     p.copy_(value)
@@ -398,7 +403,7 @@ def report(entries: list[dict], args: argparse.Namespace, device: str) -> list[d
     print(f"\nchar_transformer width {args.width}, {args.layers} layers, LoRA rank {args.rank} on c_attn; {name}")
     print("\nTraining tokens per second (rounds after the first, see the module's docstring)")
     print(harness.format_table(TIMING_COLUMNS, ok))
-    what = "CUDA allocator peaks per process" if device == "cuda" else "PSS per process after the last round"
+    what = "CUDA allocator peaks per process" if device == "cuda" else "PSS per process, read together during a round"
     print(f"\nMemory: {what} (fedsim's summary), PSS of all processes sampled from outside")
     gpu = device == "cuda"
     sampled = [c for c in harness.memory_columns(gpu) if gpu or c[1] != "pss_total_mb"]  # PSS peak is ours on a CPU
