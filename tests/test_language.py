@@ -4,6 +4,7 @@ tiny configurations saved in tmp_path (no network, no downloaded weights)."""
 import math
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -331,3 +332,35 @@ def test_the_models_module_does_not_import_the_language_models():
     source = Path(language_models.__file__).with_name("zoo.py").read_text()
     imported = {getattr(node, "module", None) for node in ast.walk(ast.parse(source))}
     assert "language" not in imported and "char_transformer" in MODELS
+
+
+@pytest.mark.slow
+def test_a_warning_of_transformers_or_peft_shows_once_not_once_per_process(tmp_path, capfd):
+    """A GPT-2 with LoRA makes transformers say its config's token ids are out of the vocabulary
+    and peft that Conv1D is transposed: the server says each once, the workers, which build the
+    same model, nothing."""
+    from test_text_data import play_root
+
+    import fedsim
+
+    root, _ = play_root(tmp_path)
+    transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=2, n_positions=64).save_pretrained(
+        tmp_path / "gpt2"
+    )
+    data = {"dataset": "shakespeare_text", "root": str(root), "sequence_length": 8, "num_clients": 2}
+    cfg = {
+        "seed": 0,
+        "device": "cpu",
+        "rounds": 1,
+        "workers": 2,
+        "clients_per_round": 2,
+        "data": data,
+        "model": f"hf:{tmp_path / 'gpt2'}",
+        "local": {"batch_size": 8, "steps": 1},
+        "lora": {"rank": 2},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # the server's as a user's process shows them, once each
+        fedsim.run(cfg, out=tmp_path / "run", quiet=True)
+    err = capfd.readouterr().err
+    assert err.count("bos_token_id must be") <= 1 and err.count("fan_in_fan_out is set to False") <= 1, err

@@ -40,7 +40,7 @@ from ..core.errors import UnguardedScript, WorkerError, exception_text, resource
 from ..engine.buffers import RoundBuffers
 from ..engine.loop import Executor
 from ..experiment.config import Config, vmap_group_size
-from .processes import UNGUARDED_SCRIPT, worker_context
+from .processes import UNGUARDED_SCRIPT, leave_library_warnings_to_the_server, worker_context
 from .resources import (
     STOP_SIGNALS,
     born_ignoring_stop_signals,
@@ -81,6 +81,7 @@ def _worker_main(rank: int, device: str, sharing_strategy: str, conn: Connection
     try:  # everything, so that whatever fails is reported in one line, never as a traceback
         die_with_parent()
         name_this_process(f"fedsim-worker{rank}")
+        leave_library_warnings_to_the_server()
         for signum in STOP_SIGNALS:  # Ctrl-C, and torchrun's or systemd's SIGTERM, reach the whole process
             signal.signal(signum, signal.SIG_IGN)  # group; the server decides, and stops its workers itself
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
+import sys
+import warnings
 from collections.abc import Mapping
 
 from .interrupts import born_ignoring_sigint
@@ -66,6 +69,16 @@ def worker_imports(config: Mapping) -> list[str]:
     rank = lora.get("rank") if isinstance(lora, Mapping) else None
     imports = ["transformers"] if isinstance(model, str) and model.startswith("hf:") else []
     return imports + (["peft"] if isinstance(rank, int) and rank > 0 else [])
+
+
+def leave_library_warnings_to_the_server() -> None:
+    """In a worker: the warnings of transformers and peft (a deprecation met while placing
+    adapters, say) are left to the server, which builds the same model and scores it, so that a
+    run shows each once rather than once per process."""
+    warnings.filterwarnings("ignore", module=r"(transformers|peft)(\.|$)")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # transformers' own logger, read when it is imported
+    if "transformers" in sys.modules:  # imported already by the fork server
+        sys.modules["transformers"].logging.set_verbosity_error()
 
 
 def in_worker_start() -> bool:
