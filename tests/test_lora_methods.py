@@ -389,7 +389,7 @@ def test_a_flora_run_resumed_and_loaded_back_scores_what_it_scored(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_workers_give_the_numbers_of_one_process(tmp_path, algorithm="flora"):
+def test_two_workers_give_the_numbers_of_one_process(tmp_path):
     """FLoRA's merges go into the base the server shares with the workers: a run with 2 workers
     scores what the run in one process scores (HetLoRA's ranks are client state, which every
     algorithm keeps the same way whatever the workers)."""
