@@ -25,9 +25,11 @@ This module imports no torch: the command line uses it before anything else.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Mapping
@@ -58,6 +60,21 @@ def start_fork_server(extra: list[str] | tuple[str, ...] = ()) -> None:
     if worker_context(extra).get_start_method() == "forkserver":
         with born_ignoring_sigint():
             multiprocessing.forkserver.ensure_running()
+        atexit.unregister(_stop_fork_server)
+        atexit.register(_stop_fork_server)
+
+
+def _stop_fork_server() -> None:
+    """At exit, end the fork server and wait for it: left to notice its parent gone, it would go
+    on for seconds (still importing torch, if no run needed a worker) after the command ended."""
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)  # it holds nothing: the workers it forked are stopped already
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
 
 
 def worker_imports(config: Mapping) -> list[str]:
