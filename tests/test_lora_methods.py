@@ -395,8 +395,6 @@ def test_two_workers_give_the_numbers_of_one_process(tmp_path):
     algorithm keeps the same way whatever the workers)."""
     root, _ = play_root(tmp_path)
     alone = fedsim.run(lora_config(root, "alone", algorithm="flora"), out=tmp_path / "alone", quiet=True)
-    pooled = fedsim.run(
-        lora_config(root, "pooled", algorithm="flora", workers=2), out=tmp_path / "pooled", quiet=True
-    )
+    pooled = fedsim.run(lora_config(root, "pooled", algorithm="flora", workers=2), out=tmp_path / "pooled", quiet=True)
     assert pooled.test_loss == alone.test_loss
     assert [r["lora_rank"] for r in pooled.client_records] == [r["lora_rank"] for r in alone.client_records]

@@ -153,3 +153,14 @@ def test_a_run_with_progress_shows_one_line(tmp_path, capsys, monkeypatch):
     assert starting == "loading synthetic on cpu"  # said before the data loads
     assert header.startswith("p: 3 rounds") and rest == ""
     assert rounds.count("\r") == 3 and rounds.rstrip().split("\r")[-1].startswith("[####################] round 3/3")
+
+
+def test_a_round_whose_scoring_takes_a_good_part_of_it_says_how_much():
+    out = io.StringIO()
+    log = RoundLog(False, stream=out)
+    log.round_end(row(1, eval_seconds=0.4), 2)  # a fifth of the round: not worth a word
+    log.round_end(row(2, eval_seconds=1.5), 2)
+    assert out.getvalue().splitlines() == [
+        "round 1/2  test acc 0.5000  test loss 1.0000  train loss 1.2000  2.00 s",
+        "round 2/2  test acc 0.5000  test loss 1.0000  train loss 1.2000  2.00 s (1.50 s scoring)",
+    ]

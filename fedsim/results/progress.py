@@ -135,6 +135,9 @@ class RoundLog:
         return rest
 
 
+SCORING_SHOWN = 0.25  # the share of a round's time from which the round line names the scoring's
+
+
 def _metrics(row: dict, personal: bool = False, tokens: bool = False) -> str:
     named = "tok acc" if tokens else "acc"
     acc = _cell(row["test_accuracy"])
@@ -144,7 +147,12 @@ def _metrics(row: dict, personal: bool = False, tokens: bool = False) -> str:
     extra = f"  dropped {row['dropped_clients']}" if row["dropped_clients"] else ""
     if row.get("epsilon") is not None:  # privacy spent so far (DP-FedAvg)
         extra += f"  eps {row['epsilon']:.3g}"
-    rest = f"train loss {row['train_loss']:.4f}  {row['seconds']:.2f} s{extra}"
+    scoring = row.get("eval_seconds") or 0.0
+    # where scoring the test set takes a good part of the round (a language model's), say how much
+    took = f"{row['seconds']:.2f} s" + (
+        f" ({scoring:.2f} s scoring)" if scoring > SCORING_SHOWN * row["seconds"] else ""
+    )
+    rest = f"train loss {row['train_loss']:.4f}  {took}{extra}"
     if tokens:  # a language model is judged by its loss and perplexity first
         return f"test loss {loss}  ppl {_cell(row.get('test_perplexity'), '.2f')}  tok acc {acc}  {rest}"
     return f"test acc {acc}  test loss {loss}  {rest}"
