@@ -41,11 +41,13 @@ the split by time always puts it in the test set (checked on the data in each ru
     python benchmarks/bench_lm.py --quick                  # a tiny model, seconds
     FEDSIM_DATA=/path/to/datasets python benchmarks/bench_lm.py   # real Shakespeare text
     python benchmarks/bench_lm.py --device cuda --workers 1,2,4,8  # on a GPU: CUDA memory per worker
+    python benchmarks/bench_lm.py --figure tokens.png    # and a bar per kind; --replot JSON redraws one
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -139,6 +141,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--data-root", help="folder holding shakespeare/texts (default $FEDSIM_DATA; else generated)")
     parser.add_argument("--output", help="results JSON (default benchmarks/results/bench_lm-<device>-<time>.json)")
+    parser.add_argument("--figure", help="also draw tokens per second by kind into this PNG")
+    parser.add_argument("--replot", metavar="JSON", help="draw --figure from a results file, measuring nothing")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # JSON spec of one measurement
     parser.add_argument("--child-result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -424,13 +428,48 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         harness.child_main(args, measure)
         return 0
+    if args.replot:
+        results = json.loads(Path(args.replot).read_text())
+        draw(results["entries"], results["machine"], args.figure or str(Path(args.replot).with_suffix(".png")))
+        return 0
     device = harness.resolved_device(args.device)
     machine = harness.machine_info()
     entries = measure_all(args, device)
     rows = report(entries, args, device)
     path = harness.write_results("bench_lm", args, machine, device, entries, {"entries": entries, "comparison": rows})
     print(f"\nwrote {path}")
+    if args.figure:
+        draw(entries, machine, args.figure)
     return 1 if any(e["status"] == "failed" for e in entries) else 0
+
+
+def draw(entries: list[dict], machine: dict, path: str) -> None:
+    """Tokens per second of every measured kind, a bar each, the sequential loop's as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [e for e in entries if e["status"] == "ok"]
+    labels = [
+        e["kind"]
+        + ("" if e["kind"] == "sequential" else f"\nW={e['workers']}")
+        + (f" g={e['group']}" if e["group"] else "")
+        for e in done
+    ]
+    colors = {"sequential": "0.45", "copies": "tab:orange", "shared": "tab:blue", "batched": "tab:green"}
+    figure, axes = plt.subplots(figsize=(1.0 + 0.75 * len(done), 3.6))
+    axes.bar(range(len(done)), [e["tokens_per_second"] for e in done], color=[colors[e["kind"]] for e in done])
+    sequential = [e["tokens_per_second"] for e in done if e["kind"] == "sequential"]
+    if sequential:
+        axes.axhline(sequential[0], color="0.45", linestyle="--", linewidth=1)
+    axes.set_xticks(range(len(done)), labels, fontsize=8)
+    axes.set_ylabel("training tokens / s")
+    load = f"load {machine.get('load_average_start', ['?'])[0]} to {machine.get('load_average_end', ['?'])[0]}"
+    axes.set_title(f"{machine.get('device_name')}, torch {machine.get('torch')}, {load}", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"drew {path}")
 
 
 if __name__ == "__main__":

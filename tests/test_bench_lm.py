@@ -94,3 +94,20 @@ def test_quick_run_measures_the_sequential_loop_the_shared_base_and_batched_adap
         assert entry["all_mb"] == pytest.approx(entry["server_mb"] + sum(entry["worker_mb"]))
         assert entry["to_sequential"] == pytest.approx(entry["tokens_per_second"] / sequential["tokens_per_second"])
     assert result["comparison"] == []  # no copies measured: nothing to compare
+
+
+def test_replot_draws_the_figure_of_a_results_file_with_a_bar_per_measured_kind(bench_lm, tmp_path):
+    entries = [
+        {"kind": "sequential", "workers": 1, "group": "", "status": "ok", "tokens_per_second": 100.0},
+        {"kind": "shared", "workers": 2, "group": "", "status": "ok", "tokens_per_second": 80.0},
+        {"kind": "batched", "workers": 2, "group": 4, "status": "ok", "tokens_per_second": 90.0},
+        {"kind": "copies", "workers": 4, "group": "", "status": "failed", "tokens_per_second": None},
+    ]
+    machine = {"device_name": "a CPU", "torch": "2.x", "load_average_start": [0.5], "load_average_end": [1.0]}
+    results = tmp_path / "bench_lm.json"
+    results.write_text(json.dumps({"entries": entries, "machine": machine}))
+    assert bench_lm.main(["--replot", str(results)]) == 0
+    from PIL import Image
+
+    with Image.open(tmp_path / "bench_lm.png") as image:
+        assert image.size[0] > 200 and image.size[1] > 200
