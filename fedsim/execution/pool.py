@@ -31,7 +31,6 @@ import atexit
 import signal
 import sys
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -223,29 +222,27 @@ class WorkerPool(Executor):
             except (BrokenPipeError, OSError):
                 self.processes[rank].join(1)
                 raise WorkerError(self._failure(rank, exit_cause(self.processes[rank].exitcode))) from None
-        self._await_all("done", timeout, self._read_pss)
+        self._await_all("done", timeout)
         self._in_round = False
         self.slowest = max(self.slowest, time.perf_counter() - started)
 
-    def _await_all(self, kind: str, timeout: float, every: Callable[[], None] | None = None) -> None:
-        """Wait until every worker has sent ``kind``, calling ``every`` (if given) at once and
-        every PSS_EVERY seconds meanwhile; raise WorkerError on the first death, exception
-        report or timeout."""
+    def _await_all(self, kind: str, timeout: float) -> None:
+        """Wait until every worker has sent ``kind``, reading every process's PSS each PSS_EVERY
+        seconds of a round's training; raise WorkerError on the first death, exception report or
+        timeout."""
         waiting = set(range(self.num_workers))
         owner = {p.sentinel: rank for rank, p in enumerate(self.processes)}
-        deadline = time.monotonic() + timeout
         due = time.monotonic()
+        deadline = due + timeout
         while waiting:
             now = time.monotonic()
-            remaining = deadline - now
-            if remaining <= 0:
+            if now >= deadline:
                 raise WorkerError(self._timeout_message(kind, timeout, sorted(waiting)))
-            if every is not None and now >= due:
-                every()
+            if kind == "done" and now >= due:
+                self._read_pss()
                 due = now + PSS_EVERY
             pipes = {self.conns[rank]: rank for rank in waiting}
-            pause = remaining if every is None else min(remaining, max(due - now, 0.0))
-            ready = wait(list(pipes) + list(owner), timeout=pause)
+            ready = wait(list(pipes) + list(owner), timeout=min(deadline, due if kind == "done" else deadline) - now)
             for obj in sorted(ready, key=lambda o: o not in pipes):  # messages before deaths
                 if obj in pipes:
                     rank = pipes[obj]

@@ -71,7 +71,7 @@ def _stop_fork_server() -> None:
     if pid is None:
         return
     try:
-        os.kill(pid, signal.SIGKILL)  # it holds nothing: the workers it forked are stopped already
+        os.kill(pid, signal.SIGKILL)  # it holds no state; a worker still open dies with it (die_with_parent)
         os.waitpid(pid, 0)
     except (ProcessLookupError, ChildProcessError):
         pass
