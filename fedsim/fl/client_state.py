@@ -100,12 +100,14 @@ class ClientStates:
             self.put(name, client, value)
 
     def describe(self) -> str:
-        """The start-up line: what is kept per client and the most it can take."""
-        each = ", ".join(f"{owner} {self.row_bytes(name) / 2**20:.2f} MiB" for name, owner in self.owners.items())
-        return (
-            f"client state in host memory: {each} per client that has one; at most {self.num_clients:,} clients, "
-            f"{self.bound_mb():,.1f} MiB"
-        )
+        """The start-up line: what each owner keeps per client and the most it can take."""
+        per_owner: dict[str, int] = {}
+        for name, owner in self.owners.items():
+            per_owner[owner] = per_owner.get(owner, 0) + self.row_bytes(name)
+        each = ", ".join(f"{owner} {_size(size)}" for owner, size in per_owner.items())
+        bound = f"{self.bound_mb():,.1f} MiB" if self.bound_mb() >= 0.1 else _size(self.bound_mb() * 2**20)
+        most = f"at most {self.num_clients:,} clients, {bound}"
+        return f"client state in host memory: {each} per client that has one; {most}"
 
     def summary(self) -> dict:
         """What the rows hold now, for summary.json."""
@@ -151,3 +153,10 @@ class ClientStates:
                     )
         for name in self.shapes:
             self.rows[name] = dict(saved.get(name, {}))
+
+
+def _size(size: float) -> str:
+    """Bytes as a person reads them: MiB from 0.01 MiB (0.76 MiB), else KiB (3.2 KiB) or bytes."""
+    if size >= 0.01 * 2**20:
+        return f"{size / 2**20:,.2f} MiB"
+    return f"{size / 2**10:.1f} KiB" if size >= 2**10 else f"{int(size)} bytes"
