@@ -27,7 +27,7 @@ _API = {
     "load_run": "results.history",
     "load_runs": "results.history",
     "load_model": "runs.trained",
-    "results_table": "results.history",
+    "results_table": "results.table",
     "plot_runs": "results.plot",
     "Algorithm": "algorithms",
     "Callback": "runs.callbacks",

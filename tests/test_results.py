@@ -9,7 +9,8 @@ from support import write_run
 
 import fedsim
 from fedsim.core.errors import FedsimError
-from fedsim.results.history import History, group_repeats, mean_and_sd, results_table, rounds_to_target
+from fedsim.results.history import History, group_repeats, mean_and_sd, rounds_to_target
+from fedsim.results.table import results_table
 
 
 def test_load_run_reads_metrics_config_and_summary(tmp_path):
@@ -296,3 +297,40 @@ def test_load_model_gives_the_trained_module(tmp_path):
     with torch.no_grad():
         accuracy = (model(test.test_x).argmax(1) == test.test_y).float().mean().item()
     assert accuracy == pytest.approx(history.final_accuracy, abs=1e-6)  # what the run measured
+
+
+def test_results_table_gives_a_language_models_loss_and_perplexity_and_each_features_figure():
+    import math
+
+    def lm(name: str, seed: int, loss: float, personal: float | None = None) -> History:
+        rows = [{"round": 1, "test_accuracy": 0.3, "test_loss": loss, "test_perplexity": math.exp(loss)}]
+        summary = {"wall_seconds": 9.0, **({"final_personal_accuracy": personal} if personal is not None else {})}
+        return History(rows, {"name": name, "seed": seed, "lora": {"rank": 8}}, None, summary)
+
+    table = results_table([lm("fedit", 0, 2.4), lm("fedit", 1, 2.2), lm("fedsa", 0, 2.5, personal=0.31)])
+    assert table.columns == [
+        "name", "runs", "final_test_loss", "final_test_perplexity", "final_accuracy", "best_accuracy",
+        "final_personal_accuracy", "rounds", "wall_seconds",
+    ]  # fmt: skip
+    fedit, fedsa = table
+    assert fedit["final_test_loss"] == pytest.approx(2.3)
+    assert fedit["final_test_perplexity"] == pytest.approx((math.exp(2.4) + math.exp(2.2)) / 2)
+    assert fedit["final_personal_accuracy"] is None and fedsa["final_personal_accuracy"] == 0.31
+    lines = table.markdown().splitlines()
+    assert lines[0] == (
+        "| name | runs | final test loss | final ppl | final tok. acc. (%) | best tok. acc. (%) | personal acc "
+        "| rounds | wall (s) |"
+    )
+    assert lines[2] == "| fedit | 2 | 2.3000 | 10.02 | 30.0 ± 0.0 | 30.0 | – | 1 | 9.0 |"
+    assert lines[3] == "| fedsa | 1 | 2.5000 | 12.18 | 30.0 | 30.0 | 0.3100 | 1 | 9.0 |"
+    # privacy: the epsilon spent, where some run has a privacy section
+    private = History(
+        [{"round": 1, "test_accuracy": 0.9, "test_loss": 0.3, "epsilon": 1.5}],
+        {"name": "dp", "privacy": {"noise_multiplier": 1.0}},
+        None,
+        {},
+    )
+    plain = History([{"round": 1, "test_accuracy": 0.95, "test_loss": 0.2}], {"name": "plain"}, None, {})
+    table = results_table([private, plain])
+    assert "epsilon" in table.columns and "final_test_loss" not in table.columns
+    assert [row["epsilon"] for row in table] == [1.5, None]

@@ -7,6 +7,7 @@ needs neither torch nor the features; every layer above may import it.
 ``fedsim.results.load_run`` and the other names below keep their public path.
 """
 
-from .history import History, group_repeats, load_run, load_runs, mean_and_sd, results_table, rounds_to_target
+from .history import History, group_repeats, load_run, load_runs, mean_and_sd, rounds_to_target
+from .table import results_table
 
 __all__ = ["History", "group_repeats", "load_run", "load_runs", "mean_and_sd", "results_table", "rounds_to_target"]

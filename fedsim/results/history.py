@@ -9,8 +9,7 @@ import json
 import logging
 import math
 import os
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from statistics import fmean, stdev
 from typing import TYPE_CHECKING, Any
@@ -256,72 +255,6 @@ def _plain(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-class ResultsTable(list):
-    """Rows (dicts) of a results table. It prints as markdown, and Jupyter shows it as a table."""
-
-    def __init__(self, rows: Iterable[dict], columns: Iterable[str]):
-        super().__init__(rows)
-        self.columns = list(columns)
-
-    def markdown(self) -> str:
-        repeated = any(row["runs"] > 1 for row in self)
-        columns = [c for c in self.columns if c != "runs" or repeated]
-        headers = [_header(c, self) for c in columns]
-        lines = [
-            "| " + " | ".join(headers) + " |",
-            "|" + "|".join("---:" if c in _HEADERS else "---" for c in columns) + "|",
-        ]
-        for row in self:
-            lines.append("| " + " | ".join(_cell(row, c) for c in columns) + " |")
-        return "\n".join(lines)
-
-    __str__ = __repr__ = _repr_markdown_ = markdown  # Jupyter renders _repr_markdown_
-
-
-_HEADERS = {
-    "runs": "runs",
-    "final_accuracy": "final acc. (%)",
-    "best_accuracy": "best acc. (%)",
-    "target": "target (%)",
-    "rounds_to_target": "rounds to target",
-    "rounds": "rounds",
-    "wall_seconds": "wall (s)",
-}
-
-
-def _header(column: str, rows) -> str:
-    if column == "rounds_to_target":
-        targets = {row["target"] for row in rows if row["target"] is not None}
-        if len(targets) == 1:  # one target for every row: it goes in the header, no column of its own
-            return f"rounds to {_percent(targets.pop())} %"
-    return _HEADERS.get(column, column)
-
-
-def _percent(fraction: float) -> str:
-    return f"{100 * fraction:.4g}"
-
-
-def _cell(row: dict, column: str) -> str:
-    """A table cell, with markdown's own characters escaped (``__main__:my_rule`` stays as it is)."""
-    return re.sub(r"([\\`*_{}\[\]<>|])", r"\\\1", _text(row, column))
-
-
-def _text(row: dict, column: str) -> str:
-    value = row[column]
-    if column == "final_accuracy":
-        spread = f" ± {100 * row['final_accuracy_std']:.1f}" if row["runs"] > 1 else ""
-        return f"{100 * value:.1f}{spread}"
-    if column == "best_accuracy":
-        return f"{100 * value:.1f}"
-    if column == "target":
-        return "–" if value is None else _percent(value)
-    if column == "rounds_to_target":
-        return "–" if row["target"] is None else format_rounds_to_target(row)
-    if column == "wall_seconds":
-        return f"{value:.1f}"
-    return str(value)
-
-
 def rounds_to_target(history: History, target: float) -> int | None:
     """The first evaluated round whose test accuracy is at least ``target`` (a fraction), read
     from the rows; None when no evaluated round got there. With ``eval_every`` > 1 only the
@@ -378,55 +311,6 @@ def check_target(target: float | None, spelled: str = "target") -> float | None:
     if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1):
         raise ConfigError(f"{spelled}: must be a test accuracy, a fraction in (0, 1], got {target!r}")
     return target
-
-
-def results_table(
-    histories: Iterable[History], keys: Sequence[str] = ("name",), target: float | None = None
-) -> ResultsTable:
-    """One row per experiment (repeats over seeds pooled; runs that failed or have no evaluated
-    round left out, with a warning): the ``keys``' config values, the
-    number of runs, final accuracy (mean and sample standard deviation over the runs), best
-    accuracy, rounds and wall seconds (means). Accuracies are fractions; the markdown shows %.
-
-    Rounds to a test accuracy: ``target`` (a fraction), or where it is None each experiment's
-    ``stop_at_accuracy``. A run reaches it in the first evaluated round whose test accuracy is at
-    least the target; the row gets the mean and sample standard deviation of that round over the
-    runs that reached it (``rounds_to_target``, ``rounds_to_target_std``), how many did
-    (``reached``) and the ``target``; the markdown shows them as ``22.3 ± 1.5 (3/3)``. The
-    columns are there when some row has a target.
-    """
-    check_target(target)
-    rows = []
-    for group in group_repeats(finished(histories), distinguish=keys):
-        final, final_sd = mean_and_sd(h.final_accuracy for h in group)
-        goal = target if target is not None else group[0].config.get("stop_at_accuracy")
-        stats = target_stats(group, goal)
-        rows.append(
-            {
-                **{key: group[0].config_value(key) for key in keys},
-                "runs": len(group),
-                "final_accuracy": final,
-                "final_accuracy_std": final_sd,
-                "best_accuracy": fmean([h.best_accuracy for h in group]),
-                "target": stats["target"],
-                "rounds_to_target": stats["rounds_to_target"],
-                "rounds_to_target_std": stats["rounds_to_target_std"],
-                "reached": stats["reached"],
-                "rounds": group[0].rows[-1]["round"] if group[0].rows else 0,
-                "wall_seconds": fmean([h.summary.get("wall_seconds") or _last(h, "elapsed_seconds") for h in group]),
-            }
-        )
-    columns = [*keys, *_HEADERS]
-    targets = {row["target"] for row in rows}
-    if targets == {None}:  # nobody asked for rounds to a target
-        columns = [c for c in columns if c not in ("target", "rounds_to_target")]
-    elif len(targets) == 1:  # one target: named in the header
-        columns.remove("target")
-    return ResultsTable(rows, columns)
-
-
-def _last(history: History, column: str) -> float:
-    return history.rows[-1][column] if history.rows else math.nan
 
 
 def _yaml_mapping(text: str):

@@ -10,11 +10,11 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import fmean
 
 from ..core.files import write_atomically
 from ..experiment.config import Config
 from ..results.history import History, format_rounds_to_target, mean_and_sd, rounds_to_target, target_stats
+from ..results.table import epsilon, figure, mean_of, shown_figures
 
 
 @dataclass
@@ -31,41 +31,14 @@ class SweepRun:
         self.configuration = self.configuration or self.label
 
 
-# summary.json's figures a sweep reports where some run has them: (key, the table's title, format)
-FIGURES = (
-    ("final_personal_accuracy", "personal acc", ".4f"),
-    ("best_personal_accuracy", None, ".4f"),
-    ("megabytes_sent", "MB sent", ".3g"),
-    ("compression_ratio", "ratio", ".3g"),
-    ("delta", None, ".3g"),
-    ("staleness_mean", "staleness", ".3g"),
-    ("staleness_max", None, "g"),
-    ("clients_lost", "lost", "g"),
-)
-
-
-def _figure(history: History, key: str) -> float | None:
-    value = history.summary.get(key)
-    return value if isinstance(value, (int, float)) else None
-
-
-# every run that sends anything has these: they are columns only where some run compresses
-_TRAFFIC = ("megabytes_sent", "compression_ratio")
-
-
 def _figures(runs: list[SweepRun]) -> list[tuple]:
     """The FIGURES some run of the sweep has (personal models, compression, async, ...)."""
     compressed = any(run.config.compression.type != "none" for run in runs)
-    return [
-        f
-        for f in FIGURES
-        if (compressed or f[0] not in _TRAFFIC) and any(_figure(run.history, f[0]) is not None for run in runs)
-    ]
+    return shown_figures([run.history for run in runs], compressed)
 
 
 def _mean_figure(histories: list[History], key: str) -> float | None:
-    values = [_figure(h, key) for h in histories]
-    return None if None in values else fmean(values)
+    return mean_of(figure(h, key) for h in histories)
 
 
 def seconds_per_round(history: History) -> float:
@@ -118,8 +91,8 @@ def _row(run: SweepRun, target: float | None, runs: list[SweepRun]) -> dict:
         "rounds": h.rows[-1]["round"] if h.rows else 0,
     }
     if _with_epsilon(runs):
-        row["epsilon"] = _blank(_epsilon(h))
-    row |= {key: _blank(_figure(h, key)) for key, _, _ in _figures(runs)}
+        row["epsilon"] = _blank(epsilon(h))
+    row |= {key: _blank(figure(h, key)) for key, _, _ in _figures(runs)}
     if _with_target(runs, target):
         goal = _target(run, target)
         reached = None if goal is None else rounds_to_target(h, goal)
@@ -174,19 +147,13 @@ def _perplexity_columns(histories: list[History]) -> dict:
     return columns
 
 
-def _epsilon(history: History) -> float | None:
-    """The privacy a run spent (its last row's epsilon); None without a privacy section."""
-    return history.rows[-1].get("epsilon") if history.rows and history.config.get("privacy") else None
-
-
 def _mean_epsilon(histories: list[History]) -> float | None:
     """Over seeds: the same unless some stopped early (stop_at_accuracy)."""
-    values = [_epsilon(h) for h in histories]
-    return None if None in values else fmean(values)
+    return mean_of(epsilon(h) for h in histories)
 
 
 def _with_epsilon(runs: list[SweepRun]) -> bool:
-    return any(_epsilon(run.history) is not None for run in runs)
+    return any(epsilon(run.history) is not None for run in runs)
 
 
 def _blank(value):

@@ -1,0 +1,197 @@
+"""Runs side by side: ``fedsim.results_table``, one row per experiment, and the figures of the
+features a run had on (privacy spent, bytes sent, staleness, personal models' accuracy) that this
+table and a sweep's show where some run has them."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from statistics import fmean
+
+from .history import History, check_target, finished, format_rounds_to_target, group_repeats, mean_and_sd, target_stats
+
+# summary.json's figures a table reports where some run has them: (key, the table's title, format);
+# a figure without a title goes to sweep.csv only
+FIGURES = (
+    ("final_personal_accuracy", "personal acc", ".4f"),
+    ("best_personal_accuracy", None, ".4f"),
+    ("megabytes_sent", "MB sent", ".3g"),
+    ("compression_ratio", "ratio", ".3g"),
+    ("delta", None, ".3g"),
+    ("staleness_mean", "staleness", ".3g"),
+    ("staleness_max", None, "g"),
+    ("clients_lost", "lost", "g"),
+)
+# every run that sends anything has these: they are columns only where some run compresses
+TRAFFIC = ("megabytes_sent", "compression_ratio")
+
+
+def figure(history: History, key: str) -> float | None:
+    value = history.summary.get(key)
+    return value if isinstance(value, (int, float)) else None
+
+
+def shown_figures(histories: list[History], compressed: bool | None = None) -> list[tuple]:
+    """The FIGURES some of ``histories`` has (personal models, compression, async, ...); the
+    traffic's where some run compresses (``compressed``; None: as their configs say)."""
+    if compressed is None:
+        compressed = any(((h.config.get("compression") or {}).get("type") or "none") != "none" for h in histories)
+    return [
+        f
+        for f in FIGURES
+        if (compressed or f[0] not in TRAFFIC) and any(figure(h, f[0]) is not None for h in histories)
+    ]
+
+
+def epsilon(history: History) -> float | None:
+    """The privacy a run spent (its last row's epsilon); None without a privacy section."""
+    return history.rows[-1].get("epsilon") if history.rows and history.config.get("privacy") else None
+
+
+def mean_of(values: Iterable[float | None]) -> float | None:
+    """The mean, or None where a value is missing (a run without the feature)."""
+    values = list(values)
+    return None if not values or None in values else fmean(values)
+
+
+# ----------------------------------------------------------------------------- fedsim.results_table
+
+
+class ResultsTable(list):
+    """Rows (dicts) of a results table. It prints as markdown, and Jupyter shows it as a table."""
+
+    def __init__(self, rows: Iterable[dict], columns: Iterable[str]):
+        super().__init__(rows)
+        self.columns = list(columns)
+
+    def markdown(self) -> str:
+        repeated = any(row["runs"] > 1 for row in self)
+        columns = [c for c in self.columns if c != "runs" or repeated]
+        headers = [_header(c, self) for c in columns]
+        lines = [
+            "| " + " | ".join(headers) + " |",
+            "|" + "|".join("---:" if c in _HEADERS else "---" for c in columns) + "|",
+        ]
+        for row in self:
+            lines.append("| " + " | ".join(_cell(row, c) for c in columns) + " |")
+        return "\n".join(lines)
+
+    __str__ = __repr__ = _repr_markdown_ = markdown  # Jupyter renders _repr_markdown_
+
+
+_HEADERS = {
+    "runs": "runs",
+    "final_test_loss": "final test loss",
+    "final_test_perplexity": "final ppl",
+    "final_accuracy": "final acc. (%)",
+    "best_accuracy": "best acc. (%)",
+    "epsilon": "epsilon",
+    **{key: title for key, title, _ in FIGURES if title},
+    "target": "target (%)",
+    "rounds_to_target": "rounds to target",
+    "rounds": "rounds",
+    "wall_seconds": "wall (s)",
+}
+_FORMATS = {"final_test_loss": ".4f", "final_test_perplexity": ".2f", "epsilon": ".3g", **{k: f for k, _, f in FIGURES}}
+
+
+def _header(column: str, rows) -> str:
+    if column == "rounds_to_target":
+        targets = {row["target"] for row in rows if row["target"] is not None}
+        if len(targets) == 1:  # one target for every row: it goes in the header, no column of its own
+            return f"rounds to {_percent(targets.pop())} %"
+    if column in ("final_accuracy", "best_accuracy") and "final_test_perplexity" in rows.columns:
+        return _HEADERS[column].replace("acc.", "tok. acc.")  # a language model's accuracy is its tokens'
+    return _HEADERS.get(column, column)
+
+
+def _percent(fraction: float) -> str:
+    return f"{100 * fraction:.4g}"
+
+
+def _cell(row: dict, column: str) -> str:
+    """A table cell, with markdown's own characters escaped (``__main__:my_rule`` stays as it is)."""
+    return re.sub(r"([\\`*_{}\[\]<>|])", r"\\\1", _text(row, column))
+
+
+def _text(row: dict, column: str) -> str:
+    value = row[column]
+    if column == "final_accuracy":
+        spread = f" ± {100 * row['final_accuracy_std']:.1f}" if row["runs"] > 1 else ""
+        return f"{100 * value:.1f}{spread}"
+    if column == "best_accuracy":
+        return f"{100 * value:.1f}"
+    if column == "target":
+        return "–" if value is None else _percent(value)
+    if column == "rounds_to_target":
+        return "–" if row["target"] is None else format_rounds_to_target(row)
+    if column == "wall_seconds":
+        return f"{value:.1f}"
+    if column in _FORMATS:
+        return "–" if value is None else format(value, _FORMATS[column])
+    return str(value)
+
+
+def results_table(
+    histories: Iterable[History], keys: Sequence[str] = ("name",), target: float | None = None
+) -> ResultsTable:
+    """One row per experiment (repeats over seeds pooled; runs that failed or have no evaluated
+    round left out, with a warning): the ``keys``' config values, the
+    number of runs, final accuracy (mean and sample standard deviation over the runs), best
+    accuracy, rounds and wall seconds (means). Accuracies are fractions; the markdown shows %.
+    Where some run is a language model's, its final test loss and perplexity come first (means),
+    and the accuracies are token accuracies; where some run had a feature on, its figure (the
+    epsilon spent, the personal models' accuracy, MB sent, staleness, clients lost: means, empty
+    for a run without it).
+
+    Rounds to a test accuracy: ``target`` (a fraction), or where it is None each experiment's
+    ``stop_at_accuracy``. A run reaches it in the first evaluated round whose test accuracy is at
+    least the target; the row gets the mean and sample standard deviation of that round over the
+    runs that reached it (``rounds_to_target``, ``rounds_to_target_std``), how many did
+    (``reached``) and the ``target``; the markdown shows them as ``22.3 ± 1.5 (3/3)``. The
+    columns are there when some row has a target.
+    """
+    check_target(target)
+    groups = group_repeats(finished(histories), distinguish=keys)
+    every = [h for group in groups for h in group]
+    tokens = any(h.tokens for h in every)
+    privacy = any(epsilon(h) is not None for h in every)
+    figures = [(key, title) for key, title, _ in shown_figures(every) if title]
+    rows = []
+    for group in groups:
+        final, final_sd = mean_and_sd(h.final_accuracy for h in group)
+        goal = target if target is not None else group[0].config.get("stop_at_accuracy")
+        stats = target_stats(group, goal)
+        rows.append(
+            {
+                **{key: group[0].config_value(key) for key in keys},
+                "runs": len(group),
+                "final_test_loss": mean_of(h.rows[-1]["test_loss"] if h.tokens else None for h in group),
+                "final_test_perplexity": mean_of(h.final_perplexity for h in group),
+                "final_accuracy": final,
+                "final_accuracy_std": final_sd,
+                "best_accuracy": fmean([h.best_accuracy for h in group]),
+                "epsilon": mean_of(epsilon(h) for h in group),
+                **{key: mean_of(figure(h, key) for h in group) for key, _ in figures},
+                "target": stats["target"],
+                "rounds_to_target": stats["rounds_to_target"],
+                "rounds_to_target_std": stats["rounds_to_target_std"],
+                "reached": stats["reached"],
+                "rounds": group[0].rows[-1]["round"] if group[0].rows else 0,
+                "wall_seconds": fmean([h.summary.get("wall_seconds") or _last(h, "elapsed_seconds") for h in group]),
+            }
+        )
+    shown = {"final_test_loss": tokens, "final_test_perplexity": tokens, "epsilon": privacy}
+    shown |= {key: any(key == k for k, _ in figures) for key, _, _ in FIGURES}
+    columns = [*keys, *(c for c in _HEADERS if shown.get(c, True))]
+    targets = {row["target"] for row in rows}
+    if targets == {None}:  # nobody asked for rounds to a target
+        columns = [c for c in columns if c not in ("target", "rounds_to_target")]
+    elif len(targets) == 1:  # one target: named in the header
+        columns.remove("target")
+    return ResultsTable(rows, columns)
+
+
+def _last(history: History, column: str) -> float:
+    return history.rows[-1][column] if history.rows else math.nan
