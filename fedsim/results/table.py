@@ -194,4 +194,4 @@ def results_table(
 
 
 def _last(history: History, column: str) -> float:
-    return history.rows[-1][column] if history.rows else math.nan
+    return history.rows[-1].get(column, math.nan) if history.rows else math.nan
