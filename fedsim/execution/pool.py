@@ -228,8 +228,8 @@ class WorkerPool(Executor):
 
     def _await_all(self, kind: str, timeout: float) -> None:
         """Wait until every worker has sent ``kind``, reading every process's PSS each PSS_EVERY
-        seconds of a round's training; raise WorkerError on the first death, exception report or
-        timeout."""
+        seconds of a round's training and as each worker ends it; raise WorkerError on the first
+        death, exception report or timeout."""
         waiting = set(range(self.num_workers))
         owner = {p.sentinel: rank for rank, p in enumerate(self.processes)}
         due = time.monotonic()
@@ -256,8 +256,9 @@ class WorkerPool(Executor):
                         self.stages[rank] = message[1]
                     if message[0] == kind:
                         waiting.discard(rank)
-                    if message[0] == "done":
+                    if message[0] == "done":  # a round shorter than PSS_EVERY is read here too,
                         self.busy_seconds[rank], self.peak_memory[rank] = message[1:]
+                        self._read_pss()  # once every worker has touched the pages it shares
                 else:
                     rank = owner[obj]
                     self.processes[rank].join(1)
