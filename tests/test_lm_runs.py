@@ -193,18 +193,16 @@ def test_workers_share_one_frozen_base_where_peers_hold_a_copy_each(tmp_path):
     copied = fedsim.run({**cfg, "lora": {"rank": 4, "share_base": False}}, out=tmp_path / "copied", quiet=True)
     base = shared.summary["frozen_base_mb"]
     assert base == copied.summary["frozen_base_mb"] and base > 160
-    # a copy each costs the 2 workers 2 bases more; the rest of a process's memory moves by tens
-    # of MB from run to run, so more than 1.2 bases saved is what sharing alone explains. All
-    # processes are read at one moment of a round, so the server's base, shared with the workers,
-    # counts a third in the server where the copies leave it whole there
-    sizes = {
-        run: {k: run.summary[k] for k in ("worker_pss_mb", "server_pss_mb", "total_pss_mb")} for run in (shared, copied)
-    }
-    for summary in sizes.values():
-        assert summary["total_pss_mb"] == pytest.approx(
-            sum(summary["worker_pss_mb"]) + summary["server_pss_mb"], abs=0.2
-        )
-    saved = copied.summary["total_pss_mb"] - shared.summary["total_pss_mb"]
+    # a copy each costs the 2 workers 2 bases more; the rest of a worker's memory moves by tens of
+    # MB from run to run, so more than 1.2 bases saved is what sharing alone explains. The server
+    # is this test's own process, whose memory holds what earlier tests left: its PSS (read with
+    # the workers', at one moment) is in the total, but not compared between the two runs
+    sizes = [
+        {k: run.summary[k] for k in ("worker_pss_mb", "server_pss_mb", "total_pss_mb")} for run in (shared, copied)
+    ]
+    for summary in sizes:
+        total = sum(summary["worker_pss_mb"]) + summary["server_pss_mb"]
+        assert summary["total_pss_mb"] == pytest.approx(total, abs=0.2)
+    saved = sum(copied.summary["worker_pss_mb"]) - sum(shared.summary["worker_pss_mb"])
     assert saved > 1.2 * base, (sizes, base)
-    assert shared.summary["server_pss_mb"] < copied.summary["server_pss_mb"], sizes
     assert shared.test_loss == copied.test_loss  # where the base lives changes no number
