@@ -339,7 +339,7 @@ def test_a_warning_of_transformers_or_peft_shows_once_not_once_per_process(tmp_p
     """A GPT-2 with LoRA makes transformers say its config's token ids are out of the vocabulary
     and peft that Conv1D is transposed: the server says each once, the workers, which build the
     same model, nothing."""
-    from test_text_data import play_root
+    from test_text_data import play_root, play_run
 
     import fedsim
 
@@ -347,18 +347,7 @@ def test_a_warning_of_transformers_or_peft_shows_once_not_once_per_process(tmp_p
     transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=2, n_positions=64).save_pretrained(
         tmp_path / "gpt2"
     )
-    data = {"dataset": "shakespeare_text", "root": str(root), "sequence_length": 8, "num_clients": 2}
-    cfg = {
-        "seed": 0,
-        "device": "cpu",
-        "rounds": 1,
-        "workers": 2,
-        "clients_per_round": 2,
-        "data": data,
-        "model": f"hf:{tmp_path / 'gpt2'}",
-        "local": {"batch_size": 8, "steps": 1},
-        "lora": {"rank": 2},
-    }
+    cfg = play_run(root, {"sequence_length": 8}, workers=2, model=f"hf:{tmp_path / 'gpt2'}", lora={"rank": 2})
     with warnings.catch_warnings():
         warnings.simplefilter("always")  # the server's as a user's process shows them, once each
         fedsim.run(cfg, out=tmp_path / "run", quiet=True)

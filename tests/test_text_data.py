@@ -125,6 +125,14 @@ def play_root(tmp_path):
     return tmp_path, {f"THE_TWO_GENTLEMEN_OF_VERONA_{name}": text for name, text in role.items()}
 
 
+def play_run(root, data: dict | None = None, **changes) -> dict:
+    """A one-round run over the roles of ``play_root``'s play, 2 clients, one local step each,
+    with ``data``'s keys and ``changes`` on top."""
+    data = {"dataset": "shakespeare_text", "root": str(root), "sequence_length": 16, "num_clients": 2, **(data or {})}
+    run = {"seed": 0, "device": "cpu", "rounds": 1, "workers": 0, "clients_per_round": 2}
+    return {**run, "data": data, "local": {"batch_size": 8, "steps": 1}, **changes}
+
+
 def client_text(data, client, tokenizer):
     """A client's text back from its windows: the first input, then every scored target, train then test."""
     pieces = []
@@ -442,19 +450,8 @@ def test_every_client_keyed_output_names_the_clients_own_role(tmp_path):
     from fedsim.results.rundir import read_client_accuracy
 
     root, roles = play_root(tmp_path)
-    data = {"dataset": "shakespeare_text", "root": str(root), "sequence_length": 16, "num_clients": 2}
-    cfg = {
-        "seed": 0,
-        "device": "cpu",
-        "rounds": 1,
-        "workers": 0,
-        "clients_per_round": 2,
-        "model": "char_transformer",
-        "model_options": {"layers": 1, "heads": 2, "width": 16},
-        "eval_per_client": True,
-        "data": {**data, "partition": "natural", "test_partition": True},
-        "local": {"batch_size": 8, "steps": 1},
-    }
+    model = {"model": "char_transformer", "model_options": {"layers": 1, "heads": 2, "width": 16}}
+    cfg = play_run(root, {"partition": "natural", "test_partition": True}, eval_per_client=True, **model)
     history = fedsim.run(cfg, out=tmp_path / "run", quiet=True)
     names = sorted(roles)  # the dataset's clients in the order of their ids
     assert {r["client"]: r["client_name"] for r in history.client_records} == dict(enumerate(names))
@@ -464,7 +461,6 @@ def test_every_client_keyed_output_names_the_clients_own_role(tmp_path):
     assert json.loads((tmp_path / "partition" / "partition.json").read_text())["client_names"] == names
     assert report["client_names"] == names
     # a split of fedsim's own (iid) has no names to give: the cells stay empty
-    iid = fedsim.run(
-        {**cfg, "data": {**data, "partition": "iid", "test_partition": True}}, out=tmp_path / "iid", quiet=True
-    )
+    iid_cfg = play_run(root, {"partition": "iid", "test_partition": True}, eval_per_client=True, **model)
+    iid = fedsim.run(iid_cfg, out=tmp_path / "iid", quiet=True)
     assert {r["client_name"] for r in iid.client_records} == {None}

@@ -21,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,9 +34,6 @@ from ..results.records import ClientRecord, RoundRow
 from .loop import Engine, RoundResult
 from .state import GlobalState
 from .update import check_finite, stop_on_nonfinite, warn_dropped
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass
