@@ -242,7 +242,8 @@ class WorkerPool(Executor):
                 self._read_pss()
                 due = now + PSS_EVERY
             pipes = {self.conns[rank]: rank for rank in waiting}
-            ready = wait(list(pipes) + list(owner), timeout=min(deadline, due if kind == "done" else deadline) - now)
+            wake = min(deadline, due) if kind == "done" else deadline
+            ready = wait(list(pipes) + list(owner), timeout=wake - now)
             for obj in sorted(ready, key=lambda o: o not in pipes):  # messages before deaths
                 if obj in pipes:
                     rank = pipes[obj]
@@ -256,9 +257,9 @@ class WorkerPool(Executor):
                         self.stages[rank] = message[1]
                     if message[0] == kind:
                         waiting.discard(rank)
-                    if message[0] == "done":  # a round shorter than PSS_EVERY is read here too,
+                    if message[0] == "done":
                         self.busy_seconds[rank], self.peak_memory[rank] = message[1:]
-                        self._read_pss()  # once every worker has touched the pages it shares
+                        self._read_pss()  # a round shorter than PSS_EVERY, once the pages are touched
                 else:
                     rank = owner[obj]
                     self.processes[rank].join(1)

@@ -182,8 +182,9 @@ def results_table(
                 "wall_seconds": fmean([h.summary.get("wall_seconds") or _last(h, "elapsed_seconds") for h in group]),
             }
         )
+    titled = {key for key, _ in figures}
     shown = {"final_test_loss": tokens, "final_test_perplexity": tokens, "epsilon": privacy}
-    shown |= {key: any(key == k for k, _ in figures) for key, _, _ in FIGURES}
+    shown |= {key: key in titled for key, _, _ in FIGURES}
     columns = [*keys, *(c for c in _HEADERS if shown.get(c, True))]
     targets = {row["target"] for row in rows}
     if targets == {None}:  # nobody asked for rounds to a target

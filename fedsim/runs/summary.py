@@ -58,7 +58,8 @@ def what_ran(
     return {
         **{key: config[key] for key in ("model", "aggregator", "algorithm", "server_optimizer")},
         "lora": (
-            {"method": lora["method"], "rank": lora["rank"], **_set(client_ranks=lora.get("client_ranks"))}
+            {"method": lora["method"], "rank": lora["rank"]}
+            | ({"client_ranks": lora["client_ranks"]} if lora.get("client_ranks") is not None else {})
             if lora["rank"] > 0
             else None
         ),
@@ -71,10 +72,6 @@ def what_ran(
         "overrides": overrides,
         "resumed_at_round": first_round if first_round > 1 else None,
     }
-
-
-def _set(**values) -> dict:
-    return {key: value for key, value in values.items() if value is not None}
 
 
 def outcome(rows: list[dict], target: float | None) -> dict:
