@@ -334,8 +334,8 @@ def sequential_loop(spec: dict, data) -> dict:
     return {
         "tokens_per_round": statistics.fmean(r["tokens"] for r in later),
         "tokens_per_second": sum(r["tokens"] for r in later) / sum(r["seconds"] for r in later),
-        "train_seconds": statistics.median(r["seconds"] for r in later),
-        "round_seconds": statistics.median(r["seconds"] for r in later),
+        # the loop's round is all training: the same median is both
+        **dict.fromkeys(("train_seconds", "round_seconds"), statistics.median(r["seconds"] for r in later)),
     }
 
 
@@ -445,10 +445,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def draw(entries: list[dict], machine: dict, path: str) -> None:
     """Tokens per second of every measured kind, a bar each, the sequential loop's as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     done = [e for e in entries if e["status"] == "ok"]
     labels = [
@@ -458,7 +455,8 @@ def draw(entries: list[dict], machine: dict, path: str) -> None:
         for e in done
     ]
     colors = {"sequential": "0.45", "copies": "tab:orange", "shared": "tab:blue", "batched": "tab:green"}
-    figure, axes = plt.subplots(figsize=(1.0 + 0.75 * len(done), 3.6))
+    figure = Figure(figsize=(1.0 + 0.75 * len(done), 3.6), layout="constrained")  # no pyplot state
+    axes = figure.subplots()
     axes.bar(range(len(done)), [e["tokens_per_second"] for e in done], color=[colors[e["kind"]] for e in done])
     sequential = [e["tokens_per_second"] for e in done if e["kind"] == "sequential"]
     if sequential:
@@ -467,7 +465,6 @@ def draw(entries: list[dict], machine: dict, path: str) -> None:
     axes.set_ylabel("training tokens / s")
     load = f"load {machine.get('load_average_start', ['?'])[0]} to {machine.get('load_average_end', ['?'])[0]}"
     axes.set_title(f"{machine.get('device_name')}, torch {machine.get('torch')}, {load}", fontsize=9)
-    figure.tight_layout()
     figure.savefig(path, dpi=120)
     print(f"drew {path}")
 
