@@ -332,10 +332,7 @@ def read_client_accuracy(path: Path) -> list[dict]:
     try:
         with open(path, newline="") as f:
             return [
-                {
-                    k: (float(v) if k == "accuracy" else v if k in ("model", "client_name") else int(v))
-                    for k, v in row.items()
-                }
+                {k: (float(v) if k == "accuracy" else v if k in TEXT_CELLS else int(v)) for k, v in row.items()}
                 for row in csv.DictReader(f)
             ]
     except (OSError, UnicodeDecodeError, csv.Error, TypeError, ValueError) as e:
