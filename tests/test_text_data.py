@@ -464,3 +464,4 @@ def test_every_client_keyed_output_names_the_clients_own_role(tmp_path):
     iid_cfg = play_run(root, {"partition": "iid", "test_partition": True}, eval_per_client=True, **model)
     iid = fedsim.run(iid_cfg, out=tmp_path / "iid", quiet=True)
     assert {r["client_name"] for r in iid.client_records} == {None}
+    assert {r["client_name"] for r in read_client_accuracy(iid.run_dir / "client_accuracy.csv")} == {None}

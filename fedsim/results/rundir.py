@@ -332,7 +332,11 @@ def read_client_accuracy(path: Path) -> list[dict]:
     try:
         with open(path, newline="") as f:
             return [
-                {k: (float(v) if k == "accuracy" else v if k in TEXT_CELLS else int(v)) for k, v in row.items()}
+                # an empty client_name (a client without an id of its own) is None, as in clients.csv
+                {
+                    k: (float(v) if k == "accuracy" else (v or None) if k in TEXT_CELLS else int(v))
+                    for k, v in row.items()
+                }
                 for row in csv.DictReader(f)
             ]
     except (OSError, UnicodeDecodeError, csv.Error, TypeError, ValueError) as e:
