@@ -326,6 +326,7 @@ def write_run(path, name="run", seed=0, accuracies=(0.5, 0.7, 0.8), summary=True
                     "bytes_down": 1000,
                     "bytes_up": 500,
                     "cumulative_bytes": 1500 * rnd,
+                    "test_samples": 1000,
                 }
             )
     if summary:

@@ -2,12 +2,13 @@
 the same every round, and the last round on all of it."""
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import fedsim
-from fedsim.engine.loop import evaluate
+from fedsim.engine.loop import Engine, evaluate
 from fedsim.engine.loop import test_subset as drawn_subset
 from fedsim.experiment.validation import load_config
 
@@ -48,6 +49,7 @@ def test_rounds_before_the_last_are_scored_on_the_subset_and_the_last_on_everyth
     # an accuracy over 300 samples is a whole number of them; the last round's is over 1,000
     for accuracy in history.test_accuracy[:-1]:
         assert abs(accuracy * SUBSET - round(accuracy * SUBSET)) < 1e-9
+    assert history.test_samples == [SUBSET, SUBSET, 1000]  # metrics.csv says which each round was scored on
     model = fedsim.load_model(history.run_dir)
     cfg = load_config(config())
     data = fedsim.data.load_dataset("synthetic", cfg.data.root, cfg.data.limit)
@@ -60,6 +62,7 @@ def test_without_it_every_round_is_scored_on_the_whole_test_set(tmp_path, capsys
     monkeypatch.setattr(logging.getLogger(), "handlers", [])
     history = fedsim.run(config(eval_subset=None), out=tmp_path / "run")
     assert "eval_subset" not in capsys.readouterr().out
+    assert history.test_samples == [1000, 1000, 1000]
     subset = fedsim.run(config(), out=tmp_path / "subset", quiet=True)
     assert history.test_accuracy[-1] == subset.test_accuracy[-1]  # training is the same either way
     assert history.train_loss == subset.train_loss
@@ -84,3 +87,25 @@ def test_a_round_that_reaches_stop_at_accuracy_on_the_subset_is_scored_on_everyt
     assert stopped.summary["rounds_to_target"] == reached_in_full
     for r, (score, s, f) in enumerate(zip(stopped.test_accuracy, subset.test_accuracy, full.test_accuracy), 1):
         assert score == (f if s >= target or r == rounds else s), r  # training is the same in the three runs
+
+
+def hint(rnd: int = 2, scoring: float = 6.0, training: float = 2.0, **settings) -> str | None:
+    """The line offered after round ``rnd`` of 10, scored on all 1,305 test samples in ``scoring`` s."""
+    engine = SimpleNamespace(cfg=load_config(config(rounds=10, eval_every=2, **{"eval_subset": None, **settings})))
+    row = {"round": rnd, "test_samples": 1305, "eval_seconds": scoring, "train_seconds": training}
+    return Engine.subset_hint(engine, row)
+
+
+def test_a_run_whose_scoring_outlasts_its_training_is_offered_a_subset_that_would_take_as_long(tmp_path):
+    line = hint()
+    assert line == (
+        "scoring all 1,305 test samples took 6.0 s of round 2, training 2.0 s: --set eval_subset=440 scores the "
+        "rounds before the last on 440 samples drawn by the seed (the last round on all)"
+    )  # 1,305 * 2 / 6 = 435, to two figures
+    assert hint(scoring=1.9, training=0.5) and hint(scoring=0.9, training=0.1) is None  # a second or more
+    assert hint(scoring=2.0, training=2.5) is None  # training takes longer
+    assert hint(rnd=8) is None  # round 10 is the only one left to score, and on all samples anyway
+    assert hint(eval_subset=100) is None
+    # what it offers runs: the same run with the subset scores rounds before the last on 440 samples
+    history = fedsim.run(config(rounds=2, eval_subset=440), out=tmp_path / "run", quiet=True)
+    assert history.test_samples == [440, 1000]

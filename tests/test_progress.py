@@ -159,8 +159,10 @@ def test_a_round_whose_scoring_takes_a_good_part_of_it_says_how_much():
     out = io.StringIO()
     log = RoundLog(False, stream=out)
     log.round_end(row(1, eval_seconds=0.4), 2)  # a fifth of the round: not worth a word
-    log.round_end(row(2, eval_seconds=1.5), 2)
+    log.round_end(row(2, eval_seconds=1.5, test_samples=3925), 2)  # and on how many samples
+    log.round_end(row(2, eval_seconds=1.5), 2)  # a row of an older version, without test_samples
     assert out.getvalue().splitlines() == [
         "round 1/2  test acc 0.5000  test loss 1.0000  train loss 1.2000  2.00 s",
+        "round 2/2  test acc 0.5000  test loss 1.0000  train loss 1.2000  2.00 s (1.50 s scoring 3,925 test samples)",
         "round 2/2  test acc 0.5000  test loss 1.0000  train loss 1.2000  2.00 s (1.50 s scoring)",
     ]

@@ -240,6 +240,22 @@ class Engine:
             + (", as is a round that reaches stop_at_accuracy on the subset" if self.cfg.stop_at_accuracy else "")
         )
 
+    def subset_hint(self, row: dict) -> str | None:
+        """Where scoring the whole test set took longer than training (and a second or more) in
+        evaluated round ``row`` and rounds before the last are still to be scored, a line that
+        offers eval_subset, sized so that scoring would take about as long as training; else None."""
+        cfg, scoring, training = self.cfg, row["eval_seconds"], row["train_seconds"]
+        if cfg.eval_subset is not None or row["test_samples"] is None or scoring <= max(training, 1.0):
+            return None
+        if row["round"] + cfg.eval_every >= cfg.rounds:
+            return None  # no round before the last left to score
+        size = max(1, int(float(f"{row['test_samples'] * training / scoring:.2g}")))
+        return (
+            f"scoring all {row['test_samples']:,} test samples took {scoring:.1f} s of round {row['round']}, training "
+            f"{training:.1f} s: --set eval_subset={size} scores the rounds before the last on {size:,} samples drawn "
+            f"by the seed (the last round on all)"
+        )
+
     def reaches(self, row: dict, target: float | None) -> bool:
         """Whether the round of ``row`` reaches stop_at_accuracy ``target`` (never where its test
         accuracy is NaN). One that does on eval_subset is scored again on the whole test set, as a
@@ -284,7 +300,7 @@ class Engine:
         scored = self.test if full or self.test_subset is None else self.test_subset
         accuracy, loss = evaluate(self.state.model.module, *scored, self.cfg.eval_batch_size)
         perplexity = {"test_perplexity": tasks.perplexity(loss)} if self.test[1].ndim == 2 else {}
-        return {"test_accuracy": accuracy, "test_loss": loss, **perplexity}
+        return {"test_accuracy": accuracy, "test_loss": loss, **perplexity, "test_samples": len(scored[1])}
 
     def _train_metrics(self, round_, records: list[ClientRecord]) -> dict:
         """The mean training loss over the kept clients' samples, as each client's loss is the mean

@@ -149,9 +149,11 @@ def _metrics(row: dict, personal: bool = False, tokens: bool = False) -> str:
         extra += f"  eps {row['epsilon']:.3g}"
     scoring = row.get("eval_seconds") or 0.0
     # where scoring the test set takes a good part of the round (a language model's), say how much
-    took = f"{row['seconds']:.2f} s" + (
-        f" ({scoring:.2f} s scoring)" if scoring > SCORING_SHOWN * row["seconds"] else ""
-    )
+    # and on how many samples: eval_subset's, or the whole set's
+    took = f"{row['seconds']:.2f} s"
+    if scoring > SCORING_SHOWN * row["seconds"]:
+        scored = row.get("test_samples")
+        took += f" ({scoring:.2f} s scoring" + (f" {scored:,} test samples)" if scored else ")")
     rest = f"train loss {row['train_loss']:.4f}  {took}{extra}"
     if tokens:  # a language model is judged by its loss and perplexity first
         return f"test loss {loss}  ppl {_cell(row.get('test_perplexity'), '.2f')}  tok acc {acc}  {rest}"

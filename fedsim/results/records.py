@@ -38,6 +38,7 @@ class RoundRow:
     bytes_up: int | None = None
     cumulative_bytes: int | None = None
     test_perplexity: float | None = None  # exp(test_loss), for a token-level task (a language model)
+    test_samples: int | None = None  # the test samples scored: eval_subset's or the whole set's (None: not evaluated)
 
     def as_row(self) -> dict:
         return asdict(self)

@@ -37,6 +37,7 @@ from .records import METRIC_COLUMNS as COLUMNS
 # in a History
 OPTIONAL_COLUMNS = {
     "test_perplexity",
+    "test_samples",
     "epsilon",
     "clip",
     "client_accuracy_mean",
@@ -52,6 +53,7 @@ OPTIONAL_COLUMNS = {
 }
 _INT_COLUMNS = {
     "round",
+    "test_samples",
     "clients",
     "dropped_clients",
     "attackers",

@@ -131,6 +131,7 @@ class Session:
         self.rows: list[dict] = []
         self.client_rows: list[dict] = []
         self.first_round, self.elapsed_before = 1, 0.0  # a resumed run's, from its checkpoint
+        self.hinted = False  # whether the line that offers eval_subset was printed
         self.startup_seconds, self.summary, self.run_dir = None, {}, None
         self.status = "interrupted"  # until the last round is on disk
 
@@ -277,6 +278,10 @@ class Session:
                     self.run_dir.save_checkpoint(checkpoint)
                     self.state.saved_round = rnd
                 self.log.round_end(row, cfg.rounds)  # once printed, the round is on disk
+                hint = result.evaluated and not self.hinted and self.engine.subset_hint(row)
+                if hint:
+                    self.hinted = True
+                    logger.info(hint)
                 if reached or rnd == cfg.rounds:
                     self.status = "finished"  # whatever arrives from here on, every round is done
             # the other ranks, if any, get the new state or learn that the run is over
