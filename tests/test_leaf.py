@@ -223,7 +223,9 @@ def test_shakespeare_maps_characters_to_leafs_ids(tmp_path):
     data = load_dataset("shakespeare", tmp_path)
     roles = sorted(["THE_TEMPEST_PROSPERO", "HAMLET__PRINCE_OF_DENMARK_HAM", "THE_TRAGEDY_OF_KING_LEAR_KENT"])
     assert data.client_names == tuple(roles) and data.num_classes == 80 and len(VOCABULARY) == 80
-    assert data.train_x.dtype == data.train_y.dtype == torch.int64 and data.train_x.shape == (4 + 6 + 4, 80)
+    # the ids in a byte each (LEAF's 80 fit), the labels int64 as every dataset's
+    assert data.train_x.dtype == torch.uint8 and data.train_y.dtype == torch.int64
+    assert data.train_x.shape == (4 + 6 + 4, 80)
     for split in ("train", "test"):
         x, y, clients = getattr(data, f"{split}_x"), getattr(data, f"{split}_y"), getattr(data, f"{split}_clients")
         for role_id, role in enumerate(roles):
@@ -369,7 +371,7 @@ def raw_speech(path, first_line):
 def test_real_plays_give_hundreds_of_roles_and_leafs_split(real_plays):
     _, data, seconds = real_plays
     assert 300 <= len(data.client_names) <= 1500 and seconds < 30
-    assert data.train_x.shape[1:] == (80,) and data.train_x.dtype == torch.int64
+    assert data.train_x.shape[1:] == (80,) and data.train_x.dtype == torch.uint8  # 80 bytes a window
     assert int(data.train_x.max()) < 80 and int(data.train_x.min()) >= 0
     train_sizes = torch.bincount(data.train_clients, minlength=len(data.client_names))
     test_sizes = torch.bincount(data.test_clients, minlength=len(data.client_names))

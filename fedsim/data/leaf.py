@@ -237,12 +237,12 @@ def _shakespeare_user(path: Path, user: str, inputs: list, targets: list) -> tup
 def shakespeare(root: Path, download: bool = True) -> Dataset:
     """Shakespeare as LEAF writes it (Caldas et al. 2018; McMahan et al. 2017): one client per
     role of a play (LEAF's user names), each sample 80 characters and the character after them.
-    Characters are ids into LEAF's 80 (``LEAF_CHARACTERS``): inputs int64 [N, 80], labels int64.
+    Characters are ids into LEAF's 80 (``LEAF_CHARACTERS``): inputs uint8 [N, 80], labels int64.
     Make the files with LEAF's ``-t sample`` split: ``-t user`` puts whole users in the test
     files, users that no run trains."""
     files = leaf_files(root, "shakespeare")
     train, test = (read_split(files[split], _shakespeare_user) for split in ("train", "test"))
-    return _dataset(train, test, (SEQUENCE_LENGTH,), torch.int64, len(LEAF_CHARACTERS), "shakespeare")
+    return _dataset(train, test, (SEQUENCE_LENGTH,), torch.uint8, len(LEAF_CHARACTERS), "shakespeare")
 
 
 @DATASETS.register(

@@ -223,7 +223,8 @@ class CharLSTM(nn.Module):
     Networks from Decentralized Data", Shakespeare) as LEAF builds it (TalwalkarLab/leaf,
     models/shakespeare/stacked_lstm.py; its sizes in models/baseline_constants.py): an
     8-dimensional embedding of the characters, two stacked LSTM layers of 256 units, and a dense
-    layer over the characters on the last step's output. Takes int64 character ids [N, steps];
+    layer over the characters on the last step's output. Takes character ids [N, steps] (uint8, as
+    the Shakespeare datasets hold them, or any integer type);
     819,920 parameters for 80 characters.
 
     Initialized as LEAF's TensorFlow graph is: Glorot-uniform embedding and weights (a layer's
@@ -252,7 +253,7 @@ class CharLSTM(nn.Module):
             nn.init.ones_(input_bias[hidden : 2 * hidden])  # PyTorch's gates are ordered input, forget, cell, output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        outputs, _ = self.lstm(self.embed(x))
+        outputs, _ = self.lstm(self.embed(x.long()))  # an embedding takes int64 (or int32) ids
         return self.fc(outputs[:, -1])
 
 
@@ -306,7 +307,7 @@ def femnist_cnn(input_shape: tuple[int, ...], num_classes: int) -> FemnistCNN:
 @MODELS.register(
     "char_lstm",
     "McMahan et al. 2017's and LEAF's next-character LSTM: embedding 8, 2 x LSTM 256 "
-    "(819,920 parameters for 80 characters); int64 character ids",
+    "(819,920 parameters for 80 characters); integer character ids",
 )
 def char_lstm(input_shape: tuple[int, ...], num_classes: int) -> CharLSTM:
     if len(input_shape) != 1:
