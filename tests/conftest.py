@@ -69,6 +69,13 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 4))
 
 
+def pytest_report_header(config):
+    """Said as the suite starts: what the first seconds, with no result shown, go to."""
+    workers = getattr(config.option, "numprocesses", None)
+    who = "each test process" if workers else "the test process"
+    return f"fedsim: {who} first imports torch and collects every test file; results follow in seconds"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import csv
+import importlib
+import importlib.util
 import json
 import os
 import pickle
@@ -23,6 +25,26 @@ from fedsim.core.streams import SAMPLING, words
 from fedsim.data.datasets import CIFAR10_FOLDER
 from fedsim.experiment.config import Config
 from fedsim.results.rundir import COLUMNS
+
+
+class Later:
+    """A module imported where a test first uses it, not while the suite is collected: every test
+    process collects every file before its first result, and peft, transformers, datasets and
+    torchvision take seconds to import."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        if attr.startswith(("_", "pytest")):  # what collection asks of every name in a test file
+            raise AttributeError(attr)
+        return getattr(importlib.import_module(self._name), attr)
+
+
+def installed(*names: str) -> bool:
+    """Whether the modules can be imported, found without importing them."""
+    return all(importlib.util.find_spec(name) is not None for name in names)
+
 
 # ----------------------------------------------------------------------------- callbacks
 

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-import torchvision
+from support import Later
 
 import fedsim
 from fedsim.core.errors import ConfigError, DataError, FedsimError
@@ -16,6 +16,8 @@ from fedsim.data import DATASETS, PARTITIONS, load_dataset, partition
 from fedsim.data.partition import pachinko
 from fedsim.experiment.federation import load_federation
 from fedsim.experiment.validation import load_config
+
+torchvision = Later("torchvision")  # a second or more to import: only its tests pay for it
 
 FOLDER = "cifar-100-python"
 # the superclass of each of the 100 fine labels, in label order, as the real files have them

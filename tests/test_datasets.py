@@ -3,8 +3,7 @@ import stat
 
 import pytest
 import torch
-import torchvision
-from support import write_fake_cifar
+from support import Later, write_fake_cifar
 
 from fedsim.core.errors import DataError
 from fedsim.core.flat import FlatModel
@@ -13,6 +12,8 @@ from fedsim.data.augment import augmentation_for, random_crop_flip
 from fedsim.data.datasets import CIFAR10_FOLDER, CIFAR10_MEAN, CIFAR10_STD
 from fedsim.experiment.config import DataConfig
 from fedsim.models.zoo import MODELS, build_model
+
+torchvision = Later("torchvision")
 
 # ----------------------------------------------------------------------------- CIFAR-10
 

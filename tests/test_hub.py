@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from support import Later, installed
 
-datasets = pytest.importorskip("datasets")
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
-Image = pytest.importorskip("PIL.Image")
+pytestmark = pytest.mark.skipif(not installed("datasets", "pyarrow", "PIL"), reason="needs datasets, pyarrow, Pillow")
+datasets, pa, pq, Image = Later("datasets"), Later("pyarrow"), Later("pyarrow.parquet"), Later("PIL.Image")
 
 import fedsim  # noqa: E402
 from fedsim.cli import main  # noqa: E402

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from support import Later, installed
 
 from fedsim.core.errors import ConfigError
 from fedsim.experiment.components import build_model
@@ -16,8 +17,8 @@ from fedsim.models import language as language_models
 from fedsim.models.language import CausalLM, CharTransformer, char_transformer, hf_model, is_hf_model
 from fedsim.models.zoo import MODELS
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+pytestmark = pytest.mark.skipif(not installed("transformers", "peft"), reason="needs transformers and peft")
+transformers, peft = Later("transformers"), Later("peft")
 
 
 def count(model):

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from support import Recorder
+from support import Later, Recorder, installed
 from test_text_data import play_root  # a generated play folder in the layout of the real texts
 
 import fedsim
@@ -32,8 +32,8 @@ from fedsim.models.language import char_transformer, hf_model
 from fedsim.models.lora import LoraConfig, apply_lora
 from fedsim.results.rundir import read_clients
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+pytestmark = pytest.mark.skipif(not installed("transformers", "peft"), reason="needs transformers and peft")
+transformers, peft = Later("transformers"), Later("peft")
 
 U32 = 2.0**-24  # float32 unit roundoff
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
+from support import installed
 from test_text_data import play_root  # a generated play folder in the layout of the real texts
 
 import fedsim
@@ -23,7 +24,7 @@ from fedsim.core.flat import FlatModel
 from fedsim.experiment.validation import load_config, unused_settings
 from fedsim.models.lora import LoraConfig, apply_lora, client_ranks
 
-pytest.importorskip("peft")
+pytestmark = pytest.mark.skipif(not installed("peft"), reason="needs peft")
 
 U32 = 2.0**-24  # float32 unit roundoff
 
