@@ -5,8 +5,8 @@
 ``FEDSIM_DATA`` must hold real MNIST and Fashion-MNIST (torchvision's layout) and the Shakespeare
 play texts (``shakespeare/texts``). Each figure is a fedsim run's or a partition's, drawn by
 fedsim's own plotting, written beside this file; the caption in the docs names its data and the
-machine it was made on. About ten minutes on 2 CPU cores, most of it the seven runs of the rule
-comparison and the three of async against sync.
+machine it was made on. About seven minutes on 2 CPU cores (load average about 2), most of it
+the seven runs of the rule comparison and the three of async against sync.
 """
 
 from __future__ import annotations
