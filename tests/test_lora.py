@@ -29,7 +29,7 @@ from fedsim.experiment.config import Config, LocalConfig
 from fedsim.experiment.validation import load_config
 from fedsim.fl.client_eval import ClientEvaluation
 from fedsim.models.language import char_transformer, hf_model
-from fedsim.models.lora import LoraConfig, apply_lora
+from fedsim.models.lora import LoraConfig, apply_lora, merged_adapters
 from fedsim.results.rundir import read_clients
 
 pytestmark = pytest.mark.skipif(not installed("transformers", "peft"), reason="needs transformers and peft")
@@ -737,3 +737,54 @@ def test_fedsa_lora_needs_adapters_whose_a_and_b_both_train(tmp_path):
     for lora in ({"rank": 0}, {"rank": 2, "method": "ffa"}):
         with pytest.raises(ConfigError, match=r"^config: algorithm: fedsa_lora shares LoRA's A matrices"):
             fedsim.run({**base, "lora": lora}, out=tmp_path / "run", quiet=True)
+
+
+def with_adapters_that_move(model: nn.Module, seed: int) -> nn.Module:
+    """``model``'s B matrices drawn away from zero, so that its adapters change what it computes."""
+    g = torch.Generator().manual_seed(seed)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            parameter.data = torch.randn(parameter.shape, generator=g) * 0.5
+    return model.eval()
+
+
+def test_scoring_folds_the_adapters_into_their_layers_and_computes_what_pefts_forward_computes():
+    """evaluate runs each adapted layer on W + s B A, not W x + s B (A x): equal up to float32
+    rounding of the layers' sums (fan-in at most 4 x 32 here; on logits of a few units, 1e-5 is about
+    a hundred float32 rounding errors), the weights untouched and peft's forward back once scoring ends."""
+    lora = LoraConfig(rank=4, alpha=8, dropout=0.0, target_modules=["c_attn", "c_fc"])
+    model = with_adapters_that_move(apply_lora(char_transformer((16,), 12, layers=2, width=32, heads=2), lora, "m"), 1)
+    g = torch.Generator().manual_seed(2)
+    ids, targets = torch.randint(0, 12, (64, 16), generator=g), torch.randint(0, 12, (64, 16), generator=g)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    with torch.no_grad():
+        pefts = model(ids)
+        with merged_adapters(model):
+            layers = [m for m in model.modules() if "forward" in vars(m)]
+            folded = model(ids)
+    assert len(layers) == 4  # c_attn and c_fc of both blocks
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert all(torch.equal(t, before[name]) for name, t in model.state_dict().items())
+    base = copy.deepcopy(model)
+    for name, parameter in base.named_parameters():
+        if "lora_B" in name:
+            parameter.data.zero_()
+    with torch.no_grad():
+        moved = (pefts - base(ids)).abs().max()
+    assert (pefts - folded).abs().max() < 1e-5 < 0.1 < moved  # the adapters matter, and the fold keeps them
+    accuracy, loss = evaluate(model, ids, targets, 16)
+    assert loss == pytest.approx(F.cross_entropy(pefts.flatten(0, 1), targets.flatten()).item(), abs=1e-5)
+
+
+def test_a_gpt2_layer_that_keeps_its_weight_transposed_is_folded_in_its_own_layout():
+    """transformers' Conv1D holds W as [in, out] (peft's fan_in_fan_out): the fold must follow it."""
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=20, n_positions=8)
+    model = transformers.GPT2LMHeadModel(config)
+    peft.inject_adapter_in_model(peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True), model)
+    model = with_adapters_that_move(model, 4)
+    ids = torch.randint(0, 20, (3, 8), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        pefts = model(ids).logits
+        with merged_adapters(model):
+            folded = model(ids).logits
+    assert (pefts - folded).abs().max() < 1e-5

@@ -27,6 +27,7 @@ from ..experiment.components import describe
 from ..experiment.config import Config
 from ..fl.system import RoundPlan, System
 from ..models import tasks
+from ..models.lora import merged_adapters
 from ..results.records import ClientRecord, RoundRow
 from .buffers import RoundBuffers
 from .state import GlobalState
@@ -95,12 +96,13 @@ def evaluate(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_si
     correct = torch.zeros((), dtype=torch.int64, device=device)
     targets = torch.zeros((), dtype=torch.int64, device=device)
     loss = torch.zeros((), dtype=torch.float64, device=device)
-    for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
-        xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
-        out = module(xb)
-        loss += tasks.loss(out, yb, reduction="sum").double()
-        correct += tasks.hits(out, yb).sum()
-        targets += tasks.scored(yb).sum()
+    with merged_adapters(module):  # LoRA adapters folded into their layers' weights: scoring runs at the base's cost
+        for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
+            xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+            out = module(xb)
+            loss += tasks.loss(out, yb, reduction="sum").double()
+            correct += tasks.hits(out, yb).sum()
+            targets += tasks.scored(yb).sum()
     return correct.item() / targets.item(), loss.item() / targets.item()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -180,6 +181,43 @@ def apply_lora(module: nn.Module, lora: LoraConfig, model_name: str) -> nn.Modul
         if "lora_" in name and parameter.is_floating_point():
             parameter.data = parameter.data.float()  # adapters in float32 on a bf16 base, as peft's autocast does
     return module
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+@contextmanager
+def merged_adapters(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` whose LoRA layers (peft's) each run their frozen layer on W + scaling * B A, made
+    as the call needs it, instead of adding scaling * B (A x) to its output: the product, the
+    scaling and the sum are three passes over the layer's output, which cost scoring as much as
+    the frozen layer itself. The same function up to float rounding; the weights are not touched,
+    and a layer with DoRA, a bias of its own or several active adapters keeps peft's forward."""
+    layers = [m for m in module.modules() if _mergeable(m)]
+    try:
+        for layer in layers:
+            layer.forward = partial(_merged_forward, layer)  # an instance attribute: the class's is back after
+        yield module
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+def _mergeable(m: nn.Module) -> bool:
+    if not (hasattr(m, "get_delta_weight") and isinstance(getattr(m, "lora_B", None), nn.ModuleDict)):
+        return False
+    active = list(getattr(m, "active_adapters", ()))
+    if len(active) != 1 or getattr(m, "merged", True) or getattr(m, "disable_adapters", True):
+        return False
+    key = active[0]
+    dora = getattr(m, "use_dora", {}).get(key, False)
+    return key in m.lora_B and m.lora_B[key].bias is None and not dora and hasattr(m.base_layer, "weight")
+
+
+def _merged_forward(layer: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    weight = layer.base_layer.weight
+    merged = weight + layer.get_delta_weight(layer.active_adapters[0]).to(weight.dtype)  # in the base's layout
+    return torch.func.functional_call(layer.base_layer, {"weight": merged}, (x, *args), kwargs)
 
 
 # ----------------------------------------------------------------------------- batched adapters
