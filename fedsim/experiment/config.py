@@ -131,10 +131,10 @@ class Config:
     eval_subset: int | None = option(
         None,
         "score the rounds before the last on this many test samples, drawn by the seed and the same every round "
-        "(the header says so); the last round is scored on the whole test set. For quick runs whose evaluation "
-        "would take longer than their training. A round whose score on the subset reaches `stop_at_accuracy` is "
-        "scored again on the whole test set, as the last round is: the run stops, and `rounds_to_target` counts, "
-        "only on that score",
+        "(the header says so, and `metrics.csv`'s `test_samples`); the last round is scored on the whole test set. "
+        "For runs whose evaluation would take longer than their training (the shipped `llm/` files set 512). A "
+        "round whose score on the subset reaches `stop_at_accuracy` is scored again on the whole test set, as the "
+        "last round is: the run stops, and `rounds_to_target` counts, only on that score",
     )
     eval_per_client: bool = option(
         False,
