@@ -14,7 +14,7 @@ import torch
 from ..core.errors import ConfigError, DataError, ResourceError
 from ..core.streams import model_seed
 from ..data import Dataset, load_dataset, options_for, partition
-from ..data.partition import local_test_split, natural_test_split
+from ..data.partition import local_test_split, natural_test_split, part_clients
 from . import components
 from .config import Config
 
@@ -31,8 +31,7 @@ class Federation:
         data = self.data
         if not (self.natural and data.client_names and data.train_clients is not None):
             return None
-        firsts = torch.stack([p[0] for p in self.parts]).to(data.train_clients.device)
-        return [data.client_names[int(i)] for i in data.train_clients[firsts].tolist()]
+        return [data.client_names[int(i)] for i in part_clients(data.train_clients, self.parts).tolist()]
 
     def test_parts(self, seed: int) -> list[torch.Tensor]:
         """Each client's own test split (data.test_partition): a natural client's own test
@@ -66,7 +65,7 @@ def _kept_clients_tests(data: Dataset, parts: list[torch.Tensor]) -> Dataset:
     kept), as LEAF scores a run on the union of its clients' test data."""
     if data.test_clients is None:
         return data
-    kept = data.train_clients[torch.stack([p[0] for p in parts]).to(data.train_clients.device)]
+    kept = part_clients(data.train_clients, parts)
     if len(kept) == len(torch.unique(data.train_clients)):
         return data
     keep = torch.isin(data.test_clients, kept)
