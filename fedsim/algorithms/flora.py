@@ -109,12 +109,8 @@ class FLoRA(Algorithm):
         return torch.zeros_like(round.global_weights)  # B stays zero: the global model is the merged base
 
     def resume(self, server: dict[str, torch.Tensor]) -> None:
-        offset, merges = 0, []
-        for adapter in self.layout:
-            size = adapter.fan_out * adapter.fan_in
-            merges.append(server["merged"][offset : offset + size].view(adapter.fan_out, adapter.fan_in))
-            offset += size
-        self.merge(merges)
+        parts = server["merged"].split([a.fan_out * a.fan_in for a in self.layout])  # as server_update concatenated
+        self.merge([part.view(a.fan_out, a.fan_in) for a, part in zip(self.layout, parts)])
 
     def merge(self, merges: list[torch.Tensor]) -> None:
         """Add each layer's merge to its frozen weight, in place (a Conv1D's is stored transposed)."""
