@@ -94,18 +94,12 @@ def samples_of(clients: np.ndarray, kept: np.ndarray) -> list[np.ndarray]:
     return [order[a:b] for a, b in zip(starts, ends)]
 
 
-def part_clients(train_clients: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
-    """The data's own client (writer, role, user) of each part of ``natural``: its first sample's."""
-    return train_clients[torch.stack([p[0] for p in parts]).to(train_clients.device)]
-
-
-def natural_test_split(
-    train_clients: torch.Tensor, parts: list[torch.Tensor], test_clients: torch.Tensor
-) -> list[torch.Tensor]:
-    """Each client's own test samples, for parts of ``natural``: the test samples of the same
-    writer, role or user (none for a client the data holds no test sample of)."""
-    kept = np.asarray(part_clients(train_clients, parts).cpu())
-    return [torch.as_tensor(p, dtype=torch.int64) for p in samples_of(np.asarray(test_clients.cpu()), kept)]
+def natural_test_split(kept: torch.Tensor, test_clients: torch.Tensor) -> list[torch.Tensor]:
+    """Each client's own test samples, for parts of ``natural`` (``kept``: each part's own client):
+    the test samples of the same writer, role or user (none for a client the data holds no test
+    sample of)."""
+    owners = np.asarray(test_clients.cpu())
+    return [torch.as_tensor(p, dtype=torch.int64) for p in samples_of(owners, np.asarray(kept.cpu()))]
 
 
 def local_test_split(

@@ -14,7 +14,7 @@ import torch
 from ..core.errors import ConfigError, DataError, ResourceError
 from ..core.streams import model_seed
 from ..data import Dataset, load_dataset, options_for, partition
-from ..data.partition import local_test_split, natural_test_split, part_clients
+from ..data.partition import local_test_split, natural_test_split
 from . import components
 from .config import Config
 
@@ -31,14 +31,14 @@ class Federation:
         data = self.data
         if not (self.natural and data.client_names and data.train_clients is not None):
             return None
-        return [data.client_names[int(i)] for i in part_clients(data.train_clients, self.parts).tolist()]
+        return [data.client_names[int(i)] for i in part_clients(data, self.parts).tolist()]
 
     def test_parts(self, seed: int) -> list[torch.Tensor]:
         """Each client's own test split (data.test_partition): a natural client's own test
         samples where the data has them, else the test set dealt by each client's label mix."""
         data = self.data
         if self.natural and data.test_clients is not None:
-            return natural_test_split(data.train_clients, self.parts, data.test_clients)
+            return natural_test_split(part_clients(data, self.parts), data.test_clients)
         return local_test_split(data.train_y, self.parts, data.test_y, seed)
 
 
@@ -59,13 +59,18 @@ def load_federation(cfg: Config, datasets: dict | None = None) -> Federation:
     return Federation(_kept_clients_tests(data, parts) if natural else data, parts, natural)
 
 
+def part_clients(data: Dataset, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The data's own client (writer, role, user) of each part of ``natural``: its first sample's."""
+    return data.train_clients[torch.stack([p[0] for p in parts]).to(data.train_clients.device)]
+
+
 def _kept_clients_tests(data: Dataset, parts: list[torch.Tensor]) -> Dataset:
     """The data with the test samples of the kept clients only, where the data has clients of its
     own: a run of some of them is scored on their test samples (all of them when every client is
     kept), as LEAF scores a run on the union of its clients' test data."""
     if data.test_clients is None:
         return data
-    kept = part_clients(data.train_clients, parts)
+    kept = part_clients(data, parts)
     if len(kept) == len(torch.unique(data.train_clients)):
         return data
     keep = torch.isin(data.test_clients, kept)
