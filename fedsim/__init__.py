@@ -15,6 +15,9 @@ quickly.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 
 __version__ = "0.1.0"
 
@@ -43,6 +46,27 @@ _MODULES = {
     "models": "models",
 }
 __all__ = sorted(_API)
+
+
+class _ModuleAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import fedsim.aggregation`` and ``from fedsim.callbacks import TensorBoard``: the public
+    modules of ``_MODULES`` imported under their short names, as the same module objects."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        name = fullname.removeprefix(f"{__name__}.")
+        if fullname.startswith(f"{__name__}.") and name in _MODULES and _MODULES[name] != name:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        return None  # a placeholder, replaced by the real module in exec_module
+
+    def exec_module(self, module) -> None:
+        name = module.__name__.removeprefix(f"{__name__}.")
+        sys.modules[module.__name__] = importlib.import_module(f".{_MODULES[name]}", __name__)
+
+
+sys.meta_path.append(_ModuleAliases())
 
 
 def __dir__() -> list[str]:

@@ -9,10 +9,14 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from support import installed
 
 import fedsim
 from fedsim.core.errors import ConfigError
 from fedsim.fl import aggregation
+from fedsim.fl.aggregation.preaggregation import pre_aggregated, pre_aggregator
+
+needs_byzfl = pytest.mark.skipif(not installed("byzfl"), reason="byzfl is not installed")
 
 RULES = ["fedavg", "mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "geometric_median", "norm_clip"]
 U32 = 2.0**-24  # float32 unit roundoff
@@ -672,3 +676,149 @@ def test_krum_and_bulyan_agree_with_flower(k, f, p):
             kept = ref_bulyan_fast(u.astype(np.float64), f)[1]
             # each a float32 mean of the same k - 4f values: twice the bound of one
             assert_within(run("bulyan", u, w, f=f), expected, 2 * rounding_bound(k - 4 * f + 1, abs(kept).mean(axis=0)))
+
+
+# ----------------------------------------------------------------------------- pre-aggregators
+
+
+def spread_stack(k=11, p=60, seed=0):
+    """Rows of distinct norms and distances (no ties), a few far out."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(k, p, generator=g) * torch.linspace(0.5, 3.0, k)[:, None]
+    rows[-2:] += 8.0
+    return rows
+
+
+def ref_nnm(u, f):
+    k = len(u)
+    out = []
+    for i in range(k):
+        nearest = sorted(range(k), key=lambda j: (float(np.linalg.norm(u[i] - u[j])), j))[: k - f]
+        out.append(u[nearest].mean(axis=0))
+    return np.array(out)
+
+
+def ref_arc(u, f):
+    k = len(u)
+    clipped = math.floor(Fraction(2 * f * (k - f), k))
+    norms = [float(np.linalg.norm(row)) for row in u]
+    order = sorted(range(k), key=lambda i: (norms[i], i))
+    out = u.copy()
+    if clipped:
+        bound = norms[order[k - clipped - 1]]
+        for i in order[k - clipped :]:
+            out[i] = u[i] * min(1.0, bound / norms[i])
+    return out
+
+
+@pytest.mark.parametrize("f", [0, 1, 3, 5])
+def test_nnm_mixes_each_update_with_its_k_minus_f_nearest(f):
+    u = spread_stack()
+    out, weights = pre_aggregator({"nnm": {"f": f}})(u, torch.arange(11.0), torch.Generator())
+    np.testing.assert_allclose(out.double().numpy(), ref_nnm(u.double().numpy(), f), rtol=1e-5, atol=1e-6)
+    assert torch.equal(weights, torch.arange(11.0))
+
+
+@pytest.mark.parametrize("f", [0, 1, 2, 4, 5])
+def test_arc_clips_the_largest_updates_to_the_next_norm(f):
+    u = spread_stack()
+    out, _ = pre_aggregator({"arc": {"f": f}})(u, torch.ones(11), torch.Generator())
+    np.testing.assert_allclose(out.double().numpy(), ref_arc(u.double().numpy(), f), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bound", [0.5, 5.0, 1e6])
+def test_clipping_bounds_every_norm(bound):
+    u = spread_stack()
+    out, _ = pre_aggregator({"clipping": {"max_norm": bound}})(u, torch.ones(11), torch.Generator())
+    expected = [row * min(1.0, bound / float(row.double().norm())) for row in u]
+    torch.testing.assert_close(out, torch.stack(expected))
+    assert (out.double().norm(dim=1) <= bound * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("s", [1, 2, 3, 11, 20])
+def test_bucketing_averages_random_buckets_of_s(s):
+    u, w = spread_stack(), torch.arange(1.0, 12.0)
+    out, weights = pre_aggregator({"bucketing": {"s": s}})(u, w, torch.Generator().manual_seed(7))
+    order = torch.randperm(11, generator=torch.Generator().manual_seed(7)).tolist()
+    buckets = [order[i : i + s] for i in range(0, 11, s)]
+    torch.testing.assert_close(out, torch.stack([u[b].mean(0) for b in buckets]))
+    torch.testing.assert_close(weights, torch.tensor([float(w[b].sum()) for b in buckets]))
+
+
+def test_pre_aggregators_compose_in_order_and_draw_the_same_buckets_each_call():
+    u, w = spread_stack(), torch.ones(11)
+    steps = [pre_aggregator({"clipping": {"max_norm": 3.0}}), pre_aggregator("bucketing"), pre_aggregator("nnm")]
+    rule = pre_aggregated(steps, aggregation.get("median"), lambda: torch.Generator().manual_seed(1))
+    by_hand, by_hand_weights, draws = u, w, torch.Generator().manual_seed(1)
+    for step in steps:
+        by_hand, by_hand_weights = step(by_hand, by_hand_weights, draws)
+    torch.testing.assert_close(rule(u, w), aggregation.get("median")(by_hand, by_hand_weights))
+    assert torch.equal(rule(u, w), rule(u, w))
+    assert torch.equal(u, spread_stack())  # nothing written into the round's stack
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("nmm", "pre_aggregators.nmm: unknown pre-aggregator 'nmm' (did you mean 'nnm'?)"),
+        ({"nnm": {"g": 1}}, "pre_aggregators: nnm takes no option 'g'; it takes: f"),
+        ({"clipping": 2.0}, "pre_aggregators: each entry is a name or {name: {option: value}}"),
+        ({"clipping": {"max_norm": -1}}, "pre_aggregators: max_norm must be"),
+        ({"bucketing": {"s": 0}}, "pre_aggregators: s must be an integer >= 1"),
+    ],
+)
+def test_a_bad_pre_aggregator_is_refused_in_one_line(spec, message):
+    with pytest.raises(ConfigError) as refused:
+        pre_aggregator(spec)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+def test_trimmed_mean_with_f_drops_exactly_f_at_each_end():
+    u = spread_stack().double().numpy()
+    got = aggregation.get("trimmed_mean", f=3)(torch.from_numpy(u), torch.ones(11)).numpy()
+    expected = np.sort(u, axis=0)[3:8].mean(axis=0)
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+    with pytest.raises(ConfigError, match="set beta or f, not both"):
+        aggregation.get("trimmed_mean", f=1, beta=0.1)
+    with pytest.raises(ConfigError, match=r"f = 6 is too large for k = 11"):
+        aggregation.get("trimmed_mean", f=6)(torch.from_numpy(u), torch.ones(11))
+
+
+@needs_byzfl
+@pytest.mark.parametrize("f", [1, 3])
+def test_pre_aggregators_and_rules_match_byzfl(f):
+    from byzfl.aggregators import GeometricMedian, TrMean
+    from byzfl.aggregators.preaggregators import ARC, NNM, Clipping
+
+    u = spread_stack()
+    pairs = [
+        ({"nnm": {"f": f}}, NNM(f=f)),
+        ({"arc": {"f": f}}, ARC(f=f)),
+        ({"clipping": {"max_norm": 2.0}}, Clipping(c=2.0)),
+    ]
+    for spec, theirs in pairs:
+        ours, _ = pre_aggregator(spec)(u, torch.ones(11), torch.Generator())
+        torch.testing.assert_close(ours, theirs(u.clone()), rtol=1e-5, atol=1e-6, msg=str(spec))
+    torch.testing.assert_close(aggregation.get("trimmed_mean", f=f)(u, torch.ones(11)), TrMean(f=f)(u.clone()))
+    # ByzFL's geometric median: smoothed Weiszfeld from 0, nu = 0.1, T = 3 iterations
+    gm = aggregation.get("geometric_median", eps=0.1, max_iter=3, tol=0, init="zero")
+    torch.testing.assert_close(gm(u, torch.ones(11)), GeometricMedian(nu=0.1, T=3)(u.clone()), rtol=1e-5, atol=1e-6)
+
+
+def test_attack_count_sets_f_of_the_rules_and_pre_aggregators():
+    from fedsim.experiment import components
+
+    cfg = fedsim.load_config(
+        {
+            "data": {"dataset": "synthetic", "num_clients": 11},
+            "clients_per_round": 11,
+            "aggregator": "krum",
+            "pre_aggregators": ["nnm", {"arc": {"f": 1}}],
+            "attack": {"type": "ipm", "count": 2},
+        }
+    )
+    rule, (nnm, arc) = components.server_rule(cfg)
+    u, w, g = spread_stack(), torch.ones(11), torch.Generator()
+    torch.testing.assert_close(rule(u, w), aggregation.get("krum", f=2)(u, w))
+    torch.testing.assert_close(nnm(u, w, g)[0], pre_aggregator({"nnm": {"f": 2}})(u, w, g)[0])
+    torch.testing.assert_close(arc(u, w, g)[0], pre_aggregator({"arc": {"f": 1}})(u, w, g)[0])  # set: kept

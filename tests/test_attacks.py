@@ -1,14 +1,24 @@
-"""Byzantine clients: the seeded attacker set, the update rewrites, and an engine run."""
+"""Byzantine clients: the seeded attacker set, the update rewrites (each attack against its
+paper's equations written here, and against ByzFL's own implementation where it is installed),
+and engine runs."""
 
 from __future__ import annotations
 
+import math
+from statistics import NormalDist
+
 import pytest
 import torch
-from support import sample_clients
+from support import installed, sample_clients
 
 import fedsim
 from fedsim.experiment.config import AttackConfig
-from fedsim.fl.attacks import ATTACKS, attacker_mask, make_attack
+from fedsim.fl import aggregation
+from fedsim.fl.aggregation.preaggregation import pre_aggregated, pre_aggregator
+from fedsim.fl.attacks import ATTACKS, RoundView, attacker_mask, make_attack
+from fedsim.fl.attacks.omniscient import alie_z_max
+
+needs_byzfl = pytest.mark.skipif(not installed("byzfl"), reason="byzfl is not installed")
 
 
 @pytest.mark.parametrize("fraction,num_clients", [(0.2, 100), (0.1, 10), (0.3, 7), (0.5, 8), (0.01, 30)])
@@ -31,10 +41,18 @@ def test_no_attack_means_no_attackers():
     assert not attacker_mask(0, 50, AttackConfig("none", 0.0)).any()
 
 
+def view_of(updates, rows, generator=None, aggregate=None):
+    """The round as the attackers of ``rows`` see it."""
+    attackers = torch.zeros(len(updates), dtype=torch.bool)
+    attackers[rows] = True
+    rule = aggregate or aggregation.get("mean")
+    return RoundView(updates, torch.ones(len(updates)), attackers, generator or torch.Generator(), rule)
+
+
 def corrupt_updates(attack_config, updates, rows, generator):
     """What the server does to the attackers' rows: ``updates[rows]`` rewritten in place."""
     if len(rows):
-        bad = make_attack(attack_config).rewrite(updates[rows], generator)
+        bad = make_attack(attack_config).rewrite(view_of(updates, rows, generator))
         if bad is not None:
             updates[rows] = bad
 
@@ -107,3 +125,231 @@ def test_engine_counts_the_sampled_attackers_each_round(small_config, tmp_path):
     assert history.attackers == expected
     assert max(history.attackers) > 0
     assert history.test_accuracy[-1] > 0.3, history.test_accuracy  # the median shrugs off 2 of 8 attackers
+
+
+# ----------------------------------------------------------------------------- omniscient attacks
+
+
+def honest_round(h=8, p=300, seed=0):
+    """h honest updates with a common drift, and 3 attackers' rows (their own honest updates)."""
+    g = torch.Generator().manual_seed(seed)
+    honest = torch.randn(h, p, generator=g) * 0.1 + torch.linspace(-1, 1, p)
+    own = torch.randn(3, p, generator=g)
+    return torch.cat([honest, own]), torch.arange(h, h + 3)
+
+
+def sent_by(kind, updates, rows, aggregate=None, **options):
+    """What every attacker of ``rows`` sends, as one [P] row (they must all send it)."""
+    out = make_attack(AttackConfig(kind, 0.3, options=options)).rewrite(view_of(updates, rows, aggregate=aggregate))
+    out = out.expand(len(rows), -1) if out.dim() == 1 else out
+    assert all(torch.equal(row, out[0]) for row in out)
+    return out[0]
+
+
+def test_alie_z_max_follows_baruch_et_al():
+    # s = floor(n/2 + 1) - f; z = Phi^-1((n - f - s) / (n - f))
+    for n, f in [(10, 1), (10, 3), (50, 12), (11, 4)]:
+        s = math.floor(n / 2 + 1) - f
+        assert alie_z_max(n, f) == pytest.approx(NormalDist().inv_cdf((n - f - s) / (n - f)), abs=1e-12)
+    assert alie_z_max(10, 1) == pytest.approx(-0.1397, abs=1e-4)  # negative for few attackers
+    assert 0 < alie_z_max(50, 12) < alie_z_max(50, 20)  # more attackers hide farther out
+
+
+@pytest.mark.parametrize("z", [None, 1.5, -0.3])
+def test_alie_sends_mean_plus_z_std_of_the_honest_updates(z):
+    updates, rows = honest_round()
+    honest = updates[:8].double()
+    used = alie_z_max(11, 3) if z is None else z
+    expected = honest.mean(0) + used * honest.std(0, correction=1)
+    got = sent_by("alie", updates, rows, **({} if z is None else {"z": z}))
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_alie_warns_once_when_z_max_is_not_positive(caplog):
+    updates = torch.randn(10, 20, generator=torch.Generator().manual_seed(0))
+    attack = make_attack(AttackConfig("alie", 0.1))
+    for _ in range(3):
+        attack.rewrite(view_of(updates, torch.tensor([9])))
+    warnings = [r.message for r in caplog.records if "z_max" in r.message]
+    assert len(warnings) == 1 and "-0.14" in warnings[0] and "attack.options.z" in warnings[0]
+
+
+@pytest.mark.parametrize("epsilon", [0.1, 1.0, 2.0])
+def test_ipm_sends_minus_epsilon_times_the_honest_mean(epsilon):
+    updates, rows = honest_round()
+    torch.testing.assert_close(sent_by("ipm", updates, rows, epsilon=epsilon), -epsilon * updates[:8].mean(0))
+
+
+def minmax_reference(honest, perturbation, minsum):
+    """Shejwalkar & Houmansadr's search, as their code writes it (float64 distances)."""
+    honest = honest.double()
+    mean = honest.mean(0)
+    deviation = {"unit_vec": mean / mean.norm(), "sign": mean.sign(), "std": honest.std(0)}[perturbation]
+    between = torch.cdist(honest, honest) ** 2
+    threshold = between.sum(1).min() if minsum else between.max()
+    lamda, lamda_fail, lamda_succ = 10.0, 10.0, 0.0
+    while abs(lamda_succ - lamda) > 1e-5:
+        distance = ((honest - (mean - lamda * deviation)) ** 2).sum(1)
+        if (distance.sum() if minsum else distance.max()) <= threshold:
+            lamda_succ = lamda
+            lamda = lamda + lamda_fail / 2
+        else:
+            lamda = lamda - lamda_fail / 2
+        lamda_fail = lamda_fail / 2
+    return mean - lamda_succ * deviation, lamda_succ
+
+
+@pytest.mark.parametrize("kind", ["minmax", "minsum"])
+@pytest.mark.parametrize("perturbation", ["unit_vec", "sign", "std"])
+def test_minmax_and_minsum_follow_the_authors_search(kind, perturbation):
+    updates, rows = honest_round()
+    expected, gamma = minmax_reference(updates[:8], perturbation, kind == "minsum")
+    assert gamma > 0
+    got = sent_by(kind, updates, rows, perturbation=perturbation)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    # the defining property: within the threshold
+    distances = ((updates[:8].double() - got.double()) ** 2).sum(1)
+    between = torch.cdist(updates[:8].double(), updates[:8].double()) ** 2
+    if kind == "minmax":
+        assert distances.max() <= between.max() * (1 + 1e-6)
+    else:
+        assert distances.sum() <= between.sum(1).min() * (1 + 1e-6)
+
+
+def test_mimic_copies_the_honest_update_farthest_along_their_main_direction():
+    g = torch.Generator().manual_seed(3)
+    direction = torch.randn(200, generator=g)
+    spread = torch.tensor([0.1, -0.3, 0.2, 2.5, -0.2, 0.0])  # client 3 lies farthest along it
+    honest = spread[:, None] * direction + 0.01 * torch.randn(6, 200, generator=g)
+    updates = torch.cat([honest, torch.randn(2, 200, generator=g)])
+    assert torch.equal(sent_by("mimic", updates, torch.tensor([6, 7])), honest[3])
+    assert torch.equal(sent_by("mimic", updates, torch.tensor([6, 7]), target=4), honest[4])
+
+
+def test_omniscient_attacks_see_only_the_honest_rows_and_ignore_their_own():
+    updates, rows = honest_round()
+    changed = updates.clone()
+    changed[rows] = 1e6  # the attackers' own updates do not enter what they compute from the honest ones
+    for kind in ("alie", "ipm", "minmax", "minsum", "mimic"):
+        assert torch.equal(sent_by(kind, updates, rows), sent_by(kind, changed, rows)), kind
+
+
+def test_an_unknown_attack_option_is_refused_in_one_line():
+    with pytest.raises(
+        fedsim.core.errors.ConfigError, match=r"attack.options: alie takes no option 'tau'; it takes: z"
+    ):
+        make_attack(AttackConfig("alie", 0.2, options={"tau": 1.5}))
+
+
+# ----------------------------------------------------------------------------- against ByzFL
+
+
+def byzfl_server(f):
+    """ByzFL's benchmark server: clipping, then NNM, then the trimmed mean (and fedsim's same)."""
+    from byzfl.aggregators import TrMean
+    from byzfl.aggregators.preaggregators import NNM, Clipping
+
+    steps = [pre_aggregator({"clipping": {"max_norm": 2.0}}), pre_aggregator({"nnm": {"f": f}})]
+    ours = pre_aggregated(steps, aggregation.get("trimmed_mean", f=f), torch.Generator)
+    return ours, TrMean(f=f), [Clipping(c=2.0), NNM(f=f)]
+
+
+def byzfl_round(h=10, f=3, p=400, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    honest = torch.randn(h, p, generator=g) * 0.3 + torch.linspace(-0.2, 0.4, p)
+    return torch.cat([honest, torch.zeros(f, p)]), torch.arange(h, h + f)
+
+
+@needs_byzfl
+@pytest.mark.parametrize("tau", [1.5, 0.5])
+def test_alie_matches_byzfl(tau):
+    from byzfl.attacks.attacks import ALittleIsEnough
+
+    updates, rows = byzfl_round()
+    expected = ALittleIsEnough(tau=tau)(updates[:10].clone())
+    torch.testing.assert_close(sent_by("alie", updates, rows, z=tau), expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_byzfl
+def test_ipm_and_sign_flipping_match_byzfl():
+    from byzfl.attacks.attacks import InnerProductManipulation, SignFlipping
+
+    updates, rows = byzfl_round()
+    honest = updates[:10].clone()
+    torch.testing.assert_close(sent_by("ipm", updates, rows, epsilon=2.0), InnerProductManipulation(tau=2.0)(honest))
+    torch.testing.assert_close(sent_by("ipm", updates, rows, epsilon=1.0), SignFlipping()(honest))
+
+
+@needs_byzfl
+@pytest.mark.parametrize("kind", ["optimal_alie", "optimal_ipm"])
+@pytest.mark.parametrize("f", [1, 3])
+def test_optimal_attacks_match_byzfl_against_its_benchmark_server(kind, f):
+    from byzfl.attacks.attacks import Optimal_ALittleIsEnough, Optimal_InnerProductManipulation
+
+    updates, rows = byzfl_round(f=f)
+    ours, agg, pre = byzfl_server(f)
+    theirs = (Optimal_ALittleIsEnough if kind == "optimal_alie" else Optimal_InnerProductManipulation)(
+        agg=agg, pre_agg_list=pre, f=f
+    )
+    expected = theirs(updates[:10].clone())
+    got = sent_by(kind, updates, rows, aggregate=ours)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    # and it is the worst among the factors tried: no other factor moves the aggregate farther
+    mean = updates[:10].mean(0)
+    view = view_of(updates, rows, aggregate=ours)
+    reach = float((ours(view.sending(got), view.weights) - mean).norm())
+    base = "alie" if kind == "optimal_alie" else "ipm"
+    for factor in (0.0, 1.0, 5.0, 20.0):
+        option = {"z": factor} if base == "alie" else {"epsilon": factor}
+        other = sent_by(base, updates, rows, **option)
+        assert float((ours(view.sending(other), view.weights) - mean).norm()) <= reach * (1 + 1e-5), factor
+
+
+@needs_byzfl
+def test_mimic_with_a_target_matches_byzfl():
+    from byzfl.attacks.attacks import Mimic
+
+    updates, rows = byzfl_round()
+    for target in (0, 4):
+        assert torch.equal(sent_by("mimic", updates, rows, target=target), Mimic(epsilon=target)(updates[:10].clone()))
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def attack_run(small_config, tmp_path, name, workers, **changes):
+    cfg = dict(small_config, workers=workers, **changes)
+    return fedsim.run(cfg, out=tmp_path / name, quiet=True)
+
+
+@pytest.mark.slow
+def test_an_omniscient_attack_gives_the_same_numbers_whatever_workers(small_config, tmp_path):
+    changes = dict(
+        aggregator="median",
+        pre_aggregators=[{"clipping": {"max_norm": 1.0}}, "bucketing", "nnm"],
+        attack={"type": "optimal_alie", "count": 2},
+        clients_per_round=8,
+    )
+    inline = attack_run(small_config, tmp_path, "inline", 0, **changes)
+    pooled = attack_run(small_config, tmp_path, "pooled", 2, **changes)
+    assert inline.test_loss == pooled.test_loss and inline.test_accuracy == pooled.test_accuracy
+    assert max(inline.attackers) == 2
+
+
+@pytest.mark.slow
+def test_an_attack_named_by_import_path_runs(small_config, tmp_path):
+    cfg = dict(small_config, aggregator="median", attack={"type": "attack_of_mine:Zeros", "fraction": 0.25}, workers=0)
+    (tmp_path / "attack_of_mine.py").write_text(
+        "import fedsim\n\n\n"
+        "class Zeros(fedsim.attacks.Attack):\n"
+        "    def rewrite(self, view):\n"
+        "        return 0 * view.honest.mean(dim=0)\n"
+    )
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        history = fedsim.run(cfg, out=tmp_path / "run", quiet=True)
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert max(history.attackers) > 0 and history.test_accuracy[-1] > 0.3

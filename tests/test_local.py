@@ -14,7 +14,7 @@ from fedsim.algorithms.group import GroupTrainer
 from fedsim.algorithms.local import LocalTrainer
 from fedsim.core.flat import FlatModel
 from fedsim.experiment.config import LocalConfig
-from fedsim.fl.attacks import LabelFlip
+from fedsim.fl.attacks.per_client import LabelFlip
 from fedsim.models.zoo import build_model
 
 U32 = 2.0**-24  # float32 unit roundoff

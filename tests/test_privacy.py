@@ -368,7 +368,7 @@ def test_rules_other_than_means_are_refused(rule):
 
 
 def test_a_rule_of_ones_own_is_refused_even_a_mean():
-    for spec in ("fedsim.fl.aggregation:_mean", aggregation.mean()):
+    for spec in ("fedsim.fl.aggregation:mean_of", aggregation.get("mean")):
         cfg = config()
         cfg.aggregator = spec
         assert refused(cfg).startswith("privacy: aggregator ")

@@ -46,6 +46,7 @@ EVAL_SUBSET = 16  # (): the test samples the rounds before the last are scored o
 POISSON_SIZES = 17  # (block): the sample sizes of a block of a poisson run's rounds (sampling.py)
 LORA_RANKS = 18  # (): each client's LoRA rank, drawn once (models/lora.py)
 LORA_INIT = 19  # (round, client): the fresh adapters a FLoRA client starts a round from
+PRE_AGGREGATION = 20  # (round): the random buckets of the bucketing pre-aggregator
 
 _KEYS = {
     PARTITION: 0,
@@ -67,6 +68,7 @@ _KEYS = {
     POISSON_SIZES: 1,
     LORA_RANKS: 0,
     LORA_INIT: 2,
+    PRE_AGGREGATION: 1,
 }
 _WORD = 2**32
 
@@ -112,6 +114,12 @@ def model_seed(seed: int) -> int:
 
 def attack_generator(seed: int, rnd: int) -> torch.Generator:
     return torch.Generator().manual_seed(torch_seed(ATTACK_NOISE, seed, rnd))
+
+
+def pre_aggregation_generator(seed: int, rnd: int) -> torch.Generator:
+    """Round ``rnd``'s pre-aggregation draws (bucketing's order): a CPU generator, so that they are
+    the same on any device, in any process, and after a resume."""
+    return torch.Generator().manual_seed(torch_seed(PRE_AGGREGATION, seed, rnd))
 
 
 def privacy_noise_generator(seed: int, rnd: int) -> torch.Generator:

@@ -14,16 +14,16 @@ A strategy whose clients train the global weights themselves adopts them instead
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..algorithms import Algorithm, Round
 from ..core.errors import NonFiniteError, UserCodeError, user_code
-from ..core.streams import attack_generator
-from ..fl.aggregation import row_norms
-from ..fl.attacks import Attack
+from ..core.streams import attack_generator, pre_aggregation_generator
+from ..fl.aggregation import PreAggregator, Rule, row_norms
+from ..fl.aggregation.preaggregation import pre_aggregated
+from ..fl.attacks import Attack, RoundView
 from ..results.records import ClientRecord
 from .buffers import RoundBuffers
 from .state import GlobalState
@@ -88,11 +88,12 @@ class AggregateUpdates:
         state: GlobalState,
         buffers: RoundBuffers,
         algorithm: Algorithm,
-        aggregate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        aggregate: Rule,
         privacy: Privacy | None,
         attack: Attack,
         names: dict,
         compression: Compression | None = None,
+        pre_aggregators: list[PreAggregator] | None = None,
     ):
         self.cfg, self.state, self.buffers = cfg, state, buffers
         self.algorithm, self.aggregate, self.privacy, self.attack, self.names = (
@@ -103,6 +104,8 @@ class AggregateUpdates:
             names,
         )
         self.compression = compression  # compression.Compression, or None: updates travel whole
+        self.pre_aggregators = pre_aggregators or []
+        self._warned_breakdown = False
 
     def message_bytes(self) -> tuple[int, int]:
         """Bytes each client receives (the global weights, and the server state its algorithm reads)
@@ -127,14 +130,11 @@ class AggregateUpdates:
         cfg, b, k = self.cfg, self.buffers, len(clients)
         updates = b.client_weights[:k].sub_(self.state.model.flat)  # client weights - global weights, in place
         attacking = b.attackers[clients]
-        rows = attacking.nonzero().flatten().to(updates.device)
-        if len(rows):
-            rewritten = self.attack.rewrite(updates[rows], attack_generator(cfg.seed, rnd))
-            if rewritten is not None:
-                updates[rows] = rewritten
+        if attacking.any():
+            self._attack(rnd, updates, attacking.to(updates.device))
         finite = torch.isfinite(updates).all(dim=1)
         for report in b.reports.values():
-            finite &= torch.isfinite(report[:k].reshape(k, -1)).all(dim=1)
+            finite &= torch.isfinite(report[:k].reshape(k, report[0].numel())).all(dim=1)
         if self.compression:  # what each client sends instead (see compression.py for why after the attack)
             self.compression.compress(updates[:, : self.state.model.num_params], clients.tolist(), finite, rnd)
         keep = finite.nonzero().flatten()
@@ -175,13 +175,43 @@ class AggregateUpdates:
         )
         return round_, records
 
+    def _attack(self, rnd: int, updates: torch.Tensor, attacking: torch.Tensor) -> None:
+        """The attackers' rows of ``updates`` rewritten in place from what they see of the round: the
+        updates the server will aggregate (the finite ones, and their own) and its own rule."""
+        k, count = len(updates), int(attacking.sum())
+        tolerates = getattr(self.aggregate, "tolerates", None)
+        if not self._warned_breakdown and (2 * count >= k or (tolerates and count > tolerates(k))):
+            self._warned_breakdown = True
+            why = (
+                "half or more: no rule can tell them from the honest ones"
+                if 2 * count >= k
+                else f"more than {self.names['aggregator']} withstands among {k} (f = {tolerates(k)})"
+            )
+            logger.warning(f"round {rnd}: {count} of the round's {k} clients are Byzantine, {why} (said once per run)")
+        seen = torch.isfinite(updates).all(dim=1) | attacking
+        view = RoundView(
+            updates=updates[seen],
+            weights=self.buffers.stats[:k, 0][seen].to(updates.dtype),
+            attackers=attacking[seen],
+            generator=attack_generator(self.cfg.seed, rnd),
+            aggregate=self._rule(rnd),
+        )
+        with user_code(f"attack {self.names['attack']} failed in round {rnd}"):
+            sent = self.attack.rewrite(view)
+        if sent is not None:
+            updates[attacking] = sent.to(updates.dtype)
+
     def _rule(self, rnd: int):
-        """The run's rule, named in one line if it raises or returns what cannot be a step of the
-        global weights (it may be the user's, and its probe saw only a few values on the CPU)."""
+        """The run's pre-aggregators and rule, named in one line if they raise or return what cannot
+        be a step of the global weights (the rule may be the user's, and its probe saw only a few values
+        on the CPU)."""
+        rule = pre_aggregated(
+            self.pre_aggregators, self.aggregate, lambda: pre_aggregation_generator(self.cfg.seed, rnd)
+        )
 
         def aggregate(updates, weights):
             with user_code(f"aggregator {self.names['aggregator']} failed in round {rnd}"):
-                out = self.aggregate(updates, weights)
+                out = rule(updates, weights)
             expected = f"a tensor of shape ({updates.shape[1]},), {updates.dtype} on {updates.device}, as the updates"
             if not isinstance(out, torch.Tensor):
                 got = type(out).__name__

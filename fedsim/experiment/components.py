@@ -35,7 +35,7 @@ from ..core.flat import FlatModel
 from ..core.registry import is_import_path, load_attr, registered
 from ..data import DATASETS, PARTITIONS, check_dataset_spec, hub, text
 from ..fl import aggregation
-from ..fl.aggregation import AGGREGATORS
+from ..fl.aggregation import AGGREGATORS, PRE_AGGREGATORS, PreAggregator, Rule, preaggregation
 from ..fl.asynchronous import ASYNC_METHODS
 from ..fl.attacks import ATTACKS
 from ..fl.compression import COMPRESSORS
@@ -47,7 +47,8 @@ from ..models.lora import apply_lora
 from ..models.zoo import MODELS
 from .config import Config, describe
 
-KEYS = ("model", "aggregator", "algorithm", "data.dataset")
+KEYS = ("model", "aggregator", "algorithm", "data.dataset", "attack.type")
+SHIPPED = ("model", "algorithm", "attack.type")  # what the workers use
 
 
 def get(cfg: Config, key: str) -> Any:
@@ -214,11 +215,14 @@ def probe_model(
 # ----------------------------------------------------------------------------- aggregation rules
 
 
-def aggregator(spec: Any, options: dict) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The rule ``(updates, weights) -> [P]`` with its options bound."""
+def aggregator(spec: Any, options: dict, attackers: int | None = None) -> Rule:
+    """The rule ``(updates, weights) -> [P]`` with its options bound; ``attackers``, the number of
+    Byzantine clients the run fixes, is a registered rule's ``f`` where its options leave it unset."""
 
     if isinstance(spec, str) and not is_import_path(spec):
         registered("aggregator", aggregation.AGGREGATORS, spec)
+        if attackers is not None:
+            options = aggregation.with_assumed_attackers(spec, options, attackers)
         return aggregation.get(spec, **options)
     rule = _resolve("aggregator", spec, aggregation.AGGREGATORS)
     if not callable(rule):
@@ -227,7 +231,22 @@ def aggregator(spec: Any, options: dict) -> Callable[[torch.Tensor, torch.Tensor
     return functools.partial(rule, **options) if options else rule
 
 
-def probe_aggregator(spec: Any, rule: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], k: int) -> None:
+def assumed_attackers(cfg: Config) -> int | None:
+    """The number of Byzantine clients a round can hold where ``attack.count`` fixes them: the
+    rules' and pre-aggregators' default ``f``. None where the run does not fix it."""
+    if cfg.attack.type == "none" or cfg.attack.count is None:
+        return None
+    return min(cfg.attack.count, cfg.clients_per_round)
+
+
+def server_rule(cfg: Config) -> tuple[Rule, list[PreAggregator]]:
+    """The run's rule and its pre-aggregators, ``f`` filled from ``attack.count`` where unset."""
+    attackers = assumed_attackers(cfg)
+    rule = aggregator(cfg.aggregator, cfg.aggregator_options, attackers)
+    return rule, [preaggregation.pre_aggregator(spec, attackers) for spec in cfg.pre_aggregators]
+
+
+def probe_aggregator(spec: Any, rule: Rule, k: int) -> None:
     """Call the rule once on a small stack of ``k`` rows: a rule that cannot work with that many
     clients (Krum with f >= k/2, say) says so now, and a rule of one's own must return [P]."""
     updates = torch.randn(k, 3, generator=torch.Generator().manual_seed(0))
@@ -311,9 +330,11 @@ def check(cfg: Config) -> None:
     the right kind and signature, and the rule works on clients_per_round rows."""
 
     check_model_options(cfg.model, cfg.model_options)
-    rule = aggregator(cfg.aggregator, cfg.aggregator_options)
+    rule, steps = server_rule(cfg)
     if cfg.clients_per_round <= _PROBE_ROWS:  # Krum's distances are k x k; beyond this the first round checks
-        probe_aggregator(cfg.aggregator, rule, cfg.clients_per_round)
+        probe_aggregator(
+            cfg.aggregator, preaggregation.pre_aggregated(steps, rule, torch.Generator), cfg.clients_per_round
+        )
     algorithm(cfg.algorithm, cfg.algorithm_options)
     check_dataset_spec(cfg.data.dataset)
 
@@ -330,19 +351,19 @@ class Shipped:
 
 
 def for_workers(cfg: Config) -> Config:
-    """A copy of ``cfg`` that the worker processes can unpickle: the model and algorithm they
-    need travel by value; the aggregator and dataset, which they do not use, by name only."""
+    """A copy of ``cfg`` that the worker processes can unpickle: the model, algorithm and attack
+    they need travel by value; the aggregator and dataset, which they do not use, by name only."""
     import cloudpickle
 
     shipped = copy.copy(cfg)
-    shipped.data = copy.copy(cfg.data)
+    shipped.data, shipped.attack = copy.copy(cfg.data), copy.copy(cfg.attack)
     for key in KEYS:
         value = get(cfg, key)
-        if isinstance(value, str) and value.startswith("__main__:") and key in ("model", "algorithm"):
+        if isinstance(value, str) and value.startswith("__main__:") and key in SHIPPED:
             value = load_attr(key, value)  # a worker's __main__ is not the server's: send the object
         if isinstance(value, str):
             continue
-        if key in ("model", "algorithm"):
+        if key in SHIPPED:
             _set(shipped, key, Shipped(cloudpickle.dumps(value), describe(value)))
         else:
             _set(shipped, key, describe(value))
@@ -353,7 +374,7 @@ def from_server(cfg: Config) -> Config:
     """The worker's side of ``for_workers``: objects back from their bytes."""
     import cloudpickle
 
-    for key in ("model", "algorithm"):
+    for key in SHIPPED:
         value = get(cfg, key)
         if isinstance(value, Shipped):
             _set(cfg, key, cloudpickle.loads(value.payload))
@@ -380,6 +401,7 @@ def tables() -> dict:
         "models": MODELS,
         "algorithms": ALGORITHMS,
         "aggregators": AGGREGATORS,
+        "pre-aggregators (pre_aggregators)": PRE_AGGREGATORS,
         "server optimizers": SERVER_OPTIMIZERS,
         "attacks": ATTACKS,
         "client samplings": CLIENT_SAMPLINGS,

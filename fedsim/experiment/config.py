@@ -174,6 +174,11 @@ class Config:
         shown_default="see meaning",
     )
     aggregator_options: dict = option(doc="the rule's options", factory=dict)
+    pre_aggregators: list = option(
+        doc="pre-aggregators applied in order before the rule, each a name or `{name: {option: value}}` (see "
+        "[Pre-aggregation](algorithms.md#pre-aggregation)): `clipping`, `nnm`, `bucketing`, `arc`",
+        factory=list,
+    )
     server_optimizer: str = option("none", "`none`, `fedavgm`, `fedadagrad`, `fedadam`, `fedyogi`")
     server_lr: float | None = option(
         None, "server learning rate; `null`: the optimizer's default", unread=_no_server_optimizer

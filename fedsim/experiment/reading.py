@@ -72,6 +72,7 @@ _TYPE_WORDS = {
     str: "a string",
     bool: "true or false",
     dict: "a mapping",
+    list: "a list",
     Any: "a name, an import path (pkg.module:name) or, from Python, the object",
 }
 _MOVED = {"local.mu": "algorithm_options.mu (with algorithm: fedprox)"}
@@ -99,6 +100,7 @@ def _coerce(value, hint, where: str):
         str: isinstance(value, str),
         bool: isinstance(value, bool),
         dict: isinstance(value, dict),
+        list: isinstance(value, list),
     }[hint]
     if not ok:
         raise ConfigError(f"{where}: expected {_TYPE_WORDS[hint]}, got {shown(value)}")

@@ -108,6 +108,8 @@ def check_hogwild(cfg: Config, checks: Checks) -> None:
          "hogwild aggregates nothing (every step lands in the one shared model); use aggregator: fedavg"),
         ("server_optimizer", cfg.server_optimizer != "none",
          "hogwild has no aggregated update for a server optimizer to apply; use server_optimizer: none"),
+        ("pre_aggregators", bool(cfg.pre_aggregators),
+         "hogwild aggregates nothing (every step lands in the one shared model); leave pre_aggregators empty"),
         ("attack.type", cfg.attack.type != "none",
          "hogwild has no client updates for an attack to rewrite; use attack.type: none"),
         ("backend", cfg.backend != "process",
@@ -144,6 +146,9 @@ def check_async(cfg: Config, checks: Checks) -> None:
          f"{components.describe(cfg.algorithm)} keeps state or reports they do not update; use fedavg or fedprox"),
         ("aggregator", components.describe(cfg.aggregator) != "fedavg",
          "updates are weighted by their staleness (asynchronous.staleness), not by a rule; use aggregator: fedavg"),
+        ("pre_aggregators", bool(cfg.pre_aggregators),
+         "updates are applied as they arrive, one buffer at a time, not as a round's stack; leave pre_aggregators "
+         "empty"),
         ("server_optimizer", method == "fedasync" and cfg.server_optimizer != "none",
          "FedAsync mixes each update into the global model itself (asynchronous.mixing); use server_optimizer: "
          "none, or asynchronous.method: fedbuff"),
@@ -179,7 +184,24 @@ def unused_settings(cfg: Config) -> list[str]:
     """Keys set to other than their default that this run does not read (each section's options
     say when theirs are not: core/sections.unused), for the run to warn of; and a rule other than
     the one the algorithm's paper fixes, and personal models that nothing scores."""
-    return unused(cfg) + [w for w in [components.aggregator_warning(cfg), components.personal_warning(cfg)] if w]
+    warnings = [components.aggregator_warning(cfg), components.personal_warning(cfg), _attack_warning(cfg)]
+    return unused(cfg) + [w for w in warnings if w]
+
+
+def _attack_warning(cfg: Config) -> str | None:
+    """A line for a run in which half the clients or more are Byzantine: no rule withstands that."""
+    n = cfg.data.num_clients
+    attackers = cfg.attack.attackers(n)
+    if not attackers or 2 * attackers < n:
+        return None
+    setting = (
+        f"attack.count is {cfg.attack.count}"
+        if cfg.attack.count is not None
+        else f"attack.fraction is {cfg.attack.fraction:g}"
+    )
+    return (
+        f"{setting}: {attackers} of the {n} clients are Byzantine, half or more, which no aggregation rule withstands"
+    )
 
 
 # ----------------------------------------------------------------------------- privacy and the rest
@@ -193,6 +215,11 @@ def check_privacy(cfg: Config) -> None:
     if Privacy.from_config(cfg) is None:
         return
     _privacy_and_aggregator(cfg.aggregator)
+    if cfg.pre_aggregators:
+        raise ConfigError(
+            "privacy: pre_aggregators cannot be used with differential privacy: DP-FedAvg clips each update to "
+            "privacy.clip and adds noise to their mean itself; leave pre_aggregators empty"
+        )
     _privacy_and_algorithm(cfg)
     _privacy_and_compression(cfg)
     _privacy_and_sampling(cfg)

@@ -158,10 +158,11 @@ def make_engine(
         strategy = AdoptSharedWeights(cfg, state, buffers)
         state.bytes_sent = None  # nothing travels: the workers train one shared model
     else:
-        rule = components.aggregator(cfg.aggregator, cfg.aggregator_options)
+        rule, pre_aggregators = components.server_rule(cfg)
         names = component_names(cfg)
+        attack = make_attack(cfg.attack)
         strategy = AggregateUpdates(
-            cfg, state, buffers, state.algorithm, rule, privacy, make_attack(cfg.attack), names, compression
+            cfg, state, buffers, state.algorithm, rule, privacy, attack, names, compression, pre_aggregators
         )
     return Engine(cfg, state, buffers, executor, strategy, system, test, client_eval, privacy)
 
@@ -171,5 +172,6 @@ def component_names(cfg: Config) -> dict[str, str]:
     return {
         "algorithm": components.describe(cfg.algorithm),
         "aggregator": components.describe(cfg.aggregator),
+        "attack": components.describe(cfg.attack.type),
         "server_optimizer": cfg.server_optimizer,
     }

@@ -1,0 +1,204 @@
+"""Aggregation rules and pre-aggregators: pure functions of stacked client updates.
+
+A rule takes ``updates``, a ``[k, P]`` float tensor (one row per client: its weights minus
+the global weights), and ``weights``, the ``k`` client sample counts (integer or float), and
+returns the aggregated ``[P]`` update on the same device. Rules are whole-tensor operations:
+no Python loop over parameters (the geometric median loops over its iterations).
+``get(name, **options)`` builds a rule from the registry; options are checked when the rule is
+built, and the ones that depend on the number of clients ``k`` when it is called, so that
+config validation (which calls the rule once on ``clients_per_round`` rows) reports them.
+
+A pre-aggregator (``preaggregation.py``: clipping, NNM, bucketing, ARC) maps the stack to
+another stack before the rule sees it; ``pre_aggregated`` composes them in order with a rule.
+
+The robust rules (``median``, ``trimmed_mean``, ``krum``, ``multi_krum``, ``bulyan``) ignore the
+sample counts, as in their papers: an attacker could otherwise claim a large count.
+
+Every rule maps finite updates to a finite aggregate, however large (float32 updates up to
+3.4e38, as an attacker may send): means are convex combinations (``combine``), whose partial
+sums never exceed the largest value, rather than sums divided afterwards; norms and distances
+are accumulated in float64 (``row_norms``, ``squared_distances``), where float32 squares overflow.
+
+The families are the modules of this package, each registering its own: ``means.py``,
+``statistics.py`` (coordinate-wise), ``distances.py`` (whole updates compared), and
+``preaggregation.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
+
+import torch
+
+from ...core.checks import Checks, refuse_unknown
+from ...core.errors import ConfigError
+from ...core.registry import Registry
+
+Rule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+AGGREGATORS = Registry("aggregator")
+
+# ``(updates [k, P], weights [k], generator) -> (updates [k', P], weights [k'])``
+PreAggregator = Callable[[torch.Tensor, torch.Tensor, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+PRE_AGGREGATORS = Registry("pre-aggregator")
+
+
+def get(name: str, **options: Any) -> Rule:
+    """The rule ``name`` with its options, e.g. ``get("trimmed_mean", beta=0.1)``."""
+    factory = AGGREGATORS.get(name)
+    refuse_unknown("aggregator_options", name, options, list(inspect.signature(factory).parameters))
+    return factory(**options)
+
+
+def tolerating(rule: Rule, tolerates: Callable[[int], int]) -> Rule:
+    """``rule``, marked with the most Byzantine updates among ``k`` it is built to withstand (its
+    breakdown point, or the ``f`` it assumes): a round with more says so (engine/update.py)."""
+    rule.tolerates = tolerates
+    return rule
+
+
+def with_assumed_attackers(name: str, options: dict, f: int, registry: Registry = AGGREGATORS) -> dict:
+    """``options`` with ``f``, the number of Byzantine clients the run has, where the rule or
+    pre-aggregator ``name`` takes an ``f`` and ``options`` neither set it nor chose another bound
+    (``trimmed_mean``'s ``beta``)."""
+    params = inspect.signature(registry.get(name)).parameters
+    if "f" not in params or "f" in options or "beta" in options:
+        return options
+    return {**options, "f": f}
+
+
+# ----------------------------------------------------------------------------- option checks
+
+
+OPTIONS = Checks("aggregator_options", options=True)
+
+
+def fail(message: str) -> NoReturn:
+    raise ConfigError(f"aggregator_options: {message}")
+
+
+def normalized(weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    w = weights.to(device=like.device, dtype=like.dtype)
+    return w / w.sum()
+
+
+def combine(coefficients: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``coefficients @ rows`` in the rows' dtype, for coefficients >= 0 summing to at most 1:
+    a weighted mean, possibly of scaled-down rows.
+
+    Every partial sum, in any summation order, is then a combination of values with
+    coefficients summing to at most 1, so no larger than the largest ``|value|`` up to
+    rounding; a sum divided afterwards overflows float32 once the values pass 3.4e38 / k.
+    Rounding alone can lift a result within ~k * 6e-8 of the float32 limit past it; the exact
+    result is within the limit, so the clamp only undoes that rounding. (A partial sum can only
+    overflow if its coefficients sum to nearly 1, so the other terms are too small to matter and
+    no partial sum can overflow the other way: the clamp sees inf, never NaN.)
+    """
+    limit = torch.finfo(rows.dtype).max
+    return (coefficients.to(rows.dtype) @ rows).clamp_(-limit, limit)
+
+
+def mean_of(rows: torch.Tensor) -> torch.Tensor:
+    """The unweighted mean of the rows, as a convex combination (see ``combine``)."""
+    return combine(normalized(rows.new_ones(rows.shape[0]), rows), rows)
+
+
+_BLOCK = 1 << 20  # elements of the float64 block in ``float64_blocks``: 8 MiB
+
+
+def float64_blocks(rows: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(start, block)`` over the columns of ``rows``: each block of columns copied in turn into
+    one float64 buffer of ~``_BLOCK`` elements, so that a float64 view of a large stack never
+    exists whole (the buffer is reused: use a block before taking the next)."""
+    k, p = rows.shape
+    columns = max(1, min(p, _BLOCK // max(1, k)))
+    buffer = rows.new_empty((k, columns), dtype=torch.float64)
+    for start in range(0, p, columns):
+        block = buffer[:, : min(columns, p - start)]
+        block.copy_(rows[:, start : start + columns])
+        yield start, block
+
+
+def row_norms(rows: torch.Tensor, point: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``[k]`` Euclidean norms of ``rows[i] - point`` (``point`` default 0), in float64.
+
+    In float32 a sum of squares overflows once an entry passes 1.8e19, and an infinite norm
+    then gives 0 / 0 or inf / inf = NaN downstream. Float64 holds the difference of two float32
+    values to ~1e-16 and a sum of P squares of them up to (6.8e38)^2 P ~ 5e77 P. The work is in
+    column blocks (``float64_blocks``), so that the float64 copy stays small; the norm of a row
+    is the norm of its blocks' norms.
+    """
+    point = None if point is None else point.to(torch.float64)
+    parts = []
+    for start, block in float64_blocks(rows):
+        if point is not None:
+            block -= point[start : start + block.shape[1]]
+        parts.append(torch.linalg.vector_norm(block, dim=1))
+    return torch.linalg.vector_norm(torch.stack(parts), dim=0)
+
+
+def middle(values: torch.Tensor) -> torch.Tensor:
+    """Median along dim 0 from one sort; for even k, the mean of the two middle values."""
+    k = values.shape[0]
+    ordered = values.sort(dim=0).values
+    return ordered[(k - 1) // 2] / 2 + ordered[k // 2] / 2  # halves first: no overflow near the float limit
+
+
+def squared_distances(updates: torch.Tensor) -> torch.Tensor:
+    """``[k, k]`` squared Euclidean distances between the rows, via the Gram matrix.
+
+    ``||a - b||^2 = ||a||^2 + ||b||^2 - 2 <a, b>`` costs one ``[k, P] x [P, k]`` product
+    instead of k^2 row differences (far fewer passes over the stack). Its
+    weakness is cancellation: the rounding error of ``<a, b>`` scales with ``||a|| ||b||``,
+    so it swamps the distance between updates that are close compared to their length, and
+    its size depends on the BLAS's summation order, so on the machine. Distances do not
+    change under translation, so the rows are first moved by a centre among them: the
+    inner products are then the size of the rows' spread around it rather than of their
+    length, and the error is at most about P * 1e-16 times that spread squared, in any
+    summation order. The centre is the mean of the rows no longer than twice the median
+    norm: a plain mean would be dragged far off by one huge update, and the honest rows'
+    distances, which Krum exists to compare, would be lost in the cancellation again. The
+    work is in float64 (which holds float32 inputs exactly), in column blocks so that the
+    float64 copy stays small. Each pair's distance is computed once and mirrored: the BLAS may
+    round ``<a, b>`` and ``<b, a>`` apart, and d(i, j) != d(j, i) would then decide exact ties
+    (Bulyan's last picks always hold one). The diagonal is exactly 0.
+    """
+    norms = row_norms(updates)
+    typical = (norms <= 2 * norms.median()).to(updates.dtype)
+    centre = combine(typical / typical.sum(), updates).to(torch.float64)
+    block = 1 << 18
+    gram = torch.zeros(updates.shape[0], updates.shape[0], dtype=torch.float64, device=updates.device)
+    for start in range(0, updates.shape[1], block):
+        chunk = updates[:, start : start + block].to(torch.float64, copy=True)  # the input stays as it is
+        chunk -= centre[start : start + block]
+        gram.addmm_(chunk, chunk.T)
+    squared = gram.diagonal()
+    upper = (squared[:, None] + squared[None, :] - 2 * gram).clamp_(min=0).triu_(1)
+    return upper + upper.T  # x + 0 is exact: both triangles hold the same values
+
+
+def assumed_attackers(rule: str, needs: str, k: int, f: int | None, largest: int) -> int:
+    """``f``, or the ``largest`` number of attackers that ``rule`` allows among ``k`` clients."""
+    if largest < 0:
+        fail(f"{rule} needs {needs} clients per round, so at least 3; got k = {k}")
+    if f is None:
+        return largest
+    if f > largest:
+        fail(
+            f"f = {f} is too large for k = {k} clients per round: {rule} needs {needs}, "
+            f"so aggregator_options.f must be in [0, {largest}]"
+        )
+    return f
+
+
+def first_lowest(scores: torch.Tensor) -> torch.Tensor:
+    """The index of the lowest score, the lowest index among equal ones: a stable sort states that
+    rule on any device, where ``argmin`` leaves it to the reduction's order."""
+    return scores.sort(stable=True).indices[0]
+
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

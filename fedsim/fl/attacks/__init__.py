@@ -1,0 +1,177 @@
+"""Byzantine clients, to test robust aggregation: each attack is one registered class.
+
+A seeded set of clients (``attack.fraction`` of all clients, or exactly ``attack.count`` of them,
+fixed for the run) misbehaves whenever it is sampled. The attackers collude and see the whole
+round, the omniscient threat model of the robustness papers: after every sampled client has
+trained, an attack rewrites the attackers' rows of the round's stack from what it sees
+(``rewrite(view)``, a ``RoundView``: every update of the round, which rows are the attackers',
+and the server's own pre-aggregators and rule), before pre-aggregation and the rule. An attack
+may instead change the labels the attackers train on (``relabel``).
+
+The families are the modules of this package, each registering its own: ``per_client.py`` (an
+attacker rewrites its own update: sign flip, scale, noise, flipped labels) and ``omniscient.py``
+(the attackers send what the round's honest updates make worst: ALIE, IPM, MinMax, MinSum,
+Mimic, and the line searches of ALIE and IPM against the server's aggregate).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...core.checks import Checks, refuse_unknown
+from ...core.registry import Registry, is_import_path, load_attr
+from ...core.sections import option
+from ...core.streams import attackers_rng
+
+ATTACKS = Registry("attack")
+
+
+def _no_attack(key: str, attack: Any, config: Any) -> str | None:
+    return "attack.type is none" if attack.type == "none" else None
+
+
+def _not_scaled(key: str, attack: Any, config: Any) -> str | None:
+    return None if attack.type in ("sign_flip", "scale") else f"attack.type {attack.type} does not use it"
+
+
+def _counted(key: str, attack: Any, config: Any) -> str | None:
+    return _no_attack(key, attack, config) or ("attack.count sets the attackers" if attack.count is not None else None)
+
+
+@dataclass
+class AttackConfig:
+    """The ``attack:`` section: Byzantine clients (see [Attacks](algorithms.md#attacks))."""
+
+    type: Any = option(
+        "none",
+        "what the Byzantine clients do (see [Attacks](algorithms.md#attacks)), or an import path "
+        "(`pkg.module:Class`) to an `Attack` of one's own; `none`: no attack",
+    )
+    fraction: float = option(
+        0.0, "the share of all clients that are Byzantine, in [0, 1) (a seeded set)", unread=_counted
+    )
+    scale: float = option(1.0, "`sign_flip` sends -scale x update, `scale` sends scale x update", unread=_not_scaled)
+    count: int | None = option(
+        None,
+        "the number of Byzantine clients, instead of `fraction` (a seeded set); the rules' and "
+        "pre-aggregators' `f` is this count, or the round's clients if fewer, unless their options set it",
+        unread=_no_attack,
+    )
+    options: dict = option(doc="the attack's own options (see [Attacks](algorithms.md#attacks))", factory=dict)
+
+    def check(self) -> None:
+        checks = Checks("attack")
+        if isinstance(self.type, str) and not is_import_path(self.type):
+            checks.choice("type", self.type, ATTACKS)
+        checks.within("fraction", self.fraction, 0, 1, "[)")
+        checks.count("count", self.count, 1, optional=True)
+        if self.type != "none" and self.fraction == 0 and self.count is None:
+            checks.fail(
+                "fraction", f"attack.type is {self.type} but fraction is 0; set a fraction in (0, 1) or a count"
+            )
+        make_attack(self)  # its options, checked now
+
+    def attackers(self, num_clients: int) -> int:
+        """How many of ``num_clients`` clients are Byzantine: ``count``, or round(fraction x
+        num_clients) (Python's round, so an exact half goes to the even count)."""
+        if self.type == "none":
+            return 0
+        return min(self.count, num_clients) if self.count is not None else int(round(self.fraction * num_clients))
+
+
+@dataclass
+class RoundView:
+    """What the round's colluding attackers see: every client's update of the round, the
+    attackers' rows still holding their own honest updates."""
+
+    updates: torch.Tensor  # [k, P]: the round's updates, client weights minus global weights
+    weights: torch.Tensor  # [k]: the clients' sample counts
+    attackers: torch.Tensor  # [k] bool, on the updates' device: the attackers' rows
+    generator: torch.Generator  # the attack's own stream of the round (CPU)
+    # the server's pre-aggregators and rule as they aggregate this round, buckets included
+    aggregate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    @property
+    def own(self) -> torch.Tensor:
+        """The attackers' own honest updates ``[a, P]``."""
+        return self.updates[self.attackers]
+
+    @property
+    def honest(self) -> torch.Tensor:
+        """The honest clients' finite updates ``[h, P]``; where the round has none, the attackers'
+        own (they trained honestly on their data too)."""
+        rows = ~self.attackers & torch.isfinite(self.updates).all(dim=1)
+        return self.updates[rows] if bool(rows.any()) else self.own
+
+    def sending(self, vector: torch.Tensor) -> torch.Tensor:
+        """The round's stack with every attacker sending ``vector``."""
+        return torch.where(self.attackers[:, None], vector, self.updates)
+
+
+class Attack:
+    """Every client is honest: nothing is rewritten and nothing relabelled."""
+
+    def rewrite(self, view: RoundView) -> torch.Tensor | None:
+        """What the attackers send instead of their honest updates, ``[a, P]`` (one row each, in the
+        order of ``view.own``, or one ``[P]`` row that every attacker sends); None: unchanged."""
+        return None
+
+    def relabel(self, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+        """The labels an attacker trains on instead of ``labels``."""
+        return labels
+
+    @property
+    def relabels(self) -> bool:
+        return type(self).relabel is not Attack.relabel
+
+
+ATTACKS.register("none", "every client is honest")(Attack)
+
+
+def attack_class(spec: Any) -> type:
+    """The Attack class ``attack.type`` names: registered, an import path, or the class itself."""
+    if not isinstance(spec, str):
+        target = spec
+    else:
+        target = load_attr("attack.type", spec) if is_import_path(spec) else ATTACKS.get(spec)
+    if not (isinstance(target, type) and issubclass(target, Attack)):
+        what = type(target).__name__ if not isinstance(target, type) else f"class {target.__name__}"
+        Checks("attack").fail("type", f"{spec!r} is a {what}, not a subclass of fedsim.attacks.Attack")
+    return target
+
+
+def make_attack(attack_config: Any) -> Attack:
+    """The attack of ``attack_config``, built with its ``options`` (and ``scale`` where it takes one)."""
+    cls = attack_class(attack_config.type)
+    takes = list(inspect.signature(cls).parameters)
+    options = dict(attack_config.options)
+    refuse_unknown(
+        "attack.options",
+        cls.__name__ if not isinstance(attack_config.type, str) else attack_config.type,
+        options,
+        takes,
+    )
+    if "scale" in takes:
+        options.setdefault("scale", attack_config.scale)
+    return cls(**options)
+
+
+def attacker_mask(seed: int, num_clients: int, attack_config: Any) -> torch.Tensor:
+    """Bool tensor over clients: True for ``attack_config.attackers(num_clients)`` clients drawn
+    from their own stream of ``seed``."""
+    mask = torch.zeros(num_clients, dtype=torch.bool)
+    count = attack_config.attackers(num_clients)
+    if count:
+        mask[torch.from_numpy(attackers_rng(seed).choice(num_clients, size=count, replace=False))] = True
+    return mask
+
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

@@ -1,0 +1,248 @@
+"""Attacks of colluding, omniscient attackers: every attacker sends one vector computed from the
+round's honest updates (see ``RoundView``), as the robustness papers define them.
+
+Each is checked against its paper's equations and, where ByzFL ships it, against ByzFL's own
+implementation (tests/test_attacks.py); where the libraries' conventions differ, the docstring
+and docs/algorithms.md say how.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from statistics import NormalDist
+
+import torch
+
+from ...core.checks import Checks
+from ..aggregation import float64_blocks, row_norms, squared_distances
+from . import ATTACKS, Attack, RoundView
+
+logger = logging.getLogger("fedsim")
+OPTIONS = Checks("attack.options", options=True)
+
+
+def _mean(rows: torch.Tensor) -> torch.Tensor:
+    return rows.mean(dim=0)
+
+
+def _std(rows: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise standard deviation with Bessel's correction (ByzFL's ``ddof=1``); 0 for a
+    single row, whose spread is unknown."""
+    return rows.std(dim=0) if len(rows) > 1 else torch.zeros_like(rows[0])
+
+
+def alie_z_max(n: int, f: int) -> float:
+    """Baruch et al. 2019's z_max = Phi^-1((n - f - s) / (n - f)), s = floor(n/2 + 1) - f: the
+    largest z for which the attackers' vector is still closer to the mean than s honest updates
+    are. +-inf where the ratio leaves (0, 1)."""
+    s = n // 2 + 1 - f
+    ratio = (n - f - s) / (n - f)
+    if ratio <= 0 or ratio >= 1:
+        return math.copysign(math.inf, ratio - 0.5)
+    return NormalDist().inv_cdf(ratio)
+
+
+@ATTACKS.register(
+    "alie", "a little is enough: mean + z x std of the honest updates (z default z_max; Baruch et al. 2019)"
+)
+class ALittleIsEnough(Attack):
+    """A little is enough (Baruch, Baruch & Goldberg 2019): every attacker sends ``mu + z sigma``,
+    the coordinate-wise mean and standard deviation (Bessel-corrected, as ByzFL's) of the
+    honest updates. ``z`` null: the paper's ``z_max`` for the round's ``n`` clients of which
+    ``f`` are attackers (``alie_z_max``), which is 0 or negative for few attackers (-0.14 at
+    n = 10, f = 1): a warning says so once. ByzFL fixes ``z`` (its ``tau``) to 1.5."""
+
+    def __init__(self, z: float | None = None):
+        self.z = None if z is None else OPTIONS.number("z", z, "must be a number (or null: z_max)")
+        self._warned = False
+
+    def factor(self, view: RoundView) -> float:
+        if self.z is not None:
+            return self.z
+        n, f = len(view.updates), int(view.attackers.sum())
+        z = alie_z_max(n, f)
+        if not self._warned and not 0 < z < math.inf:
+            self._warned = True
+            logger.warning(
+                f"attack alie: z_max is {z:.3g} for n = {n} clients of which f = {f} are attackers "
+                f"(Phi^-1((n-f-s)/(n-f)), s = floor(n/2+1)-f); {'it moves towards the mean' if z <= 0 else ''}"
+                f"{'the attackers are a majority; they send the mean' if z == math.inf else ''}; "
+                f"set attack.options.z to choose it"
+            )
+        return z if math.isfinite(z) else 0.0
+
+    def rewrite(self, view: RoundView) -> torch.Tensor:
+        honest = view.honest
+        return _mean(honest) + self.factor(view) * _std(honest)
+
+
+@ATTACKS.register("ipm", "inner product manipulation: -epsilon x the honest updates' mean (Xie et al. 2020)")
+class InnerProductManipulation(Attack):
+    """Inner product manipulation (Xie, Koyejo & Gupta 2020, "Fall of empires"): every attacker
+    sends ``-epsilon`` times the mean of the honest updates. ByzFL's ``tau`` is ``epsilon`` (its
+    default 2.0); ByzFL's ``SignFlipping`` is ``epsilon: 1``."""
+
+    def __init__(self, epsilon: float = 0.1):
+        self.epsilon = OPTIONS.number("epsilon", epsilon, "must be a number")
+
+    def rewrite(self, view: RoundView) -> torch.Tensor:
+        return -self.epsilon * _mean(view.honest)
+
+
+def _deviation(honest: torch.Tensor, mean: torch.Tensor, perturbation: str) -> torch.Tensor:
+    if perturbation == "unit_vec":
+        return mean / row_norms(mean[None]).to(mean.dtype)
+    if perturbation == "sign":
+        return torch.sign(mean)
+    return _std(honest)
+
+
+def _largest_gamma(fits) -> float:
+    """The authors' search for gamma: start at 10, step by halves, down to steps of 1e-5; the last
+    gamma that ``fits`` (0 if none)."""
+    gamma, step, success = 10.0, 10.0, 0.0
+    while abs(success - gamma) > 1e-5:
+        if fits(gamma):
+            success = gamma
+            gamma += step / 2
+        else:
+            gamma -= step / 2
+        step /= 2
+    return success
+
+
+class _MinMaxFamily(Attack):
+    """Shejwalkar & Houmansadr 2021 (NDSS, "Manipulating the Byzantine"): every attacker sends
+    ``mu - gamma p``, ``mu`` the honest updates' mean and ``p`` the perturbation (``unit_vec``:
+    ``mu / ||mu||``, ``sign``: ``sign(mu)``, ``std``: their coordinate-wise standard deviation),
+    ``gamma`` the largest the authors' search finds for which the vector stays within the
+    threshold of ``_fits``."""
+
+    def __init__(self, perturbation: str = "unit_vec"):
+        self.perturbation = OPTIONS.one_of("perturbation", perturbation, ("unit_vec", "sign", "std"))
+
+    def rewrite(self, view: RoundView) -> torch.Tensor:
+        honest = view.honest
+        mean = _mean(honest)
+        deviation = _deviation(honest, mean, self.perturbation)
+        between = squared_distances(honest)
+        gamma = _largest_gamma(lambda g: self._fits(between, row_norms(honest, mean - g * deviation) ** 2))
+        return mean - gamma * deviation
+
+
+@ATTACKS.register("minmax", "mu - gamma p, no farther from any honest update than the honest ones are from each other")
+class MinMax(_MinMaxFamily):
+    __doc__ = (
+        _MinMaxFamily.__doc__
+        + """
+    MinMax: the vector's largest squared distance to an honest update is at most the largest
+    between two honest updates."""
+    )
+
+    @staticmethod
+    def _fits(between: torch.Tensor, to_vector: torch.Tensor) -> bool:
+        return bool(to_vector.max() <= between.max())
+
+
+@ATTACKS.register("minsum", "mu - gamma p, its summed squared distances to the honest updates within theirs")
+class MinSum(_MinMaxFamily):
+    __doc__ = (
+        _MinMaxFamily.__doc__
+        + """
+    MinSum: the vector's sum of squared distances to the honest updates is at most the smallest
+    such sum of an honest update, as in the authors' code; FLPoison compares with the largest,
+    a weaker bound that allows a larger gamma."""
+    )
+
+    @staticmethod
+    def _fits(between: torch.Tensor, to_vector: torch.Tensor) -> bool:
+        return bool(to_vector.sum() <= between.sum(dim=1).min())
+
+
+def _centred_gram(rows: torch.Tensor) -> torch.Tensor:
+    """``(X - mean) (X - mean)^T`` in float64, in column blocks."""
+    mean = rows.to(torch.float64).mean(dim=0)
+    gram = torch.zeros(len(rows), len(rows), dtype=torch.float64, device=rows.device)
+    for start, block in float64_blocks(rows):
+        block -= mean[start : start + block.shape[1]]
+        gram.addmm_(block, block.T)
+    return gram
+
+
+@ATTACKS.register("mimic", "copy the honest update farthest along their main direction (Karimireddy et al. 2022)")
+class Mimic(Attack):
+    """Mimic (Karimireddy, He & Jaggi 2022): every attacker copies one honest client's update, so
+    that the rule over-weights that client's data. ``target`` null: the honest update that lies
+    farthest from their mean along their principal direction (the top eigenvector of their
+    covariance, which the paper estimates over its first rounds; here from the round itself);
+    ``target: i``: the i-th honest update of the round, as ByzFL's ``epsilon``."""
+
+    def __init__(self, target: int | None = None):
+        self.target = OPTIONS.count("target", target, 0, optional=True)
+
+    def rewrite(self, view: RoundView) -> torch.Tensor:
+        honest = view.honest
+        if self.target is not None:
+            return honest[min(self.target, len(honest) - 1)]
+        if len(honest) < 2:
+            return honest[0]
+        # the projections of the centred rows on the top principal direction are lambda v_i, with
+        # v the top eigenvector of their Gram matrix
+        top = torch.linalg.eigh(_centred_gram(honest)).eigenvectors[:, -1]
+        return honest[int(top.abs().argmax())]
+
+
+class _LineSearch(Attack):
+    """ByzFL's optimal attacks: the factor of the base attack that moves the server's aggregate
+    (its pre-aggregators and rule, on the round's stack with every attacker sending the vector)
+    farthest from the honest updates' mean, by ByzFL's search: from ``start``, steps of ``delta``
+    doubled while the distance grows, then shrunk by ``ratio`` each of the ``evals`` evaluations."""
+
+    def __init__(self, evals: int = 20, start: float = 0.0, delta: float = 10.0, ratio: float = 0.8):
+        self.evals = OPTIONS.count("evals", evals, 1)
+        self.start = OPTIONS.number("start", start, "must be a number")
+        self.delta = OPTIONS.number("delta", delta, "must be a number")
+        self.ratio = OPTIONS.within("ratio", OPTIONS.number("ratio", ratio, "must be a number"), 0.5, 1, "()")
+
+    def vector(self, view: RoundView, factor: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rewrite(self, view: RoundView) -> torch.Tensor:
+        mean = _mean(view.honest)
+
+        def distance(factor: float) -> float:
+            aggregate = view.aggregate(view.sending(self.vector(view, factor)), view.weights)
+            return float(row_norms(aggregate[None], mean)[0])
+
+        best, best_distance, delta, left = self.start, distance(self.start), self.delta, self.evals - 1
+        growing = True
+        while left > 0:
+            candidate = best + delta
+            found = distance(candidate)
+            left -= 1
+            if found > best_distance:
+                best, best_distance = candidate, found
+                delta *= 2 if growing else self.ratio
+            else:
+                delta *= self.ratio
+                growing = False
+        return self.vector(view, best)
+
+
+@ATTACKS.register("optimal_alie", "ALIE with the z that moves the server's aggregate farthest (ByzFL's line search)")
+class OptimalALIE(_LineSearch):
+    __doc__ = _LineSearch.__doc__ + "\n    The base attack is ``alie``: the factor is its ``z``."
+
+    def vector(self, view: RoundView, factor: float) -> torch.Tensor:
+        return _mean(view.honest) + factor * _std(view.honest)
+
+
+@ATTACKS.register(
+    "optimal_ipm", "IPM with the epsilon that moves the server's aggregate farthest (ByzFL's line search)"
+)
+class OptimalIPM(_LineSearch):
+    __doc__ = _LineSearch.__doc__ + "\n    The base attack is ``ipm``: the factor is its ``epsilon``."
+
+    def vector(self, view: RoundView, factor: float) -> torch.Tensor:
+        return -factor * _mean(view.honest)
