@@ -129,7 +129,14 @@ def test_client_ranks_with_an_algorithm_that_does_not_read_them_is_said():
     assert warnings == [
         "lora.client_ranks is [2, 4] but algorithm fedavg trains every client at lora.rank (use hetlora or flora)"
     ]
-    assert unused_settings(load_config({"algorithm": "hetlora", "lora": {"rank": 4, "client_ranks": [2, 4]}})) == []
+    two_clients = {"num_clients": 2, "dataset": "synthetic"}
+    hetlora = {
+        "algorithm": "hetlora",
+        "lora": {"rank": 4, "client_ranks": [2, 4]},
+        "data": two_clients,
+        "clients_per_round": 2,
+    }
+    assert unused_settings(load_config(hetlora)) == []
 
 
 # ----------------------------------------------------------------------------- HetLoRA

@@ -58,7 +58,8 @@ class LocalResult:
 @dataclass
 class Round:
     """One round as the server sees it, for ``server_update``. Rows are the clients whose update
-    was finite (dropped ones are left out), after any attack rewrote them."""
+    was finite (dropped ones are left out), after any attack rewrote them, then those of the
+    Byzantine clients outside the federation (``byzantine``)."""
 
     updates: torch.Tensor  # [k, L] client weights minus global weights
     weights: torch.Tensor  # [k] the clients' sample counts
@@ -69,6 +70,10 @@ class Round:
     num_params: int  # n: weights[:n] are trainable, the rest are buffers (batch-norm statistics)
     num_clients: int  # N, the whole federation
     slots: torch.Tensor | None = None  # [k] the rows of the round's buffers these clients were trained in
+    # the last ``byzantine`` rows of ``updates`` and ``weights`` are those of the Byzantine clients outside
+    # the federation (attack.count): they have no client id, report or slot, so ``clients``, ``reports`` and
+    # ``slots`` hold the first k - byzantine rows only
+    byzantine: int = 0
 
 
 class Algorithm:

@@ -51,7 +51,8 @@ class DataConfig:
     )
     partition: str = option(
         "iid",
-        "`iid`, `contiguous`, `dirichlet`, `shards`, `label_k`, `quantity`, `natural` (the data's own clients), "
+        "`iid`, `contiguous`, `dirichlet`, `shards`, `label_k`, `quantity`, `gamma_similarity`, `natural` (the "
+        "data's own clients), "
         "`pachinko` (see [Partitions](data.md#partitions))",
     )
     num_clients: int = option(
@@ -83,6 +84,9 @@ class DataConfig:
         "`dirichlet`: NIID-Bench's cap, no more samples for a client holding N / num_clients (see "
         "[Partitions](data.md#partitions))",
         unread=_not_taken_by_partition,
+    )
+    gamma: float = option(
+        0.5, "`gamma_similarity`: the share of the samples split at random", unread=_not_taken_by_partition
     )
     shards_per_client: int = option(2, "`shards`: label-sorted shards per client", unread=_not_taken_by_partition)
     classes_per_client: int = option(2, "`label_k`: classes per client", unread=_not_taken_by_partition)

@@ -16,6 +16,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -203,6 +204,28 @@ def natural(labels: np.ndarray, num_clients: int, rng: np.random.Generator, clie
 @PARTITIONS.register("iid", "seeded random split into equal parts (sizes differ by at most one)")
 def iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
     return np.array_split(rng.permutation(len(labels)), num_clients)
+
+
+@PARTITIONS.register(
+    "gamma_similarity",
+    "a random data.gamma share of the samples split at random, the rest sorted by label and cut into "
+    "consecutive parts (ByzFL's gamma similarity; 1: iid, 0: by label)",
+)
+def gamma_similarity(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, gamma: float = 0.5
+) -> list[np.ndarray]:
+    """ByzFL's ``gamma_similarity_niid`` (Allouah et al. 2023): a random floor(gamma N) of the samples
+    (ByzFL's: the first of its random train split) are shuffled and split into equal parts; the
+    others, sorted by label (then by position), are cut into equal consecutive parts; each client
+    gets one part of each."""
+    if not isinstance(gamma, numbers.Real) or isinstance(gamma, bool) or not 0 <= gamma <= 1:
+        raise _invalid("gamma", "a number in [0, 1]", gamma)
+    order = rng.permutation(len(labels))
+    similar = int(Fraction(str(gamma)) * len(labels))
+    rest = np.sort(order[similar:])
+    by_label = rest[np.argsort(labels[rest], kind="stable")]
+    shuffled = np.array_split(rng.permutation(order[:similar]), num_clients)
+    return [np.sort(np.concatenate([a, b])) for a, b in zip(shuffled, np.array_split(by_label, num_clients))]
 
 
 @PARTITIONS.register("contiguous", "consecutive ranges in dataset order; the last client takes the remainder")

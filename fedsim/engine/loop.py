@@ -176,7 +176,7 @@ class Engine:
             **self._train_metrics(round_, records),
             seconds=round(time.perf_counter() - t0, 4),
             clients=len(records),
-            attackers=sum(r.attacker for r in records),
+            attackers=sum(r.attacker for r in records) + round_.byzantine,
             train_seconds=round(t_trained - t0, 4),
             worker_seconds=round(max(self.executor.busy_seconds), 4),
             aggregate_seconds=round(t_updated - t_trained, 4),
@@ -310,4 +310,5 @@ class Engine:
         if not len(round_.clients):
             return {"train_loss": math.nan}
         losses = self.buffers.stats[:, 1][[i for i, r in enumerate(records) if not r.dropped]]
-        return {"train_loss": float((round_.weights * losses).sum() / round_.weights.sum())}
+        weights = round_.weights[: len(round_.clients)]  # not the Byzantine clients' outside the federation
+        return {"train_loss": float((weights * losses).sum() / weights.sum())}

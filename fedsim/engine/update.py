@@ -14,6 +14,7 @@ A strategy whose clients train the global weights themselves adopts them instead
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -130,8 +131,7 @@ class AggregateUpdates:
         cfg, b, k = self.cfg, self.buffers, len(clients)
         updates = b.client_weights[:k].sub_(self.state.model.flat)  # client weights - global weights, in place
         attacking = b.attackers[clients]
-        if attacking.any():
-            self._attack(rnd, updates, attacking.to(updates.device))
+        byzantine = self._attack(rnd, updates, attacking.to(updates.device))
         finite = torch.isfinite(updates).all(dim=1)
         for report in b.reports.values():
             finite &= torch.isfinite(report[:k].reshape(k, report[0].numel())).all(dim=1)
@@ -163,8 +163,8 @@ class AggregateUpdates:
             for i, c in enumerate(clients.tolist())
         ]
         round_ = Round(
-            updates=updates[keep],
-            weights=b.stats[keep, 0],
+            updates=torch.cat([updates[keep], byzantine.updates]),
+            weights=torch.cat([b.stats[keep, 0], byzantine.weights]),
             clients=clients[keep.cpu()].to(b.global_flat.device),
             reports={name: report[keep] for name, report in b.reports.items()},
             aggregate=self.privacy.rule(cfg.seed, rnd) if self.privacy else self._rule(rnd),
@@ -172,34 +172,59 @@ class AggregateUpdates:
             num_params=self.state.model.num_params,
             num_clients=cfg.data.num_clients,
             slots=keep,
+            byzantine=len(byzantine.updates),
         )
         return round_, records
 
-    def _attack(self, rnd: int, updates: torch.Tensor, attacking: torch.Tensor) -> None:
-        """The attackers' rows of ``updates`` rewritten in place from what they see of the round: the
-        updates the server will aggregate (the finite ones, and their own) and its own rule."""
-        k, count = len(updates), int(attacking.sum())
-        tolerates = getattr(self.aggregate, "tolerates", None)
-        if not self._warned_breakdown and (2 * count >= k or (tolerates and count > tolerates(k))):
-            self._warned_breakdown = True
-            why = (
-                "half or more: no rule can tell them from the honest ones"
-                if 2 * count >= k
-                else f"more than {self.names['aggregator']} withstands among {k} (f = {tolerates(k)})"
-            )
-            logger.warning(f"round {rnd}: {count} of the round's {k} clients are Byzantine, {why} (said once per run)")
-        seen = torch.isfinite(updates).all(dim=1) | attacking
+    def _attack(self, rnd: int, updates: torch.Tensor, attacking: torch.Tensor) -> SimpleNamespace:
+        """What the round's Byzantine clients send, from what they see of it (the finite updates, their
+        own, and the server's own rule): the rows of the attackers among the round's clients
+        (``attacking``) are rewritten in place; the finite updates of the ``attack.count`` Byzantine
+        clients outside the federation are returned, with the sample count each claims (the mean of
+        the honest ones'): ``updates`` ``[f, P]`` and ``weights`` ``[f]``, empty without them."""
+        k, outsiders = len(updates), self.cfg.attack.count if self.cfg.attack.type != "none" else 0
+        weights = self.buffers.stats[:k, 0]
+        none = SimpleNamespace(updates=updates[:0], weights=weights[:0])
+        if not outsiders and not attacking.any():
+            return none
+        finite = torch.isfinite(updates).all(dim=1)
+        stack, mask = updates, attacking
+        if outsiders:  # rows of their own after the clients' (no client of the federation is an attacker)
+            claimed = weights[finite].mean() if finite.any() else weights.new_zeros(())
+            stack = torch.cat([updates, updates.new_zeros(outsiders, updates.shape[1])])
+            mask = torch.cat([attacking, attacking.new_ones(outsiders)])
+            weights, finite = torch.cat([weights, claimed.expand(outsiders)]), torch.cat([finite, mask[k:]])
+        self._warn_breakdown(rnd, int(mask.sum()), len(mask))
+        seen = finite | mask
         view = RoundView(
-            updates=updates[seen],
-            weights=self.buffers.stats[:k, 0][seen].to(updates.dtype),
-            attackers=attacking[seen],
+            updates=stack[seen],
+            weights=weights[seen].to(updates.dtype),
+            attackers=mask[seen],
             generator=attack_generator(self.cfg.seed, rnd),
             aggregate=self._rule(rnd),
         )
         with user_code(f"attack {self.names['attack']} failed in round {rnd}"):
             sent = self.attack.rewrite(view)
         if sent is not None:
-            updates[attacking] = sent.to(updates.dtype)
+            stack[mask] = sent.to(updates.dtype)
+        if not outsiders:
+            return none
+        sending = torch.isfinite(stack[k:]).all(dim=1)  # a non-finite update is left out, as a client's is
+        return SimpleNamespace(updates=stack[k:][sending], weights=weights[k:][sending])
+
+    def _warn_breakdown(self, rnd: int, count: int, n: int) -> None:
+        """Once per run: a round in which half the clients or more, or more than the rule withstands,
+        are Byzantine."""
+        tolerates = getattr(self.aggregate, "tolerates", None)
+        if self._warned_breakdown or not (2 * count >= n or (tolerates and count > tolerates(n))):
+            return
+        self._warned_breakdown = True
+        why = (
+            "half or more: no rule can tell them from the honest ones"
+            if 2 * count >= n
+            else f"more than {self.names['aggregator']} withstands among {n} (f = {tolerates(n)})"
+        )
+        logger.warning(f"round {rnd}: {count} of the round's {n} clients are Byzantine, {why} (said once per run)")
 
     def _rule(self, rnd: int):
         """The run's pre-aggregators and rule, named in one line if they raise or return what cannot

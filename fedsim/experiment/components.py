@@ -232,11 +232,9 @@ def aggregator(spec: Any, options: dict, attackers: int | None = None) -> Rule:
 
 
 def assumed_attackers(cfg: Config) -> int | None:
-    """The number of Byzantine clients a round can hold where ``attack.count`` fixes them: the
-    rules' and pre-aggregators' default ``f``. None where the run does not fix it."""
-    if cfg.attack.type == "none" or cfg.attack.count is None:
-        return None
-    return min(cfg.attack.count, cfg.clients_per_round)
+    """The number of Byzantine clients in every round where ``attack.count`` fixes it: the rules'
+    and pre-aggregators' default ``f``. None where the run does not fix it."""
+    return None if cfg.attack.type == "none" else cfg.attack.count
 
 
 def server_rule(cfg: Config) -> tuple[Rule, list[PreAggregator]]:
@@ -331,10 +329,9 @@ def check(cfg: Config) -> None:
 
     check_model_options(cfg.model, cfg.model_options)
     rule, steps = server_rule(cfg)
-    if cfg.clients_per_round <= _PROBE_ROWS:  # Krum's distances are k x k; beyond this the first round checks
-        probe_aggregator(
-            cfg.aggregator, preaggregation.pre_aggregated(steps, rule, torch.Generator), cfg.clients_per_round
-        )
+    rows = cfg.clients_per_round + (assumed_attackers(cfg) or 0)  # attack.count's updates come on top
+    if rows <= _PROBE_ROWS:  # Krum's distances are k x k; beyond this the first round checks
+        probe_aggregator(cfg.aggregator, preaggregation.pre_aggregated(steps, rule, torch.Generator), rows)
     algorithm(cfg.algorithm, cfg.algorithm_options)
     check_dataset_spec(cfg.data.dataset)
 

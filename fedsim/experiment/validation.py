@@ -14,11 +14,12 @@ from typing import Any
 
 from ..algorithms import Algorithm
 from ..core.checks import Checks
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, user_code
 from ..core.registry import is_import_path
 from ..core.sections import sections, unused
 from ..core.yamlfile import experiment_file, read_yaml
 from ..fl.aggregation import AGGREGATORS
+from ..fl.attacks import attack_class
 from ..fl.compression import feeds_back
 from ..fl.privacy import RULES, Privacy
 from ..fl.system import System
@@ -75,7 +76,10 @@ def validate(cfg: Config) -> None:
     tables = components.tables()
     checks.choice("server_optimizer", cfg.server_optimizer, tables["server optimizers"])
     components.check(cfg)
-    if cfg.backend == "vmap" and components.algorithm(cfg.algorithm, cfg.algorithm_options).trains_own_way:
+    algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
+    with user_code(f"algorithm: {components.describe(cfg.algorithm)} failed in setup", ConfigError):
+        algorithm.setup(cfg)  # where an algorithm refuses the settings it cannot train with
+    if cfg.backend == "vmap" and algorithm.trains_own_way:
         checks.fail(
             "backend",
             f"vmap trains a group's clients in lockstep by one local loop; algorithm "
@@ -87,6 +91,7 @@ def validate(cfg: Config) -> None:
     if cfg.mode == "async":
         check_async(cfg, checks)
     System.check_config(cfg)
+    check_attack(cfg)
     check_privacy(cfg)  # after the components it is combined with are known to be valid
 
 
@@ -190,18 +195,51 @@ def unused_settings(cfg: Config) -> list[str]:
 
 def _attack_warning(cfg: Config) -> str | None:
     """A line for a run in which half the clients or more are Byzantine: no rule withstands that."""
-    n = cfg.data.num_clients
-    attackers = cfg.attack.attackers(n)
-    if not attackers or 2 * attackers < n:
+    if cfg.attack.type == "none":
         return None
-    setting = (
-        f"attack.count is {cfg.attack.count}"
-        if cfg.attack.count is not None
-        else f"attack.fraction is {cfg.attack.fraction:g}"
-    )
-    return (
-        f"{setting}: {attackers} of the {n} clients are Byzantine, half or more, which no aggregation rule withstands"
-    )
+    if cfg.attack.count is not None:
+        f, n = cfg.attack.count, cfg.clients_per_round + cfg.attack.count
+        setting, where = f"attack.count is {f}", f"of the {n} clients of every round"
+    else:
+        n = cfg.data.num_clients
+        f = cfg.attack.members(n)
+        setting, where = f"attack.fraction is {cfg.attack.fraction:g}", f"of the {n} clients"
+    if 2 * f < n:
+        return None
+    return f"{setting}: {f} {where} are Byzantine, half or more, which no aggregation rule withstands"
+
+
+def check_attack(cfg: Config) -> None:
+    """The Byzantine clients of ``attack.count``, outside the federation, hold no data and have no
+    client id: refuse what needs either."""
+    if cfg.attack.type == "none" or cfg.attack.count is None:
+        return
+    checks = Checks()
+    name = components.describe(cfg.attack.type)
+    if attack_class(cfg.attack.type).uses_own_update:
+        checks.fail(
+            "attack.count",
+            f"attack {name} rewrites an attacker's own update or data, and the Byzantine clients of attack.count "
+            f"hold none; use attack.fraction (attackers among the clients), or an attack of the round such as ipm "
+            f"(epsilon 1 sends minus the honest mean)",
+        )
+    algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
+    # fmt: off
+    refused = [
+        ("algorithm", type(algorithm).server_update is not Algorithm.server_update,
+         f"algorithm {components.describe(cfg.algorithm)} updates the model from its clients' reports, which the "
+         f"Byzantine clients of attack.count, outside the federation, do not send; use attack.fraction"),
+        ("privacy", cfg.privacy is not None,
+         "DP-FedAvg accounts for the clients it samples, and those of attack.count are not sampled; use "
+         "attack.fraction"),
+        ("compression.type", cfg.compression.type != "none",
+         "a compressed message carries its client's residual, and the Byzantine clients of attack.count are no "
+         "clients of the federation; use attack.fraction"),
+    ]
+    # fmt: on
+    for key, bad, why in refused:
+        if bad:
+            checks.fail(key, why)
 
 
 # ----------------------------------------------------------------------------- privacy and the rest

@@ -93,6 +93,24 @@ class CifarCNN(nn.Module):
         return self.fc3(x)
 
 
+class ByzflCNN(nn.Module):
+    """ByzFL's ``cnn_mnist`` (byzfl/fed_framework/models.py), the model of its benchmark, layer for
+    layer: conv 20 (5x5), ReLU, 2x2 max-pool, conv 50 (5x5), ReLU, 2x2 max-pool, fc 800 -> 500,
+    ReLU, fc -> classes, log-softmax; 431,080 parameters on 1x28x28 with 10 classes."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, side: int = 28):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 20, 5)
+        self.conv2 = nn.Conv2d(20, 50, 5)
+        self.fc1 = nn.Linear(50 * (((side - 4) // 2 - 4) // 2) ** 2, 500)
+        self.fc2 = nn.Linear(500, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return F.log_softmax(self.fc2(F.relu(self.fc1(x.flatten(1)))), dim=1)
+
+
 class SimpleCNN(nn.Module):
     """NIID-Bench's ``simple-cnn`` (Li, Diao, Chen, He, "Federated Learning on Non-IID Data Silos:
     An Experimental Study", ICDE 2022; Xtra-Computing/NIID-Bench, model.py): ``SimpleCNNMNIST``
@@ -275,6 +293,11 @@ def mnist_2nn(input_shape: tuple[int, ...], num_classes: int) -> MnistMLP:
 @MODELS.register("cifar_cnn", "the 2-conv + 3-fc CNN of FedAvg papers for 3x32x32 inputs (62,006 parameters)")
 def cifar_cnn(input_shape: tuple[int, ...], num_classes: int) -> CifarCNN:
     return CifarCNN(input_shape[0], num_classes, side=input_shape[-1])
+
+
+@MODELS.register("byzfl_cnn", "ByzFL's cnn_mnist, its benchmark's model: conv 20, conv 50, fc 500 (431,080 parameters)")
+def byzfl_cnn(input_shape: tuple[int, ...], num_classes: int) -> ByzflCNN:
+    return ByzflCNN(input_shape[0], num_classes, side=input_shape[-1])
 
 
 @MODELS.register(

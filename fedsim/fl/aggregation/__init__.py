@@ -140,10 +140,28 @@ def row_norms(rows: torch.Tensor, point: torch.Tensor | None = None) -> torch.Te
     return torch.linalg.vector_norm(torch.stack(parts), dim=0)
 
 
+_NETWORK_ROWS = 24  # up to here a network of min and max sorts faster than torch.sort (see sorted_rows)
+
+
+def sorted_rows(values: torch.Tensor) -> torch.Tensor:
+    """``values.sort(dim=0).values``. For up to 24 rows, by an odd-even transposition network of
+    elementwise minima and maxima, k (k - 1) / 2 of each: torch.sort along a short first dimension
+    is slow on a CPU (11 rows of 431,080 values: 27 ms against 72 ms, 24 rows: 146 against 255, one
+    thread); a comparison network puts the same values in the same places."""
+    k = values.shape[0]
+    if k > _NETWORK_ROWS:
+        return values.sort(dim=0).values
+    rows = list(values.unbind(0))
+    for sweep in range(k):
+        for i in range(sweep % 2, k - 1, 2):
+            rows[i], rows[i + 1] = torch.minimum(rows[i], rows[i + 1]), torch.maximum(rows[i], rows[i + 1])
+    return torch.stack(rows)
+
+
 def middle(values: torch.Tensor) -> torch.Tensor:
     """Median along dim 0 from one sort; for even k, the mean of the two middle values."""
     k = values.shape[0]
-    ordered = values.sort(dim=0).values
+    ordered = sorted_rows(values)
     return ordered[(k - 1) // 2] / 2 + ordered[k // 2] / 2  # halves first: no overflow near the float limit
 
 

@@ -6,7 +6,7 @@ import math
 from fractions import Fraction
 
 from ...core.checks import is_number
-from . import AGGREGATORS, OPTIONS, Rule, fail, mean_of, middle, tolerating
+from . import AGGREGATORS, OPTIONS, Rule, fail, mean_of, middle, sorted_rows, tolerating
 
 
 @AGGREGATORS.register(
@@ -64,6 +64,6 @@ def trimmed_mean(beta: float | None = None, f: int | None = None) -> Rule:
         drop = f if exact_beta is None else math.floor(exact_beta * k)
         if drop == 0:
             return mean_of(updates)
-        return mean_of(updates.sort(dim=0).values[drop : k - drop])
+        return mean_of(sorted_rows(updates)[drop : k - drop])
 
     return tolerating(rule, lambda k: f if exact_beta is None else math.floor(exact_beta * k))

@@ -1,7 +1,9 @@
 """Byzantine clients, to test robust aggregation: each attack is one registered class.
 
-A seeded set of clients (``attack.fraction`` of all clients, or exactly ``attack.count`` of them,
-fixed for the run) misbehaves whenever it is sampled. The attackers collude and see the whole
+A seeded set of the federation's clients (``attack.fraction`` of them, fixed for the run)
+misbehaves whenever it is sampled; or ``attack.count`` Byzantine clients outside the federation,
+holding no data, send beside the sampled clients in every round (the papers' n honest and f
+Byzantine clients). The attackers collude and see the whole
 round, the omniscient threat model of the robustness papers: after every sampled client has
 trained, an attack rewrites the attackers' rows of the round's stack from what it sees
 (``rewrite(view)``, a ``RoundView``: every update of the round, which rows are the attackers',
@@ -16,6 +18,7 @@ Mimic, and the line searches of ALIE and IPM against the server's aggregate).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -60,8 +63,9 @@ class AttackConfig:
     scale: float = option(1.0, "`sign_flip` sends -scale x update, `scale` sends scale x update", unread=_not_scaled)
     count: int | None = option(
         None,
-        "the number of Byzantine clients, instead of `fraction` (a seeded set); the rules' and "
-        "pre-aggregators' `f` is this count, or the round's clients if fewer, unless their options set it",
+        "Byzantine clients outside the federation, instead of `fraction`: this many send in every round beside "
+        "the sampled clients, hold no data and see the round (the robustness papers' n honest and f Byzantine); "
+        "the `f` of the rules and pre-aggregators unless their options set it",
         unread=_no_attack,
     )
     options: dict = option(doc="the attack's own options (see [Attacks](algorithms.md#attacks))", factory=dict)
@@ -72,18 +76,21 @@ class AttackConfig:
             checks.choice("type", self.type, ATTACKS)
         checks.within("fraction", self.fraction, 0, 1, "[)")
         checks.count("count", self.count, 1, optional=True)
+        if self.count is not None and self.fraction:
+            checks.fail("count", "set fraction (attackers among the clients) or count (outside them), not both")
         if self.type != "none" and self.fraction == 0 and self.count is None:
             checks.fail(
                 "fraction", f"attack.type is {self.type} but fraction is 0; set a fraction in (0, 1) or a count"
             )
         make_attack(self)  # its options, checked now
 
-    def attackers(self, num_clients: int) -> int:
-        """How many of ``num_clients`` clients are Byzantine: ``count``, or round(fraction x
-        num_clients) (Python's round, so an exact half goes to the even count)."""
-        if self.type == "none":
+    def members(self, num_clients: int) -> int:
+        """How many of the federation's ``num_clients`` clients are Byzantine: round(fraction x
+        num_clients) (Python's round, so an exact half goes to the even count); none where
+        ``count`` puts the Byzantine clients outside the federation."""
+        if self.type == "none" or self.count is not None:
             return 0
-        return min(self.count, num_clients) if self.count is not None else int(round(self.fraction * num_clients))
+        return int(round(self.fraction * num_clients))
 
 
 @dataclass
@@ -103,7 +110,7 @@ class RoundView:
         """The attackers' own honest updates ``[a, P]``."""
         return self.updates[self.attackers]
 
-    @property
+    @functools.cached_property
     def honest(self) -> torch.Tensor:
         """The honest clients' finite updates ``[h, P]``; where the round has none, the attackers'
         own (they trained honestly on their data too)."""
@@ -117,6 +124,10 @@ class RoundView:
 
 class Attack:
     """Every client is honest: nothing is rewritten and nothing relabelled."""
+
+    # whether it rewrites the attacker's own honest update (or relabels its data), which the
+    # Byzantine clients of attack.count, holding no data, do not have
+    uses_own_update = False
 
     def rewrite(self, view: RoundView) -> torch.Tensor | None:
         """What the attackers send instead of their honest updates, ``[a, P]`` (one row each, in the
@@ -164,10 +175,10 @@ def make_attack(attack_config: Any) -> Attack:
 
 
 def attacker_mask(seed: int, num_clients: int, attack_config: Any) -> torch.Tensor:
-    """Bool tensor over clients: True for ``attack_config.attackers(num_clients)`` clients drawn
+    """Bool tensor over clients: True for ``attack_config.members(num_clients)`` clients drawn
     from their own stream of ``seed``."""
     mask = torch.zeros(num_clients, dtype=torch.bool)
-    count = attack_config.attackers(num_clients)
+    count = attack_config.members(num_clients)
     if count:
         mask[torch.from_numpy(attackers_rng(seed).choice(num_clients, size=count, replace=False))] = True
     return mask

@@ -205,14 +205,16 @@ class _LineSearch(Attack):
         self.delta = OPTIONS.number("delta", delta, "must be a number")
         self.ratio = OPTIONS.within("ratio", OPTIONS.number("ratio", ratio, "must be a number"), 0.5, 1, "()")
 
-    def vector(self, view: RoundView, factor: float) -> torch.Tensor:
+    def line(self, honest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base attack's vector for factor t is ``offset + t direction``: (offset, direction)."""
         raise NotImplementedError
 
     def rewrite(self, view: RoundView) -> torch.Tensor:
         mean = _mean(view.honest)
+        offset, direction = self.line(view.honest)
 
         def distance(factor: float) -> float:
-            aggregate = view.aggregate(view.sending(self.vector(view, factor)), view.weights)
+            aggregate = view.aggregate(view.sending(offset + factor * direction), view.weights)
             return float(row_norms(aggregate[None], mean)[0])
 
         best, best_distance, delta, left = self.start, distance(self.start), self.delta, self.evals - 1
@@ -227,15 +229,15 @@ class _LineSearch(Attack):
             else:
                 delta *= self.ratio
                 growing = False
-        return self.vector(view, best)
+        return offset + best * direction
 
 
 @ATTACKS.register("optimal_alie", "ALIE with the z that moves the server's aggregate farthest (ByzFL's line search)")
 class OptimalALIE(_LineSearch):
     __doc__ = _LineSearch.__doc__ + "\n    The base attack is ``alie``: the factor is its ``z``."
 
-    def vector(self, view: RoundView, factor: float) -> torch.Tensor:
-        return _mean(view.honest) + factor * _std(view.honest)
+    def line(self, honest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _mean(honest), _std(honest)
 
 
 @ATTACKS.register(
@@ -244,5 +246,5 @@ class OptimalALIE(_LineSearch):
 class OptimalIPM(_LineSearch):
     __doc__ = _LineSearch.__doc__ + "\n    The base attack is ``ipm``: the factor is its ``epsilon``."
 
-    def vector(self, view: RoundView, factor: float) -> torch.Tensor:
-        return -factor * _mean(view.honest)
+    def line(self, honest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros_like(honest[0]), -_mean(honest)
