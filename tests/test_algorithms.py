@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from support import installed
 
 import fedsim
 from fedsim.algorithms import Clients, Round
@@ -18,6 +19,7 @@ from fedsim.algorithms.fednova import FedNova
 from fedsim.algorithms.fedprox import FedProx
 from fedsim.algorithms.local import LocalTrainer
 from fedsim.algorithms.scaffold import Scaffold
+from fedsim.core.errors import ConfigError
 from fedsim.core.flat import FlatModel
 from fedsim.data import from_tensors, load_dataset
 from fedsim.experiment import components
@@ -538,3 +540,90 @@ def test_algorithm_learns_mnist(learning_config, tmp_path, algorithm, options):
     assert history.test_accuracy[-1] > 0.3, history.test_accuracy  # chance is 0.1
     assert history.test_accuracy[-1] > history.test_accuracy[0] + 0.1, history.test_accuracy
     assert history.train_loss[-1] < history.train_loss[0], history.train_loss
+
+
+# ----------------------------------------------------------------------------- worker momentum
+
+
+def worker_momentum_reference(x, rounds, lr, beta, reset=False):
+    """Karimireddy et al. 2021's worker momentum on the tiny problem, all 3 clients a round, one
+    step each: m_k <- beta m_k + (1 - beta) g_k(x), the client sends x - lr m_k, the server takes the
+    unweighted mean. ``reset``: the momentum starts from 0 every round (what keeping it changes)."""
+    extent = Extent()
+    momenta = [torch.zeros_like(x) for _ in COUNTS]
+    for _ in range(rounds):
+        if reset:
+            momenta = [torch.zeros_like(x) for _ in COUNTS]
+        gradients = [(x - local_sgd(x, k, 1, lr, extent=extent)) / lr for k in range(len(COUNTS))]
+        momenta = [beta * m + (1 - beta) * g for m, g in zip(momenta, gradients)]
+        x = sum(x - lr * m for m in momenta) / len(COUNTS)
+    return types.SimpleNamespace(x=x, momenta=torch.stack(momenta), extent=extent)
+
+
+def test_worker_momentum_keeps_each_clients_momentum_across_rounds(tiny_runs):
+    lr, beta, rounds = 0.1, 0.9, 3
+    run = tiny_runs(
+        "worker_momentum", rounds=rounds, aggregator="mean", algorithm_options={"beta": beta}, steps=1, momentum=0.0
+    )
+    ref = worker_momentum_reference(initial_weights(), rounds, lr, beta)
+    # Tolerance: each round a client's float32 step is off by at most step_error (one step, batch 2),
+    # the momentum's update rounds twice values <= |m| + |g|, and the mean over 3 clients rounds 4 times
+    # values <= |x|; the errors add up over the rounds (momentum carries one round's error into the
+    # next with a factor beta < 1). atol: twice that, over 1 - beta (4e-5 here; the errors measured are ~1e-7).
+    big = max(float(ref.momenta.abs().max()), ref.extent.grad)
+    per_round = step_error(ref.extent, lr, 2) + 2 * U32 * big + 4 * U32 * ref.extent.w
+    atol = 2 * rounds * per_round / (1 - beta)
+    torch.testing.assert_close(run.state["global"].double(), ref.x, rtol=0, atol=atol)
+    kept = client_rows(run.state, "momentum", run.holder).double()
+    torch.testing.assert_close(kept, ref.momenta, rtol=0, atol=atol / lr)
+    # a momentum reset every round ends elsewhere
+    reset = worker_momentum_reference(initial_weights(), rounds, lr, beta, reset=True)
+    assert float((reset.x - ref.x).abs().max()) > 100 * atol
+
+
+@pytest.mark.parametrize(
+    "local, message",
+    [
+        ({"momentum": 0.9}, "local.momentum: worker_momentum keeps its own momentum"),
+        ({"optimizer": "adamw"}, "local.optimizer: worker_momentum is a momentum of SGD"),
+    ],
+)
+def test_worker_momentum_refuses_a_second_momentum_before_the_run(local, message):
+    with pytest.raises(ConfigError, match=message):
+        fedsim.load_config({"algorithm": "worker_momentum", "local": local})
+
+
+# ----------------------------------------------------------------------------- rounds nobody reports
+
+LORA_ALGORITHMS = ("fedsa_lora", "flora", "hetlora")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", components.tables()["algorithms"].names())
+def test_a_round_in_which_no_sampled_client_reports_changes_nothing(name, tmp_path):
+    """With system.dropout 0.8, most rounds lose every sampled client's work: such a round must leave
+    the global model as it was (its test loss is the round before's), whatever the algorithm."""
+    if name in LORA_ALGORITHMS:
+        if not installed("peft"):
+            pytest.skip("peft is not installed")
+        from test_lora_methods import lora_config, play_root
+
+        cfg = lora_config(play_root(tmp_path)[0], name, algorithm=name, rounds=5)
+    else:
+        cfg = {
+            "name": name,
+            "seed": 1,
+            "rounds": 5,
+            "workers": 0,
+            "clients_per_round": 3,
+            "algorithm": name,
+            "data": {"dataset": "synthetic", "num_clients": 6, "limit": 600},
+            "local": {"batch_size": 32, "lr": 0.05},
+        }
+    history = fedsim.run({**cfg, "system": {"dropout": 0.8}}, out=tmp_path / "run", quiet=True)
+    rows = history.rows
+    empty = [i for i, row in enumerate(rows) if row["dropped_clients"] == row["clients"]]
+    assert any(i > 0 for i in empty), [(r["clients"], r["dropped_clients"]) for r in rows]
+    for i in empty:
+        if i > 0:
+            assert rows[i]["test_loss"] == rows[i - 1]["test_loss"], (name, i)

@@ -353,3 +353,53 @@ def test_an_attack_named_by_import_path_runs(small_config, tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
     assert max(history.attackers) > 0 and history.test_accuracy[-1] > 0.3
+
+
+@pytest.mark.slow
+def test_byzantine_clients_outside_the_federation_send_in_every_round(small_config, tmp_path):
+    """attack.count: f Byzantine clients hold no data, are no client of clients.csv, and send beside
+    the sampled clients in every round; the rules' f is theirs; the same numbers whatever workers."""
+    changes = dict(aggregator="trimmed_mean", pre_aggregators=["nnm"], attack={"type": "ipm", "count": 2})
+    inline = attack_run(small_config, tmp_path, "inline", 0, **changes)
+    pooled = attack_run(small_config, tmp_path, "pooled", 2, **changes)
+    assert inline.test_loss == pooled.test_loss
+    assert inline.attackers == [2, 2, 2]
+    assert {r["attacker"] for r in inline.client_records} == {0}
+    assert {r["client"] for r in inline.client_records} <= set(range(8))
+    # f = 2 of the k + f = 6 rows: the trimmed mean drops two at each end, which an explicit f = 1 does not
+    explicit = attack_run(
+        small_config, tmp_path, "f1", 0, **{**changes, "aggregator_options": {"f": 1}, "pre_aggregators": []}
+    )
+    assert explicit.test_loss != inline.test_loss
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"attack": {"type": "sign_flip", "count": 1}}, "attack sign_flip rewrites an attacker's own update"),
+        ({"attack": {"type": "label_flip", "count": 1}}, "attack label_flip rewrites an attacker's own update"),
+        ({"attack": {"type": "ipm", "count": 1}, "algorithm": "scaffold"}, "algorithm scaffold updates the model"),
+        ({"attack": {"type": "ipm", "count": 1}, "compression": {"type": "topk"}}, "compression.type: a compressed"),
+        ({"attack": {"type": "ipm", "count": 1, "fraction": 0.2}}, "attack.count: set fraction"),
+    ],
+)
+def test_what_byzantine_clients_without_data_cannot_do_is_refused_in_one_line(changes, message):
+    with pytest.raises(fedsim.core.errors.ConfigError) as refused:
+        fedsim.load_config({"data": {"dataset": "synthetic"}, **changes})
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_half_or_more_byzantine_clients_are_warned_before_the_run():
+    from fedsim.experiment.validation import unused_settings
+
+    def warnings(attack):
+        return unused_settings(fedsim.load_config({"data": {"num_clients": 10}, "attack": attack}))
+
+    assert warnings({"type": "ipm", "fraction": 0.4}) == []
+    assert warnings({"type": "ipm", "fraction": 0.6}) == [
+        "attack.fraction is 0.6: 6 of the 10 clients are Byzantine, half or more, which no aggregation rule withstands"
+    ]
+    assert warnings({"type": "ipm", "count": 10}) == [
+        "attack.count is 10: 10 of the 20 clients of every round are Byzantine, half or more, which no aggregation "
+        "rule withstands"
+    ]

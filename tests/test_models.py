@@ -1,5 +1,7 @@
+import pytest
 import torch
 import torch.nn.functional as F
+from support import installed
 
 from fedsim.core.flat import FlatModel
 from fedsim.models.zoo import MODELS, build_model
@@ -82,3 +84,15 @@ def test_pfl_cnn_is_pfl_researchs_simple_cnn_layer_for_layer():
         "fc2.bias": (10,),
     }
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+@pytest.mark.skipif(not installed("byzfl"), reason="byzfl is not installed")
+def test_byzfl_cnn_is_byzfls_cnn_mnist_layer_for_layer():
+    from byzfl.fed_framework.models import cnn_mnist
+
+    ours, theirs = build_model("byzfl_cnn", (1, 28, 28), 10), cnn_mnist()
+    assert [tuple(p.shape) for p in ours.parameters()] == [tuple(p.shape) for p in theirs.parameters()]
+    assert count(ours) == 431_080
+    ours.load_state_dict(dict(zip(ours.state_dict(), theirs.state_dict().values())))
+    x = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ours(x), theirs(x))

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 import torch
+from support import installed
 
 from fedsim.core import streams
 from fedsim.core.errors import ConfigError
@@ -38,6 +39,7 @@ COVERING = [
     ("label_k", {"classes_per_client": 3}),
     ("quantity", {"quantity_skew": "lognormal", "sigma": 1.5}),
     ("quantity", {"quantity_skew": "dirichlet", "alpha": 0.3}),
+    ("gamma_similarity", {"gamma": 0.33}),
 ]
 
 
@@ -191,6 +193,8 @@ def test_quantity_skews_sizes_but_keeps_labels_iid():
         ("quantity", {"quantity_skew": "zipf"}, "quantity_skew"),
         ("quantity", {"sigma": -0.5}, "sigma"),
         ("quantity", {"quantity_skew": "dirichlet", "alpha": 0.0}, "alpha"),
+        ("gamma_similarity", {"gamma": 1.5}, "gamma"),
+        ("gamma_similarity", {"gamma": "half"}, "gamma"),
     ],
 )
 def test_invalid_options_are_refused_in_one_line_naming_the_key(method, options, key):
@@ -260,3 +264,37 @@ def test_iid_is_a_seeded_equal_split_covering_everything():
 def test_contiguous_gives_the_remainder_to_the_last_client():
     parts = partition(np.zeros(10), "contiguous", 3, seed=0)
     assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.33, 0.66, 1.0])
+def test_gamma_similarity_splits_a_gamma_share_at_random_and_the_rest_by_label(gamma):
+    n, clients = len(EVEN), 10
+    parts = partition(EVEN, "gamma_similarity", clients, seed=2, gamma=gamma)
+    assert all(len(p) == n // clients for p in parts)  # 600 classes of 600 samples: every part even
+    counts = class_counts(parts, EVEN)
+    # the sorted part, (1 - gamma) n / clients samples, spans at most two neighbouring classes, so
+    # the larger holds half of it at least; the random part, gamma n / clients, is spread over all ten
+    assert counts.max(axis=1).min() >= (1 - gamma) * n / clients / 2
+    if gamma == 0:  # each client one class, in label order
+        assert (counts.argmax(axis=1) == np.arange(clients)).all() and ((counts > 0).sum(axis=1) == 1).all()
+    if gamma == 1:  # iid: every client holds every class near its share of 60
+        assert (counts > 30).all()
+
+
+def test_gamma_similarity_holds_more_classes_as_gamma_grows():
+    held = [
+        (class_counts(partition(UNEVEN, "gamma_similarity", 20, seed=0, gamma=g), UNEVEN) > 0).sum(axis=1).mean()
+        for g in (0.0, 0.1, 0.33, 1.0)
+    ]
+    assert held == sorted(held) and held[0] <= 2 and held[-1] == 10
+
+
+@pytest.mark.skipif(not installed("byzfl"), reason="byzfl is not installed")
+def test_gamma_zero_is_byzfls_extreme_split():
+    from byzfl.fed_framework.data_distributor import DataDistributor
+
+    byzfl = object.__new__(DataDistributor)  # its split alone, without the DataLoader it is built on
+    byzfl.nb_honest = 10
+    expected = byzfl.extreme_niid_idx(UNEVEN, np.arange(len(UNEVEN)))
+    parts = partition(UNEVEN, "gamma_similarity", 10, seed=0, gamma=0.0)
+    assert all(np.array_equal(np.sort(np.asarray(e)), p.numpy()) for e, p in zip(expected, parts))
