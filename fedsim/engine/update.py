@@ -181,7 +181,8 @@ class AggregateUpdates:
         own, and the server's own rule): the rows of the attackers among the round's clients
         (``attacking``) are rewritten in place; the finite updates of the ``attack.count`` Byzantine
         clients outside the federation are returned, with the sample count each claims (the mean of
-        the honest ones'): ``updates`` ``[f, P]`` and ``weights`` ``[f]``, empty without them."""
+        the honest ones'): ``updates`` ``[f, P]`` and ``weights`` ``[f]``, empty without them. Those
+        hold no data: their own honest update, for an attack that rewrites it, is the honest mean."""
         k, outsiders = len(updates), self.cfg.attack.count if self.cfg.attack.type != "none" else 0
         weights = self.buffers.stats[:k, 0]
         none = SimpleNamespace(updates=updates[:0], weights=weights[:0])
@@ -190,8 +191,10 @@ class AggregateUpdates:
         finite = torch.isfinite(updates).all(dim=1)
         stack, mask = updates, attacking
         if outsiders:  # rows of their own after the clients' (no client of the federation is an attacker)
+            # holding no data, what they would send honestly is the honest clients' mean (as in ByzFL)
+            honest_mean = updates[finite].mean(dim=0) if finite.any() else updates.new_zeros(updates.shape[1])
             claimed = weights[finite].mean() if finite.any() else weights.new_zeros(())
-            stack = torch.cat([updates, updates.new_zeros(outsiders, updates.shape[1])])
+            stack = torch.cat([updates, honest_mean.expand(outsiders, -1)])
             mask = torch.cat([attacking, attacking.new_ones(outsiders)])
             weights, finite = torch.cat([weights, claimed.expand(outsiders)]), torch.cat([finite, mask[k:]])
         self._warn_breakdown(rnd, int(mask.sum()), len(mask))

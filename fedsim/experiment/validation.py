@@ -19,7 +19,7 @@ from ..core.registry import is_import_path
 from ..core.sections import sections, unused
 from ..core.yamlfile import experiment_file, read_yaml
 from ..fl.aggregation import AGGREGATORS
-from ..fl.attacks import attack_class
+from ..fl.attacks import make_attack
 from ..fl.compression import feeds_back
 from ..fl.privacy import RULES, Privacy
 from ..fl.system import System
@@ -211,17 +211,17 @@ def _attack_warning(cfg: Config) -> str | None:
 
 def check_attack(cfg: Config) -> None:
     """The Byzantine clients of ``attack.count``, outside the federation, hold no data and have no
-    client id: refuse what needs either."""
+    client id: refuse what needs either (an attack that rewrites their own update gets the honest
+    mean instead, as ByzFL's Byzantine clients do)."""
     if cfg.attack.type == "none" or cfg.attack.count is None:
         return
     checks = Checks()
     name = components.describe(cfg.attack.type)
-    if attack_class(cfg.attack.type).uses_own_update:
+    if make_attack(cfg.attack).relabels:
         checks.fail(
             "attack.count",
-            f"attack {name} rewrites an attacker's own update or data, and the Byzantine clients of attack.count "
-            f"hold none; use attack.fraction (attackers among the clients), or an attack of the round such as ipm "
-            f"(epsilon 1 sends minus the honest mean)",
+            f"attack {name} changes the labels an attacker trains on, and the Byzantine clients of attack.count "
+            f"hold no data; use attack.fraction (attackers among the clients)",
         )
     algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
     # fmt: off

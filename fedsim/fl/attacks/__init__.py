@@ -107,7 +107,8 @@ class RoundView:
 
     @property
     def own(self) -> torch.Tensor:
-        """The attackers' own honest updates ``[a, P]``."""
+        """The attackers' own honest updates ``[a, P]`` (for the Byzantine clients of attack.count,
+        which hold no data, the honest clients' mean)."""
         return self.updates[self.attackers]
 
     @functools.cached_property
@@ -124,10 +125,6 @@ class RoundView:
 
 class Attack:
     """Every client is honest: nothing is rewritten and nothing relabelled."""
-
-    # whether it rewrites the attacker's own honest update (or relabels its data), which the
-    # Byzantine clients of attack.count, holding no data, do not have
-    uses_own_update = False
 
     def rewrite(self, view: RoundView) -> torch.Tensor | None:
         """What the attackers send instead of their honest updates, ``[a, P]`` (one row each, in the

@@ -10,9 +10,8 @@ from . import ATTACKS, Attack, RoundView
 @ATTACKS.register("sign_flip", "send -scale x the attacker's own honest update")
 class SignFlip(Attack):
     """Each attacker sends ``-scale`` times its own update. ByzFL's ``SignFlipping`` sends minus
-    the mean of the honest updates instead: that is ``ipm`` with ``epsilon: 1``."""
-
-    uses_own_update = True
+    the mean of the honest updates: that is this attack by the Byzantine clients of
+    ``attack.count``, whose own update is that mean, or ``ipm`` with ``epsilon: 1``."""
 
     def __init__(self, scale: float = 1.0):
         self.scale = scale
@@ -23,8 +22,6 @@ class SignFlip(Attack):
 
 @ATTACKS.register("scale", "send scale x the attacker's own honest update")
 class Scale(Attack):
-    uses_own_update = True
-
     def __init__(self, scale: float = 1.0):
         self.scale = scale
 
@@ -34,8 +31,6 @@ class Scale(Attack):
 
 @ATTACKS.register("gaussian", "send Gaussian noise with the attacker's own update's standard deviation")
 class Gaussian(Attack):
-    uses_own_update = True
-
     def rewrite(self, view: RoundView) -> torch.Tensor:
         own = view.own
         noise = torch.randn(own.shape, generator=view.generator, device="cpu").to(own.device)
@@ -44,7 +39,5 @@ class Gaussian(Attack):
 
 @ATTACKS.register("label_flip", "train on flipped labels (class c becomes C-1-c)")
 class LabelFlip(Attack):
-    uses_own_update = True
-
     def relabel(self, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
         return num_classes - 1 - labels

@@ -1,0 +1,240 @@
+"""ByzFL's benchmark and fedsim's on the same cells: wall times and accuracy tables side by side.
+
+    python benchmarks/bench_byzfl.py                        # 100 steps; gamma 1, 0.33, 0; f 1, 4; TM; 3 attacks
+    python benchmarks/bench_byzfl.py --only fedsim --steps 800 --gammas 1,0.66,0.33,0 --f 1,2,3,4 \\
+        --rules trimmed_mean,geometric_median --seeds 0,1,2   # ByzFL's whole default grid, fedsim alone
+
+ByzFL's side is its own ``run_benchmark`` (byzfl 0.0.11, ``byzfl/benchmark/benchmark.py``) on a
+``config.json`` of the cells, in a temporary folder, reading MNIST from the data root
+(``--data-root``, else ``$FEDSIM_DATA``), with ``--byzfl-jobs`` cells at a time. fedsim's side is
+one ``fedsim sweep experiments/robustness/byzfl.yaml`` per rule over the same cells. Each side
+runs in its own process and is timed from launch to exit. Both train on all 60,000 training
+images (ByzFL's ``size_train_set: 1.0``: its default keeps 20 % apart to choose learning rates
+on) and evaluate on the test set every ``--eval-every`` steps.
+
+A cell's accuracy is ByzFL's heatmap figure (``evaluate_results.test_heatmap``): the test
+accuracy curves averaged over the seeds, their best evaluation, the worst over the attacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import harness
+
+REPO = harness.REPO
+EXPERIMENT = REPO / "experiments" / "robustness" / "byzfl.yaml"
+# fedsim's name -> (ByzFL's aggregator entry, the fedsim settings that make the rule ByzFL's)
+RULES = {
+    "trimmed_mean": ({"name": "TrMean", "parameters": {}}, []),
+    "geometric_median": (
+        {"name": "GeometricMedian", "parameters": {"nu": 0.1, "T": 3}},
+        # ByzFL's nu bounds distances between momenta; fedsim's updates are lr = 0.1 times them
+        [
+            "aggregator_options.eps=0.01",
+            "aggregator_options.max_iter=3",
+            "aggregator_options.tol=0",
+            "aggregator_options.init=zero",
+        ],
+    ),
+}
+ATTACKS = {
+    "sign_flip": "SignFlipping",
+    "optimal_ipm": "Optimal_InnerProductManipulation",
+    "optimal_alie": "Optimal_ALittleIsEnough",
+}
+COLUMNS = [
+    ("tool", "tool", ""),
+    ("rule", "rule", ""),
+    ("gamma", "gamma", ".2f"),
+    ("f", "f", "d"),
+    ("acc", "accuracy", ".4f"),
+    ("worst attack", "worst_attack", ""),
+]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=100, help="training steps (rounds) per cell (ByzFL's: 800)")
+    parser.add_argument("--eval-every", type=int, default=50, help="steps between evaluations (ByzFL's: 50)")
+    parser.add_argument("--gammas", default="1,0.33,0", help="gamma similarities, comma-separated")
+    parser.add_argument("--f", default="1,4", help="numbers of Byzantine clients, comma-separated")
+    parser.add_argument("--rules", default="trimmed_mean", help=f"comma-separated, of: {', '.join(RULES)}")
+    parser.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, of: {', '.join(ATTACKS)}")
+    parser.add_argument("--seeds", default="0", help="training seeds, comma-separated and consecutive")
+    parser.add_argument("--only", choices=["both", "fedsim", "byzfl"], default="both")
+    parser.add_argument("--byzfl-jobs", type=int, default=2, help="cells ByzFL trains at once (its nb_jobs)")
+    parser.add_argument("--workers", type=int, default=2, help="fedsim's worker processes")
+    parser.add_argument("--data-root", default=None, help="the folder holding MNIST/raw (default $FEDSIM_DATA)")
+    parser.add_argument("--output", default=None, help="the results JSON (default benchmarks/results/...)")
+    return parser.parse_args(argv)
+
+
+def cells(args) -> dict:
+    return {
+        "gammas": [float(g) for g in args.gammas.split(",")],
+        "f": [int(f) for f in args.f.split(",")],
+        "rules": args.rules.split(","),
+        "attacks": args.attacks.split(","),
+        "seeds": [int(s) for s in args.seeds.split(",")],
+    }
+
+
+def heatmap(curves: dict) -> list[dict]:
+    """ByzFL's cell figure from ``{(rule, gamma, f, attack): [curve per seed]}``."""
+    worst: dict = {}
+    for (rule, gamma, f, attack), per_seed in curves.items():
+        length = min(len(c) for c in per_seed)
+        mean = [sum(c[i] for c in per_seed) / len(per_seed) for i in range(length)]
+        best = max(mean)
+        key = (rule, gamma, f)
+        if key not in worst or best < worst[key][0]:
+            worst[key] = (best, attack)
+    return [
+        {"rule": rule, "gamma": gamma, "f": f, "accuracy": acc, "worst_attack": attack}
+        for (rule, gamma, f), (acc, attack) in sorted(worst.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2]))
+    ]
+
+
+def timed(command: list[str], cwd: Path, env: dict) -> float:
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:4])} ... failed: {(done.stderr or done.stdout).strip()[-800:]}")
+    return seconds
+
+
+# ----------------------------------------------------------------------------- ByzFL
+
+
+def byzfl_config(grid: dict, args, data_root: str, results: Path) -> dict:
+    return {
+        "benchmark_config": {
+            "training_algorithm": {"name": "DSGD", "parameters": {}},
+            "nb_steps": args.steps,
+            "device": "cpu",
+            "training_seed": grid["seeds"][0],
+            "nb_training_seeds": len(grid["seeds"]),
+            "nb_honest_clients": 10,
+            "f": grid["f"],
+            "data_distribution_seed": 0,
+            "nb_data_distribution_seeds": 1,
+            "data_distribution": [{"name": "gamma_similarity_niid", "distribution_parameter": grid["gammas"]}],
+            "size_train_set": 1.0,
+        },
+        "model": {
+            "name": "cnn_mnist",
+            "dataset_name": "mnist",
+            "nb_labels": 10,
+            "loss": "NLLLoss",
+            "learning_rate": 0.1,
+            "learning_rate_decay": 1.0,
+            "milestones": [],
+        },
+        "aggregator": [RULES[rule][0] for rule in grid["rules"]],
+        "pre_aggregators": [{"name": "Clipping", "parameters": {}}, {"name": "NNM", "parameters": {}}],
+        "honest_clients": {"momentum": 0.9, "weight_decay": 0.0001, "batch_size": 25},
+        "attack": [{"name": ATTACKS[a], "parameters": {}} for a in grid["attacks"]],
+        "evaluation_and_results": {
+            "evaluation_delta": args.eval_every,
+            "batch_size_evaluation": 128,
+            "evaluate_on_test": True,
+            "store_per_client_metrics": False,
+            "store_models": False,
+            "data_folder": data_root,
+            "results_directory": str(results),
+        },
+    }
+
+
+def run_byzfl(grid: dict, args, data_root: str, folder: Path) -> dict:
+    results = folder / "results"
+    (folder / "config.json").write_text(json.dumps(byzfl_config(grid, args, data_root, results), indent=2))
+    code = f"from byzfl.benchmark import run_benchmark; run_benchmark({args.byzfl_jobs})"
+    seconds = timed([sys.executable, "-c", code], folder, dict(os.environ))
+    rule_of = {spec["name"]: rule for rule, (spec, _) in RULES.items()}
+    attack_of = {name: attack for attack, name in ATTACKS.items()}
+    curves: dict = {}
+    for cell in sorted(p for p in results.iterdir() if (p / "config.json").is_file()):
+        config = json.loads((cell / "config.json").read_text())
+        bench = config["benchmark_config"]
+        key = (
+            rule_of[config["aggregator"]["name"]],
+            float(bench["data_distribution"]["distribution_parameter"]),
+            int(bench["f"]),
+            attack_of[config["attack"]["name"]],
+        )
+        for seed in grid["seeds"]:
+            text = (cell / f"test_accuracy_tr_seed_{seed}_dd_seed_0.txt").read_text()
+            curves.setdefault(key, []).append([float(x) for x in text.strip().split(",")])
+    return {"wall_seconds": seconds, "cells": heatmap(curves)}
+
+
+# ----------------------------------------------------------------------------- fedsim
+
+
+def run_fedsim(grid: dict, args, data_root: str, folder: Path) -> dict:
+    env = {**os.environ, "FEDSIM_DATA": data_root}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    seconds = 0.0
+    for rule in grid["rules"]:
+        command = [sys.executable, "-m", "fedsim", "sweep", str(EXPERIMENT), "--quiet", "--out", str(folder / rule)]
+        settings = [f"aggregator={rule}", f"rounds={args.steps}", f"eval_every={args.eval_every}"]
+        settings += [f"workers={args.workers}", *RULES[rule][1]]
+        for setting in settings:
+            command += ["--set", setting]
+        command += ["--grid", f"attack.type={','.join(grid['attacks'])}"]
+        command += ["--grid", f"attack.count={','.join(map(str, grid['f']))}"]
+        command += ["--grid", f"data.gamma={','.join(map(str, grid['gammas']))}"]
+        command += ["--seeds", ",".join(map(str, grid["seeds"]))]
+        seconds += timed(command, REPO, env)
+    from fedsim.results.history import load_runs
+
+    curves: dict = {}
+    for rule in grid["rules"]:
+        for history in load_runs(folder / rule / "*"):
+            cfg = history.config
+            key = (rule, float(cfg["data"]["gamma"]), int(cfg["attack"]["count"]), cfg["attack"]["type"])
+            curves.setdefault(key, []).append([a for a in history.test_accuracy])
+    return {"wall_seconds": seconds, "cells": heatmap(curves)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    grid = cells(args)
+    data_root = args.data_root or os.environ.get("FEDSIM_DATA")
+    if not data_root or not (Path(data_root) / "MNIST" / "raw").is_dir():
+        print("bench_byzfl: --data-root (or FEDSIM_DATA) must name a folder holding MNIST/raw", file=sys.stderr)
+        return 2
+    machine = harness.machine_info()
+    sides = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for tool, run in (("fedsim", run_fedsim), ("byzfl", run_byzfl)):
+            if args.only in ("both", tool):
+                folder = Path(tmp) / tool
+                folder.mkdir()
+                sides[tool] = run(grid, args, str(Path(data_root).resolve()), folder)
+    rows = [{"tool": tool, **cell} for tool, side in sides.items() for cell in side["cells"]]
+    count = len(grid["gammas"]) * len(grid["f"]) * len(grid["rules"]) * len(grid["attacks"]) * len(grid["seeds"])
+    print(f"\n{count} runs of {args.steps} steps each (cells x attacks x seeds)")
+    print(harness.format_table(COLUMNS, rows))
+    print()
+    for tool, side in sides.items():
+        print(f"{tool}: {side['wall_seconds']:.1f} s")
+    if len(sides) == 2:
+        print(f"byzfl / fedsim: {sides['byzfl']['wall_seconds'] / sides['fedsim']['wall_seconds']:.2f}x")
+    path = harness.write_results("bench_byzfl", args, machine, "cpu", [], {"sides": sides, "grid": grid})
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
