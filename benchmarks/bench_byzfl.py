@@ -203,7 +203,7 @@ def run_fedsim(grid: dict, args, data_root: str, folder: Path) -> dict:
         for history in load_runs(folder / rule / "*"):
             cfg = history.config
             key = (rule, float(cfg["data"]["gamma"]), int(cfg["attack"]["count"]), cfg["attack"]["type"])
-            curves.setdefault(key, []).append([a for a in history.test_accuracy])
+            curves.setdefault(key, []).append(list(history.test_accuracy))
     return {"wall_seconds": seconds, "cells": heatmap(curves)}
 
 
