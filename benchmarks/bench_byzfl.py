@@ -163,6 +163,7 @@ def run_byzfl(grid: dict, args, data_root: str, folder: Path) -> dict:
     rule_of = {spec["name"]: rule for rule, (spec, _) in RULES.items()}
     attack_of = {name: attack for attack, name in ATTACKS.items()}
     curves: dict = {}
+    runs = []  # each run's own time: ByzFL's train_time, its loop from the first step to the last evaluation
     for cell in sorted(p for p in results.iterdir() if (p / "config.json").is_file()):
         config = json.loads((cell / "config.json").read_text())
         bench = config["benchmark_config"]
@@ -175,7 +176,10 @@ def run_byzfl(grid: dict, args, data_root: str, folder: Path) -> dict:
         for seed in grid["seeds"]:
             text = (cell / f"test_accuracy_tr_seed_{seed}_dd_seed_0.txt").read_text()
             curves.setdefault(key, []).append([float(x) for x in text.strip().split(",")])
-    return {"wall_seconds": seconds, "cells": heatmap(curves)}
+            trained = float((cell / f"train_time_tr_seed_{seed}_dd_seed_0.txt").read_text())
+            curve = curves[key][-1]
+            runs.append(dict(zip(("rule", "gamma", "f", "attack"), key), seed=seed, seconds=trained, accuracy=curve))
+    return {"wall_seconds": seconds, "cells": heatmap(curves), "runs": runs}
 
 
 # ----------------------------------------------------------------------------- fedsim
@@ -199,12 +203,18 @@ def run_fedsim(grid: dict, args, data_root: str, folder: Path) -> dict:
     from fedsim.results.history import load_runs
 
     curves: dict = {}
+    runs = []  # each run's own time, from its first round to its end (summary.json, less its start-up)
     for rule in grid["rules"]:
         for history in load_runs(folder / rule / "*"):
             cfg = history.config
             key = (rule, float(cfg["data"]["gamma"]), int(cfg["attack"]["count"]), cfg["attack"]["type"])
             curves.setdefault(key, []).append(list(history.test_accuracy))
-    return {"wall_seconds": seconds, "cells": heatmap(curves)}
+            trained = history.summary["wall_seconds"] - history.summary["startup_seconds"]
+            curve = list(history.test_accuracy)
+            runs.append(
+                dict(zip(("rule", "gamma", "f", "attack"), key), seed=cfg["seed"], seconds=trained, accuracy=curve)
+            )
+    return {"wall_seconds": seconds, "cells": heatmap(curves), "runs": runs}
 
 
 def main(argv=None) -> int:
@@ -227,8 +237,22 @@ def main(argv=None) -> int:
     print(f"\n{count} runs of {args.steps} steps each (cells x attacks x seeds)")
     print(harness.format_table(COLUMNS, rows))
     print()
+    per_attack = [
+        {"tool": tool, "attack": attack, "seconds": sum(times) / len(times), "runs": len(times)}
+        for tool, side in sides.items()
+        for attack in grid["attacks"]
+        if (times := [r["seconds"] for r in side["runs"] if r["attack"] == attack])
+    ]
+    print("\nmean seconds per run, training and evaluation (no start-up)")
+    print(
+        harness.format_table(
+            [("tool", "tool", ""), ("attack", "attack", ""), ("runs", "runs", "d"), ("s/run", "seconds", ".1f")],
+            per_attack,
+        )
+    )
+    print()
     for tool, side in sides.items():
-        print(f"{tool}: {side['wall_seconds']:.1f} s")
+        print(f"{tool}: {side['wall_seconds']:.1f} s from launch to exit")
     if len(sides) == 2:
         print(f"byzfl / fedsim: {sides['byzfl']['wall_seconds'] / sides['fedsim']['wall_seconds']:.2f}x")
     path = harness.write_results("bench_byzfl", args, machine, "cpu", [], {"sides": sides, "grid": grid})

@@ -18,7 +18,18 @@ from fedsim.fl.aggregation.preaggregation import pre_aggregated, pre_aggregator
 
 needs_byzfl = pytest.mark.skipif(not installed("byzfl"), reason="byzfl is not installed")
 
-RULES = ["fedavg", "mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan", "geometric_median", "norm_clip"]
+RULES = [
+    "fedavg",
+    "mean",
+    "median",
+    "trimmed_mean",
+    "krum",
+    "multi_krum",
+    "bulyan",
+    "geometric_median",
+    "norm_clip",
+    "dnc",
+]
 U32 = 2.0**-24  # float32 unit roundoff
 
 
@@ -830,3 +841,30 @@ def test_rows_are_sorted_as_torch_sorts_them(k):
     values = torch.randint(-3, 4, (k, 500), generator=g).float()  # many ties
     values[0, :10] = -0.0
     assert torch.equal(aggregation.sorted_rows(values), values.sort(dim=0).values)
+
+
+def ref_dnc(u, f, iterations, b, c, seed):
+    """Shejwalkar & Houmansadr's Algorithm 2 with an SVD of each subsample, the same draws."""
+    g = torch.Generator().manual_seed(seed)
+    k, p = u.shape
+    good = set(range(k))
+    for _ in range(iterations):
+        sub = u[:, torch.randperm(p, generator=g)[:b]].double()
+        centred = sub - sub.mean(0)
+        top = torch.linalg.svd(centred, full_matrices=False).Vh[0]
+        scores = (centred @ top) ** 2
+        kept = set(sorted(range(k), key=lambda i: (float(scores[i]), i))[: k - round(c * f)])
+        good = good & kept if good & kept else kept
+    return sorted(good), u[sorted(good)].double().mean(0)
+
+
+@pytest.mark.parametrize("iterations, b", [(1, 50), (5, 50), (3, 10_000)])
+def test_dnc_keeps_the_updates_no_iteration_finds_far_along_the_top_singular_vector(iterations, b):
+    g = torch.Generator().manual_seed(4)
+    u = torch.randn(12, 300, generator=g)
+    u[[3, 7, 10]] += 6.0 * torch.randn(300, generator=g)  # three updates pulled one way
+    kept, expected = ref_dnc(u, 3, iterations, b, 1.0, seed=11)
+    assert not {3, 7, 10} & set(kept)
+    rule = aggregation.get("dnc", f=3, iterations=iterations, coordinates=b)
+    got = rule(u, torch.ones(12), generator=torch.Generator().manual_seed(11))
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)

@@ -179,6 +179,12 @@ def test_fedsim_models_is_a_package_and_the_short_names_stay():
     from fedsim import aggregation, attacks
 
     assert aggregation.__name__ == "fedsim.fl.aggregation" and attacks.__name__ == "fedsim.fl.attacks"
+    # and importable under those names, as the same modules
+    import fedsim.attacks
+    from fedsim.aggregation import get
+    from fedsim.callbacks import TensorBoard
+
+    assert get is aggregation.get and fedsim.attacks is attacks and TensorBoard is fedsim.runs.callbacks.TensorBoard
 
 
 def test_the_keys_grouped_by_what_they_mean_for_a_run_are_declared_keys():

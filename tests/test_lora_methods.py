@@ -60,7 +60,9 @@ def named(model: FlatModel, weights: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def config_of(**changes) -> SimpleNamespace:
     lora = LoraConfig(rank=3, alpha=6.0, client_ranks=changes.pop("client_ranks", [1, 2, 3, 2]))
-    defaults = dict(lora=lora, data=SimpleNamespace(num_clients=4), seed=5, aggregator=None, privacy=None)
+    defaults = dict(
+        lora=lora, data=SimpleNamespace(num_clients=4), seed=5, aggregator=None, pre_aggregators=[], privacy=None
+    )
     return SimpleNamespace(**{**defaults, "server_optimizer": "none", **changes})
 
 
@@ -316,6 +318,7 @@ def test_flora_merges_the_stacked_adapters_into_the_base_exactly_and_keeps_b_at_
     [
         ({"lora": {"share_base": False}}, "lora.share_base: false gives each worker a base of its own"),
         ({"aggregator": "median"}, "aggregator: median is not applied"),
+        ({"pre_aggregators": ["nnm"]}, "pre_aggregators: they are not applied"),
         ({"server_optimizer": "fedadam"}, "server_optimizer: fedadam is not applied"),
     ],
 )

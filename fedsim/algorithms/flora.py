@@ -46,6 +46,7 @@ class FLoRA(Algorithm):
         refused = [
             (not config.lora.share_base, "lora.share_base: false gives each worker a base of its own"),
             (config.aggregator not in (None, "fedavg"), f"aggregator: {config.aggregator} is not applied"),
+            (bool(config.pre_aggregators), "pre_aggregators: they are not applied"),
             (config.privacy is not None, "privacy: DP-FedAvg's clipping and noise are not applied"),
             (config.server_optimizer != "none", f"server_optimizer: {config.server_optimizer} is not applied"),
             # each rank builds its own base, which only the first rank's server would merge into

@@ -183,7 +183,7 @@ class AggregateUpdates:
         clients outside the federation are returned, with the sample count each claims (the mean of
         the honest ones'): ``updates`` ``[f, P]`` and ``weights`` ``[f]``, empty without them. Those
         hold no data: their own honest update, for an attack that rewrites it, is the honest mean."""
-        k, outsiders = len(updates), self.cfg.attack.count if self.cfg.attack.type != "none" else 0
+        k, outsiders = len(updates), (self.cfg.attack.count or 0) if self.cfg.attack.type != "none" else 0
         weights = self.buffers.stats[:k, 0]
         none = SimpleNamespace(updates=updates[:0], weights=weights[:0])
         if not outsiders and not attacking.any():

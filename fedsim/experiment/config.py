@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from ..algorithms import ALGORITHMS
 from ..algorithms.local import LocalConfig
 from ..core.checks import Checks
 from ..core.errors import cut, shown
@@ -160,7 +161,7 @@ class Config:
     )
     algorithm: Any = option(
         "fedavg",
-        "`fedavg`, `fedprox`, `scaffold`, `fednova`, `feddyn`, `ditto`, `fedper`, `fedrep`, or an import path (see "
+        f"{', '.join(f'`{name}`' for name in ALGORITHMS.names())}, or an import path (see "
         "[Client algorithms](algorithms.md#client-algorithms))",
     )
     algorithm_options: dict = option(

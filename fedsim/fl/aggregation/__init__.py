@@ -2,7 +2,8 @@
 
 A rule takes ``updates``, a ``[k, P]`` float tensor (one row per client: its weights minus
 the global weights), and ``weights``, the ``k`` client sample counts (integer or float), and
-returns the aggregated ``[P]`` update on the same device. Rules are whole-tensor operations:
+returns the aggregated ``[P]`` update on the same device; a rule that draws at random (``dnc``)
+also takes a ``generator`` keyword, the round's own stream. Rules are whole-tensor operations:
 no Python loop over parameters (the geometric median loops over its iterations).
 ``get(name, **options)`` builds a rule from the registry; options are checked when the rule is
 built, and the ones that depend on the number of clients ``k`` when it is called, so that
@@ -51,6 +52,15 @@ def get(name: str, **options: Any) -> Rule:
     factory = AGGREGATORS.get(name)
     refuse_unknown("aggregator_options", name, options, list(inspect.signature(factory).parameters))
     return factory(**options)
+
+
+def takes_generator(rule: Rule) -> bool:
+    """Whether ``rule`` draws at random: it takes a ``generator`` keyword, which the run fills with
+    the round's stream (see ``preaggregation.pre_aggregated``)."""
+    try:
+        return "generator" in inspect.signature(rule).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def tolerating(rule: Rule, tolerates: Callable[[int], int]) -> Rule:

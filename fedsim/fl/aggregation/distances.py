@@ -1,4 +1,5 @@
-"""Rules that compare whole updates by their distances: Krum, Multi-Krum, Bulyan and the geometric median."""
+"""Rules that compare whole updates by their distances: Krum, Multi-Krum, Bulyan, the geometric
+median and Divide-and-Conquer."""
 
 from __future__ import annotations
 
@@ -191,3 +192,48 @@ def geometric_median(eps: float = 1e-6, tol: float = 1e-5, max_iter: int = 100, 
         return z
 
     return tolerating(rule, lambda k: (k - 1) // 2)
+
+
+@AGGREGATORS.register(
+    "dnc",
+    "divide and conquer: the mean of the updates that are never among the c f farthest along the top singular "
+    "vector of b random coordinates, over iterations (Shejwalkar & Houmansadr 2021)",
+)
+def dnc(f: int | None = None, iterations: int = 5, coordinates: int = 10000, c: float = 1.0) -> Rule:
+    """Divide-and-Conquer (Shejwalkar & Houmansadr 2021, "Manipulating the Byzantine", Algorithm
+    2). Each of ``iterations`` draws ``coordinates`` (b) coordinates at random (all of them where P
+    is smaller), centres the updates' values there by their mean, and scores each update by the
+    square of its projection on their top right singular vector; the ``round(c f)`` updates of
+    highest score are left out. The result is the unweighted mean of the updates that no iteration
+    left out. Defaults as Blades and FLPoison ship it (5 iterations, b = 10,000, c = 1); ``f`` null:
+    the largest f with 2f < k. The projections come from the top eigenvector u of the centred
+    rows' k x k Gram matrix (in float64): the projection of row i is sigma u_i, so the scores rank
+    as u_i^2 and no [k, b] decomposition is needed. Equal scores go to the lower row, which is
+    kept; an iteration that would leave no update kept by all so far starts the set afresh.
+    Sample counts are ignored. The draws are the round's own stream (a ``generator``)."""
+    OPTIONS.count("f", f, 0, optional=True)
+    OPTIONS.count("iterations", iterations, 1)
+    OPTIONS.count("coordinates", coordinates, 1)
+    c = OPTIONS.non_negative("c", c)
+
+    def rule(updates, weights, generator=None):
+        k, p = updates.shape
+        assumed = (k - 1) // 2 if f is None else f
+        if assumed >= k:
+            fail(f"f = {assumed} is too large for k = {k} clients per round: dnc keeps k - c f, so f must be < {k}")
+        dropped = min(round(c * assumed), k - 1)
+        draws = generator or torch.Generator()
+        good = torch.ones(k, dtype=torch.bool, device=updates.device)
+        for _ in range(iterations):
+            chosen = torch.randperm(p, generator=draws)[:coordinates].to(updates.device)
+            rows = updates[:, chosen].to(torch.float64)
+            rows -= rows.mean(dim=0)
+            top = torch.linalg.eigh(rows @ rows.T).eigenvectors[:, -1]
+            order = (top**2).argsort(stable=True)  # ascending scores; equal ones keep the lower row first
+            this = torch.ones_like(good)
+            this[order[k - dropped :]] = False
+            good = good & this if (good & this).any() else this  # none left by all: this iteration's
+        kept = good.to(updates.dtype)
+        return combine(kept / kept.sum(), updates)
+
+    return tolerating(rule, lambda k: (k - 1) // 2 if f is None else f)

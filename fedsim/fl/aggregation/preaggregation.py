@@ -16,7 +16,16 @@ import torch
 
 from ...core.checks import Checks, refuse_unknown
 from ...core.errors import ConfigError
-from . import PRE_AGGREGATORS, PreAggregator, Rule, combine, row_norms, squared_distances, with_assumed_attackers
+from . import (
+    PRE_AGGREGATORS,
+    PreAggregator,
+    Rule,
+    combine,
+    row_norms,
+    squared_distances,
+    takes_generator,
+    with_assumed_attackers,
+)
 
 OPTIONS = Checks("pre_aggregators", options=True)
 
@@ -148,15 +157,17 @@ def pre_aggregator(spec: object, f: int | None = None) -> PreAggregator:
 
 def pre_aggregated(steps: list[PreAggregator], rule: Rule, generator: Callable[[], torch.Generator]) -> Rule:
     """The rule applied to what ``steps`` make of the stack, in order; each call draws from a fresh
-    ``generator()``, so that an algorithm that aggregates twice in a round, and an attack that
-    tries the server's aggregate, see the buckets the round's update sees."""
-    if not steps:
+    ``generator()`` (as do rules that take a ``generator`` keyword, such as ``dnc``), so that an
+    algorithm that aggregates twice in a round, and an attack that tries the server's aggregate,
+    see the draws the round's update sees."""
+    draws_too = takes_generator(rule)
+    if not steps and not draws_too:
         return rule
 
     def aggregate(updates, weights):
         draws = generator()
         for step in steps:
             updates, weights = step(updates, weights, draws)
-        return rule(updates, weights)
+        return rule(updates, weights, generator=draws) if draws_too else rule(updates, weights)
 
     return aggregate
