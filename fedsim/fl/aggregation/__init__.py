@@ -175,6 +175,17 @@ def middle(values: torch.Tensor) -> torch.Tensor:
     return ordered[(k - 1) // 2] / 2 + ordered[k // 2] / 2  # halves first: no overflow near the float limit
 
 
+def centred_gram(rows: torch.Tensor) -> torch.Tensor:
+    """``(X - mean) (X - mean)^T`` of the rows, in float64 (column blocks: no float64 copy of the
+    whole stack)."""
+    mean = rows.to(torch.float64).mean(dim=0)
+    gram = torch.zeros(len(rows), len(rows), dtype=torch.float64, device=rows.device)
+    for start, block in float64_blocks(rows):
+        block -= mean[start : start + block.shape[1]]
+        gram.addmm_(block, block.T)
+    return gram
+
+
 def squared_distances(updates: torch.Tensor) -> torch.Tensor:
     """``[k, k]`` squared Euclidean distances between the rows, via the Gram matrix.
 

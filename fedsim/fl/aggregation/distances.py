@@ -12,6 +12,7 @@ from . import (
     OPTIONS,
     Rule,
     assumed_attackers,
+    centred_gram,
     combine,
     fail,
     first_lowest,
@@ -226,9 +227,7 @@ def dnc(f: int | None = None, iterations: int = 5, coordinates: int = 10000, c: 
         good = torch.ones(k, dtype=torch.bool, device=updates.device)
         for _ in range(iterations):
             chosen = torch.randperm(p, generator=draws)[:coordinates].to(updates.device)
-            rows = updates[:, chosen].to(torch.float64)
-            rows -= rows.mean(dim=0)
-            top = torch.linalg.eigh(rows @ rows.T).eigenvectors[:, -1]
+            top = torch.linalg.eigh(centred_gram(updates[:, chosen])).eigenvectors[:, -1]
             order = (top**2).argsort(stable=True)  # ascending scores; equal ones keep the lower row first
             this = torch.ones_like(good)
             this[order[k - dropped :]] = False

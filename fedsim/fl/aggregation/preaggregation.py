@@ -139,10 +139,12 @@ def pre_aggregator(spec: object, f: int | None = None) -> PreAggregator:
     number of Byzantine clients, fills an ``f`` the options leave unset."""
     if isinstance(spec, str):
         name, options = spec, {}
-    elif isinstance(spec, dict) and len(spec) == 1 and isinstance(next(iter(spec.values())) or {}, dict):
-        name, options = next(iter(spec.items()))
-        options = dict(options or {})
+    elif isinstance(spec, dict) and len(spec) == 1:
+        ((name, options),) = spec.items()
+        options = {} if options is None else options  # `- nnm:` in YAML
     else:
+        name, options = None, None
+    if not isinstance(options, dict):
         raise ConfigError(
             f"pre_aggregators: each entry is a name or {{name: {{option: value}}}}, got {spec!r}; "
             f"choose from: {', '.join(PRE_AGGREGATORS.names())}"

@@ -23,7 +23,7 @@ from statistics import NormalDist
 import torch
 
 from ...core.checks import Checks
-from ..aggregation import float64_blocks, row_norms, squared_distances
+from ..aggregation import centred_gram, row_norms, squared_distances
 from . import ATTACKS, Attack, RoundView
 
 logger = logging.getLogger("fedsim")
@@ -72,11 +72,10 @@ class ALittleIsEnough(Attack):
         z = alie_z_max(n, f)
         if not self._warned and not 0 < z < math.inf:
             self._warned = True
+            what = "it moves towards the mean" if z <= 0 else "the attackers are a majority; they send the mean"
             logger.warning(
                 f"attack alie: z_max is {z:.3g} for n = {n} clients of which f = {f} are attackers "
-                f"(Phi^-1((n-f-s)/(n-f)), s = floor(n/2+1)-f); {'it moves towards the mean' if z <= 0 else ''}"
-                f"{'the attackers are a majority; they send the mean' if z == math.inf else ''}; "
-                f"set attack.options.z to choose it"
+                f"(Phi^-1((n-f-s)/(n-f)), s = floor(n/2+1)-f); {what}; set attack.options.z to choose it"
             )
         return z if math.isfinite(z) else 0.0
 
@@ -169,16 +168,6 @@ class MinSum(_MinMaxFamily):
         return bool(to_vector.sum() <= between.sum(dim=1).min())
 
 
-def _centred_gram(rows: torch.Tensor) -> torch.Tensor:
-    """``(X - mean) (X - mean)^T`` in float64, in column blocks."""
-    mean = rows.to(torch.float64).mean(dim=0)
-    gram = torch.zeros(len(rows), len(rows), dtype=torch.float64, device=rows.device)
-    for start, block in float64_blocks(rows):
-        block -= mean[start : start + block.shape[1]]
-        gram.addmm_(block, block.T)
-    return gram
-
-
 @ATTACKS.register("mimic", "copy the honest update farthest along their main direction (Karimireddy et al. 2022)")
 class Mimic(Attack):
     """Mimic (Karimireddy, He & Jaggi 2022): every attacker copies one honest client's update, so
@@ -198,7 +187,7 @@ class Mimic(Attack):
             return honest[0]
         # the projections of the centred rows on the top principal direction are lambda v_i, with
         # v the top eigenvector of their Gram matrix
-        top = torch.linalg.eigh(_centred_gram(honest)).eigenvectors[:, -1]
+        top = torch.linalg.eigh(centred_gram(honest)).eigenvectors[:, -1]
         return honest[int(top.abs().argmax())]
 
 
