@@ -29,6 +29,8 @@ RULES = [
     "geometric_median",
     "norm_clip",
     "dnc",
+    "centered_clipping",
+    "clipped_clustering",
 ]
 U32 = 2.0**-24  # float32 unit roundoff
 
@@ -868,3 +870,129 @@ def test_dnc_keeps_the_updates_no_iteration_finds_far_along_the_top_singular_vec
     rule = aggregation.get("dnc", f=3, iterations=iterations, coordinates=b)
     got = rule(u, torch.ones(12), generator=torch.Generator().manual_seed(11))
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- rules with a memory
+
+
+def run_rounds(rule, stacks):
+    """The rule over successive rounds, each reading the memory the last one left (as a run keeps it)."""
+    memory, out = aggregation.Memory(rule.start_memory(stacks[0][0])), []
+    for u in stacks:
+        out.append(rule(u, torch.ones(len(u)), memory=memory))
+        memory = aggregation.Memory(memory.new)
+    return out, memory
+
+
+def ref_centered_clipping(stacks, tau, iterations):
+    """Karimireddy et al. 2021 in float64: v_{l+1} = v_l + mean_i (x_i - v_l) min(1, tau / ||x_i - v_l||),
+    each round from the last round's result."""
+    v, out = np.zeros(stacks[0].shape[1]), []
+    for u in stacks:
+        x = u.double().numpy()
+        for _ in range(iterations):
+            d = x - v
+            norms = np.linalg.norm(d, axis=1)
+            v = v + np.mean(d * np.minimum(1, tau / np.maximum(norms, 1e-300))[:, None], axis=0)
+        out.append(v.copy())
+    return out
+
+
+@pytest.mark.parametrize("tau, iterations", [(100.0, 1), (0.5, 1), (0.5, 3)])
+def test_centered_clipping_starts_each_round_from_the_last_aggregate(tau, iterations):
+    g = torch.Generator().manual_seed(2)
+    stacks = [torch.randn(9, 40, generator=g) + 0.3 * r for r in range(4)]
+    stacks[2][:3] *= 50  # three far updates: clipped to tau around the centre
+    got, _ = run_rounds(aggregation.get("centered_clipping", tau=tau, iterations=iterations), stacks)
+    for ours, theirs in zip(got, ref_centered_clipping(stacks, tau, iterations)):
+        # each coordinate: a convex combination of float32 values rounded k + 1 times per iteration
+        np.testing.assert_allclose(ours.double().numpy(), theirs, rtol=0, atol=20 * iterations * U32 * 50 * 4)
+
+
+@needs_byzfl
+def test_centered_clipping_matches_byzfl_over_rounds():
+    from byzfl.aggregators import CenteredClipping
+
+    g = torch.Generator().manual_seed(5)
+    stacks = [torch.randn(11, 30, generator=g) * (1 + r) for r in range(3)]
+    theirs = CenteredClipping(tau=2.0, L=2)  # the instance starts each call from its last output
+    got, _ = run_rounds(aggregation.get("centered_clipping", tau=2.0, iterations=2), stacks)
+    for u, ours in zip(stacks, got):
+        torch.testing.assert_close(ours, theirs(u.clone()), rtol=1e-5, atol=1e-5)
+
+
+def ref_clipped_clustering(stacks, max_tau=1e5, linkage="average"):
+    """Blades' Clippedclustering in float64, its clustering by SciPy's hierarchical linkage."""
+    hierarchy = pytest.importorskip("scipy.cluster.hierarchy")
+    from scipy.spatial.distance import squareform
+
+    history, out = [], []
+    for u in stacks:
+        x = u.double().numpy()
+        norms = np.linalg.norm(x, axis=1)
+        history.extend(norms)
+        bound = min(np.median(history), max_tau)
+        x = x * np.where(norms > bound, bound / norms, 1.0)[:, None]
+        unit = x / np.maximum(np.linalg.norm(x, axis=1), 1e-8)[:, None]
+        distances = np.clip(1 - unit @ unit.T, 0, None)
+        np.fill_diagonal(distances, 0)
+        labels = hierarchy.fcluster(hierarchy.linkage(squareform(distances), linkage), 2, "maxclust")
+        larger = 1 if (labels == 1).sum() > (labels == 2).sum() else 2
+        out.append(x[labels == larger].mean(axis=0))
+    return out
+
+
+@pytest.mark.parametrize("linkage", ["average", "single"])
+def test_clipped_clustering_matches_a_reference_over_rounds(linkage):
+    g = torch.Generator().manual_seed(8)
+    honest = torch.randn(40, generator=g)
+    stacks = []
+    for r in range(3):
+        u = honest + 0.4 * torch.randn(11, 40, generator=g)
+        u[[1, 4, 6, 9][: r + 2]] = -(3.0 + r) * honest + 0.1 * torch.randn(r + 2, 40, generator=g)  # flipped, longer
+        stacks.append(u)
+    got, memory = run_rounds(aggregation.get("clipped_clustering", linkage=linkage), stacks)
+    for ours, theirs in zip(got, ref_clipped_clustering(stacks, linkage=linkage)):
+        np.testing.assert_allclose(ours.double().numpy(), theirs, rtol=1e-5, atol=1e-5)
+    assert memory.new["norms"].shape == (33,)  # every norm seen
+    assert torch.nn.functional.cosine_similarity(got[-1], honest, dim=0) > 0.9
+
+
+def test_clipped_clustering_clips_at_the_median_of_every_norm_seen_and_max_tau():
+    u = torch.tensor([[1.0, 0.0], [2.0, 0.0], [3.0, 0.0], [0.0, -9.0]])
+    rule = aggregation.get("clipped_clustering")
+    # 4 norms {1, 2, 3, 9}: bound 2.5; the three along +x cluster together
+    torch.testing.assert_close(rule(u, torch.ones(4)), torch.tensor([(1 + 2 + 2.5) / 3, 0.0]))
+    memory = aggregation.Memory({"norms": torch.tensor([0.1] * 5, dtype=torch.float64)})
+    # 9 norms, median 0.1: every update clipped to 0.1
+    torch.testing.assert_close(rule(u, torch.ones(4), memory=memory), torch.tensor([0.1, 0.0]))
+    capped = aggregation.get("clipped_clustering", max_tau=1.5)
+    torch.testing.assert_close(capped(u, torch.ones(4)), torch.tensor([(1 + 1.5 + 1.5) / 3, 0.0]))
+
+
+def test_two_equal_clusters_keep_the_one_holding_the_first_update():
+    u = torch.tensor([[0.0, 1.0], [0.0, 1.1], [1.0, 0.0], [1.1, 0.0]])
+    out = aggregation.get("clipped_clustering", max_tau=1.0)(u, torch.ones(4))
+    torch.testing.assert_close(out, torch.tensor([0.0, 1.0]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["centered_clipping", "clipped_clustering"])
+def test_a_run_with_a_rule_that_remembers_resumes_exactly(tmp_path, rule):
+    from support import BASE
+
+    cfg = dict(
+        BASE,
+        workers=0,
+        aggregator=rule,
+        aggregator_options={"tau": 0.05} if rule == "centered_clipping" else {},
+        attack={"type": "optimal_alie", "count": 1},  # its line search tries the rule: it must leave no memory
+    )
+    full = fedsim.run(cfg, out=tmp_path / "full", quiet=True, rounds=4)
+    fedsim.run(cfg, out=tmp_path / "part", quiet=True, rounds=2)
+    saved = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=False)["aggregator"]
+    assert set(saved) == ({"centre"} if rule == "centered_clipping" else {"norms"})
+    if rule == "clipped_clustering":
+        assert saved["norms"].shape == (2 * 5,)  # 4 clients and 1 Byzantine per round
+    resumed = fedsim.resume(tmp_path / "part", quiet=True, rounds=4)
+    assert (resumed.test_loss, resumed.test_accuracy) == (full.test_loss, full.test_accuracy)

@@ -229,6 +229,45 @@ def test_mimic_copies_the_honest_update_farthest_along_their_main_direction():
     assert torch.equal(sent_by("mimic", updates, torch.tensor([6, 7]), target=4), honest[4])
 
 
+def fang_reference(honest, attackers, seed, b=2.0):
+    """Fang et al. 2020 on the median and trimmed mean, each coordinate in turn: values drawn beyond the
+    honest extreme that lies against the direction the weight would move (the same uniform draws)."""
+    draws = torch.rand(attackers, honest.shape[1], generator=torch.Generator().manual_seed(seed)).double()
+    h = honest.double()
+    out = torch.zeros(attackers, h.shape[1], dtype=torch.float64)
+    for j in range(h.shape[1]):
+        direction, low, high = h[:, j].mean(), h[:, j].min(), h[:, j].max()
+        if direction > 0:
+            a, c = (b * low, low) if low < 0 else (low / b, low)
+        elif direction < 0:
+            a, c = (high, b * high) if high > 0 else (high, high / b)
+        else:
+            a = c = 0.0
+        out[:, j] = a + draws[:, j] * (c - a)
+    return out
+
+
+@pytest.mark.parametrize("b", [2.0, 3.5])
+def test_fang_sends_values_beyond_the_honest_extremes_against_the_mean(b):
+    updates, rows = honest_round()
+    updates[:8, :5] = 0.0  # coordinates that would not move
+    view = view_of(updates, rows)
+    view.generator = torch.Generator().manual_seed(9)
+    sent = make_attack(AttackConfig("fang", 0.3, options={"b": b})).rewrite(view)
+    assert sent.shape == (3, updates.shape[1])
+    torch.testing.assert_close(sent.double(), fang_reference(updates[:8], 3, 9, b), rtol=1e-6, atol=1e-6)
+    assert (sent[:, :5] == 0).all()
+    # against the median, the round's aggregate moves against the honest mean
+    honest_mean = updates[:8].mean(0)
+    attacked = updates.clone()
+    attacked[rows] = sent
+    before, after = (
+        aggregation.get("median")(updates[:8], torch.ones(8)),
+        aggregation.get("median")(attacked, torch.ones(11)),
+    )
+    assert ((after - before) * honest_mean.sign())[5:].lt(0).float().mean() > 0.95
+
+
 def test_omniscient_attacks_see_only_the_honest_rows_and_ignore_their_own():
     updates, rows = honest_round()
     changed = updates.clone()

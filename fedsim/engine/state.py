@@ -1,5 +1,6 @@
 """What the server keeps between rounds: the global model, the server optimizer's state, the
-algorithm's server state, privacy's (the adaptive clip), every client's own state (the
+algorithm's server state, privacy's (the adaptive clip), the memory of a rule that remembers
+earlier rounds (centered clipping's last aggregate), every client's own state (the
 algorithm's rows and compression's residuals, see client_state.py) and the bytes sent so far.
 All of it, and nothing else, is what a checkpoint holds."""
 
@@ -21,6 +22,14 @@ if TYPE_CHECKING:
     from ..fl.server_opt import ServerOptimizer
 
 
+def _fits(key: str, value: object, like: torch.Tensor) -> bool:
+    """Whether the checkpoint's ``value`` for ``key`` can stand for this run's ``like``: a tensor of its
+    shape and dtype; a rule's memory may grow from round to round, so there all but the first size."""
+    if not isinstance(value, torch.Tensor) or value.dtype != like.dtype or value.dim() != like.dim():
+        return False
+    return value.shape == like.shape or (key.startswith("aggregator.") and value.shape[1:] == like.shape[1:])
+
+
 class GlobalState:
     """``description`` names the run's model, algorithm and server optimizer for the message
     that refuses another run's checkpoint. The algorithm's server state is allocated here and
@@ -40,6 +49,8 @@ class GlobalState:
         self.model, self.server_optimizer, self.description = model, server_optimizer, description
         self.algorithm, self.clients = algorithm, clients
         self.privacy_state = privacy_state or {}  # privacy's own tensors, changed in place by it
+        # the rule's memory (fl/aggregation/__init__.py's Memory), replaced after each round kept
+        self.aggregator_state: dict[str, torch.Tensor] = {}
         # bytes up and down since round 1; None where nothing is counted (nothing travels, or a resumed
         # checkpoint of an earlier version, which did not count them)
         self.bytes_sent: int | None = 0
@@ -80,6 +91,7 @@ class GlobalState:
             "server_optimizer": {k: v.cpu() for k, v in self.server_optimizer.state_dict().items()},
             "algorithm": {"server": {k: v.cpu() for k, v in self.server_state.items()}},
             "privacy": {k: v.cpu() for k, v in self.privacy_state.items()},
+            **({"aggregator": {k: v.cpu() for k, v in self.aggregator_state.items()}} if self.aggregator_state else {}),
             "client_state": self.clients.state_dict(),
             "bytes_sent": self.bytes_sent,
             "simulated_time": self.simulated_time,
@@ -98,6 +110,8 @@ class GlobalState:
         self.algorithm.resume(self.server_state)
         for name, value in state.get("privacy", {}).items():
             self.privacy_state[name].copy_(value)
+        for name, like in self.aggregator_state.items():  # what it remembers may grow (every norm seen)
+            self.aggregator_state[name] = state["aggregator"][name].to(like.device)
         self.bytes_sent = state.get("bytes_sent")  # a checkpoint of an earlier version did not count them
         self.simulated_time = state.get("simulated_time")
         if self.schedule is not None:
@@ -114,8 +128,10 @@ class GlobalState:
             **{f"server_optimizer.{k}": v for k, v in self.server_optimizer.state_dict().items()},
             **{f"algorithm.server.{k}": v for k, v in self.server_state.items()},
             **{f"privacy.{k}": v for k, v in self.privacy_state.items()},
+            **{f"aggregator.{k}": v for k, v in self.aggregator_state.items()},
         }
-        saved = dict(flatten_config({key: state.get(key) for key in ("server_optimizer", "algorithm", "privacy")}))
+        sections = ("server_optimizer", "algorithm", "privacy", "aggregator")
+        saved = dict(flatten_config({key: state.get(key) for key in sections}))
         unexpected = sorted(k for k, v in saved.items() if isinstance(v, torch.Tensor) and k not in expected)
         if unexpected:
             raise FedsimError(
@@ -125,7 +141,7 @@ class GlobalState:
             value = state
             for part in key.split("."):
                 value = value.get(part) if isinstance(value, dict) else None
-            if not isinstance(value, torch.Tensor) or value.shape != like.shape or value.dtype != like.dtype:
+            if not _fits(key, value, like):
                 got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "nothing"
                 raise FedsimError(
                     f"{source}: holds {got} for {key} where this run ({self.description}) needs "

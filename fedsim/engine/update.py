@@ -22,7 +22,7 @@ import torch
 from ..algorithms import Algorithm, Round
 from ..core.errors import NonFiniteError, UserCodeError, user_code
 from ..core.streams import attack_generator, pre_aggregation_generator
-from ..fl.aggregation import PreAggregator, Rule, row_norms
+from ..fl.aggregation import Memory, PreAggregator, Rule, remembers, row_norms
 from ..fl.aggregation.preaggregation import pre_aggregated
 from ..fl.attacks import Attack, RoundView
 from ..results.records import ClientRecord
@@ -107,6 +107,9 @@ class AggregateUpdates:
         self.compression = compression  # compression.Compression, or None: updates travel whole
         self.pre_aggregators = pre_aggregators or []
         self._warned_breakdown = False
+        if remembers(aggregate):  # what it remembers before round 1; a resume then replaces it
+            state.aggregator_state = aggregate.start_memory(state.model.flat)
+        self._memory: Memory | None = None  # what the rule leaves of the round's update, kept with the round
 
     def message_bytes(self) -> tuple[int, int]:
         """Bytes each client receives (the global weights, and the server state its algorithm reads)
@@ -167,7 +170,7 @@ class AggregateUpdates:
             weights=torch.cat([b.stats[keep, 0], byzantine.weights]),
             clients=clients[keep.cpu()].to(b.global_flat.device),
             reports={name: report[keep] for name, report in b.reports.items()},
-            aggregate=self.privacy.rule(cfg.seed, rnd) if self.privacy else self._rule(rnd),
+            aggregate=self.privacy.rule(cfg.seed, rnd) if self.privacy else self._rule(rnd, keeps_memory=True),
             global_weights=self.state.model.flat,
             num_params=self.state.model.num_params,
             num_clients=cfg.data.num_clients,
@@ -229,12 +232,20 @@ class AggregateUpdates:
         )
         logger.warning(f"round {rnd}: {count} of the round's {n} clients are Byzantine, {why} (said once per run)")
 
-    def _rule(self, rnd: int):
+    def _rule(self, rnd: int, keeps_memory: bool = False):
         """The run's pre-aggregators and rule, named in one line if they raise or return what cannot
         be a step of the global weights (the rule may be the user's, and its probe saw only a few values
-        on the CPU)."""
+        on the CPU). A rule with a memory reads the one the last round kept; ``keeps_memory``: what the
+        call leaves is kept with the round (the algorithm's call; an attack's tries leave nothing)."""
+
+        def memory() -> Memory:
+            new = Memory(self.state.aggregator_state)
+            if keeps_memory:
+                self._memory = new
+            return new
+
         rule = pre_aggregated(
-            self.pre_aggregators, self.aggregate, lambda: pre_aggregation_generator(self.cfg.seed, rnd)
+            self.pre_aggregators, self.aggregate, lambda: pre_aggregation_generator(self.cfg.seed, rnd), memory
         )
 
         def aggregate(updates, weights):
@@ -290,6 +301,10 @@ class AggregateUpdates:
         )
         for name, tensor in state.server_state.items():
             check_finite(state, tensor, rnd, f"the algorithm's state {name!r} became non-finite", why, advice)
+        if self._memory is not None:
+            for name, tensor in self._memory.new.items():
+                check_finite(state, tensor, rnd, f"the rule's memory {name!r} became non-finite", why, advice)
+            state.aggregator_state, self._memory = self._memory.new, None
         clients = round_.clients.tolist()
         for name, tensor in rows.items():  # kept only once the whole round is
             check_finite(state, tensor, rnd, f"the algorithm's client state {name!r} became non-finite", why, advice)

@@ -3,7 +3,8 @@
 A rule takes ``updates``, a ``[k, P]`` float tensor (one row per client: its weights minus
 the global weights), and ``weights``, the ``k`` client sample counts (integer or float), and
 returns the aggregated ``[P]`` update on the same device; a rule that draws at random (``dnc``)
-also takes a ``generator`` keyword, the round's own stream. Rules are whole-tensor operations:
+also takes a ``generator`` keyword, the round's own stream, and a rule that remembers earlier
+rounds (``history.py``: centered clipping, clipped clustering) a ``memory`` keyword. Rules are whole-tensor operations:
 no Python loop over parameters (the geometric median loops over its iterations).
 ``get(name, **options)`` builds a rule from the registry; options are checked when the rule is
 built, and the ones that depend on the number of clients ``k`` when it is called, so that
@@ -22,7 +23,7 @@ are accumulated in float64 (``row_norms``, ``squared_distances``), where float32
 
 The families are the modules of this package, each registering its own: ``means.py``,
 ``statistics.py`` (coordinate-wise), ``distances.py`` (whole updates compared), and
-``preaggregation.py``.
+``preaggregation.py``; ``history.py`` holds the rules with a memory.
 """
 
 from __future__ import annotations
@@ -61,6 +62,30 @@ def takes_generator(rule: Rule) -> bool:
         return "generator" in inspect.signature(rule).parameters
     except (TypeError, ValueError):
         return False
+
+
+class Memory:
+    """What a rule with a memory keeps between rounds, as a dict of tensors: ``kept``, what it left
+    after the last round the run kept (read it, never change it), and ``new``, what it leaves after
+    this call (replace entries, starting from ``kept``). The run keeps ``new`` of the call its
+    algorithm makes, once the round's update is kept, and saves it in its checkpoints; an attack
+    that tries the server's aggregate leaves nothing behind."""
+
+    def __init__(self, kept: dict[str, torch.Tensor]):
+        self.kept, self.new = kept, dict(kept)
+
+
+def remembering(rule: Rule, start: Callable[[torch.Tensor], dict[str, torch.Tensor]]) -> Rule:
+    """``rule``, which takes a ``memory`` keyword (a ``Memory``), marked with what it remembers
+    before the first round: ``start(global_weights)``, a dict of tensors on their device. Called
+    without a memory (alone, or by config validation's probe), the rule starts from it."""
+    rule.start_memory = start
+    return rule
+
+
+def remembers(rule: Rule) -> bool:
+    """Whether ``rule`` keeps a memory between rounds (see ``remembering``)."""
+    return callable(getattr(rule, "start_memory", None))
 
 
 def tolerating(rule: Rule, tolerates: Callable[[int], int]) -> Rule:

@@ -18,9 +18,11 @@ from ...core.checks import Checks, refuse_unknown
 from ...core.errors import ConfigError
 from . import (
     PRE_AGGREGATORS,
+    Memory,
     PreAggregator,
     Rule,
     combine,
+    remembers,
     row_norms,
     squared_distances,
     takes_generator,
@@ -157,19 +159,27 @@ def pre_aggregator(spec: object, f: int | None = None) -> PreAggregator:
     return factory(**options)
 
 
-def pre_aggregated(steps: list[PreAggregator], rule: Rule, generator: Callable[[], torch.Generator]) -> Rule:
+def pre_aggregated(
+    steps: list[PreAggregator],
+    rule: Rule,
+    generator: Callable[[], torch.Generator],
+    memory: Callable[[], Memory] | None = None,
+) -> Rule:
     """The rule applied to what ``steps`` make of the stack, in order; each call draws from a fresh
     ``generator()`` (as do rules that take a ``generator`` keyword, such as ``dnc``), so that an
     algorithm that aggregates twice in a round, and an attack that tries the server's aggregate,
-    see the draws the round's update sees."""
-    draws_too = takes_generator(rule)
-    if not steps and not draws_too:
+    see the draws the round's update sees. A rule with a memory gets ``memory()`` on each call."""
+    draws_too, remembered = takes_generator(rule), memory is not None and remembers(rule)
+    if not steps and not draws_too and not remembered:
         return rule
 
     def aggregate(updates, weights):
         draws = generator()
         for step in steps:
             updates, weights = step(updates, weights, draws)
-        return rule(updates, weights, generator=draws) if draws_too else rule(updates, weights)
+        keywords = {"generator": draws} if draws_too else {}
+        if remembered:
+            keywords["memory"] = memory()
+        return rule(updates, weights, **keywords)
 
     return aggregate

@@ -191,6 +191,37 @@ class Mimic(Attack):
         return honest[int(top.abs().argmax())]
 
 
+@ATTACKS.register(
+    "fang",
+    "values beyond the honest extremes, against the direction the model would move (Fang et al. 2020, "
+    "on median and trimmed mean)",
+)
+class Fang(Attack):
+    """Fang et al. 2020 ("Local model poisoning attacks to Byzantine-robust federated learning"),
+    the full-knowledge attack on the median and the trimmed mean. ``s = sign(mu)``, the direction
+    in which each weight would move without the attack (the honest updates' mean). Where it would
+    rise, each attacker sends a value drawn uniformly below the honest minimum ``m``: from
+    ``[b m, m]`` where ``m < 0``, ``[m / b, m]`` otherwise; where it would fall, above the honest
+    maximum ``M``: ``[M, b M]`` where ``M > 0``, ``[M, M / b]`` otherwise; where it would not move,
+    0. Each attacker and coordinate draws its own value (the round's attack stream, ``[a, P]``
+    uniform draws). The paper and Blades take ``b = 2``; as in Blades, the bounds are those of
+    the updates, which are the changes of the weights the paper bounds."""
+
+    def __init__(self, b: float = 2.0):
+        self.b = OPTIONS.within("b", OPTIONS.number("b", b, "must be a number"), 1, math.inf, "[)")
+
+    def rewrite(self, view: RoundView) -> torch.Tensor:
+        honest = view.honest
+        rising = _mean(honest).sign()
+        low, high = honest.min(dim=0).values, honest.max(dim=0).values
+        below = torch.stack([torch.where(low < 0, self.b * low, low / self.b), low])  # [lower, upper] bounds
+        above = torch.stack([high, torch.where(high > 0, self.b * high, high / self.b)])
+        bounds = torch.where(rising > 0, below, torch.where(rising < 0, above, 0.0))
+        draws = torch.rand(int(view.attackers.sum()), honest.shape[1], generator=view.generator)
+        draws = draws.to(device=honest.device, dtype=honest.dtype)
+        return bounds[0] + draws * (bounds[1] - bounds[0])
+
+
 class _LineSearch(Attack):
     """ByzFL's optimal attacks: the factor of the base attack that moves the server's aggregate
     (its pre-aggregators and rule, on the round's stack with every attacker sending the vector)
