@@ -45,7 +45,12 @@ def test_overlaid_runs_one_line_each_labelled_by_name(tmp_path):
     assert legend_texts(fig) == ["fedavg", "median", "krum"]
     assert list(ax.lines[0].get_ydata()) == pytest.approx([30.0, 60.0, 80.0])  # accuracy in %
     assert ax.get_ylabel() == "test accuracy (%)" and ax.get_xlabel() == "round"
-    assert ax.get_title() == "Test accuracy per round"
+    # the title names the setting the runs share, and what varies among them
+    assert ax.get_title().splitlines() == [
+        "Test accuracy per round",
+        "mnist (iid, 10 clients), model mnist_cnn, aggregator varies,",
+        "algorithm fedavg",
+    ]
     assert [line.get_color() for line in ax.lines] == list(PALETTE[:3])  # Okabe-Ito, colour-blind safe
 
 
@@ -112,7 +117,7 @@ def test_x_axis_in_seconds_and_integer_rounds(tmp_path):
     fig = plot_runs(histories, x="seconds")
     ax = fig.axes[0]
     assert list(ax.lines[0].get_xdata()) == [1.5, 3.0, 4.5] and ax.get_xlabel() == "wall time (s)"
-    assert ax.get_title() == "Test accuracy over wall time"
+    assert ax.get_title().splitlines()[0] == "Test accuracy over wall time"
 
     fig = plot_runs(histories)
     fig.canvas.draw()
@@ -312,7 +317,7 @@ def test_accuracy_against_the_megabytes_sent(tmp_path):
     (ax,) = fig.axes
     assert list(ax.lines[0].get_xdata()) == pytest.approx([0.0015, 0.003, 0.0045])
     assert ax.get_xlabel() == "MB sent, up and down, since round 1"
-    assert ax.get_title() == "Test accuracy against bytes sent"
+    assert ax.get_title().splitlines()[0] == "Test accuracy against bytes sent"
     path = with_columns(tmp_path / "run0", cumulative_bytes=(None, None, None))  # hogwild's
     with pytest.raises(FedsimError, match="has no cumulative_bytes values to plot; every run counts them except"):
         plot_runs(fedsim.load_run(path), x="bytes")
@@ -330,9 +335,78 @@ def test_accuracy_against_epsilon_and_the_spread_from_the_command(tmp_path):
         )
     fig = plot_runs(fedsim.load_runs(tmp_path / "run*"), x="epsilon")
     assert [list(line.get_xdata()) for line in fig.axes[0].lines] == [[8.0, 12.0], [4.0, 6.0]]
-    assert fig.axes[0].get_xlabel().startswith("ε") and fig.axes[0].get_title() == "Test accuracy against ε"
+    assert (
+        fig.axes[0].get_xlabel().startswith("ε")
+        and fig.axes[0].get_title().splitlines()[0] == "Test accuracy against ε"
+    )
     done = fedsim_command("plot", "run*", "--x", "epsilon", "--spread", "-o", "fig.png", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
     done = fedsim_command("plot", "run0", "--spread", "--metric", "test_loss", "-o", "no.png", cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "spread:" in done.stderr
+
+
+def test_facets_one_panel_per_value_with_each_line_in_one_colour(tmp_path):
+    specs = []
+    for attack in ("ipm", "alie"):
+        for rule, base in (("median", 0.5), ("krum", 0.2)):
+            for seed in (0, 1):
+                accuracies = (base + 0.1 * seed, base + 0.2 + 0.1 * seed)
+                settings = {"aggregator": rule, "attack.type": attack, "data.alpha": 0.3}
+                specs.append({"name": "cmp", "seed": seed, "accuracies": accuracies, "settings": settings})
+    fig = plot_runs(runs(tmp_path, specs), facet="attack.type", label="aggregator")
+    left, right = [ax for ax in fig.axes if ax.get_visible()]
+    assert (left.get_title(), right.get_title()) == ("attack.type=ipm", "attack.type=alie")
+    for ax in (left, right):
+        assert [line.get_color() for line in ax.lines] == list(PALETTE[:2])  # median, then krum, in each
+        assert list(ax.lines[0].get_ydata()) == pytest.approx([55.0, 75.0])
+        assert len(bands(ax)) == 2
+    assert left.get_ylabel() == "test accuracy (%)" and right.get_ylabel() == ""
+    assert legend_texts(fig) == ["median", "krum", "min–max over 2 seeds"]
+    # the shared setting heads the figure; what the panels split is said to vary
+    assert fig.get_suptitle().splitlines()[0] == "cmp"
+    assert "aggregator varies" in fig.get_suptitle() and "data.alpha=0.3" not in fig.get_suptitle()
+
+
+def test_facets_wrap_at_three_numbers_in_order_and_bands_lighten_with_many_lines(tmp_path):
+    specs = [
+        {
+            "name": f"r{i}",
+            "seed": seed,
+            "accuracies": (0.1 * i, 0.1 * i + seed / 100),
+            "settings": {"data.alpha": alpha},
+        }
+        for alpha in (1.0, 0.1, 0.5, 10.0)
+        for i in range(8)
+        for seed in (0, 1)
+    ]
+    fig = plot_runs(runs(tmp_path, specs), facet="data.alpha")
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in shown] == ["data.alpha=0.1", "data.alpha=0.5", "data.alpha=1", "data.alpha=10"]
+    assert len(fig.axes) == 6  # two rows of three, the last two places empty
+    assert len(shown[0].lines) == 8
+    assert bands(shown[0])[0].get_alpha() == pytest.approx(0.1)  # 0.2 for up to four lines, then 0.2 * 4 / lines
+    with pytest.raises(FedsimError, match="data.nope: not a config key"):
+        plot_runs(runs(tmp_path / "x", specs[:2]), facet="data.nope")
+
+
+def test_plot_command_facets_by_a_swept_key(tmp_path):
+    specs = [{"name": "s", "accuracies": (0.2, 0.4), "settings": {"aggregator": a}} for a in ("median", "krum")]
+    dirs = [write_run(tmp_path / f"run{i}", **spec) for i, spec in enumerate(specs)]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedsim",
+            "plot",
+            *map(str, dirs),
+            "-o",
+            str(tmp_path / "f.png"),
+            "--facet",
+            "aggregator",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "f.png").stat().st_size > 0

@@ -703,3 +703,59 @@ def test_a_sweep_of_private_runs_tables_the_epsilon_they_spent(config_file, monk
     assert [row.split()[-2] for row in table[1:]] == ["4", "0.5"]
     with open(tmp_path / "out" / "sweep.csv") as f:
         assert [float(r["epsilon"]) for r in csv.DictReader(f)] == [4.0, 0.5]
+
+
+# final accuracy of each (aggregator, attack, seed), as the fake engine below returns it
+PIVOT = {
+    ("median", "ipm", 0): 0.8,
+    ("median", "ipm", 1): 0.6,
+    ("median", "alie", 0): 0.5,
+    ("median", "alie", 1): 0.3,
+    ("mean", "ipm", 0): 0.2,
+    ("mean", "ipm", 1): 0.4,
+    ("mean", "alie", 0): 0.9,
+    ("mean", "alie", 1): 0.7,
+}
+
+
+def test_a_pivot_puts_one_grid_key_down_and_another_across_with_the_worst(config_file, monkeypatch, tmp_path):
+    def start_run(cfg, out=None, overwrite=False, quiet=False, pools=None):
+        accuracy = PIVOT[cfg.aggregator, cfg.attack.type, cfg.seed] + cfg.attack.count / 100
+        row = dict.fromkeys(COLUMNS, 0) | {"round": 1, "test_accuracy": accuracy, "seconds": 1.0}
+        return History([row | {"test_perplexity": None}], cfg.to_dict(), out)
+
+    replace_engine(monkeypatch, start_run)
+    grid = ["aggregator=median,mean", "attack.type=ipm,alie", "attack.count=1,2"]
+    lines = []
+    sweep(config_file, grid, seeds="0,1", out=tmp_path / "out", log=lines.append, pivot="aggregator,attack.type")
+    blocks = lines[-2].split("\n\n")
+    assert len(blocks) == 2  # one per attack.count
+    first = blocks[0].splitlines()
+    assert first[0] == "final test accuracy, attack.count=1"
+    assert first[1].split() == ["aggregator", "\\", "attack.type", "ipm", "alie", "worst"]
+    # median: ipm 0.71 ± 0.14, alie 0.41 ± 0.14 (each + 0.01 for count 1); worst the lower mean
+    assert first[2].split() == ["median", "0.7100", "±", "0.1414", "0.4100", "±", "0.1414", "0.4100"]
+    assert first[3].split() == ["mean", "0.3100", "±", "0.1414", "0.8100", "±", "0.1414", "0.3100"]
+    assert blocks[1].splitlines()[0] == "final test accuracy, attack.count=2"
+    with open(tmp_path / "out" / "pivot.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["attack.count"], r["aggregator"]) for r in rows] == [
+        ("1", "median"),
+        ("1", "mean"),
+        ("2", "median"),
+        ("2", "mean"),
+    ]
+    assert float(rows[3]["ipm"]) == pytest.approx(0.32) and float(rows[3]["worst"]) == pytest.approx(0.32)
+
+
+@pytest.mark.parametrize(
+    "pivot, words",
+    [
+        ("aggregator", "give two grid keys as ROW,COLUMN"),
+        ("aggregator,seed", "seed is not a --grid key of this sweep; its grid keys: aggregator, local.lr"),
+    ],
+)
+def test_a_bad_pivot_is_refused_before_anything_runs(config_file, fake_runs, tmp_path, pivot, words):
+    with pytest.raises(ConfigError, match=words):
+        sweep(config_file, ["aggregator=mean,median", "local.lr=0.1,0.2"], out=tmp_path / "o", pivot=pivot)
+    assert fake_runs == []

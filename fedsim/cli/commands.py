@@ -292,6 +292,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
             width=args.width,
             title=args.title,
             spread=args.spread,
+            facet=args.facet,
         )
     for path in save_figure(fig, args.output, pdf=args.pdf):
         print(f"wrote {path}")
@@ -319,6 +320,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             seeds=args.seeds,
             target=args.target,
+            pivot=args.pivot,
         )
         planned.run(quiet=args.quiet)
     except (KeyboardInterrupt, Terminated) as e:

@@ -114,6 +114,9 @@ def _add_plot_parser(sub) -> None:
         help="name lines by this config key (e.g. aggregator, data.alpha) instead of the run name",
     )
     plot.add_argument(
+        "--facet", metavar="KEY", help="one panel per value of this config key (e.g. attack.type), sharing the y axis"
+    )
+    plot.add_argument(
         "--loss", action="store_true", help="add a panel of test loss (of token accuracy below a language model's loss)"
     )
     plot.add_argument(
@@ -165,6 +168,12 @@ def _add_sweep_parser(sub) -> None:
         metavar="ACC",
         help="report the rounds to this test accuracy, a fraction such as 0.99 (default: "
         "stop_at_accuracy, where set); the runs go on: --set stop_at_accuracy=ACC stops them",
+    )
+    swp.add_argument(
+        "--pivot",
+        metavar="ROW,COLUMN",
+        help="also print the final test accuracy with one grid key's values down and another's across, "
+        "e.g. --pivot aggregator,attack.type, with each row's worst; written to pivot.csv",
     )
     swp.add_argument(
         "--out",

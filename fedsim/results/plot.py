@@ -6,6 +6,7 @@ share a label and differ only in seed become one line, their mean, with a shaded
 
 from __future__ import annotations
 
+import copy
 import functools
 import glob
 import math
@@ -65,6 +66,7 @@ def plot_runs(
     width: str | float = "double",
     title: str | None = None,
     spread: bool = False,
+    facet: str | None = None,
 ) -> Figure:
     """A figure of ``metric`` per round for each run, overlaid: by default test accuracy; for language
     models' runs (History.tokens) test loss, with the perplexity (its exp) on a right-hand log axis.
@@ -85,47 +87,103 @@ def plot_runs(
     eval_per_client): the mean over the clients as the line, ± one standard deviation over the
     clients as a band, and their 10th percentile (the worst tenth) dashed; runs that differ only
     in seed are averaged.
+
+    ``facet``: a config key (e.g. ``"attack.type"``): one panel per value, side by side (three to a
+    row), sharing the y axis; a line keeps its colour in every panel. The bands grow lighter as more
+    lines share a panel.
     """
     histories = as_histories(runs)
     metrics, inches, tokens = _checked_options(histories, metric, x, band, spread, width, loss)
     distinguish = ("name",) if label is None else (label,)
-    groups = group_repeats(histories, distinguish)
-
-    names = _labels(groups, label)
-    legend = _legend_texts(groups, names, band, spread)
+    panels = _facets(histories, facet)
+    groups = group_repeats(histories, (*distinguish, *([facet] if facet else [])))
+    # each panel's lines, named within the panel; a name keeps its colour in every panel
+    lines = []
+    for _, members in panels:
+        inside = [g for g in groups if any(g[0] is m for m in members)]
+        lines.append(list(zip(inside, _labels(inside, label))))
+    names = list(dict.fromkeys(name for panel in lines for _, name in panel))
+    repeated = [g for panel in lines for g, _ in panel]
+    legend = _legend_texts(repeated, names, band, spread)
     columns = _legend_columns(legend, inches)
+    shading = _shading(max(len(panel) for panel in lines))
     with matplotlib.rc_context(_style(inches)):
-        panel = 2.0 + 0.18 * inches  # wide figures get flatter, as in a paper's full-width figures
-        height = panel * (1.55 if loss else 1) + _legend_height(legend, columns, label)
+        across = min(len(panels), 3 if inches >= 5 else 2)
+        down = math.ceil(len(panels) / across)
+        panel = 2.0 + 0.18 * inches / across  # wide panels get flatter, as in a paper's full-width figures
+        height = (
+            down * panel * (1.55 if loss else 1) + _legend_height(legend, columns, label) + 0.3 * (facet is not None)
+        )
         fig = Figure(figsize=(inches, height), layout="constrained")
-        axes = fig.subplots(2 if loss else 1, 1, sharex=True, squeeze=False)[:, 0]
-        handles = []  # by hand: matplotlib leaves out labels that start with "_" (__main__:my_rule)
-        for i, (group, name) in enumerate(zip(groups, names)):
-            style = {"color": PALETTE[i % len(PALETTE)], "linestyle": LINESTYLES[i // len(PALETTE) % len(LINESTYLES)]}
-            lines = [
-                _draw_spread(ax, group, x, style, name)
-                if spread and column == SPREAD[0]
-                else _draw(ax, group, column, x, band, style, name)
-                for ax, column in zip(axes, metrics)
-            ]
-            handles.append(lines[0])
-        _label_axes(axes, metrics, x, spread, tokens)
-        axes[0].set_title(title if title is not None else _default_title(histories, metrics[0], x, tokens))
+        grid = fig.subplots(down * len(metrics), across, sharex=True, sharey="row", squeeze=False)
+        handles: dict[str, object] = {}  # by hand: matplotlib leaves out labels that start with "_" (__main__:my_rule)
+        for index, ((value, _), panel_lines) in enumerate(zip(panels, lines)):
+            row, column = divmod(index, across)
+            axes = grid[row * len(metrics) : (row + 1) * len(metrics), column]
+            for group, name in panel_lines:
+                i = names.index(name)
+                style = {
+                    "color": PALETTE[i % len(PALETTE)],
+                    "linestyle": LINESTYLES[i // len(PALETTE) % len(LINESTYLES)],
+                }
+                drawn = [
+                    _draw_spread(ax, group, x, style, name)
+                    if spread and col == SPREAD[0]
+                    else _draw(ax, group, col, x, band, style, name, shading)
+                    for ax, col in zip(axes, metrics)
+                ]
+                handles.setdefault(name, drawn[0])
+            _label_axes(axes, metrics, x, spread, tokens, ylabels=column == 0)
+            if facet is not None:
+                axes[0].set_title(f"{facet}={_format(value)}")
+        for index in range(len(panels), down * across):  # the empty places of the last row
+            row, column = divmod(index, across)
+            for ax in grid[row * len(metrics) : (row + 1) * len(metrics), column]:
+                ax.set_visible(False)
+        text = title if title is not None else _default_title(histories, metrics[0], x, tokens)
+        if facet is None:
+            grid[0, 0].set_title(text)
+        else:
+            fig.suptitle(text, fontsize=_font_size(inches) + 1)
         if legend:
-            _add_legend(fig, handles, legend, label, columns)
+            _add_legend(fig, [handles[name] for name in names], legend, label, columns, shading)
     return fig
 
 
-def _add_legend(fig: Figure, handles: list, legend: list[str], label: str | None, columns: int) -> None:
+def _facets(histories: list[History], facet: str | None) -> list[tuple[object, list[History]]]:
+    """``(value, runs)`` for each value of the config key ``facet``: numbers in order, other values
+    in the order of their first run; one panel of every run without a facet."""
+    if facet is None:
+        return [(None, histories)]
+    values = [h.config_value(facet) for h in histories]
+    distinct = list(dict.fromkeys(repr(v) for v in values))
+    first = {repr(v): v for v in reversed(values)}
+    if all(isinstance(first[d], (int, float)) and not isinstance(first[d], bool) for d in distinct):
+        distinct.sort(key=lambda d: first[d])
+    return [(first[d], [h for h, v in zip(histories, values) if repr(v) == d]) for d in distinct]
+
+
+def _shading(lines: int) -> float:
+    """The bands' opacity: lighter as more lines share a panel, so that the lines stay readable."""
+    return max(0.06, 0.2 * min(1.0, 4 / max(lines, 1)))
+
+
+def _add_legend(
+    fig: Figure, handles: list, legend: list[str], label: str | None, columns: int, shading: float = 0.2
+) -> None:
     """The lines' entries, then the band's and the spread's dashes where the legend names them."""
-    keys = [Patch(color="0.5", alpha=0.35, linewidth=0), Line2D([], [], color="0.4", linestyle="--", linewidth=1)]
+    keys = [
+        Patch(color="0.5", alpha=min(1.0, 1.75 * shading), linewidth=0),
+        Line2D([], [], color="0.4", linestyle="--", linewidth=1),
+    ]
     handles = handles + keys[: len(legend) - len(handles)]
     fig.legend(handles, legend, title=label, loc="outside lower center", ncols=columns, frameon=False)
 
 
-def _label_axes(axes, metrics: list[str], x: str, spread: bool, tokens: bool) -> None:
+def _label_axes(axes, metrics: list[str], x: str, spread: bool, tokens: bool, ylabels: bool = True) -> None:
     for ax, column in zip(axes, metrics):
-        ax.set_ylabel("client accuracy (%)" if spread and column == SPREAD[0] else _axis_label(column, tokens))
+        if ylabels:
+            ax.set_ylabel("client accuracy (%)" if spread and column == SPREAD[0] else _axis_label(column, tokens))
         ax.grid(True, alpha=0.3, linewidth=0.6)
         if column == "test_perplexity":  # it grows exponentially with the loss
             ax.set_yscale("log")
@@ -265,7 +323,7 @@ def accuracy_figure(history: History) -> Figure:
 # ----------------------------------------------------------------------------- drawing
 
 
-def _draw(ax, group: list[History], column: str, x: str, band: str, style: dict, name: str):
+def _draw(ax, group: list[History], column: str, x: str, band: str, style: dict, name: str, shading: float = 0.2):
     xs, runs = _aligned(group, column, x)
     scale = 100.0 if column.endswith("accuracy") else 1.0
     means = [scale * fmean(v) for v in runs]
@@ -277,7 +335,7 @@ def _draw(ax, group: list[History], column: str, x: str, band: str, style: dict,
         else:
             spread = [scale * stdev(v) for v in runs]
             low, high = [m - s for m, s in zip(means, spread)], [m + s for m, s in zip(means, spread)]
-        ax.fill_between(xs, low, high, color=style["color"], alpha=0.2, linewidth=0)
+        ax.fill_between(xs, low, high, color=style["color"], alpha=shading, linewidth=0)
     return line
 
 
@@ -385,21 +443,51 @@ def _legend_height(texts: list[str], columns: int, title: str | None) -> float:
 
 
 def _default_title(histories: list[History], metric: str, x: str, tokens: bool = False) -> str:
-    """The runs' name, and below it what they ran (dataset, split, model, rule, algorithm and the
-    keys set on top of the experiment, see describe_run) when they all ran the same; otherwise
-    the metric."""
+    """The runs' name (runs of several names: the metric), and below it what they ran (dataset,
+    split, model, rule, algorithm and the keys set on top of the experiment, see describe_run):
+    where the runs differ (a sweep), what they share, the keys in which they differ said to vary."""
     names = {h.name for h in histories}
-    if len(names) == 1:
-        described = {describe_run(h.config, defining(h.summary.get("overrides") or {})) for h in histories if h.config}
-        return "\n".join([names.pop(), *_wrapped(described.pop(), 60)]) if len(described) == 1 else names.pop()
     what = _axis_label(metric, tokens).split(" (")[0].capitalize()
-    return {
-        "round": f"{what} per round",
-        "seconds": f"{what} over wall time",
-        "epsilon": f"{what} against ε",
-        "bytes": f"{what} against bytes sent",
-        "simulated_seconds": f"{what} over simulated time",
-    }[x]
+    first = (
+        names.pop()
+        if len(names) == 1
+        else {
+            "round": f"{what} per round",
+            "seconds": f"{what} over wall time",
+            "epsilon": f"{what} against ε",
+            "bytes": f"{what} against bytes sent",
+            "simulated_seconds": f"{what} over simulated time",
+        }[x]
+    )
+    shared = _shared_description([h for h in histories if h.config])
+    return "\n".join([first, *_wrapped(shared, 60)]) if shared else first
+
+
+def _shared_description(histories: list[History]) -> str | None:
+    """describe_run of what ``histories`` share: the keys whose values differ among them read
+    "varies" (the seed is left out), and of the keys set on top of the experiment, those set
+    alike in every run. None without a config."""
+    if not histories:
+        return None
+    flat = [dict(flatten_config(h.config)) for h in histories]
+    varying = {k for k in set().union(*flat) - {"seed"} if len({repr(f.get(k)) for f in flat}) > 1}
+    config = copy.deepcopy(histories[0].config)
+    for key in varying:
+        *sections, last = key.split(".")
+        place = config
+        for part in sections:
+            place = place.setdefault(part, {}) if isinstance(place.get(part), dict) else None
+            if place is None:
+                break
+        if place is not None:
+            place[last] = "varies"
+    overrides = [defining(h.summary.get("overrides") or {}) for h in histories]
+    common = {
+        key: value
+        for key, value in overrides[0].items()
+        if key != "seed" and key not in varying and all(o.get(key, value) == value and key in o for o in overrides)
+    }
+    return describe_run(config, common)
 
 
 def _wrapped(text: str, width: int) -> list[str]:

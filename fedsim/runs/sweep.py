@@ -35,7 +35,7 @@ from ..experiment.validation import load_config
 from ..results.history import check_target, load_run
 from ..results.rundir import safe_dir_name
 from .sweepdir import SWEEP_FILE, identity, left_to_do, placement, sweep_root
-from .sweepruns import SweepRun, _printable, _row, format_table, write_csv, write_table
+from .sweepruns import SweepRun, _printable, _row, format_pivot, format_table, write_csv, write_pivot, write_table
 
 
 def parse_seeds(seeds: str | Iterable[int]) -> list[int]:
@@ -129,14 +129,17 @@ def sweep(
     log: Callable[[str], None] | None = None,
     seeds: str | Iterable[int] | None = None,
     target: float | None = None,
+    pivot: str | None = None,
 ) -> list[SweepRun]:
     """Run every grid point of ``config`` (under every seed of ``seeds``) into ``out`` (default
     ``runs/<name>-sweep-<timestamp>``); return the runs with their histories and write
     ``out/sweep.csv`` (with ``seeds``, one row per configuration, and ``out/runs.csv``, one per
     run). ``target``: report the rounds to this test accuracy (a fraction; the runs go on),
-    instead of each configuration's ``stop_at_accuracy``. The same sweep into the same ``out``
+    instead of each configuration's ``stop_at_accuracy``. ``pivot``: ``"ROW,COLUMN"``, two grid
+    keys (e.g. ``"aggregator,attack.type"``): also print the final accuracy with ROW's values down
+    and COLUMN's across, and write it to ``out/pivot.csv``. The same sweep into the same ``out``
     again continues it (see ``Sweep``)."""
-    return prepare(config, grid, overrides, out, overwrite, seeds, target).run(quiet, log)
+    return prepare(config, grid, overrides, out, overwrite, seeds, target, pivot).run(quiet, log)
 
 
 def prepare(
@@ -147,6 +150,7 @@ def prepare(
     overwrite: bool = False,
     seeds: str | Iterable[int] | None = None,
     target: float | None = None,
+    pivot: str | None = None,
 ) -> Sweep:
     """The sweep planned and checked whole before any run trains: every configuration as a run
     checks it before its workers start (the data and its limit, the model's probe, ...), and
@@ -155,6 +159,7 @@ def prepare(
 
     target = check_target(target, "--target")
     runs = plan(config, grid, overrides, seeds)
+    pivoted = parse_pivot(pivot, [key for key, _ in runs[0].point] if runs else [])
     root = sweep_root(out, load_config(config, list(overrides)).name, overwrite, runs)
     for run in runs:
         run.todo = "start" if overwrite else left_to_do(root / run.label, run.config)
@@ -165,7 +170,21 @@ def prepare(
                 check_run(run.config, datasets)
             except FedsimError as e:
                 raise type(e)(f"sweep run {run.label}: {e}") from None
-    return Sweep(runs, root, seeds, target, named=out is not None)
+    return Sweep(runs, root, seeds, target, named=out is not None, pivot=pivoted)
+
+
+def parse_pivot(pivot: str | None, keys: list[str]) -> tuple[str, str] | None:
+    """``"ROW,COLUMN"``: two distinct keys of the grid."""
+    if pivot is None:
+        return None
+    parts = [part.strip() for part in str(pivot).split(",")]
+    grid = ", ".join(keys) if keys else "none"
+    if len(parts) != 2 or parts[0] == parts[1] or not all(parts):
+        raise ConfigError(f"--pivot: give two grid keys as ROW,COLUMN (e.g. aggregator,attack.type), got {pivot!r}")
+    for part in parts:
+        if part not in keys:
+            raise ConfigError(f"--pivot: {part} is not a --grid key of this sweep; its grid keys: {grid}")
+    return parts[0], parts[1]
 
 
 @dataclass
@@ -183,6 +202,7 @@ class Sweep:
     seeds: list[int] | None
     target: float | None
     named: bool  # the directory was given (--out): the same command continues the sweep
+    pivot: tuple[str, str] | None = None  # (row key, column key) of the pivot table, or None
 
     def run(self, quiet: bool = False, log: Callable[[str], None] | None = None) -> list[SweepRun]:
         from ..execution.pool import PoolKeeper
@@ -223,6 +243,8 @@ class Sweep:
                     raise type(e)(f"sweep run {run.label}: {e}") from None
                 self._write_tables()
         log(_printable(format_table(self.runs, self.target)))
+        if self.pivot:
+            log(_printable(format_pivot(self.runs, *self.pivot)))
         log(f"runs, sweep.csv{' and runs.csv' if self.seeds is not None else ''} in {root}")
         return self.runs
 
@@ -239,6 +261,8 @@ class Sweep:
         write_table(finished, self.root / "sweep.csv", self.target)
         if self.seeds is not None:
             write_csv(self.root / "runs.csv", [_row(run, self.target, finished) for run in finished])
+        if self.pivot:
+            write_pivot(finished, *self.pivot, self.root / "pivot.csv")
 
     def interrupted_message(self) -> str:
         """What an interrupted sweep left, read from the disk, and how to continue it."""
@@ -253,4 +277,4 @@ class Sweep:
         )
 
 
-TABLES = ("sweep.csv", "runs.csv")
+TABLES = ("sweep.csv", "runs.csv", "pivot.csv")

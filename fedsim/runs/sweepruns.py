@@ -245,3 +245,56 @@ def _accuracy(values: list[float], spec: str = ".4f") -> str:
     """One run's accuracy (or perplexity), or the mean ± sample standard deviation of several."""
     mean, sd = mean_and_sd(values)
     return format(mean, spec) if len(values) == 1 else f"{mean:{spec}} ± {sd:{spec}}"
+
+
+# ----------------------------------------------------------------------------- pivot
+
+
+def pivot_blocks(runs: list[SweepRun], down: str, across: str) -> list[tuple[list[tuple[str, str]], dict]]:
+    """The sweep's final test accuracy with the values of the grid key ``down`` as rows and those of
+    ``across`` as columns: one block per combination of the other grid keys (``[(key, value)]``,
+    in the sweep's order), each ``{row value: {column value: [final accuracy of each seed]}}``."""
+    blocks: dict[tuple, dict] = {}
+    for run in runs:
+        point = dict(run.point)
+        others = tuple((key, value) for key, value in run.point if key not in (down, across))
+        cells = blocks.setdefault(others, {})
+        cells.setdefault(point[down], {}).setdefault(point[across], []).append(run.history.final_accuracy)
+    return [(list(others), cells) for others, cells in blocks.items()]
+
+
+def format_pivot(runs: list[SweepRun], down: str, across: str) -> str:
+    """``pivot_blocks`` as fixed-width tables, a configuration's cell its mean ± sample standard
+    deviation over seeds, with a last column ``worst``: the lowest mean of the row (ByzFL's
+    heatmaps give each cell the worst accuracy over the attacks)."""
+    out = []
+    for others, cells in pivot_blocks(runs, down, across):
+        columns = list(dict.fromkeys(column for row in cells.values() for column in row))
+        header = [f"{down} \\ {across}", *columns, "worst"]
+        table = [header]
+        for row, values in cells.items():
+            means = [mean_and_sd(values[c])[0] for c in columns if c in values]
+            table.append([row, *(_accuracy(values[c]) if c in values else "–" for c in columns), f"{min(means):.4f}"])
+        widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+        title = f"final test accuracy, {', '.join(f'{k}={v}' for k, v in others)}" if others else "final test accuracy"
+        lines = [title] + [
+            "  ".join(f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}" for i, (cell, w) in enumerate(zip(line, widths)))
+            for line in table
+        ]
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def write_pivot(runs: list[SweepRun], down: str, across: str, path: Path) -> None:
+    """pivot.csv: one row per row of every pivot block, the other grid keys first, each column
+    value's mean final accuracy over seeds (empty where not run yet), then ``worst``."""
+    rows = []
+    blocks = pivot_blocks(runs, down, across)
+    columns = list(dict.fromkeys(c for _, cells in blocks for row in cells.values() for c in row))
+    for others, cells in blocks:
+        for row, values in cells.items():
+            means = {c: mean_and_sd(values[c])[0] for c in columns if c in values}
+            rows.append(
+                {**dict(others), down: row, **{c: _blank(means.get(c)) for c in columns}, "worst": min(means.values())}
+            )
+    write_csv(path, rows)
