@@ -7,7 +7,7 @@
 ByzFL's side is its own ``run_benchmark`` (byzfl 0.0.11, ``byzfl/benchmark/benchmark.py``) on a
 ``config.json`` of the cells, in a temporary folder, reading MNIST from the data root
 (``--data-root``, else ``$FEDSIM_DATA``), with ``--byzfl-jobs`` cells at a time. fedsim's side is
-one ``fedsim sweep experiments/robustness/byzfl.yaml`` per rule over the same cells. Each side
+``fedsim sweep experiments/robustness/byzfl.yaml`` over the same cells (a part of the file's grid). Each side
 runs in its own process and is timed from launch to exit. Both train on all 60,000 training
 images (ByzFL's ``size_train_set: 1.0``: its default keeps 20 % apart to choose learning rates
 on) and evaluate on the test set every ``--eval-every`` steps.
@@ -31,19 +31,10 @@ import harness
 
 REPO = harness.REPO
 EXPERIMENT = REPO / "experiments" / "robustness" / "byzfl.yaml"
-# fedsim's name -> (ByzFL's aggregator entry, the fedsim settings that make the rule ByzFL's)
+# fedsim's name (the experiment's rule axis, which also sets the rule's options) -> ByzFL's aggregator entry
 RULES = {
-    "trimmed_mean": ({"name": "TrMean", "parameters": {}}, []),
-    "geometric_median": (
-        {"name": "GeometricMedian", "parameters": {"nu": 0.1, "T": 3}},
-        # ByzFL's nu bounds distances between momenta; fedsim's updates are lr = 0.1 times them
-        [
-            "aggregator_options.eps=0.01",
-            "aggregator_options.max_iter=3",
-            "aggregator_options.tol=0",
-            "aggregator_options.init=zero",
-        ],
-    ),
+    "trimmed_mean": {"name": "TrMean", "parameters": {}},
+    "geometric_median": {"name": "GeometricMedian", "parameters": {"nu": 0.1, "T": 3}},
 }
 ATTACKS = {
     "sign_flip": "SignFlipping",
@@ -139,7 +130,7 @@ def byzfl_config(grid: dict, args, data_root: str, results: Path) -> dict:
             "learning_rate_decay": 1.0,
             "milestones": [],
         },
-        "aggregator": [RULES[rule][0] for rule in grid["rules"]],
+        "aggregator": [RULES[rule] for rule in grid["rules"]],
         "pre_aggregators": [{"name": "Clipping", "parameters": {}}, {"name": "NNM", "parameters": {}}],
         "honest_clients": {"momentum": 0.9, "weight_decay": 0.0001, "batch_size": 25},
         "attack": [{"name": ATTACKS[a], "parameters": {}} for a in grid["attacks"]],
@@ -188,32 +179,26 @@ def run_byzfl(grid: dict, args, data_root: str, folder: Path) -> dict:
 def run_fedsim(grid: dict, args, data_root: str, folder: Path) -> dict:
     env = {**os.environ, "FEDSIM_DATA": data_root}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    seconds = 0.0
-    for rule in grid["rules"]:
-        command = [sys.executable, "-m", "fedsim", "sweep", str(EXPERIMENT), "--quiet", "--out", str(folder / rule)]
-        settings = [f"aggregator={rule}", f"rounds={args.steps}", f"eval_every={args.eval_every}"]
-        settings += [f"workers={args.workers}", *RULES[rule][1]]
-        for setting in settings:
-            command += ["--set", setting]
-        command += ["--grid", f"attack.type={','.join(grid['attacks'])}"]
-        command += ["--grid", f"attack.count={','.join(map(str, grid['f']))}"]
-        command += ["--grid", f"data.gamma={','.join(map(str, grid['gammas']))}"]
-        command += ["--seeds", ",".join(map(str, grid["seeds"]))]
-        seconds += timed(command, REPO, env)
+    command = [sys.executable, "-m", "fedsim", "sweep", str(EXPERIMENT), "--quiet", "--out", str(folder / "runs")]
+    for setting in [f"rounds={args.steps}", f"eval_every={args.eval_every}", f"workers={args.workers}"]:
+        command += ["--set", setting]
+    command += ["--grid", f"rule={','.join(grid['rules'])}"]
+    command += ["--grid", f"attack.type={','.join(grid['attacks'])}"]
+    command += ["--grid", f"attack.count={','.join(map(str, grid['f']))}"]
+    command += ["--grid", f"data.gamma={','.join(map(str, grid['gammas']))}"]
+    command += ["--seeds", ",".join(map(str, grid["seeds"]))]
+    seconds = timed(command, REPO, env)
     from fedsim.results.history import load_runs
 
     curves: dict = {}
     runs = []  # each run's own time, from its first round to its end (summary.json, less its start-up)
-    for rule in grid["rules"]:
-        for history in load_runs(folder / rule / "*"):
-            cfg = history.config
-            key = (rule, float(cfg["data"]["gamma"]), int(cfg["attack"]["count"]), cfg["attack"]["type"])
-            curves.setdefault(key, []).append(list(history.test_accuracy))
-            trained = history.summary["wall_seconds"] - history.summary["startup_seconds"]
-            curve = list(history.test_accuracy)
-            runs.append(
-                dict(zip(("rule", "gamma", "f", "attack"), key), seed=cfg["seed"], seconds=trained, accuracy=curve)
-            )
+    for history in load_runs(folder / "runs" / "*"):
+        cfg = history.config
+        key = (cfg["aggregator"], float(cfg["data"]["gamma"]), int(cfg["attack"]["count"]), cfg["attack"]["type"])
+        curves.setdefault(key, []).append(list(history.test_accuracy))
+        trained = history.summary["wall_seconds"] - history.summary["startup_seconds"]
+        curve = list(history.test_accuracy)
+        runs.append(dict(zip(("rule", "gamma", "f", "attack"), key), seed=cfg["seed"], seconds=trained, accuracy=curve))
     return {"wall_seconds": seconds, "cells": heatmap(curves), "runs": runs}
 
 

@@ -759,3 +759,59 @@ def test_a_bad_pivot_is_refused_before_anything_runs(config_file, fake_runs, tmp
     with pytest.raises(ConfigError, match=words):
         sweep(config_file, ["aggregator=mean,median", "local.lr=0.1,0.2"], out=tmp_path / "o", pivot=pivot)
     assert fake_runs == []
+
+
+SWEEP_SECTION = """
+sweep:
+  grid:
+    rule:
+      tm: {aggregator: trimmed_mean}
+      gm: {aggregator: geometric_median, aggregator_options: {eps: 0.01, max_iter: 3, tol: 0, init: zero}}
+    attack.type: [ipm, alie]
+  seeds: [0, 1]
+attack: {count: 1}
+"""
+
+
+def test_the_file_s_sweep_section_is_the_grid_with_named_values(config_file):
+    config_file.write_text(config_file.read_text() + SWEEP_SECTION)
+    runs = plan(config_file, [])
+    assert [(run.label, run.seed) for run in runs[:3]] == [
+        ("small-rule=tm-attack.type=ipm-seed=0", 0),
+        ("small-rule=tm-attack.type=ipm-seed=1", 1),
+        ("small-rule=tm-attack.type=alie-seed=0", 0),
+    ]
+    gm = next(run for run in runs if dict(run.point)["rule"] == "gm")
+    assert gm.config.aggregator == "geometric_median"
+    assert gm.config.aggregator_options == {"eps": 0.01, "max_iter": 3, "tol": 0, "init": "zero"}
+    assert runs[0].config.aggregator == "trimmed_mean" and runs[0].config.aggregator_options == {}
+    assert len(runs) == 8
+    # the command line picks named values, replaces an axis, adds one, and replaces the seeds
+    runs = plan(config_file, ["rule=gm", "attack.type=sign_flip", "local.lr=0.1,0.2"], seeds="5")
+    assert [run.label for run in runs] == [
+        "small-rule=gm-attack.type=sign_flip-local.lr=0.1-seed=5",
+        "small-rule=gm-attack.type=sign_flip-local.lr=0.2-seed=5",
+    ]
+    assert runs[1].config.local.lr == 0.2 and runs[1].config.attack.type == "sign_flip"
+    # fedsim run runs the file's configuration, without its grid
+    assert fedsim.load_config(config_file).aggregator == "fedavg"
+
+
+@pytest.mark.parametrize(
+    "section, words",
+    [
+        ("sweep: [a]", "sweep: expected a mapping of grid and seeds"),
+        ("sweep: {grids: {}}", "sweep: expected a mapping of grid and seeds"),
+        ("sweep: {grid: {attack.type: ipm}}", "sweep.grid.attack.type: expected a list of values"),
+        ("sweep: {grid: {rule: {tm: aggregator}}}", "sweep.grid.rule: expected a list of values"),
+        ("sweep: {grid: {rule: {tm: {aggregator: trimmed_mean}}}}\n", None),
+    ],
+)
+def test_a_bad_sweep_section_is_refused_in_one_line(config_file, section, words):
+    config_file.write_text(config_file.read_text() + section)
+    if words is None:
+        with pytest.raises(ConfigError, match="--grid rule=gm: the file's axis rule has no value gm; it has tm"):
+            plan(config_file, ["rule=gm"])
+    else:
+        with pytest.raises(ConfigError, match=words):
+            plan(config_file, [])

@@ -304,11 +304,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from ..execution.pool import kill_all_pools
     from ..runs.sweep import prepare
 
-    if not args.grid and args.seeds is None:
-        raise FedsimError(
-            "give at least one --grid KEY=V1,V2,... or --seeds S1,S2,..., e.g. "
-            "--grid aggregator=fedavg,median or --seeds 0,1,2"
-        )
     install_handlers(kill_all_pools)
     planned = None
     try:

@@ -50,6 +50,7 @@ def load_config(
     else:
         origin = str(source)
         raw = read_yaml(experiment_file(source))
+    raw.pop("sweep", None)  # the grid fedsim sweep runs (runs/sweepgrid.py); a run is the configuration
     from_overrides = {**earlier, **apply_overrides(raw, overrides or {}, origin, SECTIONS)}
     rule_named = raw.get("aggregator") is not None
     if not rule_named:  # no aggregator, or null: the one the algorithm's paper fixes

@@ -29,12 +29,12 @@ from pathlib import Path
 
 from ..core.errors import ConfigError, FedsimError, write_error
 from ..core.files import atomic_write_text
-from ..core.overrides import parse_grid
 from ..experiment.config import Config
 from ..experiment.validation import load_config
 from ..results.history import check_target, load_run
 from ..results.rundir import safe_dir_name
 from .sweepdir import SWEEP_FILE, identity, left_to_do, placement, sweep_root
+from .sweepgrid import grid_axes
 from .sweepruns import SweepRun, _printable, _row, format_pivot, format_table, write_csv, write_pivot, write_table
 
 
@@ -70,8 +70,14 @@ def plan(
     ``overrides``, then the point, then the seed. Without ``seeds`` a run is named after its
     point; with them the runs of a point share the point's name, and their directories end in
     ``-seed=S``."""
-    axes = parse_grid(grid)
+    axes, file_seeds = grid_axes(config, grid)
+    seeds = seeds if seeds is not None else file_seeds
     seeds = None if seeds is None else parse_seeds(seeds)
+    if not axes and seeds is None:
+        raise ConfigError(
+            "give at least one --grid KEY=V1,V2,... or --seeds S1,S2,..., e.g. --grid aggregator=fedavg,median "
+            "or --seeds 0,1,2 (or a sweep section in the experiment file)"
+        )
     if seeds is not None and any(key == "seed" for key, _ in axes):
         raise ConfigError(
             "--seeds and --grid seed=... both give seeds; use --seeds to repeat every "
@@ -79,13 +85,14 @@ def plan(
         )
     name = load_config(config, list(overrides)).name
     runs, seen = [], {}
-    for values in itertools.product(*(texts for _, texts in axes)):
-        point = [(key, value) for (key, _), value in zip(axes, values)]
+    for values in itertools.product(*(choices for _, choices in axes)):
+        point = [(key, text) for (key, _), (text, _) in zip(axes, values)]
+        sets = [item for _, settings in values for item in settings]
         configuration = run_label(name, point)
         for seed in seeds if seeds is not None else [None]:
             repeat = [] if seed is None else [f"seed={seed}"]
             try:
-                cfg = load_config(config, [*overrides, *(f"{key}={value}" for key, value in point), *repeat])
+                cfg = load_config(config, [*overrides, *sets, *repeat])
             except ConfigError as e:
                 raise _as_given(e, point, seed) from None
             same = seen.setdefault(repr(cfg.to_dict()), point)  # 0.1 and 0.10 are one value
@@ -170,7 +177,8 @@ def prepare(
                 check_run(run.config, datasets)
             except FedsimError as e:
                 raise type(e)(f"sweep run {run.label}: {e}") from None
-    return Sweep(runs, root, seeds, target, named=out is not None, pivot=pivoted)
+    repeats = list(dict.fromkeys(run.seed for run in runs)) if runs and runs[0].seed is not None else None
+    return Sweep(runs, root, repeats, target, named=out is not None, pivot=pivoted)
 
 
 def parse_pivot(pivot: str | None, keys: list[str]) -> tuple[str, str] | None:
