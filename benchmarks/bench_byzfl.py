@@ -3,6 +3,8 @@
     python benchmarks/bench_byzfl.py                        # 100 steps; gamma 1, 0.33, 0; f 1, 4; TM; 3 attacks
     python benchmarks/bench_byzfl.py --only fedsim --steps 800 --gammas 1,0.66,0.33,0 --f 1,2,3,4 \\
         --rules trimmed_mean,geometric_median --seeds 0,1,2   # ByzFL's whole default grid, fedsim alone
+    python benchmarks/bench_byzfl.py --from-sweep runs/byzfl-sweep-X --heatmaps docs/figures
+        # the cells and heatmaps of a sweep of experiments/robustness/byzfl.yaml already run
 
 ByzFL's side is its own ``run_benchmark`` (byzfl 0.0.11, ``byzfl/benchmark/benchmark.py``) on a
 ``config.json`` of the cells, in a temporary folder, reading MNIST from the data root
@@ -63,6 +65,9 @@ def parse_args(argv=None):
     parser.add_argument("--only", choices=["both", "fedsim", "byzfl"], default="both")
     parser.add_argument("--byzfl-jobs", type=int, default=2, help="cells ByzFL trains at once (its nb_jobs)")
     parser.add_argument("--workers", type=int, default=2, help="fedsim's worker processes")
+    parser.add_argument("--device", default="cpu", help="both sides' device (cpu or cuda)")
+    parser.add_argument("--from-sweep", default=None, help="a fedsim sweep directory to tabulate, running nothing")
+    parser.add_argument("--heatmaps", default=None, help="a folder for each tool's and rule's heatmap (PNG)")
     parser.add_argument("--data-root", default=None, help="the folder holding MNIST/raw (default $FEDSIM_DATA)")
     parser.add_argument("--output", default=None, help="the results JSON (default benchmarks/results/...)")
     return parser.parse_args(argv)
@@ -111,7 +116,7 @@ def byzfl_config(grid: dict, args, data_root: str, results: Path) -> dict:
         "benchmark_config": {
             "training_algorithm": {"name": "DSGD", "parameters": {}},
             "nb_steps": args.steps,
-            "device": "cpu",
+            "device": args.device,
             "training_seed": grid["seeds"][0],
             "nb_training_seeds": len(grid["seeds"]),
             "nb_honest_clients": 10,
@@ -180,7 +185,8 @@ def run_fedsim(grid: dict, args, data_root: str, folder: Path) -> dict:
     env = {**os.environ, "FEDSIM_DATA": data_root}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "fedsim", "sweep", str(EXPERIMENT), "--quiet", "--out", str(folder / "runs")]
-    for setting in [f"rounds={args.steps}", f"eval_every={args.eval_every}", f"workers={args.workers}"]:
+    settings = [f"rounds={args.steps}", f"eval_every={args.eval_every}", f"workers={args.workers}"]
+    for setting in [*settings, f"device={args.device}"]:
         command += ["--set", setting]
     command += ["--grid", f"rule={','.join(grid['rules'])}"]
     command += ["--grid", f"attack.type={','.join(grid['attacks'])}"]
@@ -188,22 +194,64 @@ def run_fedsim(grid: dict, args, data_root: str, folder: Path) -> dict:
     command += ["--grid", f"data.gamma={','.join(map(str, grid['gammas']))}"]
     command += ["--seeds", ",".join(map(str, grid["seeds"]))]
     seconds = timed(command, REPO, env)
+    return {"wall_seconds": seconds, **sweep_cells(folder / "runs")}
+
+
+def sweep_cells(folder: Path) -> dict:
+    """The cells of the runs of a sweep of the experiment in ``folder`` (each run a folder), and
+    each run's own time, from its first round to its end (summary.json, less its start-up)."""
     from fedsim.results.history import load_runs
 
     curves: dict = {}
-    runs = []  # each run's own time, from its first round to its end (summary.json, less its start-up)
-    for history in load_runs(folder / "runs" / "*"):
+    runs = []
+    for history in load_runs(folder / "*"):
         cfg = history.config
         key = (cfg["aggregator"], float(cfg["data"]["gamma"]), int(cfg["attack"]["count"]), cfg["attack"]["type"])
         curves.setdefault(key, []).append(list(history.test_accuracy))
         trained = history.summary["wall_seconds"] - history.summary["startup_seconds"]
         curve = list(history.test_accuracy)
         runs.append(dict(zip(("rule", "gamma", "f", "attack"), key), seed=cfg["seed"], seconds=trained, accuracy=curve))
-    return {"wall_seconds": seconds, "cells": heatmap(curves), "runs": runs}
+    return {"cells": heatmap(curves), "runs": runs}
+
+
+def write_heatmaps(sides: dict, folder: Path) -> list[Path]:
+    """One heatmap per tool and rule, as ByzFL draws its own: gamma down, f across, each cell the
+    worst attack's accuracy (``{tool}_{rule}_heatmap.png``)."""
+    from matplotlib.figure import Figure
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for tool, side in sides.items():
+        for rule in dict.fromkeys(cell["rule"] for cell in side["cells"]):
+            cells = {(c["gamma"], c["f"]): c["accuracy"] for c in side["cells"] if c["rule"] == rule}
+            gammas = sorted({g for g, _ in cells}, reverse=True)
+            fs = sorted({f for _, f in cells})
+            values = [[cells.get((g, f), float("nan")) for f in fs] for g in gammas]
+            fig = Figure(figsize=(max(3.0, 1.0 + 0.7 * len(fs)), 0.9 + 0.5 * len(gammas)), layout="constrained")
+            ax = fig.subplots()
+            ax.imshow(values, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+            for i, row in enumerate(values):
+                for j, value in enumerate(row):
+                    ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+            ax.set_xticks(range(len(fs)), [str(f) for f in fs])
+            ax.set_yticks(range(len(gammas)), [f"{g:g}" for g in gammas])
+            ax.set_xlabel("f (Byzantine clients)")
+            ax.set_ylabel("γ")
+            ax.set_title(f"{rule} ({tool}), worst attack", fontsize=8)
+            path = folder / f"{tool}_{rule}_heatmap.png"
+            fig.savefig(path, dpi=200)
+            written.append(path)
+    return written
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_sweep:
+        side = sweep_cells(Path(args.from_sweep))
+        print(harness.format_table(COLUMNS, [{"tool": "fedsim", **cell} for cell in side["cells"]]))
+        for path in write_heatmaps({"fedsim": side}, Path(args.heatmaps)) if args.heatmaps else []:
+            print(f"wrote {path}")
+        return 0
     grid = cells(args)
     data_root = args.data_root or os.environ.get("FEDSIM_DATA")
     if not data_root or not (Path(data_root) / "MNIST" / "raw").is_dir():
@@ -240,7 +288,9 @@ def main(argv=None) -> int:
         print(f"{tool}: {side['wall_seconds']:.1f} s from launch to exit")
     if len(sides) == 2:
         print(f"byzfl / fedsim: {sides['byzfl']['wall_seconds'] / sides['fedsim']['wall_seconds']:.2f}x")
-    path = harness.write_results("bench_byzfl", args, machine, "cpu", [], {"sides": sides, "grid": grid})
+    for path in write_heatmaps(sides, Path(args.heatmaps)) if args.heatmaps else []:
+        print(f"wrote {path}")
+    path = harness.write_results("bench_byzfl", args, machine, args.device, [], {"sides": sides, "grid": grid})
     print(f"\nwrote {path}")
     return 0
 
