@@ -996,3 +996,25 @@ def test_a_run_with_a_rule_that_remembers_resumes_exactly(tmp_path, rule):
         assert saved["norms"].shape == (2 * 5,)  # 4 clients and 1 Byzantine per round
     resumed = fedsim.resume(tmp_path / "part", quiet=True, rounds=4)
     assert (resumed.test_loss, resumed.test_accuracy) == (full.test_loss, full.test_accuracy)
+
+
+@pytest.mark.slow
+def test_a_rule_of_ones_own_with_a_memory_keeps_it_with_its_options(tmp_path):
+    from support import BASE
+
+    import fedsim.aggregation
+
+    def momentum(updates, weights, beta=0.5, memory=None):
+        """The mean, averaged with the last round's by an exponential moving average."""
+        kept = memory.kept["average"] if memory else torch.zeros_like(updates[0])
+        average = beta * kept + (1 - beta) * updates.mean(dim=0)
+        if memory:
+            memory.new["average"] = average
+        return average.clone()
+
+    rule = fedsim.aggregation.remembering(momentum, lambda weights: {"average": torch.zeros_like(weights)})
+    cfg = dict(BASE, workers=0, aggregator=rule, aggregator_options={"beta": 0.9})
+    run = fedsim.run(cfg, out=tmp_path / "run", quiet=True, rounds=2)
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["aggregator"]["average"]
+    plain = fedsim.run(dict(cfg, aggregator="mean", aggregator_options={}), out=tmp_path / "mean", quiet=True, rounds=2)
+    assert saved.abs().sum() > 0 and run.test_loss != plain.test_loss

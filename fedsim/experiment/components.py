@@ -228,7 +228,10 @@ def aggregator(spec: Any, options: dict, attackers: int | None = None) -> Rule:
     if not callable(rule):
         raise ConfigError(f"aggregator: {describe(spec)} is a {type(rule).__name__}, not a function")
     _takes(rule, (2,), "aggregator", "a rule takes (updates, weights, **options)")
-    return functools.partial(rule, **options) if options else rule
+    if not options:
+        return rule
+    bound = functools.partial(rule, **options)
+    return aggregation.remembering(bound, rule.start_memory) if aggregation.remembers(rule) else bound
 
 
 def assumed_attackers(cfg: Config) -> int | None:
