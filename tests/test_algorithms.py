@@ -619,6 +619,7 @@ def test_a_round_in_which_no_sampled_client_reports_changes_nothing(name, tmp_pa
             "algorithm": name,
             "data": {"dataset": "synthetic", "num_clients": 6, "limit": 600},
             "local": {"batch_size": 32, "lr": 0.05},
+            **({"model": "cifar_cnn_bn"} if name == "fedbn" else {}),  # fedbn needs batch norm
         }
     history = fedsim.run({**cfg, "system": {"dropout": 0.8}}, out=tmp_path / "run", quiet=True)
     rows = history.rows

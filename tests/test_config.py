@@ -77,7 +77,7 @@ def test_unknown_key_is_named_with_a_suggestion(tmp_path):
         ("rounds: 0\n", "rounds: must be >= 1"),
         ("local:\n  lr: -0.1\n", "local.lr: must be > 0"),
         ("clients_per_round: 50\n", "clients_per_round: must be <= data.num_clients"),
-        ("model: resnet9000\n", "model: unknown model 'resnet9000' (did you mean 'resnet18'?); choose one of:"),
+        ("model: resnet180\n", "model: unknown model 'resnet180' (did you mean 'resnet18'?); choose one of:"),
         ("device: tpu\n", "device: must be auto, cpu, cuda or cuda:N"),
     ],
 )

@@ -235,3 +235,75 @@ def test_personal_runs_are_the_same_bits_for_any_workers_and_after_a_resume(tmp_
     before = torch.load(tmp_path / "round2.pt", weights_only=True)["client_state"][name]
     kept = set(before) - round3
     assert kept and all(torch.equal(before[c], ends["w0"]["client_state"][name][c]) for c in kept)
+
+
+# ----------------------------------------------------------------------------- FedBN
+
+
+def fedbn_config(algorithm, **changes):
+    return {
+        "name": algorithm,
+        "seed": 4,
+        "rounds": 1,
+        "workers": 0,
+        "clients_per_round": 1,
+        "model": "cifar_cnn_bn",
+        "algorithm": algorithm,
+        "data": {"dataset": "synthetic", "num_clients": 4, "limit": 400},
+        "local": {"batch_size": 16, "lr": 0.05},
+        **changes,
+    }
+
+
+def batch_norm_mask():
+    """The BN coordinates of cifar_cnn_bn's flat weights (parameters, then floating buffers), and the
+    values a fresh model holds there: weight 1, bias 0, running mean 0, running variance 1."""
+    from fedsim.models.zoo import CifarCNNBN
+
+    model = CifarCNNBN(1, 10, side=28)
+    named = [*model.named_parameters(), *[(n, b) for n, b in model.named_buffers() if b.is_floating_point()]]
+    mask = torch.cat([torch.full((t.numel(),), n.startswith("bn")) for n, t in named])
+    fresh = torch.cat([t.detach().flatten() for n, t in named if n.startswith("bn")])
+    return mask, fresh
+
+
+def test_fedbn_keeps_each_clients_batch_norm_and_averages_the_rest(tmp_path):
+    """Li et al. 2021, Algorithm 1: the server averages every parameter but the BN layers', which
+    each client keeps, running statistics included. One client a round: its trained weights are what
+    FedAvg's global model becomes, so FedBN's global model must equal FedAvg's off the BN layers,
+    keep a fresh model's BN values, and the client must hold FedAvg's BN values as its own."""
+    fedbn = fedsim.run(fedbn_config("fedbn"), out=tmp_path / "fedbn", quiet=True)
+    fedavg_run = fedsim.run(fedbn_config("fedavg"), out=tmp_path / "fedavg", quiet=True)
+    ours = torch.load(tmp_path / "fedbn" / "checkpoint.pt", weights_only=False)
+    theirs = torch.load(tmp_path / "fedavg" / "checkpoint.pt", weights_only=False)["global"]
+    mask, fresh = batch_norm_mask()
+    assert torch.equal(ours["global"][~mask], theirs[~mask])  # the same arithmetic on the shared coordinates
+    assert torch.equal(ours["global"][mask], fresh)  # the BN layers never leave the clients
+    (head,) = list(ours["client_state"]["head"].values())
+    # the client's own BN layers: its trained values, which FedAvg's global became as x + (w - x)
+    torch.testing.assert_close(head, theirs[mask], rtol=0, atol=4 * U32 * float(theirs[mask].abs().max()))
+    assert not torch.equal(head, fresh)  # trained: the running statistics moved
+    assert fedbn.rows[-1]["test_accuracy"] != fedavg_run.rows[-1]["test_accuracy"]
+
+
+@pytest.mark.slow
+def test_fedbn_clients_keep_their_statistics_across_rounds_and_a_resume(tmp_path):
+    cfg = fedbn_config("fedbn", rounds=4, clients_per_round=2, workers=2, eval_per_client=True)
+    cfg["data"] = {**cfg["data"], "test_partition": True, "partition": "dirichlet", "alpha": 0.3}
+    full = fedsim.run(cfg, out=tmp_path / "full", quiet=True)
+    fedsim.run(cfg, out=tmp_path / "part", quiet=True, rounds=2)
+    resumed = fedsim.resume(tmp_path / "part", quiet=True, rounds=4)
+    assert (resumed.test_loss, resumed.client_accuracy_mean) == (full.test_loss, full.client_accuracy_mean)
+    heads = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)["client_state"]["head"]
+    resumed_heads = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=False)["client_state"]["head"]
+    assert heads.keys() == resumed_heads.keys() and all(torch.equal(heads[c], resumed_heads[c]) for c in heads)
+    # the personal models, each with its own statistics, score far above the global model's fresh BN layers
+    assert full.summary["final_personal_accuracy"] > full.final_accuracy
+
+
+def test_fedbn_refuses_a_model_without_batch_norm_before_training(tmp_path):
+    from fedsim.runs.parts import check_run
+
+    cfg = fedsim.load_config(fedbn_config("fedbn", model="mnist_cnn"))
+    with pytest.raises(ConfigError, match="this model has no batch norm, so fedbn would be fedavg"):
+        check_run(cfg)

@@ -93,6 +93,24 @@ class CifarCNN(nn.Module):
         return self.fc3(x)
 
 
+class CifarCNNBN(CifarCNN):
+    """``cifar_cnn`` with batch norm after each hidden layer (conv 6, conv 16, fc 120, fc 84), as
+    FedBN (Li et al. 2021) places it in its models: 62,458 parameters on 3x32x32, and the running
+    statistics of 452 values."""
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 10, side: int = 32):
+        super().__init__(in_channels, num_classes, side)
+        self.bn1, self.bn2 = nn.BatchNorm2d(6), nn.BatchNorm2d(16)
+        self.bn3, self.bn4 = nn.BatchNorm1d(120), nn.BatchNorm1d(84)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        x = F.relu(self.bn3(self.fc1(x.flatten(1))))
+        x = F.relu(self.bn4(self.fc2(x)))
+        return self.fc3(x)
+
+
 class ByzflCNN(nn.Module):
     """ByzFL's ``cnn_mnist`` (byzfl/fed_framework/models.py), the model of its benchmark, layer for
     layer: conv 20 (5x5), ReLU, 2x2 max-pool, conv 50 (5x5), ReLU, 2x2 max-pool, fc 800 -> 500,
@@ -167,18 +185,19 @@ def _group_norm(channels: int) -> nn.GroupNorm:
 
 
 class BasicBlock(nn.Module):
-    """Two 3x3 convolutions with a shortcut (a strided 1x1 convolution where the shape changes)."""
+    """Two 3x3 convolutions with a shortcut (a strided 1x1 convolution where the shape changes),
+    each followed by ``norm`` (GroupNorm of 2 groups unless given)."""
 
-    def __init__(self, in_channels: int, channels: int, stride: int):
+    def __init__(self, in_channels: int, channels: int, stride: int, norm=_group_norm):
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, channels, 3, stride=stride, padding=1, bias=False)
-        self.norm1 = _group_norm(channels)
+        self.norm1 = norm(channels)
         self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.norm2 = _group_norm(channels)
+        self.norm2 = norm(channels)
         self.shortcut = nn.Identity()
         if stride != 1 or in_channels != channels:
             self.shortcut = nn.Sequential(
-                nn.Conv2d(in_channels, channels, 1, stride=stride, bias=False), _group_norm(channels)
+                nn.Conv2d(in_channels, channels, 1, stride=stride, bias=False), norm(channels)
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,6 +226,29 @@ class ResNet18(nn.Module):
             channels = width
         self.stages = nn.Sequential(*stages)
         self.fc = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stages(self.stem(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class ResNet20(nn.Module):
+    """He et al. 2016's ResNet-20 for CIFAR (section 4.2): a 3x3 convolution of 16 channels, three
+    stages of three basic blocks of 16, 32 and 64 channels (the second and third halving the side),
+    global average pooling and one linear layer, with batch norm after every convolution;
+    shortcuts that change shape are strided 1x1 convolutions with batch norm. 272,474 parameters
+    for 10 classes. The model for batch norm kept per client (FedBN); ``resnet18`` uses GroupNorm."""
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        blocks, channels = [], 16
+        for width, stride in ((16, 1), (32, 2), (64, 2)):
+            for i in range(3):
+                blocks.append(BasicBlock(channels, width, stride if i == 0 else 1, nn.BatchNorm2d))
+                channels = width
+        self.stages = nn.Sequential(*blocks)
+        self.fc = nn.Linear(64, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stages(self.stem(x))
@@ -295,6 +337,13 @@ def cifar_cnn(input_shape: tuple[int, ...], num_classes: int) -> CifarCNN:
     return CifarCNN(input_shape[0], num_classes, side=input_shape[-1])
 
 
+@MODELS.register(
+    "cifar_cnn_bn", "cifar_cnn with batch norm after each hidden layer, as FedBN's models (62,458 parameters)"
+)
+def cifar_cnn_bn(input_shape: tuple[int, ...], num_classes: int) -> CifarCNNBN:
+    return CifarCNNBN(input_shape[0], num_classes, side=input_shape[-1])
+
+
 @MODELS.register("byzfl_cnn", "ByzFL's cnn_mnist, its benchmark's model: conv 20, conv 50, fc 500 (431,080 parameters)")
 def byzfl_cnn(input_shape: tuple[int, ...], num_classes: int) -> ByzflCNN:
     return ByzflCNN(input_shape[0], num_classes, side=input_shape[-1])
@@ -310,6 +359,11 @@ def simple_cnn(input_shape: tuple[int, ...], num_classes: int) -> SimpleCNN:
 @MODELS.register("resnet18", "ResNet-18 for 32x32 inputs with GroupNorm (11,173,962 parameters)")
 def resnet18(input_shape: tuple[int, ...], num_classes: int) -> ResNet18:
     return ResNet18(input_shape[0], num_classes)
+
+
+@MODELS.register("resnet20", "He et al.'s ResNet-20 for 32x32 inputs, with batch norm (272,474 parameters)")
+def resnet20(input_shape: tuple[int, ...], num_classes: int) -> ResNet20:
+    return ResNet20(input_shape[0], num_classes)
 
 
 @MODELS.register(
