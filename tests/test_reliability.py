@@ -34,6 +34,7 @@ from support import (
 )
 
 import fedsim
+from fedsim.core.errors import FedsimError
 from fedsim.execution.interrupts import Terminated
 from fedsim.experiment import components
 from fedsim.results.keys import flatten_config
@@ -189,6 +190,32 @@ def test_a_server_killed_mid_run_resumes_to_the_uninterrupted_metrics(tmp_path):
     code, _, err, _, _ = run_cli(["run", "--resume", str(run_dir)])
     assert code == 0, err
     assert fedsim.load_run(run_dir).test_accuracy == full.test_accuracy
+
+
+def test_a_run_killed_after_its_last_checkpoint_is_finished_by_resume(tmp_path):
+    """Killed between the checkpoint of its last round and summary.json and the plot (the files are
+    then those of the finished run without these two): load_model says how to finish it, and the
+    command it names writes them as the uninterrupted run did."""
+    whole = fedsim.run({**BASE, "workers": 0}, out=tmp_path / "run", quiet=True)
+    for file in ("summary.json", "accuracy.png"):
+        (tmp_path / "run" / file).unlink()
+    with pytest.raises(FedsimError) as error:
+        fedsim.load_model(tmp_path / "run")
+    command = f"fedsim run --resume {tmp_path / 'run'}"
+    assert str(error.value) == (
+        f"{tmp_path / 'run'}: no summary.json, which says the shape of the run's data: the run stopped before "
+        f"writing it; `{command}` finishes the run and writes it"
+    )
+    code, out, err, _, _ = run_cli(command.split()[1:])
+    assert code == 0, err
+    assert f"every round done (the checkpoint of round 3); writing its summary and plot in {tmp_path / 'run'}" in out
+    assert (tmp_path / "run" / "accuracy.png").is_file()
+    summary = fedsim.load_run(tmp_path / "run").summary
+    for key in ("status", "rounds", "final_test_accuracy", "best_test_accuracy", "final_test_loss", "input_shape"):
+        assert summary[key] == whole.summary[key], key
+    assert fedsim.load_model(tmp_path / "run") is not None
+    code, out, err, _, _ = run_cli(command.split()[1:])  # now it is done
+    assert code == 0 and "already at round 3 of 3; nothing to do" in out, err
 
 
 def test_resume_refuses_changes_that_would_split_the_run(tmp_path):

@@ -192,3 +192,17 @@ def test_a_lora_run_and_a_server_optimizer_are_named_in_the_runs_description():
     text = describe_run(load_config({"server_optimizer": "fedadam"}).to_dict())
     assert "model mnist_cnn, aggregator fedavg, server optimizer fedadam, algorithm fedavg" in text
     assert "LoRA" not in text and "server optimizer" not in describe_run(load_config({}).to_dict())
+
+
+def test_the_ready_line_counts_rounds_in_words_that_agree():
+    from pathlib import Path
+
+    import torch
+
+    from fedsim.runs.session import ready_message
+
+    cfg = load_config({"name": "one", "rounds": 1, "clients_per_round": 2, "data": {"num_clients": 4}})
+    line = ready_message(cfg, 1, 1, 0, torch.device("cpu"), 0.25, Path("runs/one"))
+    assert line == "one: 1 round of 2/4 clients, 0 workers on cpu, ready in 0.2 s; writing runs/one"
+    finishing = ready_message(cfg, 2, 1, 0, torch.device("cpu"), 0.25, Path("runs/one"))
+    assert finishing == "one: every round done (the checkpoint of round 1); writing its summary and plot in runs/one"

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ..core.errors import FedsimError, OutputError, explain_resource_error
+from ..core.errors import FedsimError, OutputError, explain_resource_error, plural
 from ..engine.buffers import RoundBuffers
 from ..engine.state import GlobalState
 from ..execution.distributed import Ranks
@@ -67,11 +67,13 @@ def ready_message(
 ) -> str:
     """The line that says the workers are ready: which rounds (a resumed run's from its
     checkpoint on), how, after how long, and where the files go."""
-    rounds = (
-        f"{cfg.rounds} rounds"
-        if first_round == 1
-        else f"rounds {first_round} to {cfg.rounds} (resumed from the checkpoint of round {first_round - 1})"
-    )
+    if first_round > cfg.rounds:  # a run killed after its last checkpoint
+        done = f"every round done (the checkpoint of round {cfg.rounds})"
+        return f"{cfg.name}: {done}; writing its summary and plot in {path}"
+    if first_round == 1:
+        rounds = plural(cfg.rounds, "round")
+    else:
+        rounds = f"rounds {first_round} to {cfg.rounds} (resumed from the checkpoint of round {first_round - 1})"
     ranks_text = f"{ranks} ranks x " if ranks > 1 else ""
     return (
         f"{cfg.name}: {rounds} of {cfg.clients_per_round}/{cfg.data.num_clients} clients, {ranks_text}{workers} "
@@ -257,6 +259,8 @@ class Session:
         arrives. The status is the session's own, not a local: a signal held through the last
         round's files is delivered as that block ends, and must find the run already finished."""
         cfg = self.cfg
+        if self.first_round > cfg.rounds:  # a run killed after its last checkpoint: only its files are left to write
+            self.status = "finished"
         for rnd in range(self.first_round, cfg.rounds + 1):
             result = self.engine.run_round(rnd)
             row = {**result.row, "elapsed_seconds": round(self.elapsed_before + time.perf_counter() - self.t_start, 4)}
