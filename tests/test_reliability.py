@@ -225,6 +225,23 @@ def test_resume_refuses_changes_that_would_split_the_run(tmp_path):
     assert_one_line_error(err, "--set local.lr: cannot change when resuming")
 
 
+def test_resume_refuses_to_replan_a_cosine_schedule(tmp_path):
+    """A cosine run's rates are planned over its rounds: more rounds would re-plan those left, and
+    the run would match neither plan."""
+    fedsim.run(
+        {**BASE, "workers": 0, "rounds": 2, "local": {**BASE["local"], "lr_schedule": "cosine"}},
+        out=tmp_path / "run",
+        quiet=True,
+    )
+    code, _, err, _, _ = run_cli(["run", "--resume", str(tmp_path / "run"), "--set", "rounds=4"])
+    assert code == 2
+    assert_one_line_error(
+        err,
+        f"--set rounds=4: cannot change when resuming; {tmp_path / 'run'} anneals its learning rate over its 2 "
+        "rounds (local.lr_schedule: cosine), and the rounds before and after would not be one run",
+    )
+
+
 # ----------------------------------------------------------------------------- non-finite updates
 
 

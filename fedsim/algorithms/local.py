@@ -51,9 +51,12 @@ class LocalConfig:
     lr_schedule: str = option(
         "constant",
         "the learning rate over the rounds: `constant`, or `cosine`: round t of T trains with lr_min + (lr - "
-        "lr_min) (1 + cos(pi t / T)) / 2, as FlowerTune anneals it, whatever `optimizer`",
+        "lr_min) (1 + cos(pi (t - 1) / T)) / 2, whatever `optimizer`: round 1 at lr, every round above lr_min "
+        "(FlowerTune's `cosine_annealing` is this curve one round on); `rounds` cannot change on resume",
     )
-    lr_min: float = option(0.0, "`cosine`: the learning rate it anneals to by the last round", unread=_constant_lr)
+    lr_min: float = option(
+        0.0, "`cosine`: the learning rate it anneals toward, reached after the last round", unread=_constant_lr
+    )
     momentum: float = option(0.0, "local SGD momentum (reset for every client every round)")
     weight_decay: float = option(0.0, "local weight decay: L2 in the gradient for SGD, decoupled for AdamW")
     precision: str = option(
@@ -70,11 +73,15 @@ class LocalConfig:
 
     def round_lr(self, rnd: int, rounds: int) -> float:
         """The learning rate of round ``rnd`` (1-based) of ``rounds``: ``lr``, or its cosine
-        annealing (Loshchilov & Hutter 2017's SGDR, one cycle over the run), FlowerTune's
-        ``cosine_annealing(current_round, total_round, lrate_max, lrate_min)``."""
+        annealing (Loshchilov & Hutter 2017's SGDR, one half-cycle over the run), as
+        ``torch.optim.lr_scheduler.CosineAnnealingLR(T_max=rounds)`` stepped once a round gives
+        it: round 1 trains at ``lr`` and the last above ``lr_min``, so that no round trains at 0
+        with ``lr_min: 0`` and a 1-round run trains at ``lr``. FlowerTune's ``cosine_annealing(
+        current_round, total_round, ...)``, called with Flower's rounds from 1, is the same curve a
+        round on: its round t trains at the rate of round t + 1 here, and its last at lr_min."""
         if self.lr_schedule == "constant":
             return self.lr
-        return self.lr_min + 0.5 * (self.lr - self.lr_min) * (1 + math.cos(math.pi * min(rnd, rounds) / rounds))
+        return self.lr_min + 0.5 * (self.lr - self.lr_min) * (1 + math.cos(math.pi * (min(rnd, rounds) - 1) / rounds))
 
     def check(self) -> None:
         checks = Checks("local")

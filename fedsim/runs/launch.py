@@ -224,6 +224,12 @@ def _check_same_run(path: Path, state: dict, cfg: Config, asked=frozenset()) -> 
     """The config to resume with must be the one that wrote the checkpoint, but for the keys a
     resume may change; ``asked``: the keys the user set for this resume (the others come from
     config.yaml)."""
+    planned = read_mapping(path / "config.yaml", yaml.safe_load).get("rounds")
+    if cfg.local.lr_schedule == "cosine" and "rounds" in asked and cfg.rounds != planned:
+        raise ConfigError(
+            f"--set rounds={cfg.rounds}: cannot change when resuming; {path} anneals its learning rate over "
+            f"its {planned} rounds (local.lr_schedule: cosine), and the rounds before and after would not be one run"
+        )
     identity = state.get("config")
     if not isinstance(identity, str):
         return  # a checkpoint from before runs recorded their identity
