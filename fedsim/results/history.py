@@ -108,7 +108,20 @@ class History:
 
     @property
     def best_accuracy(self) -> float:
-        return max(self.test_accuracy, default=math.nan)
+        """The highest test accuracy of the rounds scored on the set the last round was (see
+        ``scored_alike``): a round scored on eval_subset's samples is not weighed against the whole set."""
+        return max((row["test_accuracy"] for row in scored_alike(self.rows)), default=math.nan)
+
+    @property
+    def scored_apart(self) -> bool:
+        """Whether some evaluated round was scored on another set than the last (eval_subset's)."""
+        return len(scored_alike(self.rows)) < len(self.rows)
+
+    @property
+    def scored_on(self) -> int | None:
+        """The test samples the final and best figures (and rounds to a target) are scored on: the
+        last round's, the whole test set (None: a run of a version that did not record them)."""
+        return self.rows[-1].get("test_samples") if self.rows else None
 
     @property
     def tokens(self) -> bool:
@@ -123,8 +136,12 @@ class History:
 
     @property
     def best_perplexity(self) -> float | None:
-        """The lowest test perplexity of the evaluated rounds; None for a classification run."""
-        return min((v for v in self.test_perplexity if v is not None), default=None)
+        """The lowest test perplexity of the rounds scored on the set the last round was; None for a
+        classification run."""
+        return min(
+            (r["test_perplexity"] for r in scored_alike(self.rows) if r.get("test_perplexity") is not None),
+            default=None,
+        )
 
     @property
     def personal_accuracy(self) -> list[float] | None:
@@ -255,11 +272,22 @@ def _plain(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def scored_alike(rows: list[dict]) -> list[dict]:
+    """The rows scored on the set the last one was (``test_samples``): with eval_subset, the rounds
+    before the last are scored on a subset and the last on the whole test set, and a best figure or
+    a round to a target that mixed the two would weigh a few samples' score against all of them."""
+    if not rows:
+        return []
+    last = rows[-1].get("test_samples")
+    return [row for row in rows if row.get("test_samples") == last]
+
+
 def rounds_to_target(history: History, target: float) -> int | None:
-    """The first evaluated round whose test accuracy is at least ``target`` (a fraction), read
-    from the rows; None when no evaluated round got there. With ``eval_every`` > 1 only the
-    evaluated rounds count."""
-    return next((row["round"] for row in history.rows if row["test_accuracy"] >= target), None)
+    """The first evaluated round whose test accuracy is at least ``target`` (a fraction), of those
+    scored on the set the last round was (``scored_alike``: a round that reaches stop_at_accuracy on
+    eval_subset is scored again on the whole set); None when none got there. With ``eval_every`` > 1
+    only the evaluated rounds count."""
+    return next((row["round"] for row in scored_alike(history.rows) if row["test_accuracy"] >= target), None)
 
 
 def mean_and_sd(values: Iterable[float]) -> tuple[float, float]:

@@ -16,6 +16,7 @@ from ..engine.state import GlobalState
 from ..execution.resources import cpu_name, load_average, peak_memory_mb
 from ..experiment.config import Config
 from ..fl.compression import Compression
+from ..results.history import scored_alike
 
 
 def account(session: Any, status: str, ended_by: BaseException | None) -> dict:
@@ -77,11 +78,16 @@ def what_ran(
 def outcome(rows: list[dict], target: float | None) -> dict:
     """summary.json's account of how the run went, from its evaluated rounds' rows. A token-level
     run (a language model: rows with ``test_perplexity``) also has ``final_test_perplexity`` and
-    ``best_test_perplexity`` (the lowest); its accuracies are token accuracies."""
-    accuracies = [r["test_accuracy"] for r in rows]
-    perplexities = [r["test_perplexity"] for r in rows if r.get("test_perplexity") is not None]
+    ``best_test_perplexity`` (the lowest); its accuracies are token accuracies. Every figure comes
+    from the rounds scored on the set the last round was, ``test_samples`` of them (the whole test
+    set: with eval_subset, the rounds scored on its subset are left out of the best figures and of
+    ``rounds_to_target``)."""
+    alike = scored_alike(rows)
+    accuracies = [r["test_accuracy"] for r in alike]
+    perplexities = [r["test_perplexity"] for r in alike if r.get("test_perplexity") is not None]
     return {
         "rounds": rows[-1]["round"] if rows else 0,
+        "test_samples": rows[-1].get("test_samples") if rows else None,
         "final_test_accuracy": accuracies[-1] if accuracies else None,
         "best_test_accuracy": max(accuracies) if accuracies else None,
         "final_test_loss": rows[-1]["test_loss"] if rows else None,
@@ -90,7 +96,7 @@ def outcome(rows: list[dict], target: float | None) -> dict:
             if perplexities
             else {}
         ),
-        "rounds_to_target": next((r["round"] for r in rows if target and r["test_accuracy"] >= target), None),
+        "rounds_to_target": next((r["round"] for r in alike if target and r["test_accuracy"] >= target), None),
     }
 
 

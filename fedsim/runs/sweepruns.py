@@ -61,6 +61,16 @@ def _tokens(runs: list[SweepRun]) -> bool:
     return all(run.history.tokens for run in runs)
 
 
+def _scored_apart(runs: list[SweepRun]) -> bool:
+    """Whether some run scored rounds on eval_subset's samples: the final and best figures and the
+    rounds to a target then come from the rounds scored on the whole test set, which a column names."""
+    return any(run.history.scored_apart for run in runs)
+
+
+def _samples(count: int | None) -> str:
+    return "–" if count is None else f"{count:,} samples"
+
+
 def _repeated(runs: list[SweepRun]) -> bool:
     return any(run.seed is not None for run in runs)
 
@@ -87,6 +97,7 @@ def _row(run: SweepRun, target: float | None, runs: list[SweepRun]) -> dict:
             if _tokens(runs)
             else {}
         ),
+        **({"test_samples": _blank(h.scored_on)} if _scored_apart(runs) else {}),
         "seconds_per_round": round(seconds_per_round(h), 4),
         "rounds": h.rows[-1]["round"] if h.rows else 0,
     }
@@ -116,6 +127,7 @@ def _group_row(group: list[SweepRun], target: float | None, runs: list[SweepRun]
         "final_test_accuracy_std": _blank(final_sd if n > 1 else None),
         "best_test_accuracy": best,
         "best_test_accuracy_std": _blank(best_sd if n > 1 else None),
+        **({"test_samples": _blank(histories[0].scored_on)} if _scored_apart(runs) else {}),
         **(_perplexity_columns(histories) if _tokens(runs) else {}),
         "seconds_per_round": round(mean_and_sd(seconds_per_round(h) for h in histories)[0], 4),
     }
@@ -201,6 +213,8 @@ def format_table(runs: list[SweepRun], target: float | None = None) -> str:
     named = "tok acc" if tokens else "acc"
     for title, value in (("final", lambda h: h.final_accuracy), ("best", lambda h: h.best_accuracy)):
         columns.append((f"{title} {named}", [_accuracy([value(run.history) for run in g]) for g in groups]))
+    if _scored_apart(runs):  # the set the figures before come from, where some rounds were scored on eval_subset's
+        columns.append(("scored on", [_samples(g[0].history.scored_on) for g in groups]))
     if _with_epsilon(runs):
         epsilons = [_mean_epsilon([run.history for run in g]) for g in groups]
         columns.append(("epsilon", ["–" if e is None else f"{e:.3g}" for e in epsilons]))
