@@ -370,11 +370,19 @@ def test_a_hetlora_run_reports_each_clients_rank_and_ranks_only_fall(tmp_path):
     root, _ = play_root(tmp_path)
     history = fedsim.run(lora_config(root, "hetlora", algorithm="hetlora"), out=tmp_path / "run", quiet=True)
     assert history.test_loss[-1] < history.test_loss[0]
-    seen: dict[int, list[int]] = {}
+    seen: dict[int, list[tuple[int, int]]] = {}
     for record in history.client_records:
-        seen.setdefault(record["client"], []).append(record["lora_rank"])
+        seen.setdefault(record["client"], []).append((record["trained_rank"], record["lora_rank"]))
     for client, ranks in seen.items():
-        assert ranks == sorted(ranks, reverse=True) and ranks[0] <= [1, 2, 4, 3][client]
+        assert ranks[0][0] == [1, 2, 4, 3][client]  # its first round trains at its own rank
+        for (trained, after), (trained_next, _) in zip(ranks, ranks[1:] + [(None, None)]):
+            assert after in (trained, int(0.9 * trained) or trained)  # kept, or pruned to floor(gamma r)
+            assert trained_next in (None, after)  # the next round trains at the rank the last left
+    prunes = sum(after < trained for ranks in seen.values() for trained, after in ranks)
+    assert history.summary["prunes"] == prunes > 0
+    header = (history.run_dir / "clients.csv").read_text().splitlines()[0]
+    assert header.endswith(",staleness,trained_rank,lora_rank")
+    assert fedsim.load_run(history.run_dir).client_records == history.client_records
 
 
 def test_a_flora_run_resumed_and_loaded_back_scores_what_it_scored(tmp_path):

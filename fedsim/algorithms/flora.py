@@ -70,6 +70,8 @@ class FLoRA(Algorithm):
     def server_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"base": (sum(a.fan_out * a.fan_in for a in self.layout),), "merges": (1,)}
 
+    recorded_reports = ("lora_rank",)  # clients.csv's column of each client's rank
+
     def report_shapes(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"lora_rank": (1,)}  # its rank, for clients.csv (the shapes of its adapters tell the server)
 

@@ -38,6 +38,7 @@ from ..fl.server_opt import make_server_optimizer
 from ..results.history import History, describe_run
 from ..results.keys import RESUMABLE_KEYS, flatten_config
 from ..results.progress import RoundLog, console_logging
+from ..results.records import client_columns
 from ..results.rundir import RunDirectory, read_clients, read_mapping
 from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart, notify
 from .parts import build_parts, component_names, data_placement, make_engine, resolve_workers, run_device
@@ -186,7 +187,7 @@ class Session:
         self.callbacks = (
             [
                 MetricsFile(run_dir),
-                ClientsFile(run_dir.path / "clients.csv"),
+                ClientsFile(run_dir.path / "clients.csv", client_columns(self.state.algorithm.recorded_reports)),
                 *(
                     [ClientAccuracyFile(run_dir.path / "client_accuracy.csv", self.client_eval)]
                     if self.client_eval

@@ -34,6 +34,7 @@ def account(session: Any, status: str, ended_by: BaseException | None) -> dict:
         **outcome(s.rows, s.cfg.stop_at_accuracy),
         **(personal_outcome(s.rows) if s.client_eval and personal else {}),
         **feature_figures(s.cfg, s.rows, s.client_rows, update_bytes(s.state, s.compression)),
+        **s.state.algorithm.summary(s.client_rows),
         "checkpoint_round": s.state.saved_round,
         "bytes_sent": s.state.bytes_sent,
         **s.state.clients.summary(),
