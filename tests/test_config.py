@@ -63,6 +63,11 @@ def test_unknown_key_is_named_with_a_suggestion(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match=r"--set roundz: unknown key; did you mean 'rounds'"):
         load_config({}, ["roundz=3"])
+    # a section's key given on its own is that key, not a top-level one spelled alike (lr is not lora)
+    with pytest.raises(ConfigError, match=r"^keyword lr: unknown key; did you mean 'local.lr'\?$"):
+        load_config({}, {"lr": 0.05})
+    with pytest.raises(ConfigError, match=r"^keyword alpha: unknown key; did you mean 'data.alpha' or 'lora.alpha'\?$"):
+        load_config({}, {"alpha": 0.1})
     # from Python, the keyword the user passed
     with pytest.raises(ConfigError, match=r"^keyword roundz: unknown key; did you mean 'rounds'"):
         load_config({}, {"roundz": 3})
