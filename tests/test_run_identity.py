@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 from matplotlib.image import imread
@@ -57,7 +58,11 @@ def test_a_run_directory_is_named_by_what_changes_the_run():
     long = name(
         ["data.dataset=synthetic", "local.lr=0.05", "local.momentum=0.9", "data.partition=dirichlet", "data.alpha=0.1"]
     )
-    assert long.startswith("mnist_seed-set-") and len(long) == len("mnist_seed-set-") + 8
+    # as many keys and values as fit, then a hash of them all
+    assert re.fullmatch(r"mnist_seed-alpha=0.1-dataset=synthetic-lr=0.05-[0-9a-f]{8}", long), long
+    ffa = ["data.dataset=synthetic", "lora.rank=8", "lora.method=ffa", "local.lr=0.0002", "local.weight_decay=0.01"]
+    fedit = name([c.replace("ffa", "fedit") for c in ffa])  # the default: not an override
+    assert "-method=ffa-" in name(ffa) and "method" not in fedit and "-rank=8-" in fedit
     assert long != name(
         ["data.dataset=synthetic", "local.lr=0.05", "local.momentum=0.9", "data.partition=dirichlet", "data.alpha=0.2"]
     )
