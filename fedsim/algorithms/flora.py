@@ -1,6 +1,6 @@
-"""FLoRA (Wang, Shen, He, Wang, Chen, Yu, Lin, Huang 2024, "FLoRA: Federated Fine-Tuning Large
-Language Models with Heterogeneous Low-Rank Adaptations"): the clients' adapters stacked, not
-averaged, and merged into the base every round."""
+"""FLoRA (Wang, Shen, He, Sun, Wang, Lyu, Li 2024, "FLoRA: Federated Fine-Tuning Large Language
+Models with Heterogeneous Low-Rank Adaptations", NeurIPS 2024, arXiv 2409.05976): the clients'
+adapters stacked, not averaged, and merged into the base every round."""
 
 from __future__ import annotations
 
