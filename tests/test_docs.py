@@ -224,6 +224,10 @@ def test_the_readme_sets_up_as_ci_does():
     assert re.findall(r"^```(\w*)\n(.*?)^```", setup, re.M | re.S) == [
         ("bash", 'pip install -e ".[dev]"\npython -m pytest\n')
     ]
+    # before the command that downloads it: the CUDA build of torch, and how to get the CPU build instead
+    before = setup.split("```bash", 1)[0]
+    assert "CUDA build: a download\nof about 5 GB" in before
+    assert "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu" in before
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert 'pip install -e ".[dev]"' in ci and "python -m pytest" in ci
 
