@@ -380,6 +380,9 @@ def test_a_hetlora_run_reports_each_clients_rank_and_ranks_only_fall(tmp_path):
             assert trained_next in (None, after)  # the next round trains at the rank the last left
     prunes = sum(after < trained for ranks in seen.values() for trained, after in ranks)
     assert history.summary["prunes"] == prunes > 0
+    assert history.summary["aggregation"] == "sparsity-weighted zero-padding (HetLoRA)"
+    table = fedsim.results_table([fedsim.load_run(history.run_dir)], keys=("aggregator",))
+    assert table[0]["aggregator"] == "sparsity-weighted zero-padding (HetLoRA)"
     header = (history.run_dir / "clients.csv").read_text().splitlines()[0]
     assert header.endswith(",staleness,trained_rank,lora_rank")
     assert fedsim.load_run(history.run_dir).client_records == history.client_records

@@ -199,6 +199,42 @@ def test_a_lora_run_and_a_server_optimizer_are_named_in_the_runs_description():
     assert "LoRA" not in text and "server optimizer" not in describe_run(load_config({}).to_dict())
 
 
+def test_hetlora_and_flora_are_described_by_their_own_aggregation_and_long_lists_are_shortened():
+    from fedsim.algorithms.flora import FLoRA
+    from fedsim.algorithms.hetlora import HetLoRA
+    from fedsim.experiment.validation import load_config
+    from fedsim.results.history import describe_run
+
+    ranks = {"choice": list(range(1, 65))}
+    lora = {"rank": 64, "client_ranks": ranks, "target_modules": "c_attn"}
+    config = load_config(
+        {"model": "char_transformer", "algorithm": "hetlora", "lora": lora, "data": {"dataset": "shakespeare_text"}}
+    ).to_dict()
+    overrides = {f"model_options.option_{i}": "x" * 30 for i in range(6)} | {"lora.client_ranks": ranks}
+    text = describe_run(config, overrides, HetLoRA().aggregation("fedavg"))
+    assert (
+        "model char_transformer with LoRA rank 64 (clients' ranks choice among 64 from 1 to 64), "
+        "aggregation sparsity-weighted zero-padding (HetLoRA), algorithm hetlora; with " in text
+    )
+    assert "aggregator fedavg" not in text and "LoRA fedit" not in text
+    assert len(text) < 400 and text.endswith(" and 5 more")  # whole keys only, never one cut in two
+    assert HetLoRA().aggregation("median") == "sparsity-weighted median zero-padding (HetLoRA)"
+    assert FLoRA().aggregation("fedavg") == "stacking merged into the base (FLoRA)"
+    # a run whose algorithm keeps the rule is described as before
+    assert "aggregator fedavg, algorithm fedavg" in describe_run(load_config({}).to_dict(), None, "fedavg")
+
+
+def test_a_language_models_plot_title_keeps_to_a_few_lines():
+    from fedsim.results.plot import TITLE_LINES, _default_title
+
+    config = load_config({"name": "lm", "lora": {"rank": 40, "client_ranks": {"choice": list(range(1, 40))}}})
+    overrides = {f"local.key_{i}": "v" * 25 for i in range(12)}
+    history = History([], config.to_dict(), None, {"overrides": overrides, "aggregation": "fedavg"})
+    title = _default_title([history], "test_accuracy", "round").splitlines()
+    assert title[0] == "lm" and len(title) == 1 + TITLE_LINES and title[-1].endswith(" ...")
+    assert all(len(line) <= 60 for line in title)
+
+
 def test_the_ready_line_counts_rounds_in_words_that_agree():
     from pathlib import Path
 

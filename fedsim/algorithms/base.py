@@ -172,6 +172,12 @@ class Algorithm:
         server's, ``clients`` the rows ([k, ...]) of the round's clients, ``round.clients``."""
         return round.aggregate(round.updates, round.weights)
 
+    def aggregation(self, rule: str) -> str:
+        """How the server combines the clients' updates, in words for the header, summary.json
+        (``aggregation``) and tables, given the run's rule (``aggregator``, named): the rule, unless
+        the algorithm replaces it or changes what it weighs."""
+        return rule
+
     def summary(self, client_rows: list[dict]) -> dict:
         """summary.json's figures of the algorithm, from the run's clients.csv rows (as dicts, with the
         ``recorded_reports``): none by default."""

@@ -75,6 +75,9 @@ class FLoRA(Algorithm):
     def report_shapes(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"lora_rank": (1,)}  # its rank, for clients.csv (the shapes of its adapters tell the server)
 
+    def aggregation(self, rule: str) -> str:
+        return "stacking merged into the base (FLoRA)"  # setup refused any other rule
+
     def client_report(self, result: LocalResult, local: SimpleNamespace) -> dict[str, torch.Tensor]:
         return {"lora_rank": result.weights.new_full((1, 1), float(local.rank))}
 

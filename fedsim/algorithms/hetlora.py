@@ -123,6 +123,10 @@ class HetLoRA(Algorithm):
             "trained_rank": like.new_full((1, 1), float(local.trained)),
         }
 
+    def aggregation(self, rule: str) -> str:
+        weighed = "" if rule == "fedavg" else f" {rule}"  # the rule, given the norms in place of the sample counts
+        return f"sparsity-weighted{weighed} zero-padding (HetLoRA)"
+
     def summary(self, client_rows: list[dict]) -> dict:
         """``prunes``: the client rounds that ended at a lower rank than they trained at."""
         ranks = [(r["trained_rank"], r["lora_rank"]) for r in client_rows if r.get("trained_rank") is not None]

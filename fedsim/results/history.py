@@ -238,34 +238,58 @@ def _experiment_key(config: dict, distinguish: set) -> tuple:
     )
 
 
-def describe_run(config: dict, overrides: dict | None = None) -> str:
+def describe_run(config: dict, overrides: dict | None = None, aggregation: str | None = None) -> str:
     """What a run computed, in one line: dataset and split, model (and its LoRA adapters),
     aggregation rule and server optimizer, algorithm (as config.yaml names them), then the keys
-    set on top of its experiment (``overrides``, as summary.json keeps them), cut short where long."""
+    set on top of its experiment (``overrides``, as summary.json keeps them), as many whole ones as
+    fit. ``aggregation``: what takes the place of the rule where the algorithm replaces it or
+    changes its weights (summary.json's ``aggregation``, Algorithm.aggregation)."""
     data = config.get("data") or {}
+    rule = config.get("aggregator")
+    replaced = aggregation is not None and aggregation != rule
     # an async run weighs updates by staleness, not by its (refused) rule
-    server = (
-        f"async {(config.get('asynchronous') or {}).get('method')}"
-        if config.get("mode") == "async"
-        else f"aggregator {config.get('aggregator')}"
-    )
+    if config.get("mode") == "async":
+        server = f"async {(config.get('asynchronous') or {}).get('method')}"
+    else:
+        server = f"aggregation {aggregation}" if replaced else f"aggregator {rule}"
     optimizer = config.get("server_optimizer")
     if optimizer not in (None, "none") and config.get("mode") != "async":
         server += f", server optimizer {optimizer}"
     lora = config.get("lora") or {}
-    adapters = f" with LoRA {lora.get('method')} rank {lora.get('rank')}" if (lora.get("rank") or 0) > 0 else ""
+    # an algorithm that aggregates the adapters its own way is named for it, not LoRA's method (fedit's averaging)
+    method = "" if replaced else f" {lora.get('method')}"
+    adapters = f" with LoRA{method} rank {lora.get('rank')}" if (lora.get("rank") or 0) > 0 else ""
     ranks = lora.get("client_ranks") if adapters else None
     if isinstance(ranks, list) and ranks:
         adapters += f" (clients' ranks {min(ranks)} to {max(ranks)})"
     elif isinstance(ranks, dict):
-        adapters += "".join(f" (clients' ranks {name} {_plain(value)})" for name, value in ranks.items())
+        adapters += "".join(f" (clients' ranks {name} {_ranks(value)})" for name, value in ranks.items())
     text = (
         f"{data.get('dataset')} ({data.get('partition')}, {data.get('num_clients')} clients), "
         f"model {config.get('model')}{adapters}, {server}, algorithm {config.get('algorithm')}"
     )
     if overrides:
-        text += "; with " + cut(", ".join(f"{key}={_plain(value)}" for key, value in overrides.items()), 120)
+        text += "; with " + _whole([cut(f"{key}={_plain(value)}", 60) for key, value in overrides.items()], 120)
     return text
+
+
+def _ranks(value) -> str:
+    """A client_ranks choice or range as the description shows it: a long list by its size and ends."""
+    if isinstance(value, list) and len(value) > 4 and all(isinstance(r, int) for r in value):
+        return f"among {len(value)} from {min(value)} to {max(value)}"
+    return cut(_plain(value), 40)
+
+
+def _whole(items: list[str], limit: int) -> str:
+    """``items`` joined by commas, as many whole ones as fit in ``limit`` characters (one at least)
+    and how many more there are: an item is never cut in the middle."""
+    kept: list[str] = []
+    for item in items:
+        if kept and len(", ".join([*kept, item])) > limit:
+            break
+        kept.append(item)
+    left = len(items) - len(kept)
+    return ", ".join(kept) + (f" and {left} more" if left else "")
 
 
 def _plain(value) -> str:

@@ -390,8 +390,16 @@ def _default_title(histories: list[History], metric: str, x: str, tokens: bool =
     the metric."""
     names = {h.name for h in histories}
     if len(names) == 1:
-        described = {describe_run(h.config, defining(h.summary.get("overrides") or {})) for h in histories if h.config}
-        return "\n".join([names.pop(), *_wrapped(described.pop(), 60)]) if len(described) == 1 else names.pop()
+        described = {
+            describe_run(h.config, defining(h.summary.get("overrides") or {}), h.summary.get("aggregation"))
+            for h in histories
+            if h.config
+        }
+        return (
+            "\n".join([names.pop(), *_wrapped(described.pop(), 60, TITLE_LINES)])
+            if len(described) == 1
+            else names.pop()
+        )
     what = _axis_label(metric, tokens).split(" (")[0].capitalize()
     return {
         "round": f"{what} per round",
@@ -402,10 +410,15 @@ def _default_title(histories: list[History], metric: str, x: str, tokens: bool =
     }[x]
 
 
-def _wrapped(text: str, width: int) -> list[str]:
+TITLE_LINES = 3  # the lines of a title's description: the axes keep most of the figure's height
+
+
+def _wrapped(text: str, width: int, lines: int) -> list[str]:
+    """``text`` in lines of ``width`` characters, at most ``lines`` of them, the last ending in "..."
+    where there was more (whole words only)."""
     import textwrap
 
-    return textwrap.wrap(text, width, break_on_hyphens=False)
+    return textwrap.wrap(text, width, break_on_hyphens=False, max_lines=lines, placeholder=" ...")
 
 
 def _axis_label(column: str, tokens: bool = False) -> str:

@@ -171,7 +171,7 @@ def results_table(
         stats = target_stats(group, goal)
         rows.append(
             {
-                **{key: group[0].config_value(key) for key in keys},
+                **{key: _key_value(group[0], key) for key in keys},
                 "runs": len(group),
                 "final_test_loss": mean_of(h.rows[-1]["test_loss"] if h.tokens else None for h in group),
                 "final_test_perplexity": mean_of(h.final_perplexity for h in group),
@@ -200,6 +200,14 @@ def results_table(
     elif len(targets) == 1:  # one target: named in the header
         columns.remove("target")
     return ResultsTable(rows, columns)
+
+
+def _key_value(history: History, key: str):
+    """A config value as a table shows it: the aggregator as the run aggregated (summary.json's
+    ``aggregation``: HetLoRA's and FLoRA's own, not the rule they replace), the others as set."""
+    if key == "aggregator" and history.summary.get("aggregation"):
+        return history.summary["aggregation"]
+    return history.config_value(key)
 
 
 def _last(history: History, column: str) -> float:

@@ -124,7 +124,10 @@ class Session:
         self.overrides = dict(sorted({**(started or {}), **overrides_of(cfg)}.items()))
         if self.ranks.is_root:  # what ran, and what the next seconds are spent on, before they are spent
             starting = f" and starting {self.workers} workers" if self.workers else ""
-            logger.info(f"{cfg.name}: {describe_run(cfg.to_dict(), self.overrides)}")
+            aggregation = components.algorithm(cfg.algorithm, cfg.algorithm_options).aggregation(
+                components.describe(cfg.aggregator)
+            )
+            logger.info(f"{cfg.name}: {describe_run(cfg.to_dict(), self.overrides, aggregation)}")
             logger.info(f"loading {components.describe(cfg.data.dataset)}{starting} on {self.device}")
         try:
             self._assemble()

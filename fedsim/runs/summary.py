@@ -14,6 +14,7 @@ from ..core.errors import FedsimError, exception_text
 from ..core.flat import base_bytes
 from ..engine.state import GlobalState
 from ..execution.resources import cpu_name, load_average, peak_memory_mb
+from ..experiment.components import describe
 from ..experiment.config import Config
 from ..fl.compression import Compression
 from ..results.history import scored_alike
@@ -31,6 +32,7 @@ def account(session: Any, status: str, ended_by: BaseException | None) -> dict:
         "status": status,
         **({"error": error} if failed else {}),  # what ended a failed run, in the words of its one line
         **what_ran(s.cfg.to_dict(), s.state.model.module, s.input_shape, s.num_classes, s.overrides, s.first_round),
+        "aggregation": s.state.algorithm.aggregation(describe(s.cfg.aggregator)),
         **outcome(s.rows, s.cfg.stop_at_accuracy),
         **(personal_outcome(s.rows) if s.client_eval and personal else {}),
         **feature_figures(s.cfg, s.rows, s.client_rows, update_bytes(s.state, s.compression)),
