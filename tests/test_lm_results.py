@@ -138,6 +138,7 @@ def test_summary_of_a_classification_run_keeps_its_keys():
     }
     assert set(outcome([], None)) == {
         "rounds",
+        "test_samples",
         "final_test_accuracy",
         "best_test_accuracy",
         "final_test_loss",
