@@ -91,6 +91,9 @@ class Algorithm:
     # client states each client updates itself: its report of that name is its new row, kept on the
     # client in a deployment (no traffic), committed before server_update sees the rows
     personal_state: tuple[str, ...] = ()
+    # config keys that only the algorithms declaring them read (lora.client_ranks): a run of another
+    # algorithm that sets one is told that nothing reads it
+    reads: tuple[str, ...] = ()
     # reports, each of shape (1,) and a whole number, that clients.csv records in a column of that name
     # after the columns every run has (a client's LoRA rank, say)
     recorded_reports: tuple[str, ...] = ()

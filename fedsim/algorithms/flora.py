@@ -70,6 +70,7 @@ class FLoRA(Algorithm):
     def server_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"base": (sum(a.fan_out * a.fan_in for a in self.layout),), "merges": (1,)}
 
+    reads = ("lora.client_ranks",)  # each client's own rank
     recorded_reports = ("lora_rank",)  # clients.csv's column of each client's rank
 
     def report_shapes(self, num_params: int) -> dict[str, tuple[int, ...]]:

@@ -47,6 +47,7 @@ class HetLoRA(Algorithm):
     """
 
     personal_state = ("lora_rank", "tail")  # the client's own rank and the tail it last reached
+    reads = ("lora.client_ranks",)  # each client's own rank
     recorded_reports = ("trained_rank", "lora_rank")  # clients.csv: the rank it trained at, and its rank after
 
     def __init__(self, lam: float = 0.01, gamma: float = 0.9):
