@@ -129,6 +129,11 @@ def test_a_list_of_client_ranks_holds_one_per_client():
 def test_client_ranks_with_an_algorithm_that_does_not_read_them_is_said():
     warnings = unused_settings(load_config({"lora": {"rank": 4, "client_ranks": [2, 4]}}))
     assert warnings == ["lora.client_ranks is [2, 4] but algorithm fedavg does not read it (use flora or hetlora)"]
+
+    class OwnRanks(fedsim.Algorithm):  # an algorithm of one's own that declares it reads them
+        reads = ("lora.client_ranks",)
+
+    assert unused_settings(load_config({"algorithm": OwnRanks(), "lora": {"rank": 4, "client_ranks": [2, 4]}})) == []
     two_clients = {"num_clients": 2, "dataset": "synthetic"}
     hetlora = {
         "algorithm": "hetlora",
