@@ -115,6 +115,77 @@ class Trained:
     weights: torch.Tensor | None = None  # [P] LocalTrainer: its model's weights after training (its own tensor)
 
 
+class ClientOptimizer:
+    """A client's optimizer, afresh for every client's round (as a client that builds its optimizer
+    when it is handed the model): SGD, whose step matches ``torch.optim.SGD`` (weight decay added to
+    the gradient, heavy-ball momentum without dampening), or with ``local.optimizer: adamw``
+    ``torch.optim.AdamW``'s single-tensor step (Loshchilov & Hutter 2019, "Decoupled Weight Decay
+    Regularization": the decay shrinks the weights apart from the gradient, the moments are
+    bias-corrected by the step count). For one client (``weights`` [n]) or a group of ``clients``
+    in lockstep ([c, n]), each of which has its own state and step count."""
+
+    def __init__(self, local: LocalConfig, like: torch.Tensor, clients: int | None = None):
+        self.local = local
+        self.momentum = torch.zeros_like(like) if local.momentum else None
+        adamw = local.optimizer == "adamw"
+        self.moments = (torch.zeros_like(like), torch.zeros_like(like)) if adamw else None
+        # steps taken: a number for one client, [c, 1] for a group (a client without a step keeps its count)
+        self.clients = clients
+        self.count: int | torch.Tensor = 0 if clients is None else torch.zeros(clients, 1, device=like.device)
+
+    def reset(self) -> None:
+        """A new client's round (or group's): no momentum, no moments, no steps."""
+        for state in (self.momentum, *(self.moments or ())):
+            if state is not None:
+                state.zero_()
+        self.count = 0 if self.clients is None else self.count.zero_()
+
+    def decay_in_gradient(self, grad: torch.Tensor, weights: torch.Tensor) -> None:
+        """SGD's weight decay, added to the gradient before the algorithm's term sees it (AdamW's
+        is decoupled: ``step`` applies it)."""
+        if self.local.weight_decay and self.moments is None:
+            grad.add_(weights, alpha=self.local.weight_decay)
+
+    def step(
+        self,
+        weights: torch.Tensor,
+        grad: torch.Tensor,
+        lr: float,
+        active: torch.Tensor | None = None,
+        trainable: torch.Tensor | None = None,
+    ) -> None:
+        """One step, in place, of the clients that have it (``active``, [c, 1], 1 or 0; None: all):
+        a client without it keeps its weights and its state. ``trainable`` ([n], 1 or 0): the
+        coordinates that train (their gradient is already 0 elsewhere; AdamW's decay spares them)."""
+        local = self.local
+        if self.moments is None:
+            update = grad
+            if self.momentum is not None:
+                _keep(self.momentum, self.momentum * local.momentum + grad, active)
+                update = self.momentum
+            weights.sub_(update if active is None else update * active, alpha=lr)
+            return
+        first, second = self.moments
+        self.count = self.count + 1 if active is None else self.count.add_(active)
+        if local.weight_decay:
+            mask = trainable if active is None else active
+            weights.sub_(weights if mask is None else weights * mask, alpha=lr * local.weight_decay)
+        _keep(first, first.lerp(grad, 1 - local.beta1), active)
+        _keep(second, second.mul(local.beta2).addcmul_(grad, grad, value=1 - local.beta2), active)
+        if active is None:  # torch.optim.AdamW's own operations, so that a client's steps are its bit for bit
+            denominator = (second.sqrt() / math.sqrt(1 - local.beta2**self.count)).add_(local.eps)
+            weights.addcdiv_(first, denominator, value=-lr / (1 - local.beta1**self.count))
+            return
+        steps = self.count.double().clamp_min(1.0)  # each client's own bias corrections
+        denominator = (second.sqrt() / (1 - local.beta2**steps).sqrt().to(weights.dtype)).add_(local.eps)
+        weights.sub_(first / denominator * (lr / (1 - local.beta1**steps)).to(weights.dtype) * active)
+
+
+def _keep(state: torch.Tensor, new: torch.Tensor, active: torch.Tensor | None) -> None:
+    """``state`` becomes ``new`` for the clients that have the step (``active``; None: every one)."""
+    state.copy_(new if active is None else torch.where(active > 0, new, state))
+
+
 def autocast_for(local: LocalConfig, device: torch.device) -> torch.autocast:
     """bf16 autocast of forward and loss when local.precision is bf16 (weights, gradients and
     the SGD step stay fp32); a disabled context otherwise."""
@@ -162,12 +233,7 @@ class LocalTrainer(Trainer):
     def prepare(self, model: FlatModel) -> None:
         local = self.local
         self.model = model
-        self.momentum = torch.zeros_like(model.params) if local.momentum else None
-        # adamw: the first and second moments, afresh for every client's round (as a client that
-        # builds its optimizer when it is handed the model)
-        self.moments = (
-            (torch.zeros_like(model.params), torch.zeros_like(model.params)) if local.optimizer == "adamw" else None
-        )
+        self.optimizer = ClientOptimizer(local, model.params)
         self.loss_sum = torch.zeros((), device=model.flat.device)
         self.autocast = autocast_for(local, model.flat.device)
 
@@ -199,10 +265,7 @@ class LocalTrainer(Trainer):
         model.module.train()
         params, grad = model.params, model.grad
         start_params = None if start is None else start[: model.num_params]
-        if self.momentum is not None:
-            self.momentum.zero_()
-        for moment in self.moments or ():
-            moment.zero_()
+        self.optimizer.reset()
         self.loss_sum.zero_()
         if term is None and algorithm.has_gradient_term:
             term = lambda g, w: algorithm.adjust_gradient(g, w, start_params, local_state)  # noqa: E731
@@ -223,7 +286,7 @@ class LocalTrainer(Trainer):
                 loss = tasks.loss(model.module(x), y)
             grad.zero_()
             loss.backward()
-            self._descend(gradient_sum, term, trainable, steps + 1)
+            self._descend(gradient_sum, term, trainable)
             seen = seen + self._count_loss(loss, y)
             steps += 1
         mean_gradient = None if gradient_sum is None else (gradient_sum / steps)[None]
@@ -241,35 +304,15 @@ class LocalTrainer(Trainer):
         self.loss_sum.add_(loss.detach() * targets)
         return targets
 
-    def _descend(self, gradient_sum: torch.Tensor | None, term, trainable: torch.Tensor | None, step: int) -> None:
-        """One step from the gradient in ``model.grad`` (the client's ``step``-th): weight decay, the
-        algorithm's term, frozen coordinates, then SGD with momentum or AdamW."""
-        params, grad, local = self.model.params, self.model.grad, self.local
-        if local.weight_decay and self.moments is None:  # SGD's decay is in the gradient; AdamW's apart
-            grad.add_(params, alpha=local.weight_decay)
+    def _descend(self, gradient_sum: torch.Tensor | None, term, trainable: torch.Tensor | None) -> None:
+        """One step from the gradient in ``model.grad``: weight decay (SGD's), the algorithm's term,
+        frozen coordinates, then the client's optimizer."""
+        params, grad = self.model.params, self.model.grad
+        self.optimizer.decay_in_gradient(grad, params)
         if gradient_sum is not None:
             gradient_sum.add_(grad)
         if term is not None:
             term(grad[None], params[None])
         if trainable is not None:  # frozen coordinates keep their values exactly
             grad.mul_(trainable)
-        if self.moments is not None:
-            self._adamw(grad, trainable, step)
-            return
-        update = grad
-        if self.momentum is not None:
-            update = self.momentum.mul_(local.momentum).add_(grad)
-        params.add_(update, alpha=-self.lr)
-
-    def _adamw(self, grad: torch.Tensor, trainable: torch.Tensor | None, step: int) -> None:
-        """AdamW (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization") as
-        torch.optim.AdamW takes a step: the decay shrinks the weights apart from the gradient, the
-        moments are bias-corrected by the step count."""
-        params, local = self.model.params, self.local
-        first, second = self.moments
-        if local.weight_decay:
-            params.sub_(params if trainable is None else params * trainable, alpha=self.lr * local.weight_decay)
-        first.lerp_(grad, 1 - local.beta1)
-        second.mul_(local.beta2).addcmul_(grad, grad, value=1 - local.beta2)
-        denominator = (second.sqrt() / math.sqrt(1 - local.beta2**step)).add_(local.eps)
-        params.addcdiv_(first, denominator, value=-self.lr / (1 - local.beta1**step))
+        self.optimizer.step(params, grad, self.lr, trainable=trainable)
