@@ -331,3 +331,42 @@ def test_a_cosine_run_trains_each_round_at_its_rate(tmp_path, optimizer):
     for a, c in second[2:]:
         assert a > 0 and a == pytest.approx(c / 2, rel=1e-5)  # a step's float32 rounding, relative
     assert annealed.test_loss[1] != annealed.test_loss[0]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_one_client_optimizer_steps_a_client_alone_or_in_a_group_as_torch_does(optimizer):
+    """ClientOptimizer, the one step both trainers take: one client's steps are torch.optim's bit for
+    bit (SGD's with momentum and decay, AdamW's without decay); in a group, the clients that have a step take it as the
+    client alone does and the others keep their weights and state."""
+    from fedsim.algorithms.local import ClientOptimizer
+
+    # AdamW's decay rounds otherwise than torch's (w - lr wd w against w (1 - lr wd)): left out of the exact check
+    decay = 0.0 if optimizer == "adamw" else 0.01
+    cfg = local(optimizer=optimizer, momentum=0.0 if optimizer == "adamw" else 0.9, lr=0.1, weight_decay=decay)
+    g = torch.Generator().manual_seed(0)
+    start, grads = torch.randn(5, generator=g), [torch.randn(5, generator=g) for _ in range(3)]
+    reference = start.clone().requires_grad_()
+    if optimizer == "adamw":
+        torch_opt = torch.optim.AdamW([reference], lr=0.1, weight_decay=decay, foreach=False)
+    else:
+        torch_opt = torch.optim.SGD([reference], lr=0.1, momentum=0.9, weight_decay=0.01, foreach=False)
+    alone, group = start.clone(), torch.stack([start, start])
+    one, both = ClientOptimizer(cfg, alone), ClientOptimizer(cfg, group, clients=2)
+    for t, grad in enumerate(grads):
+        reference.grad = grad.clone()
+        torch_opt.step()
+        g1 = grad.clone()
+        one.decay_in_gradient(g1, alone)
+        one.step(alone, g1, 0.1)
+        g2 = torch.stack([grad, grad])
+        both.decay_in_gradient(g2, group)
+        both.step(group, g2, 0.1, active=torch.tensor([[1.0], [float(t == 0)]]))  # client 2 has step 1 only
+    assert torch.equal(alone, reference.detach())
+    # a group's bias corrections are per client, tensors: within a few float32 roundings of the client's
+    torch.testing.assert_close(group[0], alone, rtol=4 * 2.0**-24, atol=1e-7)
+    one_step = ClientOptimizer(cfg, start.clone())
+    first = start.clone()
+    g1 = grads[0].clone()
+    one_step.decay_in_gradient(g1, first)
+    one_step.step(first, g1, 0.1)
+    torch.testing.assert_close(group[1], first, rtol=4 * 2.0**-24, atol=1e-7)  # kept after its one step
