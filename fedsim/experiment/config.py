@@ -157,7 +157,8 @@ class Config:
     initial_weights: str | None = option(
         None,
         "a run directory (or its `checkpoint.pt`) whose global model this run starts from, before LoRA adapters "
-        "are placed on it: a model trained by one run, fine-tuned by another",
+        "are placed on it: a model trained by one run, fine-tuned by another. The run scores it, on the whole "
+        "test set, as round 0 of `metrics.csv`",
     )
     algorithm: Any = option(
         "fedavg",

@@ -265,6 +265,13 @@ class Session:
         cfg = self.cfg
         if self.first_round > cfg.rounds:  # a run killed after its last checkpoint: only its files are left to write
             self.status = "finished"
+        if cfg.initial_weights and self.first_round == 1:  # a fine-tuning run: its base's scores first
+            row = self.engine.initial_row()
+            row["elapsed_seconds"] = round(self.elapsed_before + time.perf_counter() - self.t_start, 4)
+            with shielded():
+                self.rows.append(row)
+                notify(self.callbacks, "on_round_end", row, [])
+                self.log.round_end(row, cfg.rounds)
         for rnd in range(self.first_round, cfg.rounds + 1):
             result = self.engine.run_round(rnd)
             row = {**result.row, "elapsed_seconds": round(self.elapsed_before + time.perf_counter() - self.t_start, 4)}

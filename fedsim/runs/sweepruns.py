@@ -42,8 +42,10 @@ def _mean_figure(histories: list[History], key: str) -> float | None:
 
 
 def seconds_per_round(history: History) -> float:
-    """Mean seconds of the evaluated rounds, leaving out the first (it includes worker start-up)."""
-    seconds = history.seconds[1:] or history.seconds
+    """Mean seconds of the evaluated rounds, leaving out the first (it includes worker start-up) and
+    a fine-tuning run's round 0 (its base scored, nothing trained)."""
+    trained = [row["seconds"] for row in history.rows if row["round"] > 0]
+    seconds = trained[1:] or trained
     return sum(seconds) / len(seconds) if seconds else math.nan
 
 
