@@ -245,7 +245,7 @@ class Session:
         threading.Thread(target=importlib.import_module, args=("fedsim.results.plot",), daemon=True).start()
         for message in [*unused_settings(self.cfg), self.client_eval and self.client_eval.warning()]:
             if message:
-                logger.warning(message)
+                logger.warning(message, extra={"once": message})  # a sweep says it for its first run only
         notes = [self.state.clients.shapes and self.state.clients.describe(), self.engine.evaluation_note()]
         for message in [*notes, feature_header(self.cfg, update_bytes(self.state, self.compression))]:
             if message:
@@ -296,7 +296,7 @@ class Session:
                 hint = result.evaluated and not self.hinted and self.engine.subset_hint(row)
                 if hint:
                     self.hinted = True
-                    logger.info(hint)
+                    logger.info(hint, extra={"once": "eval_subset hint"})  # a sweep's: its first run's figures
                 if reached or rnd == cfg.rounds:
                     self.status = "finished"  # whatever arrives from here on, every round is done
             # the other ranks, if any, get the new state or learn that the run is over
