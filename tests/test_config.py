@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from fedsim.core.errors import ConfigError
@@ -142,6 +144,12 @@ def test_fedsim_list_keys_prints_every_key_with_its_default(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == [key for key, _, _ in key_rows(Config)]
     assert any(line.split()[:2] == ["lora.method", "[fedit]"] for line in lines)
+    from fedsim.algorithms import ALGORITHMS
+
+    algorithm = next(line for line in lines if line.split()[0] == "algorithm")
+    assert all(f" {name}," in algorithm for name in ALGORITHMS.names())  # every registered one, by the registry
+    table = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    assert all(f"`{name}`" in table.split("| `algorithm` |")[1].split("\n")[0] for name in ALGORITHMS.names())
 
 
 @pytest.mark.parametrize(
