@@ -15,10 +15,10 @@ from .fedper import FedPer
 )
 class FedSALoRA(FedPer):
     """The A matrices learn what the clients share and are averaged by the server; the B matrices
-    learn what is each client's own and stay with it. FedPer with every
-    ``lora_B`` as the personal layers: a client trains its A and B from the global A and its own
-    B (the global B, zero, in its first round), keeps its B and sends its A; ``eval_per_client``
-    scores the global A with the client's own B."""
+    learn what is each client's own and stay with it. FedPer with every ``lora_B`` as the personal
+    layers: a client trains its A and B from the global A and its own B (the global B, zero, in its
+    first round), keeps its B and sends its A; ``eval_per_client`` scores the global A with the
+    client's own B."""
 
     def __init__(self):
         super().__init__(None)

@@ -41,6 +41,9 @@ class FLoRA(Algorithm):
     takes the place of an aggregation rule, DP-FedAvg and a server optimizer, which are refused.
     """
 
+    reads = ("lora.client_ranks",)  # each client's own rank
+    recorded_reports = ("lora_rank",)  # clients.csv's column of each client's rank
+
     def __init__(self) -> None:
         self.layout: list[Adapter] = []
 
@@ -69,9 +72,6 @@ class FLoRA(Algorithm):
 
     def server_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"base": (sum(a.fan_out * a.fan_in for a in self.layout),), "merges": (1,)}
-
-    reads = ("lora.client_ranks",)  # each client's own rank
-    recorded_reports = ("lora_rank",)  # clients.csv's column of each client's rank
 
     def report_shapes(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"lora_rank": (1,)}  # its rank, for clients.csv (the shapes of its adapters tell the server)
