@@ -71,7 +71,7 @@ sys.meta_path.append(_ModuleAliases())
 
 def __dir__() -> list[str]:
     """The public names, for tab completion (they are imported when first used)."""
-    return sorted({*globals(), *_API, *_MODULES})
+    return sorted({*_API, *_MODULES, "__version__"})  # not this module's own helpers, nor the layers it is built of
 
 
 def __getattr__(name: str):

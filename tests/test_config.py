@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from fedsim.core.errors import ConfigError
@@ -63,6 +65,11 @@ def test_unknown_key_is_named_with_a_suggestion(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match=r"--set roundz: unknown key; did you mean 'rounds'"):
         load_config({}, ["roundz=3"])
+    # a section's key given on its own is that key, not a top-level one spelled alike (lr is not lora)
+    with pytest.raises(ConfigError, match=r"^keyword lr: unknown key; did you mean 'local.lr'\?$"):
+        load_config({}, {"lr": 0.05})
+    with pytest.raises(ConfigError, match=r"^keyword alpha: unknown key; did you mean 'data.alpha' or 'lora.alpha'\?$"):
+        load_config({}, {"alpha": 0.1})
     # from Python, the keyword the user passed
     with pytest.raises(ConfigError, match=r"^keyword roundz: unknown key; did you mean 'rounds'"):
         load_config({}, {"roundz": 3})
@@ -137,6 +144,12 @@ def test_fedsim_list_keys_prints_every_key_with_its_default(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == [key for key, _, _ in key_rows(Config)]
     assert any(line.split()[:2] == ["lora.method", "[fedit]"] for line in lines)
+    from fedsim.algorithms import ALGORITHMS
+
+    algorithm = next(line for line in lines if line.split()[0] == "algorithm")
+    assert all(f" {name}," in algorithm for name in ALGORITHMS.names())  # every registered one, by the registry
+    table = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    assert all(f"`{name}`" in table.split("| `algorithm` |")[1].split("\n")[0] for name in ALGORITHMS.names())
 
 
 @pytest.mark.parametrize(

@@ -224,6 +224,10 @@ def test_the_readme_sets_up_as_ci_does():
     assert re.findall(r"^```(\w*)\n(.*?)^```", setup, re.M | re.S) == [
         ("bash", 'pip install -e ".[dev]"\npython -m pytest\n')
     ]
+    # before the command that downloads it: the CUDA build of torch, and how to get the CPU build instead
+    before = setup.split("```bash", 1)[0]
+    assert "CUDA build: a download\nof about 5 GB" in before
+    assert "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu" in before
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert 'pip install -e ".[dev]"' in ci and "python -m pytest" in ci
 
@@ -256,3 +260,16 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     assert "Quick start" in home and 'href="getting-started/#set-up"' in home
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "Run an experiment and return its History" in api and "load_model" in api
+
+
+def test_the_experiments_table_lists_every_shipped_file():
+    """docs/configuration.md's table of experiment files names every file the package ships (a cell
+    names its first file from the repository root, the others from experiments/)."""
+    text = (REPO / "docs" / "configuration.md").read_text()
+    table = text.split("| file | question |", 1)[1].split("\n\n", 1)[0]
+    listed = set()
+    for line in table.splitlines()[2:]:
+        cell = line.split("|")[1]
+        listed |= {name.removeprefix("experiments/") for name in re.findall(r"`([^`]+\.yaml)`", cell)}
+    shipped = {str(p.relative_to(REPO / "experiments")) for p in (REPO / "experiments").rglob("*.yaml")}
+    assert listed == shipped, (sorted(shipped - listed), sorted(listed - shipped))

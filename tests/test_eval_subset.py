@@ -109,3 +109,68 @@ def test_a_run_whose_scoring_outlasts_its_training_is_offered_a_subset_that_woul
     # what it offers runs: the same run with the subset scores rounds before the last on 440 samples
     history = fedsim.run(config(rounds=2, eval_subset=440), out=tmp_path / "run", quiet=True)
     assert history.test_samples == [440, 1000]
+
+
+def test_best_figures_and_rounds_to_target_compare_only_rounds_scored_on_the_whole_set():
+    """With eval_subset, a round scored on a few samples can score above the last round's whole
+    test set by chance: the best figures, the tables and rounds_to_target leave such rounds out
+    and say the set they come from."""
+    from fedsim.results.history import History, rounds_to_target
+    from fedsim.results.table import results_table
+    from fedsim.runs.summary import outcome
+
+    rows = [  # the issue's run: 0.2177 on 5 samples, 0.1888 on all 216
+        {
+            "round": 1,
+            "test_accuracy": 0.2,
+            "test_loss": 3.1,
+            "test_perplexity": 22.2,
+            "test_samples": 5,
+            "seconds": 1.0,
+        },
+        {
+            "round": 2,
+            "test_accuracy": 0.2177,
+            "test_loss": 3.0,
+            "test_perplexity": 20.1,
+            "test_samples": 5,
+            "seconds": 1.0,
+        },
+        {
+            "round": 3,
+            "test_accuracy": 0.15,
+            "test_loss": 3.2,
+            "test_perplexity": 24.5,
+            "test_samples": 216,
+            "seconds": 1.0,
+        },
+        {
+            "round": 4,
+            "test_accuracy": 0.1888,
+            "test_loss": 3.3,
+            "test_perplexity": 27.1,
+            "test_samples": 216,
+            "seconds": 1.0,
+        },
+    ]
+    summary = outcome(rows, target=0.16)
+    assert (summary["best_test_accuracy"], summary["best_test_perplexity"]) == (0.1888, 24.5)
+    assert summary["test_samples"] == 216 and summary["rounds_to_target"] == 4  # round 1 reached it on 5 samples
+    history = History(rows, {"name": "lm", "stop_at_accuracy": 0.16}, summary={"wall_seconds": 1.0})
+    assert (history.best_accuracy, history.best_perplexity, history.scored_on) == (0.1888, 24.5, 216)
+    assert history.scored_apart and rounds_to_target(history, 0.16) == 4
+    table = results_table([history])
+    assert table[0]["best_accuracy"] == 0.1888 and table[0]["rounds_to_target"] == 4
+    assert "scored on" in table.markdown().splitlines()[0] and "216 samples" in table.markdown()
+    whole = History([{**row, "test_samples": 216} for row in rows], {"name": "all"}, summary={"wall_seconds": 1.0})
+    assert whole.best_accuracy == 0.2177 and not whole.scored_apart
+    assert "scored on" not in results_table([whole]).markdown()  # every round on one set: nothing to say
+    # a sweep's table and sweep.csv likewise
+    from fedsim.runs.sweepruns import SweepRun, _row, format_table
+
+    runs = [SweepRun(h.name, [], load_config({"name": h.name}), h) for h in (history, whole)]
+    header, *lines = format_table(runs).splitlines()
+    assert " ".join(header.split()) == "run final ppl best ppl final tok acc best tok acc scored on s/round"
+    assert lines[0].split()[:7] == ["lm", "27.10", "24.50", "0.1888", "0.1888", "216", "samples"]
+    assert lines[1].split()[:7] == ["all", "27.10", "20.10", "0.1888", "0.2177", "216", "samples"]
+    assert _row(runs[0], None, runs)["test_samples"] == 216

@@ -241,6 +241,28 @@ def test_a_callback_sees_every_round_and_clients_csv_has_every_trained_client(tm
     assert len(fedsim.load_run(tmp_path / "run").client_records) == 4 * 3
 
 
+class CountsSteps(fedsim.Algorithm):
+    """FedAvg whose clients report the steps they took, recorded in clients.csv."""
+
+    recorded_reports = ("my_steps",)
+
+    def report_shapes(self, num_params):
+        return {"my_steps": (1,)}
+
+    def client_report(self, result, local):
+        return {"my_steps": result.steps.float()[:, None]}
+
+
+@pytest.mark.slow
+def test_an_algorithm_names_the_reports_clients_csv_records(tmp_path):
+    history = fedsim.run(TINY, algorithm=CountsSteps(), out=tmp_path / "run", quiet=True, rounds=2)
+    header = (tmp_path / "run" / "clients.csv").read_text().splitlines()[0]
+    assert header.endswith(",staleness,my_steps")
+    records = fedsim.load_run(tmp_path / "run").client_records
+    assert records == history.client_records
+    assert all(r["my_steps"] == r["steps"] > 0 for r in records)
+
+
 def test_a_failing_callback_stops_the_run_in_one_line(tmp_path, capsys):
     class Broken(fedsim.Callback):
         def on_round_end(self, row, clients):

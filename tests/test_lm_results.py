@@ -130,6 +130,7 @@ def test_summary_of_a_classification_run_keeps_its_keys():
     rows = [round_row(r, 1.0 - a, a, False) for r, a in enumerate((0.5, 0.7), 1)]
     assert outcome(rows, None) == {
         "rounds": 2,
+        "test_samples": None,  # rows that do not say what they were scored on
         "final_test_accuracy": 0.7,
         "best_test_accuracy": 0.7,
         "final_test_loss": pytest.approx(0.3),
@@ -137,6 +138,7 @@ def test_summary_of_a_classification_run_keeps_its_keys():
     }
     assert set(outcome([], None)) == {
         "rounds",
+        "test_samples",
         "final_test_accuracy",
         "best_test_accuracy",
         "final_test_loss",

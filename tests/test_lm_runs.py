@@ -115,14 +115,15 @@ def test_lora_fine_tunes_the_trained_base_further_whatever_the_workers_and_a_res
     assert torch.load(one.run_dir / "checkpoint.pt", weights_only=True)["global"].numel() == adapters
     assert one.summary["frozen_base_mb"] > 0
     two = shipped("llm/shakespeare_lora", text_root, tmp_path / "two", workers=2, **lora)
-    assert two.test_loss == one.test_loss and two.train_loss == one.train_loss
+    assert two.test_loss == one.test_loss and two.train_loss[1:] == one.train_loss[1:]  # round 0 trained nothing: NaN
     # stopped after round 3, resumed to round 6 by another number of workers: the same numbers,
     # but round 3, the last of the stopped run, was scored on the whole test set, not eval_subset's 512
     shipped("llm/shakespeare_lora", text_root, tmp_path / "resumed", workers=2, **{**lora, "rounds": 3})
     resumed = fedsim.resume(tmp_path / "resumed", rounds=6, workers=1, quiet=True)
-    assert resumed.test_loss[-1] == one.test_loss[-1] and resumed.train_loss == one.train_loss
-    whole = one.test_samples[-1]
-    assert one.test_samples == [min(512, whole), whole] and resumed.test_samples == [whole, whole]
+    assert resumed.test_loss[-1] == one.test_loss[-1] and resumed.train_loss[1:] == one.train_loss[1:]
+    whole = one.test_samples[-1]  # round 0, the base before fine-tuning, is scored on the whole set too
+    assert one.test_samples == [whole, min(512, whole), whole] and resumed.test_samples == [whole, whole, whole]
+    assert one.round[0] == 0 and one.test_loss[0] == pytest.approx(start, rel=1e-6)  # the base, as its run scored it
 
 
 def test_ffa_lora_trains_only_b_and_learns(text_root, trained_base, tmp_path):

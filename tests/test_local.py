@@ -279,22 +279,38 @@ def test_batched_adapters_give_each_client_what_the_process_trainer_gives_it(met
 
 
 def flowertune_cosine(current_round: int, total_round: int, lrate_max: float, lrate_min: float) -> float:
-    """FlowerTune's cosine_annealing, as its LLM templates write it."""
+    """FlowerTune's cosine_annealing, as its LLM templates write it (Flower counts rounds from 1)."""
     cos_inner = math.pi * current_round / total_round
     return lrate_min + 0.5 * (lrate_max - lrate_min) * (1 + math.cos(cos_inner))
 
 
-def test_the_cosine_schedule_is_flowertunes_annealing():
+def test_the_cosine_schedule_starts_at_lr_and_stays_above_lr_min():
     cfg = local(lr=0.02, lr_schedule="cosine", lr_min=0.001)
-    assert [cfg.round_lr(t, 10) for t in range(1, 11)] == [flowertune_cosine(t, 10, 0.02, 0.001) for t in range(1, 11)]
-    assert cfg.round_lr(10, 10) == 0.001 and local(lr=0.02).round_lr(7, 10) == 0.02
+    rates = [cfg.round_lr(t, 10) for t in range(1, 11)]
+    # torch's CosineAnnealingLR over T_max = 10 steps, one a round, read before each step
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.02)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10, eta_min=0.001)
+    expected = []
+    for _ in range(10):
+        expected.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert rates == pytest.approx(expected, rel=1e-12, abs=0)  # torch's recursion rounds otherwise
+    assert rates[0] == 0.02 and min(rates) > 0.001 and rates == sorted(rates, reverse=True)
+    # FlowerTune's curve, one round on: its round t is round t + 1 here, its last at lr_min
+    assert rates[1:] == [flowertune_cosine(t, 10, 0.02, 0.001) for t in range(1, 10)]
+    assert flowertune_cosine(10, 10, 0.02, 0.001) == 0.001
+    annealed_to_0 = local(lr=0.02, lr_schedule="cosine")
+    assert annealed_to_0.round_lr(1, 1) == 0.02 and annealed_to_0.round_lr(5, 5) > 0
+    assert local(lr=0.02).round_lr(7, 10) == 0.02
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_a_cosine_run_trains_each_round_at_its_rate(tmp_path, optimizer):
-    """Two rounds annealed from lr to 0: round 1 trains at lr / 2, exactly as a constant run at
-    lr / 2 does, and round 2 at 0, so its clients move nothing."""
+    """Annealed from lr to 0 over 2 rounds: round 1 trains at lr, exactly as a constant run does
+    (and a 1-round run at lr), round 2 at lr / 2, so that each client's one step moves half as far
+    as the constant run's from the same weights (SGD's -lr g, AdamW's first step -lr g / (|g| + eps))."""
     cfg = {
         "seed": 2,
         "device": "cpu",
@@ -303,14 +319,54 @@ def test_a_cosine_run_trains_each_round_at_its_rate(tmp_path, optimizer):
         "clients_per_round": 2,
         "model": "mnist_2nn",
         "data": {"dataset": "synthetic", "limit": 400, "num_clients": 4},
-        "local": {"lr": 0.1 if optimizer == "sgd" else 0.01, "optimizer": optimizer},
+        "local": {"lr": 0.1 if optimizer == "sgd" else 0.01, "optimizer": optimizer, "steps": 1},
     }
-    lr = cfg["local"]["lr"]
-    annealed = fedsim.run(
-        {**cfg, "local": {**cfg["local"], "lr_schedule": "cosine"}}, out=tmp_path / "cosine", quiet=True
-    )
-    half = fedsim.run({**cfg, "rounds": 1, "local": {**cfg["local"], "lr": lr / 2}}, out=tmp_path / "half", quiet=True)
-    assert annealed.test_accuracy[0] == half.test_accuracy[0] and annealed.test_loss[0] == half.test_loss[0]
-    second = [r for r in annealed.client_records if r["round"] == 2]
-    assert len(second) == 2 and all(r["update_norm"] == 0 for r in second)
-    assert annealed.test_loss[1] == annealed.test_loss[0]
+    cosine = {**cfg["local"], "lr_schedule": "cosine"}
+    annealed = fedsim.run({**cfg, "local": cosine}, out=tmp_path / "cosine", quiet=True)
+    constant = fedsim.run(cfg, out=tmp_path / "constant", quiet=True)
+    one = fedsim.run({**cfg, "rounds": 1, "local": cosine}, out=tmp_path / "one", quiet=True)
+    assert annealed.rows[0]["test_loss"] == constant.rows[0]["test_loss"] == one.rows[0]["test_loss"]
+    assert all(r["update_norm"] > 0 for r in one.client_records)  # a 1-round run trains
+    second = [(a["update_norm"], c["update_norm"]) for a, c in zip(annealed.client_records, constant.client_records)]
+    for a, c in second[2:]:
+        assert a > 0 and a == pytest.approx(c / 2, rel=1e-5)  # a step's float32 rounding, relative
+    assert annealed.test_loss[1] != annealed.test_loss[0]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_one_client_optimizer_steps_a_client_alone_or_in_a_group_as_torch_does(optimizer):
+    """ClientOptimizer, the one step both trainers take: one client's steps are torch.optim's bit for
+    bit (SGD's with momentum and decay, AdamW's without decay); in a group, the clients that have a step take it as the
+    client alone does and the others keep their weights and state."""
+    from fedsim.algorithms.local import ClientOptimizer
+
+    # AdamW's decay rounds otherwise than torch's (w - lr wd w against w (1 - lr wd)): left out of the exact check
+    decay = 0.0 if optimizer == "adamw" else 0.01
+    cfg = local(optimizer=optimizer, momentum=0.0 if optimizer == "adamw" else 0.9, lr=0.1, weight_decay=decay)
+    g = torch.Generator().manual_seed(0)
+    start, grads = torch.randn(5, generator=g), [torch.randn(5, generator=g) for _ in range(3)]
+    reference = start.clone().requires_grad_()
+    if optimizer == "adamw":
+        torch_opt = torch.optim.AdamW([reference], lr=0.1, weight_decay=decay, foreach=False)
+    else:
+        torch_opt = torch.optim.SGD([reference], lr=0.1, momentum=0.9, weight_decay=0.01, foreach=False)
+    alone, group = start.clone(), torch.stack([start, start])
+    one, both = ClientOptimizer(cfg, alone), ClientOptimizer(cfg, group, clients=2)
+    for t, grad in enumerate(grads):
+        reference.grad = grad.clone()
+        torch_opt.step()
+        g1 = grad.clone()
+        one.decay_in_gradient(g1, alone)
+        one.step(alone, g1, 0.1)
+        g2 = torch.stack([grad, grad])
+        both.decay_in_gradient(g2, group)
+        both.step(group, g2, 0.1, active=torch.tensor([[1.0], [float(t == 0)]]))  # client 2 has step 1 only
+    assert torch.equal(alone, reference.detach())
+    # a group's bias corrections are per client, tensors: within a few float32 roundings of the client's
+    torch.testing.assert_close(group[0], alone, rtol=4 * 2.0**-24, atol=1e-7)
+    one_step = ClientOptimizer(cfg, start.clone())
+    first = start.clone()
+    g1 = grads[0].clone()
+    one_step.decay_in_gradient(g1, first)
+    one_step.step(first, g1, 0.1)
+    torch.testing.assert_close(group[1], first, rtol=4 * 2.0**-24, atol=1e-7)  # kept after its one step

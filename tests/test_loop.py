@@ -123,3 +123,27 @@ def test_a_failing_model_is_one_line_with_or_without_workers(small_config, tmp_p
         "keyword model: test_loop:not_built failed when it was built (ValueError: weights file missing)"
     )
     assert child_pids() == []
+
+
+@pytest.mark.slow
+def test_a_run_from_initial_weights_scores_its_base_as_round_0(tmp_path):
+    """A fine-tuning run scores the model it starts from before any client trains: round 0 is the
+    base run's last round, on the same test set, so the gain over the base is in metrics.csv."""
+    cfg = {
+        "name": "base",
+        "seed": 1,
+        "rounds": 2,
+        "workers": 0,
+        "clients_per_round": 2,
+        "data": {"dataset": "synthetic", "num_clients": 4, "limit": 600},
+        "local": {"batch_size": 32, "lr": 0.05},
+    }
+    base = fedsim.run(cfg, out=tmp_path / "base", quiet=True)
+    tuned = fedsim.run({**cfg, "initial_weights": str(base.run_dir)}, out=tmp_path / "tuned", quiet=True)
+    assert tuned.round == [0, 1, 2]
+    assert tuned.test_loss[0] == base.test_loss[-1] and tuned.test_accuracy[0] == base.test_accuracy[-1]
+    assert tuned.rows[0]["clients"] == 0 and tuned.test_loss[2] < tuned.test_loss[0]
+    written = fedsim.load_run(tuned.run_dir)  # metrics.csv has it
+    assert written.round == [0, 1, 2] and written.test_loss == tuned.test_loss
+    resumed = fedsim.run({**cfg, "initial_weights": str(base.run_dir), "rounds": 1}, out=tmp_path / "part", quiet=True)
+    assert fedsim.resume(resumed.run_dir, rounds=2, quiet=True).test_loss == tuned.test_loss  # scored once

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,9 +17,11 @@ import time
 import uuid
 
 import pytest
+import torch
 from support import (
     BASE,
     assert_one_line_error,
+    installed,
     run_cli,
     shm_entries,
     shm_left_behind,
@@ -31,6 +34,10 @@ from support import (
 )
 
 import fedsim
+from fedsim.core.errors import FedsimError
+from fedsim.execution.interrupts import Terminated
+from fedsim.experiment import components
+from fedsim.results.keys import flatten_config
 
 pytestmark = pytest.mark.slow
 
@@ -185,11 +192,54 @@ def test_a_server_killed_mid_run_resumes_to_the_uninterrupted_metrics(tmp_path):
     assert fedsim.load_run(run_dir).test_accuracy == full.test_accuracy
 
 
+def test_a_run_killed_after_its_last_checkpoint_is_finished_by_resume(tmp_path):
+    """Killed between the checkpoint of its last round and summary.json and the plot (the files are
+    then those of the finished run without these two): load_model says how to finish it, and the
+    command it names writes them as the uninterrupted run did."""
+    whole = fedsim.run({**BASE, "workers": 0}, out=tmp_path / "run", quiet=True)
+    for file in ("summary.json", "accuracy.png"):
+        (tmp_path / "run" / file).unlink()
+    with pytest.raises(FedsimError) as error:
+        fedsim.load_model(tmp_path / "run")
+    command = f"fedsim run --resume {tmp_path / 'run'}"
+    assert str(error.value) == (
+        f"{tmp_path / 'run'}: no summary.json, which says the shape of the run's data: the run stopped before "
+        f"writing it; `{command}` finishes the run and writes it"
+    )
+    code, out, err, _, _ = run_cli(command.split()[1:])
+    assert code == 0, err
+    assert f"every round done (the checkpoint of round 3); writing its summary and plot in {tmp_path / 'run'}" in out
+    assert (tmp_path / "run" / "accuracy.png").is_file()
+    summary = fedsim.load_run(tmp_path / "run").summary
+    for key in ("status", "rounds", "final_test_accuracy", "best_test_accuracy", "final_test_loss", "input_shape"):
+        assert summary[key] == whole.summary[key], key
+    assert fedsim.load_model(tmp_path / "run") is not None
+    code, out, err, _, _ = run_cli(command.split()[1:])  # now it is done
+    assert code == 0 and "already at round 3 of 3; nothing to do" in out, err
+
+
 def test_resume_refuses_changes_that_would_split_the_run(tmp_path):
     fedsim.run(BASE, out=tmp_path / "run", quiet=True, rounds=1)
     code, _, err, _, _ = run_cli(["run", "--resume", str(tmp_path / "run"), "--set", "local.lr=0.5"])
     assert code == 2
     assert_one_line_error(err, "--set local.lr: cannot change when resuming")
+
+
+def test_resume_refuses_to_replan_a_cosine_schedule(tmp_path):
+    """A cosine run's rates are planned over its rounds: more rounds would re-plan those left, and
+    the run would match neither plan."""
+    fedsim.run(
+        {**BASE, "workers": 0, "rounds": 2, "local": {**BASE["local"], "lr_schedule": "cosine"}},
+        out=tmp_path / "run",
+        quiet=True,
+    )
+    code, _, err, _, _ = run_cli(["run", "--resume", str(tmp_path / "run"), "--set", "rounds=4"])
+    assert code == 2
+    assert_one_line_error(
+        err,
+        f"--set rounds=4: cannot change when resuming; {tmp_path / 'run'} anneals its learning rate over its 2 "
+        "rounds (local.lr_schedule: cosine), and the rounds before and after would not be one run",
+    )
 
 
 # ----------------------------------------------------------------------------- non-finite updates
@@ -232,3 +282,111 @@ def test_resume_from_a_broken_or_missing_checkpoint_is_one_line(tmp_path, capsys
     with pytest.raises(SystemExit):
         main(["run", "--resume", str(tmp_path / "run")])
     assert "no checkpoint.pt to resume from" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- resumes of every algorithm
+
+TIMES = {"seconds", "elapsed_seconds", "train_seconds", "worker_seconds", "aggregate_seconds", "eval_seconds"}
+
+
+def algorithm_config(name: str, tmp_path, rounds: int) -> dict:
+    """A run of ``name`` small enough to run four times: the LoRA methods on the one-layer
+    char_transformer of the LoRA tests, the others on 600 generated samples."""
+    if name in ("fedsa_lora", "flora", "hetlora"):
+        if not installed("peft"):
+            pytest.skip("peft is not installed")
+        from test_lora_methods import lora_config, play_root
+
+        return lora_config(play_root(tmp_path)[0], name, algorithm=name, rounds=rounds)
+    return {
+        "name": name,
+        "seed": 1,
+        "rounds": rounds,
+        "workers": 0,
+        "clients_per_round": 3,
+        "algorithm": name,
+        "data": {"dataset": "synthetic", "num_clients": 6, "limit": 600},
+        "local": {"batch_size": 32, "lr": 0.05},
+        **({"model": "cifar_cnn_bn"} if name == "fedbn" else {}),  # fedbn needs batch norm
+    }
+
+
+class StopAt:
+    """A callback that, at the end of round ``rnd``, sends this process SIGTERM (held until the
+    round's files and checkpoint are written, as a real one is) or copies the run directory as a
+    kill -9 at that moment leaves it: the round's rows written, its checkpoint not yet."""
+
+    def __init__(self, rnd: int, copy_to=None):
+        self.rnd, self.copy_to = rnd, copy_to
+
+    def on_run_start(self, run):
+        self.run_dir = run.run_dir
+
+    def on_round_end(self, row, clients):
+        if row["round"] != self.rnd:
+            return
+        if self.copy_to is None:
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            shutil.copytree(self.run_dir, self.copy_to)
+
+
+class LiveModel:
+    """A callback keeping the run's global model as the server holds it when the run ends."""
+
+    def on_run_start(self, run):
+        self.model = run.model
+
+    def on_run_end(self, history):
+        self.state = {key: tensor.clone() for key, tensor in self.model.state_dict().items()}
+
+
+def finished_run(run_dir) -> tuple:
+    """What a run leaves: its rows but their times, its clients' rows, its checkpoint's tensors
+    and the model fedsim.load_model builds (for FLoRA, the base with the merges)."""
+    history = fedsim.load_run(run_dir)
+    rows = [{k: v for k, v in row.items() if k not in TIMES} for row in history.rows]
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    tensors = dict(
+        flatten_config({k: state[k] for k in ("global", "server_optimizer", "algorithm", "privacy", "client_state")})
+    )
+    model = fedsim.load_model(run_dir).state_dict()
+    return rows, history.client_records, tensors, model
+
+
+def assert_same_run(resumed, whole) -> None:
+    rows, clients, tensors, model = finished_run(resumed)
+    rows_w, clients_w, tensors_w, model_w = finished_run(whole)
+    assert json.dumps(rows) == json.dumps(rows_w)  # NaN == NaN, every bit of every float
+    assert json.dumps(clients) == json.dumps(clients_w)
+    for what, got, want in (("checkpoint", tensors, tensors_w), ("load_model", model, model_w)):
+        assert got.keys() == want.keys(), what
+        for key in want:
+            if isinstance(want[key], torch.Tensor):
+                assert torch.equal(got[key], want[key]), (what, key)
+
+
+@pytest.mark.parametrize("name", components.tables()["algorithms"].names())
+def test_every_algorithm_resumes_to_the_uninterrupted_run_bit_for_bit(name, tmp_path):
+    """Stopped after round 2 of 4, by a run of 2 rounds, by SIGTERM, or by a kill -9 after round 3's
+    rows but before its checkpoint: resumed, each ends as the run of 4 rounds did, exactly."""
+    live = LiveModel()
+    whole = fedsim.run(algorithm_config(name, tmp_path, 4), out=tmp_path / "whole", quiet=True, callbacks=[live])
+    whole = whole.run_dir
+    loaded = fedsim.load_model(whole).state_dict()
+    assert loaded.keys() == live.state.keys()
+    assert all(torch.equal(loaded[key], live.state[key]) for key in loaded)  # load_model: the run's own model
+    fedsim.run(algorithm_config(name, tmp_path, 2), out=tmp_path / "stopped", quiet=True)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(Terminated(signum)))
+    try:
+        with pytest.raises(Terminated):
+            fedsim.run(algorithm_config(name, tmp_path, 4), out=tmp_path / "term", quiet=True, callbacks=[StopAt(2)])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    killed = StopAt(3, copy_to=tmp_path / "killed")
+    fedsim.run(algorithm_config(name, tmp_path, 4), out=tmp_path / "copied", quiet=True, callbacks=[killed])
+    assert len(fedsim.load_run(tmp_path / "killed").rows) == 3
+    assert torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)["round"] == 2
+    for stopped in ("stopped", "term", "killed"):
+        fedsim.resume(tmp_path / stopped, rounds=4, quiet=True)
+        assert_same_run(tmp_path / stopped, whole)

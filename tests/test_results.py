@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -268,6 +269,10 @@ def test_to_pandas_gives_nan_for_a_feature_the_run_had_off():
 
 def test_the_package_lists_its_public_names():
     assert {"run", "resume", "load_model", "load_runs", "results_table", "plot_runs", "data"} <= set(dir(fedsim))
+    importlib.import_module("fedsim.engine")  # a layer of the package, imported: still not a public name
+
+    assert [name for name in dir(fedsim) if name.startswith("_")] == ["__version__"]
+    assert not {"sys", "importlib", "annotations", "engine", "core"} & set(dir(fedsim))
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 from matplotlib.image import imread
@@ -57,7 +58,11 @@ def test_a_run_directory_is_named_by_what_changes_the_run():
     long = name(
         ["data.dataset=synthetic", "local.lr=0.05", "local.momentum=0.9", "data.partition=dirichlet", "data.alpha=0.1"]
     )
-    assert long.startswith("mnist_seed-set-") and len(long) == len("mnist_seed-set-") + 8
+    # as many keys and values as fit, then a hash of them all
+    assert re.fullmatch(r"mnist_seed-alpha=0.1-dataset=synthetic-lr=0.05-[0-9a-f]{8}", long), long
+    ffa = ["data.dataset=synthetic", "lora.rank=8", "lora.method=ffa", "local.lr=0.0002", "local.weight_decay=0.01"]
+    fedit = name([c.replace("ffa", "fedit") for c in ffa])  # the default: not an override
+    assert "-method=ffa-" in name(ffa) and "method" not in fedit and "-rank=8-" in fedit
     assert long != name(
         ["data.dataset=synthetic", "local.lr=0.05", "local.momentum=0.9", "data.partition=dirichlet", "data.alpha=0.2"]
     )
@@ -192,3 +197,53 @@ def test_a_lora_run_and_a_server_optimizer_are_named_in_the_runs_description():
     text = describe_run(load_config({"server_optimizer": "fedadam"}).to_dict())
     assert "model mnist_cnn, aggregator fedavg, server optimizer fedadam, algorithm fedavg" in text
     assert "LoRA" not in text and "server optimizer" not in describe_run(load_config({}).to_dict())
+
+
+def test_hetlora_and_flora_are_described_by_their_own_aggregation_and_long_lists_are_shortened():
+    from fedsim.algorithms.flora import FLoRA
+    from fedsim.algorithms.hetlora import HetLoRA
+    from fedsim.experiment.validation import load_config
+    from fedsim.results.history import describe_run
+
+    ranks = {"choice": list(range(1, 65))}
+    lora = {"rank": 64, "client_ranks": ranks, "target_modules": "c_attn"}
+    config = load_config(
+        {"model": "char_transformer", "algorithm": "hetlora", "lora": lora, "data": {"dataset": "shakespeare_text"}}
+    ).to_dict()
+    overrides = {f"model_options.option_{i}": "x" * 30 for i in range(6)} | {"lora.client_ranks": ranks}
+    text = describe_run(config, overrides, HetLoRA().aggregation("fedavg"))
+    assert (
+        "model char_transformer with LoRA rank 64 (clients' ranks choice among 64 from 1 to 64), "
+        "aggregation sparsity-weighted zero-padding (HetLoRA), algorithm hetlora; with " in text
+    )
+    assert "aggregator fedavg" not in text and "LoRA fedit" not in text
+    assert len(text) < 400 and text.endswith(" and 5 more")  # whole keys only, never one cut in two
+    assert HetLoRA().aggregation("median") == "sparsity-weighted median zero-padding (HetLoRA)"
+    assert FLoRA().aggregation("fedavg") == "stacking merged into the base (FLoRA)"
+    # a run whose algorithm keeps the rule is described as before
+    assert "aggregator fedavg, algorithm fedavg" in describe_run(load_config({}).to_dict(), None, "fedavg")
+
+
+def test_a_language_models_plot_title_keeps_to_a_few_lines():
+    from fedsim.results.plot import TITLE_LINES, _default_title
+
+    config = load_config({"name": "lm", "lora": {"rank": 40, "client_ranks": {"choice": list(range(1, 40))}}})
+    overrides = {f"local.key_{i}": "v" * 25 for i in range(12)}
+    history = History([], config.to_dict(), None, {"overrides": overrides, "aggregation": "fedavg"})
+    title = _default_title([history], "test_accuracy", "round").splitlines()
+    assert title[0] == "lm" and len(title) == 1 + TITLE_LINES and title[-1].endswith(" ...")
+    assert all(len(line) <= 60 for line in title)
+
+
+def test_the_ready_line_counts_rounds_in_words_that_agree():
+    from pathlib import Path
+
+    import torch
+
+    from fedsim.runs.session import ready_message
+
+    cfg = load_config({"name": "one", "rounds": 1, "clients_per_round": 2, "data": {"num_clients": 4}})
+    line = ready_message(cfg, 1, 1, 0, torch.device("cpu"), 0.25, Path("runs/one"))
+    assert line == "one: 1 round of 2/4 clients, 0 workers on cpu, ready in 0.2 s; writing runs/one"
+    finishing = ready_message(cfg, 2, 1, 0, torch.device("cpu"), 0.25, Path("runs/one"))
+    assert finishing == "one: every round done (the checkpoint of round 1); writing its summary and plot in runs/one"

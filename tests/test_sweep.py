@@ -815,3 +815,36 @@ def test_a_bad_sweep_section_is_refused_in_one_line(config_file, section, words)
     else:
         with pytest.raises(ConfigError, match=words):
             plan(config_file, [])
+
+
+@pytest.mark.slow
+def test_a_warning_or_hint_is_said_once_per_sweep_not_once_per_run(tmp_path, caplog):
+    import logging
+
+    from fedsim.results.progress import said_once
+
+    cfg = {
+        "name": "told",
+        "seed": 1,
+        "rounds": 1,
+        "workers": 0,
+        "clients_per_round": 2,
+        "data": {"dataset": "synthetic", "num_clients": 4, "limit": 400},
+        "attack": {"fraction": 0.2},  # no attack.type: a setting nothing reads, warned of
+    }
+    with caplog.at_level(logging.INFO, logger="fedsim"):
+        sweep(cfg, ["local.lr=0.01,0.02,0.05"], out=tmp_path / "sweep", quiet=True, log=lambda text: None)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attack.fraction is 0.2")]
+    assert said == ["attack.fraction is 0.2 but attack.type is none"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fedsim"):
+        fedsim.run(cfg, out=tmp_path / "alone", quiet=True)
+        fedsim.run(cfg, out=tmp_path / "again", quiet=True)  # outside a sweep, every run says it
+    assert sum(r.getMessage().startswith("attack.fraction is 0.2") for r in caplog.records) == 2
+    # a hint whose figures differ from run to run is said once too: its kind is the key
+    caplog.clear()
+    logger = logging.getLogger("fedsim")
+    with caplog.at_level(logging.INFO, logger="fedsim"), said_once():
+        for size in (30, 40):
+            logger.info(f"--set eval_subset={size} scores ...", extra={"once": "eval_subset hint"})
+    assert [r.getMessage() for r in caplog.records] == ["--set eval_subset=30 scores ..."]

@@ -91,6 +91,12 @@ class Algorithm:
     # client states each client updates itself: its report of that name is its new row, kept on the
     # client in a deployment (no traffic), committed before server_update sees the rows
     personal_state: tuple[str, ...] = ()
+    # config keys that only the algorithms declaring them read (lora.client_ranks): a run of another
+    # algorithm that sets one is told that nothing reads it
+    reads: tuple[str, ...] = ()
+    # reports, each of shape (1,) and a whole number, that clients.csv records in a column of that name
+    # after the columns every run has (a client's LoRA rank, say)
+    recorded_reports: tuple[str, ...] = ()
 
     def setup(self, config: Any) -> None:
         """Called once in the server and once in every worker with the run's Config, before any
@@ -168,6 +174,17 @@ class Algorithm:
         global weights become x + Δ without one). Change the state here, in place: ``server`` the
         server's, ``clients`` the rows ([k, ...]) of the round's clients, ``round.clients``."""
         return round.aggregate(round.updates, round.weights)
+
+    def aggregation(self, rule: str) -> str:
+        """How the server combines the clients' updates, in words for the header, summary.json
+        (``aggregation``) and tables, given the run's rule (``aggregator``, named): the rule, unless
+        the algorithm replaces it or changes what it weighs."""
+        return rule
+
+    def summary(self, client_rows: list[dict]) -> dict:
+        """summary.json's figures of the algorithm, from the run's clients.csv rows (as dicts, with the
+        ``recorded_reports``): none by default."""
+        return {}
 
     def resume(self, server: dict[str, torch.Tensor]) -> None:
         """Called in the server once a checkpoint has restored the server state ``server``: the

@@ -1,6 +1,6 @@
-"""FLoRA (Wang, Shen, He, Wang, Chen, Yu, Lin, Huang 2024, "FLoRA: Federated Fine-Tuning Large
-Language Models with Heterogeneous Low-Rank Adaptations"): the clients' adapters stacked, not
-averaged, and merged into the base every round."""
+"""FLoRA (Wang, Shen, He, Sun, Wang, Lyu, Li 2024, "FLoRA: Federated Fine-Tuning Large Language
+Models with Heterogeneous Low-Rank Adaptations", NeurIPS 2024, arXiv 2409.05976): the clients'
+adapters stacked, not averaged, and merged into the base every round."""
 
 from __future__ import annotations
 
@@ -33,10 +33,16 @@ class FLoRA(Algorithm):
     adapters keep B at zero, so the global model is the merged base.
 
     The base is the one every worker reads (``lora.share_base``), changed by the server between
-    rounds; the sum of the merges is the server state ``merged``, which a checkpoint keeps and a
-    resumed run adds to the base it builds again. The stacking takes the place of an aggregation
-    rule, DP-FedAvg and a server optimizer, which are refused.
+    rounds. The server state keeps the adapted layers' frozen weights as the merges left them
+    (``base``) and how many rounds merged into them (``merges``; 0: the base as built): a
+    checkpoint holds them and a resumed run (or ``fedsim.load_model``) copies them back. Adding
+    the sum of the merges once would not do: float32 rounds that sum otherwise than the merges
+    added one by one, and the resumed run would drift from the uninterrupted one. The stacking
+    takes the place of an aggregation rule, DP-FedAvg and a server optimizer, which are refused.
     """
+
+    reads = ("lora.client_ranks",)  # each client's own rank
+    recorded_reports = ("lora_rank",)  # clients.csv's column of each client's rank
 
     def __init__(self) -> None:
         self.layout: list[Adapter] = []
@@ -65,10 +71,13 @@ class FLoRA(Algorithm):
         self.module = module  # in the server, its frozen base is the shared one the merges go into
 
     def server_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
-        return {"merged": (sum(a.fan_out * a.fan_in for a in self.layout),)}
+        return {"base": (sum(a.fan_out * a.fan_in for a in self.layout),), "merges": (1,)}
 
     def report_shapes(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"lora_rank": (1,)}  # its rank, for clients.csv (the shapes of its adapters tell the server)
+
+    def aggregation(self, rule: str) -> str:
+        return "stacking merged into the base (FLoRA)"  # setup refused any other rule
 
     def client_report(self, result: LocalResult, local: SimpleNamespace) -> dict[str, torch.Tensor]:
         return {"lora_rank": result.weights.new_full((1, 1), float(local.rank))}
@@ -104,20 +113,26 @@ class FLoRA(Algorithm):
     def server_update(
         self, round: Round, server: dict[str, torch.Tensor], clients: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        merges = self.merges(round)
-        self.merge(merges)
-        server["merged"] += torch.cat([m.flatten() for m in merges])
+        self.merge(self.merges(round))
+        server["base"].copy_(torch.cat([weight.flatten() for weight in self.base_weights()]))
+        server["merges"] += 1
         return torch.zeros_like(round.global_weights)  # B stays zero: the global model is the merged base
 
     def resume(self, server: dict[str, torch.Tensor]) -> None:
-        parts = server["merged"].split([a.fan_out * a.fan_in for a in self.layout])  # as server_update concatenated
-        self.merge([part.view(a.fan_out, a.fan_in) for a, part in zip(self.layout, parts)])
+        if not server["merges"].any():
+            return  # no round merged anything: the base is the one built
+        parts = server["base"].split([weight.numel() for weight in self.base_weights()])  # as server_update cat'd
+        with torch.no_grad():
+            for weight, part in zip(self.base_weights(), parts):
+                weight.copy_(part.view_as(weight))
+
+    def base_weights(self) -> list[torch.Tensor]:
+        """The adapted layers' frozen weights, in the order of ``layout``, as the layers store them."""
+        return [self.module.get_submodule(adapter.layer).base_layer.weight for adapter in self.layout]
 
     def merge(self, merges: list[torch.Tensor]) -> None:
         """Add each layer's merge to its frozen weight, in place (a Conv1D's is stored transposed)."""
-        for adapter, merge in zip(self.layout, merges):
-            layer = self.module.get_submodule(adapter.layer)
-            weight = layer.base_layer.weight
-            merge = merge.T if getattr(layer, "fan_in_fan_out", False) else merge
+        for adapter, weight, merge in zip(self.layout, self.base_weights(), merges):
+            merge = merge.T if getattr(self.module.get_submodule(adapter.layer), "fan_in_fan_out", False) else merge
             with torch.no_grad():
                 weight.add_(merge.to(weight.device, weight.dtype))

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..models import lora, tasks
-from .local import Trained, Trainer, autocast_for, batch_on
+from .local import ClientOptimizer, Trained, Trainer, autocast_for, batch_on
 
 
 class GroupTrainer(Trainer):
@@ -130,10 +130,7 @@ class GroupTrainer(Trainer):
         weights = start.expand(c, -1).clone()
         params = self._views(weights)
         start_params = start[: weights.shape[1]]
-        momentum = torch.zeros_like(weights) if local.momentum else None
-        # adamw: each client's first and second moments and its steps so far (bias correction)
-        moments = (torch.zeros_like(weights), torch.zeros_like(weights), torch.zeros(c, 1, device=self.device))
-        moments = moments if local.optimizer == "adamw" else None
+        optimizer = ClientOptimizer(local, weights, c)  # each client's own state and steps
         loss_sum = torch.zeros(c, device=self.device)
         gradient_sum = torch.zeros_like(weights) if algorithm.keeps_mean_gradient else None
         for _ in range(local.epochs):
@@ -152,7 +149,7 @@ class GroupTrainer(Trainer):
                 grads, losses = self.step(params, x, y, w, rows)
                 grad = torch.cat([grads[name].reshape(c, -1) for name in self.shapes], dim=1)
                 active = (w.sum(dim=1) > 0).to(weights.dtype)[:, None]  # clients that have this step
-                self._descend(grad, weights, active, momentum, moments, gradient_sum, (start_params, local_state))
+                self._descend(grad, weights, active, optimizer, gradient_sum, (start_params, local_state))
                 targets = tasks.counted(y, w).flatten(1).sum(dim=1)
                 loss_sum.add_(losses * targets)
                 seen.add_(targets)
@@ -160,39 +157,14 @@ class GroupTrainer(Trainer):
         mean_gradient = None if gradient_sum is None else gradient_sum / steps[:, None].to(weights.dtype)
         return weights, Trained(loss_sum / seen, steps, mean_gradient)
 
-    def _descend(self, grad, weights, active, momentum, moments, gradient_sum, term_arguments: tuple) -> None:
-        """One step of every client that has it (``active``, [c, 1]): weight decay, the
-        algorithm's term, then SGD with momentum or AdamW; a client without this step keeps its
+    def _descend(self, grad, weights, active, optimizer, gradient_sum, term_arguments: tuple) -> None:
+        """One step of every client that has it (``active``, [c, 1]): weight decay (SGD's), the
+        algorithm's term, then the clients' optimizer; a client without this step keeps its
         weights and optimizer state. ``term_arguments``: the start and the clients' own state,
         for ``adjust_gradient``."""
-        local, algorithm = self.local, self.algorithm
-        if local.weight_decay and moments is None:  # SGD's decay is in the gradient; AdamW's apart
-            grad.add_(weights, alpha=local.weight_decay)
+        optimizer.decay_in_gradient(grad, weights)
         if gradient_sum is not None:
             gradient_sum.add_(grad * active)
-        if algorithm.has_gradient_term:
-            algorithm.adjust_gradient(grad, weights, *term_arguments)
-        if moments is not None:
-            self._adamw(grad, weights, active, moments)
-            return
-        step = grad
-        if momentum is not None:
-            momentum.copy_(torch.where(active > 0, momentum * local.momentum + grad, momentum))
-            step = momentum
-        weights.sub_(step * active, alpha=self.lr)
-
-    def _adamw(self, grad, weights, active, moments) -> None:
-        """``LocalTrainer._adamw`` for every client that has this step, each with its own moments
-        and its own step count for the bias correction."""
-        local = self.local
-        first, second, count = moments
-        count.add_(active)
-        if local.weight_decay:
-            weights.sub_(weights * active, alpha=self.lr * local.weight_decay)
-        first.copy_(torch.where(active > 0, first.lerp(grad, 1 - local.beta1), first))
-        second.copy_(torch.where(active > 0, second * local.beta2 + (1 - local.beta2) * grad * grad, second))
-        steps = count.double().clamp_min(1.0)  # a client yet without a step is not moved (active 0)
-        correction1 = (1 - local.beta1**steps).to(weights.dtype)
-        correction2 = (1 - local.beta2**steps).sqrt().to(weights.dtype)
-        denominator = (second.sqrt() / correction2).add_(local.eps)
-        weights.sub_(first / denominator * (self.lr / correction1) * active)
+        if self.algorithm.has_gradient_term:
+            self.algorithm.adjust_gradient(grad, weights, *term_arguments)
+        optimizer.step(weights, grad, self.lr, active=active)

@@ -30,8 +30,15 @@ class HetLoRA(Algorithm):
     ||A_k[c:r_k]||_F ||B_k[:, c:r_k]||_F, c = floor(gamma r_k): it pushes the last components
     toward zero. Where that sum at the end of the client's training is below the one it reached
     at the end of its previous round (in its first round, the one it started from), the client
-    prunes them: it sends them as zeros and has rank c from then on (its row of ``lora_rank``,
-    which clients.csv reports). No tail is penalised or pruned at rank 1 or with gamma 1.
+    prunes them: it sends them as zeros and has rank c from then on. No tail is penalised or pruned
+    at rank 1 or with gamma 1. clients.csv records the rank each client trained at
+    (``trained_rank``) and its rank after the round (``lora_rank``), and summary.json counts the
+    prunes (``prunes``).
+
+    The pruning rule is §3.2 of the paper (arXiv 2401.06432, "Local Training with Rank
+    Self-Pruning") as read here: the regularisation term is compared with its value in the
+    client's previous round, which the client keeps (its ``tail``). A reading that compares it
+    with its value on the adapters the client received this round prunes less often.
 
     The server zero-pads every client's adapters to r_max (they are zeros beyond r_k in the flat
     weights) and aggregates them with weights proportional to ||Delta W_k||_F, the norm of the
@@ -40,6 +47,8 @@ class HetLoRA(Algorithm):
     """
 
     personal_state = ("lora_rank", "tail")  # the client's own rank and the tail it last reached
+    reads = ("lora.client_ranks",)  # each client's own rank
+    recorded_reports = ("trained_rank", "lora_rank")  # clients.csv: the rank it trained at, and its rank after
 
     def __init__(self, lam: float = 0.01, gamma: float = 0.9):
         self.lam = CHECKS.non_negative("lam", lam)
@@ -58,7 +67,7 @@ class HetLoRA(Algorithm):
         return {"lora_rank": (1,), "tail": (1,)}
 
     def report_shapes(self, num_params: int) -> dict[str, tuple[int, ...]]:
-        return self.client_state(num_params)
+        return {**self.client_state(num_params), "trained_rank": (1,)}
 
     def new_client_state(self, global_weights: torch.Tensor, num_params: int) -> dict[str, torch.Tensor]:
         # rank 0: the federation's (lora.client_ranks); tail -1: no round trained yet
@@ -67,7 +76,7 @@ class HetLoRA(Algorithm):
     def start_client(self, clients: Clients) -> SimpleNamespace:
         kept = int(clients.state["lora_rank"][0, 0])
         rank = kept or int(self.ranks[int(clients.ids[0])])
-        return SimpleNamespace(rank=rank, tail=float(clients.state["tail"][0, 0]))
+        return SimpleNamespace(rank=rank, trained=rank, tail=float(clients.state["tail"][0, 0]))
 
     def tail(self, rank: int) -> int:
         """Where the penalised components of a client of rank ``rank`` start (``rank``: none)."""
@@ -109,7 +118,20 @@ class HetLoRA(Algorithm):
 
     def client_report(self, result: LocalResult, local: SimpleNamespace) -> dict[str, torch.Tensor]:
         like = result.weights
-        return {"lora_rank": like.new_full((1, 1), float(local.rank)), "tail": like.new_full((1, 1), local.tail)}
+        return {
+            "lora_rank": like.new_full((1, 1), float(local.rank)),
+            "tail": like.new_full((1, 1), local.tail),
+            "trained_rank": like.new_full((1, 1), float(local.trained)),
+        }
+
+    def aggregation(self, rule: str) -> str:
+        weighed = "" if rule == "fedavg" else f" {rule}"  # the rule, given the norms in place of the sample counts
+        return f"sparsity-weighted{weighed} zero-padding (HetLoRA)"
+
+    def summary(self, client_rows: list[dict]) -> dict:
+        """``prunes``: the client rounds that ended at a lower rank than they trained at."""
+        ranks = [(r["trained_rank"], r["lora_rank"]) for r in client_rows if r.get("trained_rank") is not None]
+        return {"prunes": sum(after < trained for trained, after in ranks)}
 
     def server_update(
         self, round: Round, server: dict[str, torch.Tensor], clients: dict[str, torch.Tensor]

@@ -51,9 +51,12 @@ class LocalConfig:
     lr_schedule: str = option(
         "constant",
         "the learning rate over the rounds: `constant`, or `cosine`: round t of T trains with lr_min + (lr - "
-        "lr_min) (1 + cos(pi t / T)) / 2, as FlowerTune anneals it, whatever `optimizer`",
+        "lr_min) (1 + cos(pi (t - 1) / T)) / 2, whatever `optimizer`: round 1 at lr, every round above lr_min "
+        "(FlowerTune's `cosine_annealing` is this curve one round on); `rounds` cannot change on resume",
     )
-    lr_min: float = option(0.0, "`cosine`: the learning rate it anneals to by the last round", unread=_constant_lr)
+    lr_min: float = option(
+        0.0, "`cosine`: the learning rate it anneals toward, reached after the last round", unread=_constant_lr
+    )
     momentum: float = option(0.0, "local SGD momentum (reset for every client every round)")
     weight_decay: float = option(0.0, "local weight decay: L2 in the gradient for SGD, decoupled for AdamW")
     precision: str = option(
@@ -70,11 +73,15 @@ class LocalConfig:
 
     def round_lr(self, rnd: int, rounds: int) -> float:
         """The learning rate of round ``rnd`` (1-based) of ``rounds``: ``lr``, or its cosine
-        annealing (Loshchilov & Hutter 2017's SGDR, one cycle over the run), FlowerTune's
-        ``cosine_annealing(current_round, total_round, lrate_max, lrate_min)``."""
+        annealing (Loshchilov & Hutter 2017's SGDR, one half-cycle over the run), as
+        ``torch.optim.lr_scheduler.CosineAnnealingLR(T_max=rounds)`` stepped once a round gives
+        it: round 1 trains at ``lr`` and the last above ``lr_min``, so that no round trains at 0
+        with ``lr_min: 0`` and a 1-round run trains at ``lr``. FlowerTune's ``cosine_annealing(
+        current_round, total_round, ...)``, called with Flower's rounds from 1, is the same curve a
+        round on: its round t trains at the rate of round t + 1 here, and its last at lr_min."""
         if self.lr_schedule == "constant":
             return self.lr
-        return self.lr_min + 0.5 * (self.lr - self.lr_min) * (1 + math.cos(math.pi * min(rnd, rounds) / rounds))
+        return self.lr_min + 0.5 * (self.lr - self.lr_min) * (1 + math.cos(math.pi * (min(rnd, rounds) - 1) / rounds))
 
     def check(self) -> None:
         checks = Checks("local")
@@ -106,6 +113,77 @@ class Trained:
     steps: torch.Tensor  # [c] SGD steps taken
     mean_gradient: torch.Tensor | None  # [c, n] mean raw gradient, when the algorithm keeps it
     weights: torch.Tensor | None = None  # [P] LocalTrainer: its model's weights after training (its own tensor)
+
+
+class ClientOptimizer:
+    """A client's optimizer, afresh for every client's round (as a client that builds its optimizer
+    when it is handed the model): SGD, whose step matches ``torch.optim.SGD`` (weight decay added to
+    the gradient, heavy-ball momentum without dampening), or with ``local.optimizer: adamw``
+    ``torch.optim.AdamW``'s single-tensor step (Loshchilov & Hutter 2019, "Decoupled Weight Decay
+    Regularization": the decay shrinks the weights apart from the gradient, the moments are
+    bias-corrected by the step count). For one client (``weights`` [n]) or a group of ``clients``
+    in lockstep ([c, n]), each of which has its own state and step count."""
+
+    def __init__(self, local: LocalConfig, like: torch.Tensor, clients: int | None = None):
+        self.local = local
+        self.momentum = torch.zeros_like(like) if local.momentum else None
+        adamw = local.optimizer == "adamw"
+        self.moments = (torch.zeros_like(like), torch.zeros_like(like)) if adamw else None
+        # steps taken: a number for one client, [c, 1] for a group (a client without a step keeps its count)
+        self.clients = clients
+        self.count: int | torch.Tensor = 0 if clients is None else torch.zeros(clients, 1, device=like.device)
+
+    def reset(self) -> None:
+        """A new client's round (or group's): no momentum, no moments, no steps."""
+        for state in (self.momentum, *(self.moments or ())):
+            if state is not None:
+                state.zero_()
+        self.count = 0 if self.clients is None else self.count.zero_()
+
+    def decay_in_gradient(self, grad: torch.Tensor, weights: torch.Tensor) -> None:
+        """SGD's weight decay, added to the gradient before the algorithm's term sees it (AdamW's
+        is decoupled: ``step`` applies it)."""
+        if self.local.weight_decay and self.moments is None:
+            grad.add_(weights, alpha=self.local.weight_decay)
+
+    def step(
+        self,
+        weights: torch.Tensor,
+        grad: torch.Tensor,
+        lr: float,
+        active: torch.Tensor | None = None,
+        trainable: torch.Tensor | None = None,
+    ) -> None:
+        """One step, in place, of the clients that have it (``active``, [c, 1], 1 or 0; None: all):
+        a client without it keeps its weights and its state. ``trainable`` ([n], 1 or 0): the
+        coordinates that train (their gradient is already 0 elsewhere; AdamW's decay spares them)."""
+        local = self.local
+        if self.moments is None:
+            update = grad
+            if self.momentum is not None:
+                _keep(self.momentum, self.momentum * local.momentum + grad, active)
+                update = self.momentum
+            weights.sub_(update if active is None else update * active, alpha=lr)
+            return
+        first, second = self.moments
+        self.count = self.count + 1 if active is None else self.count.add_(active)
+        if local.weight_decay:
+            mask = trainable if active is None else active
+            weights.sub_(weights if mask is None else weights * mask, alpha=lr * local.weight_decay)
+        _keep(first, first.lerp(grad, 1 - local.beta1), active)
+        _keep(second, second.mul(local.beta2).addcmul_(grad, grad, value=1 - local.beta2), active)
+        if active is None:  # torch.optim.AdamW's own operations, so that a client's steps are its bit for bit
+            denominator = (second.sqrt() / math.sqrt(1 - local.beta2**self.count)).add_(local.eps)
+            weights.addcdiv_(first, denominator, value=-lr / (1 - local.beta1**self.count))
+            return
+        steps = self.count.double().clamp_min(1.0)  # each client's own bias corrections
+        denominator = (second.sqrt() / (1 - local.beta2**steps).sqrt().to(weights.dtype)).add_(local.eps)
+        weights.sub_(first / denominator * (lr / (1 - local.beta1**steps)).to(weights.dtype) * active)
+
+
+def _keep(state: torch.Tensor, new: torch.Tensor, active: torch.Tensor | None) -> None:
+    """``state`` becomes ``new`` for the clients that have the step (``active``; None: every one)."""
+    state.copy_(new if active is None else torch.where(active > 0, new, state))
 
 
 def autocast_for(local: LocalConfig, device: torch.device) -> torch.autocast:
@@ -155,12 +233,7 @@ class LocalTrainer(Trainer):
     def prepare(self, model: FlatModel) -> None:
         local = self.local
         self.model = model
-        self.momentum = torch.zeros_like(model.params) if local.momentum else None
-        # adamw: the first and second moments, afresh for every client's round (as a client that
-        # builds its optimizer when it is handed the model)
-        self.moments = (
-            (torch.zeros_like(model.params), torch.zeros_like(model.params)) if local.optimizer == "adamw" else None
-        )
+        self.optimizer = ClientOptimizer(local, model.params)
         self.loss_sum = torch.zeros((), device=model.flat.device)
         self.autocast = autocast_for(local, model.flat.device)
 
@@ -192,10 +265,7 @@ class LocalTrainer(Trainer):
         model.module.train()
         params, grad = model.params, model.grad
         start_params = None if start is None else start[: model.num_params]
-        if self.momentum is not None:
-            self.momentum.zero_()
-        for moment in self.moments or ():
-            moment.zero_()
+        self.optimizer.reset()
         self.loss_sum.zero_()
         if term is None and algorithm.has_gradient_term:
             term = lambda g, w: algorithm.adjust_gradient(g, w, start_params, local_state)  # noqa: E731
@@ -216,7 +286,7 @@ class LocalTrainer(Trainer):
                 loss = tasks.loss(model.module(x), y)
             grad.zero_()
             loss.backward()
-            self._descend(gradient_sum, term, trainable, steps + 1)
+            self._descend(gradient_sum, term, trainable)
             seen = seen + self._count_loss(loss, y)
             steps += 1
         mean_gradient = None if gradient_sum is None else (gradient_sum / steps)[None]
@@ -234,35 +304,15 @@ class LocalTrainer(Trainer):
         self.loss_sum.add_(loss.detach() * targets)
         return targets
 
-    def _descend(self, gradient_sum: torch.Tensor | None, term, trainable: torch.Tensor | None, step: int) -> None:
-        """One step from the gradient in ``model.grad`` (the client's ``step``-th): weight decay, the
-        algorithm's term, frozen coordinates, then SGD with momentum or AdamW."""
-        params, grad, local = self.model.params, self.model.grad, self.local
-        if local.weight_decay and self.moments is None:  # SGD's decay is in the gradient; AdamW's apart
-            grad.add_(params, alpha=local.weight_decay)
+    def _descend(self, gradient_sum: torch.Tensor | None, term, trainable: torch.Tensor | None) -> None:
+        """One step from the gradient in ``model.grad``: weight decay (SGD's), the algorithm's term,
+        frozen coordinates, then the client's optimizer."""
+        params, grad = self.model.params, self.model.grad
+        self.optimizer.decay_in_gradient(grad, params)
         if gradient_sum is not None:
             gradient_sum.add_(grad)
         if term is not None:
             term(grad[None], params[None])
         if trainable is not None:  # frozen coordinates keep their values exactly
             grad.mul_(trainable)
-        if self.moments is not None:
-            self._adamw(grad, trainable, step)
-            return
-        update = grad
-        if self.momentum is not None:
-            update = self.momentum.mul_(local.momentum).add_(grad)
-        params.add_(update, alpha=-self.lr)
-
-    def _adamw(self, grad: torch.Tensor, trainable: torch.Tensor | None, step: int) -> None:
-        """AdamW (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization") as
-        torch.optim.AdamW takes a step: the decay shrinks the weights apart from the gradient, the
-        moments are bias-corrected by the step count."""
-        params, local = self.model.params, self.local
-        first, second = self.moments
-        if local.weight_decay:
-            params.sub_(params if trainable is None else params * trainable, alpha=self.lr * local.weight_decay)
-        first.lerp_(grad, 1 - local.beta1)
-        second.mul_(local.beta2).addcmul_(grad, grad, value=1 - local.beta2)
-        denominator = (second.sqrt() / math.sqrt(1 - local.beta2**step)).add_(local.eps)
-        params.addcdiv_(first, denominator, value=-self.lr / (1 - local.beta1**step))
+        self.optimizer.step(params, grad, self.lr, trainable=trainable)

@@ -19,6 +19,11 @@ def shown(value: object, limit: int = 60) -> str:
     return f"{type(value).__name__} {cut(text, limit)}"
 
 
+def plural(count: int, word: str) -> str:
+    """``count`` and ``word``, with an s unless there is one: "1 round", "3 rounds"."""
+    return f"{count:,} {word}" if count == 1 else f"{count:,} {word}s"
+
+
 def did_you_mean(name: object, choices: Iterable[object]) -> str:
     """``" (did you mean 'median'?)"`` for a name close to one of ``choices``, else ``""``."""
     import difflib

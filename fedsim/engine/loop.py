@@ -269,6 +269,29 @@ class Engine:
             row.update(self.scores(full=True))
         return row["test_accuracy"] >= target
 
+    def initial_row(self) -> dict:
+        """Round 0: the model the run starts from (``initial_weights``), scored on the whole test set
+        before any client trains, so that a fine-tuning run's gain over its base is in its rows."""
+        t0 = time.perf_counter()
+        with user_code(f"model {describe(self.cfg.model)} failed in the evaluation of round 0"):
+            scores = self.scores(full=True)
+        seconds = round(time.perf_counter() - t0, 4)
+        zero = dict.fromkeys(("clients", "dropped_clients", "attackers", "unavailable", "stragglers"), 0)
+        times = dict.fromkeys(("train_seconds", "worker_seconds", "aggregate_seconds"), 0.0)
+        sent = {} if self.state.bytes_sent is None else {"bytes_down": 0, "bytes_up": 0, "cumulative_bytes": 0}
+        row = RoundRow(
+            round=0,
+            **scores,
+            train_loss=math.nan,
+            seconds=seconds,
+            eval_seconds=seconds,
+            **zero,
+            **times,
+            **sent,
+            simulated_time=self.state.simulated_time,
+        )
+        return row.as_row()
+
     def evaluate_round(self, rnd: int) -> tuple[bool, dict]:
         """Whether round ``rnd`` is evaluated (every eval_every-th and the last), and its scores."""
         evaluated = rnd % self.cfg.eval_every == 0 or rnd == self.cfg.rounds

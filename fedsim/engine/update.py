@@ -148,7 +148,7 @@ class AggregateUpdates:
             stop_on_nonfinite(cfg, self.state, rnd, bad[0], in_a_row, k, f"every client's update ({k}) is", *advice)
         warn_dropped(rnd, bad)
         norms, stats = row_norms(updates), b.stats[:k].cpu()
-        ranks = b.reports["lora_rank"][:k, 0].tolist() if "lora_rank" in b.reports else [None] * k
+        recorded = {name: b.reports[name][:k, 0].tolist() for name in self.algorithm.recorded_reports}
         records = [
             ClientRecord(
                 rnd,
@@ -161,7 +161,7 @@ class AggregateUpdates:
                 int(stats[i, 2]),
                 model_version=rnd - 1,
                 staleness=0,
-                lora_rank=None if ranks[i] is None else int(ranks[i]),
+                reports={name: int(values[i]) for name, values in recorded.items()},
             )  # every client trained this round's model
             for i, c in enumerate(clients.tolist())
         ]

@@ -157,7 +157,8 @@ class Config:
     initial_weights: str | None = option(
         None,
         "a run directory (or its `checkpoint.pt`) whose global model this run starts from, before LoRA adapters "
-        "are placed on it: a model trained by one run, fine-tuned by another",
+        "are placed on it: a model trained by one run, fine-tuned by another. The run scores it, on the whole "
+        "test set, as round 0 of `metrics.csv`",
     )
     algorithm: Any = option(
         "fedavg",
@@ -339,12 +340,18 @@ def overrides_of(cfg: Config) -> dict:
 
 def directory_name(cfg: Config) -> str:
     """What a run directory is called before its timestamp: the run's name, then the overrides
-    that change what it computes (not where or how fast it runs), or a hash of them where they
-    would be long: ``mnist_seed-dataset=synthetic-lr=0.05``."""
+    that change what it computes (not where or how fast it runs) as key=value, as many as fit in
+    48 characters (in the order of their keys), and a hash of them all where not all fit, so that
+    two runs that differ in one left out stay apart: ``mnist_seed-dataset=synthetic-lr=0.05``."""
     changes = [f"{key.rpartition('.')[2]}={_short(value)}" for key, value in defining(overrides_of(cfg)).items()]
     suffix = "-".join(changes)
     if len(suffix) > 48:
-        suffix = "set-" + hashlib.sha1(suffix.encode()).hexdigest()[:8]
+        digest = hashlib.sha1(suffix.encode()).hexdigest()[:8]
+        shown = []
+        for change in changes:
+            if len("-".join([*shown, change, digest])) <= 48:  # a long one left out leaves room for a later one
+                shown.append(change)
+        suffix = "-".join([*shown, digest])
     return f"{cfg.name}-{suffix}" if suffix else cfg.name
 
 

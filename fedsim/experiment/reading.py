@@ -46,8 +46,10 @@ def build(cls, raw: dict, prefix: str, origin: str, from_overrides: dict[str, st
         if dotted in _MOVED:
             raise ConfigError(f"{where(origin, dotted, from_overrides)}: is now {_MOVED[dotted]}")
         if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
+            # a key of a section given on its own (lr for local.lr) is that key before one that is spelled alike
+            inside = [f"{prefix}{name}.{key}" for name in known if key in _field_names(section_type(hints[name]))]
+            close = inside or [prefix + c for c in difflib.get_close_matches(str(key), known, n=1)]
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else f"; known keys: {', '.join(known)}"
             raise ConfigError(f"{where(origin, cut(dotted), from_overrides)}: unknown key{hint}")
         hint, section = hints[key], section_type(hints[key])
         if section is not None:
@@ -64,6 +66,10 @@ def build(cls, raw: dict, prefix: str, origin: str, from_overrides: dict[str, st
         else:
             kwargs[key] = _coerce(value, hint, where(origin, dotted, from_overrides))
     return cls(**kwargs)
+
+
+def _field_names(section) -> set[str]:
+    return {f.name for f in dataclasses.fields(section)} if section is not None else set()
 
 
 _TYPE_WORDS = {

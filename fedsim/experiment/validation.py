@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..algorithms import Algorithm
+from ..algorithms import ALGORITHMS, Algorithm
 from ..core.checks import Checks
 from ..core.errors import ConfigError, user_code
 from ..core.registry import is_import_path
@@ -191,7 +191,33 @@ def unused_settings(cfg: Config) -> list[str]:
     say when theirs are not: core/sections.unused), for the run to warn of; and a rule other than
     the one the algorithm's paper fixes, and personal models that nothing scores."""
     warnings = [components.aggregator_warning(cfg), components.personal_warning(cfg), _attack_warning(cfg)]
-    return unused(cfg) + [w for w in warnings if w]
+    lines = unused(cfg)
+    return lines + _unread_by_the_algorithm(cfg, lines) + [w for w in warnings if w]
+
+
+def _unread_by_the_algorithm(cfg: Config, said: list[str]) -> list[str]:
+    """A line for each key that only some algorithms read (Algorithm.reads), set by a run whose
+    algorithm does not read it (and not said unread already, in ``said``)."""
+    mine = set(components.algorithm(cfg.algorithm, cfg.algorithm_options).reads)
+    readers: dict[str, list[str]] = {}
+    for name in ALGORITHMS.names():
+        for key in ALGORITHMS.get(name).reads:
+            readers.setdefault(key, []).append(name)
+    default, lines = Config(), []
+    for key, names in readers.items():
+        value = _value(cfg, key)
+        if key in mine or value == _value(default, key) or any(line.startswith(f"{key} is ") for line in said):
+            continue
+        name = components.describe(cfg.algorithm)
+        lines.append(f"{key} is {value!r} but algorithm {name} does not read it (use {' or '.join(names)})")
+    return lines
+
+
+def _value(cfg: Config, key: str) -> Any:
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _attack_warning(cfg: Config) -> str | None:

@@ -27,15 +27,6 @@ def _without_adapters(key: str, lora: Any, config: Any) -> str | None:
     return None if lora.rank > 0 else "lora.rank is 0: no adapters"
 
 
-def _ranks_unread(key: str, lora: Any, config: Any) -> str | None:
-    if lora.rank == 0 or lora.client_ranks is None:
-        return _without_adapters(key, lora, config)
-    if config.algorithm in HETEROGENEOUS_RANKS:
-        return None
-    name = config.algorithm if isinstance(config.algorithm, str) else shown(config.algorithm)
-    return f"algorithm {name} trains every client at lora.rank (use {' or '.join(HETEROGENEOUS_RANKS)})"
-
-
 @dataclass
 class LoraConfig:
     """The ``lora:`` section (see the module's docstring)."""
@@ -62,10 +53,10 @@ class LoraConfig:
     )
     client_ranks: Any | None = option(
         None,
-        "each client's own rank, at most `rank`, for the methods that let ranks differ (`hetlora`, `flora`): "
-        "`null` (every client `rank`), a list of one rank per client, or drawn once per client: "
-        "`{choice: [r1, r2, ...]}` (each equally likely) or `{uniform: [low, high]}` (whole numbers)",
-        unread=_ranks_unread,
+        "each client's own rank, at most `rank`, for the algorithms that let ranks differ (those that read "
+        "it: `hetlora`, `flora`): `null` (every client `rank`), a list of one rank per client, or drawn once per "
+        "client: `{choice: [r1, r2, ...]}` (each equally likely) or `{uniform: [low, high]}` (whole numbers)",
+        unread=_without_adapters,  # and by the algorithms that do not read it (Algorithm.reads)
     )
 
     @property
@@ -96,7 +87,6 @@ METHODS.register("ffa", "A frozen at its shared initialisation, B alone trained 
     "ffa"
 )
 INSTALL = install("llm")
-HETEROGENEOUS_RANKS = ("hetlora", "flora")  # the algorithms that read lora.client_ranks
 RANK_FORMS = "null, a list of one rank per client, {choice: [r1, r2, ...]} or {uniform: [low, high]}"
 
 

@@ -108,7 +108,20 @@ class History:
 
     @property
     def best_accuracy(self) -> float:
-        return max(self.test_accuracy, default=math.nan)
+        """The highest test accuracy of the rounds scored on the set the last round was (see
+        ``scored_alike``): a round scored on eval_subset's samples is not weighed against the whole set."""
+        return max((row["test_accuracy"] for row in scored_alike(self.rows)), default=math.nan)
+
+    @property
+    def scored_apart(self) -> bool:
+        """Whether some evaluated round was scored on another set than the last (eval_subset's)."""
+        return len(scored_alike(self.rows)) < len(self.rows)
+
+    @property
+    def scored_on(self) -> int | None:
+        """The test samples the final and best figures (and rounds to a target) are scored on: the
+        last round's, the whole test set (None: a run of a version that did not record them)."""
+        return self.rows[-1].get("test_samples") if self.rows else None
 
     @property
     def tokens(self) -> bool:
@@ -123,8 +136,12 @@ class History:
 
     @property
     def best_perplexity(self) -> float | None:
-        """The lowest test perplexity of the evaluated rounds; None for a classification run."""
-        return min((v for v in self.test_perplexity if v is not None), default=None)
+        """The lowest test perplexity of the rounds scored on the set the last round was; None for a
+        classification run."""
+        return min(
+            (r["test_perplexity"] for r in scored_alike(self.rows) if r.get("test_perplexity") is not None),
+            default=None,
+        )
 
     @property
     def personal_accuracy(self) -> list[float] | None:
@@ -221,45 +238,80 @@ def _experiment_key(config: dict, distinguish: set) -> tuple:
     )
 
 
-def describe_run(config: dict, overrides: dict | None = None) -> str:
+def describe_run(config: dict, overrides: dict | None = None, aggregation: str | None = None) -> str:
     """What a run computed, in one line: dataset and split, model (and its LoRA adapters),
     aggregation rule and server optimizer, algorithm (as config.yaml names them), then the keys
-    set on top of its experiment (``overrides``, as summary.json keeps them), cut short where long."""
+    set on top of its experiment (``overrides``, as summary.json keeps them), as many whole ones as
+    fit. ``aggregation``: what takes the place of the rule where the algorithm replaces it or
+    changes its weights (summary.json's ``aggregation``, Algorithm.aggregation)."""
     data = config.get("data") or {}
+    rule = config.get("aggregator")
+    replaced = aggregation is not None and aggregation != rule
     # an async run weighs updates by staleness, not by its (refused) rule
-    server = (
-        f"async {(config.get('asynchronous') or {}).get('method')}"
-        if config.get("mode") == "async"
-        else f"aggregator {config.get('aggregator')}"
-    )
+    if config.get("mode") == "async":
+        server = f"async {(config.get('asynchronous') or {}).get('method')}"
+    else:
+        server = f"aggregation {aggregation}" if replaced else f"aggregator {rule}"
     optimizer = config.get("server_optimizer")
     if optimizer not in (None, "none") and config.get("mode") != "async":
         server += f", server optimizer {optimizer}"
     lora = config.get("lora") or {}
-    adapters = f" with LoRA {lora.get('method')} rank {lora.get('rank')}" if (lora.get("rank") or 0) > 0 else ""
+    # an algorithm that aggregates the adapters its own way is named for it, not LoRA's method (fedit's averaging)
+    method = "" if replaced else f" {lora.get('method')}"
+    adapters = f" with LoRA{method} rank {lora.get('rank')}" if (lora.get("rank") or 0) > 0 else ""
     ranks = lora.get("client_ranks") if adapters else None
     if isinstance(ranks, list) and ranks:
         adapters += f" (clients' ranks {min(ranks)} to {max(ranks)})"
     elif isinstance(ranks, dict):
-        adapters += "".join(f" (clients' ranks {name} {_plain(value)})" for name, value in ranks.items())
+        adapters += "".join(f" (clients' ranks {name} {_ranks(value)})" for name, value in ranks.items())
     text = (
         f"{data.get('dataset')} ({data.get('partition')}, {data.get('num_clients')} clients), "
         f"model {config.get('model')}{adapters}, {server}, algorithm {config.get('algorithm')}"
     )
     if overrides:
-        text += "; with " + cut(", ".join(f"{key}={_plain(value)}" for key, value in overrides.items()), 120)
+        text += "; with " + _whole([cut(f"{key}={_plain(value)}", 60) for key, value in overrides.items()], 120)
     return text
+
+
+def _ranks(value) -> str:
+    """A client_ranks choice or range as the description shows it: a long list by its size and ends."""
+    if isinstance(value, list) and len(value) > 4 and all(isinstance(r, int) for r in value):
+        return f"among {len(value)} from {min(value)} to {max(value)}"
+    return cut(_plain(value), 40)
+
+
+def _whole(items: list[str], limit: int) -> str:
+    """``items`` joined by commas, as many whole ones as fit in ``limit`` characters (one at least)
+    and how many more there are: an item is never cut in the middle."""
+    kept: list[str] = []
+    for item in items:
+        if kept and len(", ".join([*kept, item])) > limit:
+            break
+        kept.append(item)
+    left = len(items) - len(kept)
+    return ", ".join(kept) + (f" and {left} more" if left else "")
 
 
 def _plain(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def scored_alike(rows: list[dict]) -> list[dict]:
+    """The rows scored on the set the last one was (``test_samples``): with eval_subset, the rounds
+    before the last are scored on a subset and the last on the whole test set, and a best figure or
+    a round to a target that mixed the two would weigh a few samples' score against all of them."""
+    if not rows:
+        return []
+    last = rows[-1].get("test_samples")
+    return [row for row in rows if row.get("test_samples") == last]
+
+
 def rounds_to_target(history: History, target: float) -> int | None:
-    """The first evaluated round whose test accuracy is at least ``target`` (a fraction), read
-    from the rows; None when no evaluated round got there. With ``eval_every`` > 1 only the
-    evaluated rounds count."""
-    return next((row["round"] for row in history.rows if row["test_accuracy"] >= target), None)
+    """The first evaluated round whose test accuracy is at least ``target`` (a fraction), of those
+    scored on the set the last round was (``scored_alike``: a round that reaches stop_at_accuracy on
+    eval_subset is scored again on the whole set); None when none got there. With ``eval_every`` > 1
+    only the evaluated rounds count."""
+    return next((row["round"] for row in scored_alike(history.rows) if row["test_accuracy"] >= target), None)
 
 
 def mean_and_sd(values: Iterable[float]) -> tuple[float, float]:

@@ -460,7 +460,7 @@ def _default_title(histories: list[History], metric: str, x: str, tokens: bool =
         }[x]
     )
     shared = _shared_description([h for h in histories if h.config])
-    return "\n".join([first, *_wrapped(shared, 60)]) if shared else first
+    return "\n".join([first, *_wrapped(shared, 60, TITLE_LINES)]) if shared else first
 
 
 def _shared_description(histories: list[History]) -> str | None:
@@ -487,13 +487,19 @@ def _shared_description(histories: list[History]) -> str | None:
         for key, value in overrides[0].items()
         if key != "seed" and key not in varying and all(o.get(key, value) == value and key in o for o in overrides)
     }
-    return describe_run(config, common)
+    aggregations = {h.summary.get("aggregation") for h in histories}
+    return describe_run(config, common, aggregations.pop() if len(aggregations) == 1 else None)
 
 
-def _wrapped(text: str, width: int) -> list[str]:
+TITLE_LINES = 3  # the lines of a title's description: the axes keep most of the figure's height
+
+
+def _wrapped(text: str, width: int, lines: int) -> list[str]:
+    """``text`` in lines of ``width`` characters, at most ``lines`` of them, the last ending in "..."
+    where there was more (whole words only)."""
     import textwrap
 
-    return textwrap.wrap(text, width, break_on_hyphens=False)
+    return textwrap.wrap(text, width, break_on_hyphens=False, max_lines=lines, placeholder=" ...")
 
 
 def _axis_label(column: str, tokens: bool = False) -> str:

@@ -225,6 +225,35 @@ def console_logging(log: RoundLog) -> Iterator[None]:
         logger.setLevel(level)
 
 
+class _SaidOnce(logging.Filter):
+    """Lets through once each message logged with ``extra={"once": key}`` (one key per kind of
+    message: the same warning again, or a hint whose figures differ from run to run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = getattr(record, "once", None)
+        if key is None:
+            return True
+        seen = key in self.said
+        self.said.add(key)
+        return not seen
+
+
+@contextmanager
+def said_once() -> Iterator[None]:
+    """While it lasts (a sweep's runs), a warning or hint marked ``once`` is printed for the first
+    run that gives it, not for every run."""
+    logger, once = logging.getLogger("fedsim"), _SaidOnce()
+    logger.addFilter(once)
+    try:
+        yield
+    finally:
+        logger.removeFilter(once)
+
+
 def write_or_silence(stream: TextIO, text: str) -> bool:
     """Write and flush; False if the output cannot take it (a closed pipe, a full disk). The
     stream's descriptor then points at /dev/null, so that later writes, and the interpreter's

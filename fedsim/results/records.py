@@ -5,7 +5,7 @@ is added here once. This module imports nothing heavy: the run directory reads i
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass(kw_only=True)
@@ -59,10 +59,13 @@ class ClientRecord:
     steps: int  # local steps taken: fewer than its full work for a partial straggler, 0 where lost
     model_version: int | None = None  # the server updates applied before it started: the model it trained
     staleness: int | None = None  # the server updates applied while it trained (None where its work was lost)
-    lora_rank: int | None = None  # its adapters' rank after the round, where the algorithm lets ranks differ
+    # the reports the run's algorithm records in clients.csv (Algorithm.recorded_reports), by name: whole numbers
+    reports: dict[str, int] = field(default_factory=dict)
 
     def as_row(self) -> dict:
-        return dict(vars(self))
+        row = dict(vars(self))
+        reports = row.pop("reports")
+        return {**row, **reports}
 
     @classmethod
     def lost(
@@ -72,10 +75,16 @@ class ClientRecord:
         return cls(rnd, client, samples, math.nan, math.nan, why, attacker, 0, model_version)
 
 
-# the client's own id in the data (a LEAF writer, a play role), where it has one, beside its number
+# the client's own id in the data (a LEAF writer, a play role), where it has one, beside its number; the
+# algorithm's recorded reports follow these (client_columns)
 CLIENT_COLUMNS = (
     "round",
     "client",
     "client_name",
-    *(f.name for f in fields(ClientRecord) if f.name not in ("round", "client")),
+    *(f.name for f in fields(ClientRecord) if f.name not in ("round", "client", "reports")),
 )
+
+
+def client_columns(recorded: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The columns of a run's clients.csv: every run's, then the reports its algorithm records."""
+    return (*CLIENT_COLUMNS, *recorded)

@@ -86,6 +86,7 @@ _HEADERS = {
     "final_test_perplexity": "final ppl",
     "final_accuracy": "final acc. (%)",
     "best_accuracy": "best acc. (%)",
+    "test_samples": "scored on",  # where some run scored rounds on eval_subset: the set of final, best and target
     "epsilon": "epsilon",
     **{key: title for key, title, _ in FIGURES if title},
     "target": "target (%)",
@@ -124,6 +125,8 @@ def _text(row: dict, column: str) -> str:
         return f"{100 * value:.1f}"
     if column == "target":
         return "–" if value is None else _percent(value)
+    if column == "test_samples":
+        return "–" if value is None else f"{value:,} samples"
     if column == "rounds_to_target":
         return "–" if row["target"] is None else format_rounds_to_target(row)
     if column == "wall_seconds":
@@ -140,6 +143,9 @@ def results_table(
     round left out, with a warning): the ``keys``' config values, the
     number of runs, final accuracy (mean and sample standard deviation over the runs), best
     accuracy, rounds and wall seconds (means). Accuracies are fractions; the markdown shows %.
+    The final and best figures and the rounds to a target come from the rounds scored on the set
+    the last round was, the whole test set: where some run scored rounds before the last on
+    eval_subset's samples, those are left out and a column says how many samples that set holds.
     Where some run is a language model's, its final test loss and perplexity come first (means),
     and the accuracies are token accuracies; where some run had a feature on, its figure (the
     epsilon spent, the personal models' accuracy, MB sent, staleness, clients lost: means, empty
@@ -165,13 +171,14 @@ def results_table(
         stats = target_stats(group, goal)
         rows.append(
             {
-                **{key: group[0].config_value(key) for key in keys},
+                **{key: _key_value(group[0], key) for key in keys},
                 "runs": len(group),
                 "final_test_loss": mean_of(h.rows[-1]["test_loss"] if h.tokens else None for h in group),
                 "final_test_perplexity": mean_of(h.final_perplexity for h in group),
                 "final_accuracy": final,
                 "final_accuracy_std": final_sd,
                 "best_accuracy": fmean([h.best_accuracy for h in group]),
+                "test_samples": group[0].scored_on,
                 "epsilon": mean_of(epsilon(h) for h in group),
                 **{key: mean_of(figure(h, key) for h in group) for key, _ in figures},
                 "target": stats["target"],
@@ -184,6 +191,7 @@ def results_table(
         )
     titled = {key for key, _ in figures}
     shown = {"final_test_loss": tokens, "final_test_perplexity": tokens, "epsilon": privacy}
+    shown["test_samples"] = any(h.scored_apart for h in every)
     shown |= {key: key in titled for key, _, _ in FIGURES}
     columns = [*keys, *(c for c in _HEADERS if shown.get(c, True))]
     targets = {row["target"] for row in rows}
@@ -192,6 +200,14 @@ def results_table(
     elif len(targets) == 1:  # one target: named in the header
         columns.remove("target")
     return ResultsTable(rows, columns)
+
+
+def _key_value(history: History, key: str):
+    """A config value as a table shows it: the aggregator as the run aggregated (summary.json's
+    ``aggregation``: HetLoRA's and FLoRA's own, not the rule they replace), the others as set."""
+    if key == "aggregator" and history.summary.get("aggregation"):
+        return history.summary["aggregation"]
+    return history.config_value(key)
 
 
 def _last(history: History, column: str) -> float:

@@ -75,8 +75,9 @@ class MetricsFile(Callback):
 class ClientsFile(Callback):
     """clients.csv: one row per sampled client per round, as ``on_round_end`` receives them."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, columns: tuple[str, ...] = CLIENT_COLUMNS):
         self.path = path
+        self.columns = columns  # every run's, then those its algorithm records (records.client_columns)
 
     def on_run_start(self, run: RunStart) -> None:
         kept = []
@@ -84,11 +85,11 @@ class ClientsFile(Callback):
             with open(self.path, newline="") as f:
                 kept = [row for row in csv.DictReader(f) if int(row["round"]) < run.first_round]
         # rows of an older version lack the newer columns: those cells stay empty
-        self._write("w", [CLIENT_COLUMNS, *([row.get(c, "") for c in CLIENT_COLUMNS] for row in kept)])
+        self._write("w", [self.columns, *([row.get(c) or "" for c in self.columns] for row in kept)])
 
     def on_round_end(self, row: dict, clients: list[dict]) -> None:
-        # a record without a column (hogwild's have no steps) leaves its cell empty
-        self._write("a", [list(row_cells(client, CLIENT_COLUMNS).values()) for client in clients])
+        # a record without a column (hogwild's have no steps, a lost client no reports) leaves its cell empty
+        self._write("a", [list(row_cells(client, self.columns).values()) for client in clients])
 
     def _write(self, mode: str, rows) -> None:
         try:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -21,7 +22,7 @@ from ..experiment.validation import load_config
 from ..results.history import History
 from ..results.keys import RESUMABLE_KEYS
 from ..results.progress import RoundLog, console_logging
-from ..results.rundir import RunDirectory
+from ..results.rundir import RunDirectory, read_mapping
 from .session import Session, run_identity, started_with
 
 
@@ -151,11 +152,11 @@ def resume_run(
         except BaseException:
             directory.unlock()
             raise
-        if state["round"] >= cfg.rounds:
+        if state["round"] > cfg.rounds or (state["round"] == cfg.rounds and _ended(path, state)):
             print(f"{path}: already at round {state['round']} of {cfg.rounds}; nothing to do (--set rounds=N)")
             directory.unlock()
             return None
-        return cfg
+        return cfg  # at its last round without its summary (killed after the checkpoint): the session writes it
 
     cfg = agree_on_config(ranks, load)
     if cfg is None:
@@ -179,6 +180,13 @@ def resume_run(
         session.executor.close()
         raise
     return session.run(directory)
+
+
+def _ended(path: Path, state: dict) -> bool:
+    """Whether the run wrote its summary.json and plot after the checkpoint ``state``: a run killed
+    between its last checkpoint and them has none, or an earlier run's (before a resume that extended it)."""
+    summary = read_mapping(path / "summary.json", json.loads)
+    return summary.get("status") == "finished" and summary.get("checkpoint_round") == state["round"]
 
 
 def agree_on_config(ranks: Ranks, load: Callable[[], Config | None]) -> Config | None:
@@ -216,6 +224,12 @@ def _check_same_run(path: Path, state: dict, cfg: Config, asked=frozenset()) -> 
     """The config to resume with must be the one that wrote the checkpoint, but for the keys a
     resume may change; ``asked``: the keys the user set for this resume (the others come from
     config.yaml)."""
+    planned = read_mapping(path / "config.yaml", yaml.safe_load).get("rounds")
+    if cfg.local.lr_schedule == "cosine" and "rounds" in asked and cfg.rounds != planned:
+        raise ConfigError(
+            f"--set rounds={cfg.rounds}: cannot change when resuming; {path} anneals its learning rate over "
+            f"its {planned} rounds (local.lr_schedule: cosine), and the rounds before and after would not be one run"
+        )
     identity = state.get("config")
     if not isinstance(identity, str):
         return  # a checkpoint from before runs recorded their identity

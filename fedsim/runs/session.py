@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ..core.errors import FedsimError, OutputError, explain_resource_error
+from ..core.errors import FedsimError, OutputError, explain_resource_error, plural
 from ..engine.buffers import RoundBuffers
 from ..engine.state import GlobalState
 from ..execution.distributed import Ranks
@@ -38,6 +38,7 @@ from ..fl.server_opt import make_server_optimizer
 from ..results.history import History, describe_run
 from ..results.keys import RESUMABLE_KEYS, flatten_config
 from ..results.progress import RoundLog, console_logging
+from ..results.records import client_columns
 from ..results.rundir import RunDirectory, read_clients, read_mapping
 from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart, notify
 from .parts import build_parts, component_names, data_placement, make_engine, resolve_workers, run_device
@@ -67,11 +68,13 @@ def ready_message(
 ) -> str:
     """The line that says the workers are ready: which rounds (a resumed run's from its
     checkpoint on), how, after how long, and where the files go."""
-    rounds = (
-        f"{cfg.rounds} rounds"
-        if first_round == 1
-        else f"rounds {first_round} to {cfg.rounds} (resumed from the checkpoint of round {first_round - 1})"
-    )
+    if first_round > cfg.rounds:  # a run killed after its last checkpoint
+        done = f"every round done (the checkpoint of round {cfg.rounds})"
+        return f"{cfg.name}: {done}; writing its summary and plot in {path}"
+    if first_round == 1:
+        rounds = plural(cfg.rounds, "round")
+    else:
+        rounds = f"rounds {first_round} to {cfg.rounds} (resumed from the checkpoint of round {first_round - 1})"
     ranks_text = f"{ranks} ranks x " if ranks > 1 else ""
     return (
         f"{cfg.name}: {rounds} of {cfg.clients_per_round}/{cfg.data.num_clients} clients, {ranks_text}{workers} "
@@ -121,7 +124,10 @@ class Session:
         self.overrides = dict(sorted({**(started or {}), **overrides_of(cfg)}.items()))
         if self.ranks.is_root:  # what ran, and what the next seconds are spent on, before they are spent
             starting = f" and starting {self.workers} workers" if self.workers else ""
-            logger.info(f"{cfg.name}: {describe_run(cfg.to_dict(), self.overrides)}")
+            aggregation = components.algorithm(cfg.algorithm, cfg.algorithm_options).aggregation(
+                components.describe(cfg.aggregator)
+            )
+            logger.info(f"{cfg.name}: {describe_run(cfg.to_dict(), self.overrides, aggregation)}")
             logger.info(f"loading {components.describe(cfg.data.dataset)}{starting} on {self.device}")
         try:
             self._assemble()
@@ -184,7 +190,7 @@ class Session:
         self.callbacks = (
             [
                 MetricsFile(run_dir),
-                ClientsFile(run_dir.path / "clients.csv"),
+                ClientsFile(run_dir.path / "clients.csv", client_columns(self.state.algorithm.recorded_reports)),
                 *(
                     [ClientAccuracyFile(run_dir.path / "client_accuracy.csv", self.client_eval)]
                     if self.client_eval
@@ -239,7 +245,7 @@ class Session:
         threading.Thread(target=importlib.import_module, args=("fedsim.results.plot",), daemon=True).start()
         for message in [*unused_settings(self.cfg), self.client_eval and self.client_eval.warning()]:
             if message:
-                logger.warning(message)
+                logger.warning(message, extra={"once": message})  # a sweep says it for its first run only
         notes = [self.state.clients.shapes and self.state.clients.describe(), self.engine.evaluation_note()]
         for message in [*notes, feature_header(self.cfg, update_bytes(self.state, self.compression))]:
             if message:
@@ -257,6 +263,15 @@ class Session:
         arrives. The status is the session's own, not a local: a signal held through the last
         round's files is delivered as that block ends, and must find the run already finished."""
         cfg = self.cfg
+        if self.first_round > cfg.rounds:  # a run killed after its last checkpoint: only its files are left to write
+            self.status = "finished"
+        if cfg.initial_weights and self.first_round == 1:  # a fine-tuning run: its base's scores first
+            row = self.engine.initial_row()
+            row["elapsed_seconds"] = round(self.elapsed_before + time.perf_counter() - self.t_start, 4)
+            with shielded():
+                self.rows.append(row)
+                notify(self.callbacks, "on_round_end", row, [])
+                self.log.round_end(row, cfg.rounds)
         for rnd in range(self.first_round, cfg.rounds + 1):
             result = self.engine.run_round(rnd)
             row = {**result.row, "elapsed_seconds": round(self.elapsed_before + time.perf_counter() - self.t_start, 4)}
@@ -281,7 +296,7 @@ class Session:
                 hint = result.evaluated and not self.hinted and self.engine.subset_hint(row)
                 if hint:
                     self.hinted = True
-                    logger.info(hint)
+                    logger.info(hint, extra={"once": "eval_subset hint"})  # a sweep's: its first run's figures
                 if reached or rnd == cfg.rounds:
                     self.status = "finished"  # whatever arrives from here on, every round is done
             # the other ranks, if any, get the new state or learn that the run is over

@@ -14,8 +14,10 @@ from ..core.errors import FedsimError, exception_text
 from ..core.flat import base_bytes
 from ..engine.state import GlobalState
 from ..execution.resources import cpu_name, load_average, peak_memory_mb
+from ..experiment.components import describe
 from ..experiment.config import Config
 from ..fl.compression import Compression
+from ..results.history import scored_alike
 
 
 def account(session: Any, status: str, ended_by: BaseException | None) -> dict:
@@ -30,9 +32,11 @@ def account(session: Any, status: str, ended_by: BaseException | None) -> dict:
         "status": status,
         **({"error": error} if failed else {}),  # what ended a failed run, in the words of its one line
         **what_ran(s.cfg.to_dict(), s.state.model.module, s.input_shape, s.num_classes, s.overrides, s.first_round),
+        "aggregation": s.state.algorithm.aggregation(describe(s.cfg.aggregator)),
         **outcome(s.rows, s.cfg.stop_at_accuracy),
         **(personal_outcome(s.rows) if s.client_eval and personal else {}),
         **feature_figures(s.cfg, s.rows, s.client_rows, update_bytes(s.state, s.compression)),
+        **s.state.algorithm.summary(s.client_rows),
         "checkpoint_round": s.state.saved_round,
         "bytes_sent": s.state.bytes_sent,
         **s.state.clients.summary(),
@@ -77,11 +81,16 @@ def what_ran(
 def outcome(rows: list[dict], target: float | None) -> dict:
     """summary.json's account of how the run went, from its evaluated rounds' rows. A token-level
     run (a language model: rows with ``test_perplexity``) also has ``final_test_perplexity`` and
-    ``best_test_perplexity`` (the lowest); its accuracies are token accuracies."""
-    accuracies = [r["test_accuracy"] for r in rows]
-    perplexities = [r["test_perplexity"] for r in rows if r.get("test_perplexity") is not None]
+    ``best_test_perplexity`` (the lowest); its accuracies are token accuracies. Every figure comes
+    from the rounds scored on the set the last round was, ``test_samples`` of them (the whole test
+    set: with eval_subset, the rounds scored on its subset are left out of the best figures and of
+    ``rounds_to_target``)."""
+    alike = scored_alike(rows)
+    accuracies = [r["test_accuracy"] for r in alike]
+    perplexities = [r["test_perplexity"] for r in alike if r.get("test_perplexity") is not None]
     return {
         "rounds": rows[-1]["round"] if rows else 0,
+        "test_samples": rows[-1].get("test_samples") if rows else None,
         "final_test_accuracy": accuracies[-1] if accuracies else None,
         "best_test_accuracy": max(accuracies) if accuracies else None,
         "final_test_loss": rows[-1]["test_loss"] if rows else None,
@@ -90,7 +99,7 @@ def outcome(rows: list[dict], target: float | None) -> dict:
             if perplexities
             else {}
         ),
-        "rounds_to_target": next((r["round"] for r in rows if target and r["test_accuracy"] >= target), None),
+        "rounds_to_target": next((r["round"] for r in alike if target and r["test_accuracy"] >= target), None),
     }
 
 

@@ -214,7 +214,7 @@ class Sweep:
 
     def run(self, quiet: bool = False, log: Callable[[str], None] | None = None) -> list[SweepRun]:
         from ..execution.pool import PoolKeeper
-        from ..results.progress import RoundLog
+        from ..results.progress import RoundLog, said_once
         from .launch import resume_run, start_run
 
         log, root, n = log or RoundLog(progress=False), self.root, len(self.runs)
@@ -236,7 +236,8 @@ class Sweep:
         for run in kept:
             run.history = load_run(root / run.label)
         self._write_tables()
-        with PoolKeeper() as pools:  # runs on the same device with as many workers share the workers
+        # runs on the same device with as many workers share the workers; a warning or hint is said once
+        with PoolKeeper() as pools, said_once():
             for index, run in enumerate(self.runs, 1):
                 if run.history is not None:
                     continue

@@ -42,8 +42,10 @@ def _mean_figure(histories: list[History], key: str) -> float | None:
 
 
 def seconds_per_round(history: History) -> float:
-    """Mean seconds of the evaluated rounds, leaving out the first (it includes worker start-up)."""
-    seconds = history.seconds[1:] or history.seconds
+    """Mean seconds of the evaluated rounds, leaving out the first (it includes worker start-up) and
+    a fine-tuning run's round 0 (its base scored, nothing trained)."""
+    trained = [row["seconds"] for row in history.rows if row["round"] > 0]
+    seconds = trained[1:] or trained
     return sum(seconds) / len(seconds) if seconds else math.nan
 
 
@@ -59,6 +61,16 @@ def _tokens(runs: list[SweepRun]) -> bool:
     """Every run is a language model's (token-level): the tables add its perplexity, and call its
     accuracy token accuracy. A sweep that mixes in classification runs is tabled as one of those."""
     return all(run.history.tokens for run in runs)
+
+
+def _scored_apart(runs: list[SweepRun]) -> bool:
+    """Whether some run scored rounds on eval_subset's samples: the final and best figures and the
+    rounds to a target then come from the rounds scored on the whole test set, which a column names."""
+    return any(run.history.scored_apart for run in runs)
+
+
+def _samples(count: int | None) -> str:
+    return "–" if count is None else f"{count:,} samples"
 
 
 def _repeated(runs: list[SweepRun]) -> bool:
@@ -87,6 +99,7 @@ def _row(run: SweepRun, target: float | None, runs: list[SweepRun]) -> dict:
             if _tokens(runs)
             else {}
         ),
+        **({"test_samples": _blank(h.scored_on)} if _scored_apart(runs) else {}),
         "seconds_per_round": round(seconds_per_round(h), 4),
         "rounds": h.rows[-1]["round"] if h.rows else 0,
     }
@@ -116,6 +129,7 @@ def _group_row(group: list[SweepRun], target: float | None, runs: list[SweepRun]
         "final_test_accuracy_std": _blank(final_sd if n > 1 else None),
         "best_test_accuracy": best,
         "best_test_accuracy_std": _blank(best_sd if n > 1 else None),
+        **({"test_samples": _blank(histories[0].scored_on)} if _scored_apart(runs) else {}),
         **(_perplexity_columns(histories) if _tokens(runs) else {}),
         "seconds_per_round": round(mean_and_sd(seconds_per_round(h) for h in histories)[0], 4),
     }
@@ -201,6 +215,8 @@ def format_table(runs: list[SweepRun], target: float | None = None) -> str:
     named = "tok acc" if tokens else "acc"
     for title, value in (("final", lambda h: h.final_accuracy), ("best", lambda h: h.best_accuracy)):
         columns.append((f"{title} {named}", [_accuracy([value(run.history) for run in g]) for g in groups]))
+    if _scored_apart(runs):  # the set the figures before come from, where some rounds were scored on eval_subset's
+        columns.append(("scored on", [_samples(g[0].history.scored_on) for g in groups]))
     if _with_epsilon(runs):
         epsilons = [_mean_epsilon([run.history for run in g]) for g in groups]
         columns.append(("epsilon", ["–" if e is None else f"{e:.3g}" for e in epsilons]))

@@ -32,6 +32,11 @@ def load_model(
     path = Path(run_dir)
     history = load_run(path)
     shape, classes = history.summary.get("input_shape"), history.summary.get("num_classes")
+    if not (path / "summary.json").is_file() and (path / "checkpoint.pt").is_file():
+        raise FedsimError(
+            f"{path}: no summary.json, which says the shape of the run's data: the run stopped before "
+            f"writing it; `fedsim run --resume {path}` finishes the run and writes it"
+        )
     if not shape or not classes:
         raise FedsimError(
             f"{path}: summary.json does not say the shape of the run's data (a run of an older "
