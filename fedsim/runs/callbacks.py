@@ -262,14 +262,14 @@ class MLflow(Callback):
     def on_run_end(self, history: History) -> None:
         if self.run_id is None:
             return
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric, RunTag
 
         client, summary = self.client, history.summary
         if summary:
             client.log_dict(self.run_id, summary, "summary.json")
             step, now = summary.get("rounds") or 0, int(time.time() * 1000)
             metrics = [Metric(key, value, now, step) for key, value in _scalars(summary).items()]
-            client.log_batch(self.run_id, metrics=metrics, tags=[_mlflow_tag("fedsim.status", summary.get("status"))])
+            client.log_batch(self.run_id, metrics=metrics, tags=[RunTag("fedsim.status", str(summary.get("status")))])
         for name in ("accuracy.png", "clients.csv", "client_accuracy.csv"):
             if history.run_dir and (Path(history.run_dir) / name).is_file():
                 client.log_artifact(self.run_id, str(Path(history.run_dir) / name))
@@ -286,12 +286,6 @@ def _mlflow_param(key: str, value: object):
     from mlflow.entities import Param
 
     return Param(key, cut(json.dumps(value) if not isinstance(value, str) else value, 6000))  # MLflow's limit
-
-
-def _mlflow_tag(key: str, value: object):
-    from mlflow.entities import RunTag
-
-    return RunTag(key, str(value))
 
 
 class WandB(Callback):
