@@ -82,6 +82,34 @@ def trained_figures(run_dir: Path, key: str) -> dict[int, list[float]]:
     return figures
 
 
+# ------------------------------------------------------------------------------------ TensorBoard
+
+
+@pytest.mark.slow
+def test_tensorboard_holds_what_the_run_wrote(tmp_path):
+    pytest.importorskip("tensorboard")
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    history = fedsim.run(TINY, out=tmp_path / "run", quiet=True, trackers=["tensorboard"])
+    everything = {"scalars": 0, "histograms": 0, "tensors": 0, "images": 0}  # 0: keep every event
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance=everything).Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("test_accuracy")]
+    assert logged == [(r, float(np.float32(a))) for r, a in zip(history.round, history.test_accuracy)]  # float32
+    assert {"clients/train_loss", "clients/update_norm"} <= set(events.Tags()["histograms"])
+    counts = {e.step: e.histogram_value.num for e in events.Histograms("clients/train_loss")}
+    assert counts == {r: len(v) for r, v in trained_figures(history.run_dir, "train_loss").items()}
+    texts = {tag: events.Tensors(tag)[-1].tensor_proto.string_val[0].decode() for tag in events.Tags()["tensors"]}
+    assert yaml.safe_load(dedent_lines(texts["config/text_summary"])) == history.config
+    assert json.loads(dedent_lines(texts["summary/text_summary"])) == history.summary
+    (image,) = events.Images("plot")
+    assert (image.step, image.width > 0, image.height > 0) == (2, True, True)
+
+
+def dedent_lines(text: str) -> str:
+    return "\n".join(line.removeprefix("    ") for line in text.splitlines())
+
+
 # ---------------------------------------------------------------------------------------- MLflow
 
 

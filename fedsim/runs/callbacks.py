@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import yaml
 
 from ..core.errors import FedsimError, cut, user_code, write_error
 from ..core.files import write_atomically
@@ -176,9 +177,10 @@ def _needs(package: str, tracker: str, extra: str):
 
 
 class TensorBoard(Callback):
-    """Scalars for TensorBoard: every metric of a round, and the spread of the clients' training
-    losses and update norms, under ``log_dir`` (default: the run directory's ``tensorboard``).
-    Needs the tensorboard package (``pip install "fedsim-sync[tensorboard]"``)."""
+    """TensorBoard's events: every metric of a round, histograms of the clients' training losses
+    and update norms, the config and the summary as text, and the plot as an image, under
+    ``log_dir`` (default: the run directory's ``tensorboard``). Needs the tensorboard package
+    (``pip install "fedsim-sync[tensorboard]"``)."""
 
     def __init__(self, log_dir: str | os.PathLike | None = None):
         self.log_dir = log_dir
@@ -189,6 +191,7 @@ class TensorBoard(Callback):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(self.log_dir or Path(run.run_dir) / "tensorboard"), purge_step=run.first_round)
+        self.writer.add_text("config", _as_code(yaml.safe_dump(run.config.to_dict(), sort_keys=False)), run.first_round)
 
     def on_round_end(self, row: dict, clients: list[dict]) -> None:
         step = row["round"]
@@ -201,8 +204,22 @@ class TensorBoard(Callback):
         self.writer.flush()
 
     def on_run_end(self, history: History) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        if self.writer is None:
+            return
+        step = history.round[-1] if history.rows else 0
+        if history.summary:
+            self.writer.add_text("summary", _as_code(json.dumps(history.summary, indent=1)), step)
+        plot = Path(history.run_dir) / "accuracy.png" if history.run_dir else None
+        if plot and plot.is_file():
+            from matplotlib.image import imread
+
+            self.writer.add_image("plot", imread(plot)[..., :3], step, dataformats="HWC")
+        self.writer.close()
+
+
+def _as_code(text: str) -> str:
+    """Text that TensorBoard shows as it is (its text is Markdown: indented, a code block)."""
+    return "\n".join(f"    {line}" for line in text.splitlines())
 
 
 class MLflow(Callback):
