@@ -94,10 +94,16 @@ def test_the_commands_of_a_bash_block_parse_and_name_what_loads(script, monkeypa
             start = words.index("fedsim") + 1  # `fedsim ...`, `python -m fedsim ...`, `torchrun ... -m fedsim ...`
             _check_fedsim(words[start:])
         else:
-            assert words[0] in ("pip", "python", "export", "head=$(scontrol", "srun", "rsync", "ssh") or words[:2] == [
+            assert words[0] in (
+                "pip",
                 "python",
-                "-m",
-            ], words
+                "export",
+                "head=$(scontrol",
+                "srun",
+                "rsync",
+                "ssh",
+                "papermill",
+            ) or words[:2] == ["python", "-m"], words
 
 
 def _commands(script: str) -> list[list[str]]:

@@ -118,10 +118,10 @@ def _runner(args, ranks):
     from ..experiment.config import directory_name
     from ..experiment.validation import load_config
     from ..results.rundir import RunDirectory
-    from ..runs.callbacks import TensorBoard
+    from ..runs.callbacks import TRACKERS
     from ..runs.launch import agree_on_config, resume_run, start_run
 
-    callbacks = [TensorBoard()] if args.tensorboard else []
+    callbacks = [tracker() for name, tracker in TRACKERS.items() if getattr(args, name, False)]
     shown = {"quiet": args.quiet, "progress": args.progress, "callbacks": callbacks, "ranks": ranks}
     if args.resume:
         if args.config:

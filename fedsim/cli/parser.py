@@ -72,6 +72,17 @@ def _add_run_parser(sub) -> None:
         action="store_true",
         help="also write TensorBoard scalars to RUN_DIR/tensorboard (needs the tensorboard package)",
     )
+    run.add_argument(
+        "--mlflow",
+        action="store_true",
+        help="also log the run to MLflow: MLFLOW_TRACKING_URI, else mlflow.db here (needs the mlflow package)",
+    )
+    run.add_argument(
+        "--wandb",
+        action="store_true",
+        help="also log the run to Weights & Biases, offline unless WANDB_MODE says otherwise, under RUN_DIR/wandb "
+        "(needs the wandb package)",
+    )
     ranks = run.add_argument_group("several ranks (one per GPU; docs/scaling.md)")
     ranks.add_argument("--ranks", type=int, metavar="N", help="start N ranks on this machine")
     ranks.add_argument("--nodes", type=int, default=1, metavar="M", help="machines in the job (default 1)")

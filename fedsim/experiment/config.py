@@ -52,6 +52,8 @@ __all__ = [
 ]
 
 
+# the experiment trackers a run can also write to (fedsim/runs/callbacks.py has one callback for each)
+TRACKERS = ("tensorboard", "mlflow", "wandb")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -200,6 +202,13 @@ class Config:
         "file_descriptor",
         "torch.multiprocessing sharing strategy for CPU tensors (`file_system` where descriptor limits bite)",
     )
+    trackers: list = option(
+        doc="where else the run's numbers go, each of "
+        + ", ".join(f"`{name}`" for name in TRACKERS)
+        + ": the metrics of every round, the clients' figures, this config, the summary and the plot (see "
+        "[Trackers](results.md#trackers)); `fedsim run --mlflow` and the like add one",
+        factory=list,
+    )
     client_state_limit_mb: float | None = option(
         None,
         "the most the clients' kept state may take (see [Personal models](personal-models.md)); `null`: half the "
@@ -265,6 +274,10 @@ class Config:
         checks.one_of("on_worker_failure", self.on_worker_failure, ("stop", "restart"))
         checks.one_of("on_nonfinite", self.on_nonfinite, ("drop", "fail"))
         checks.one_of("sharing_strategy", self.sharing_strategy, ("file_descriptor", "file_system"))
+        for tracker in self.trackers:
+            checks.one_of("trackers", tracker, TRACKERS)
+        if len(set(self.trackers)) < len(self.trackers):
+            checks.fail("trackers", f"names a tracker twice: {self.trackers}")
         if self.client_state_limit_mb is not None:
             checks.positive("client_state_limit_mb", self.client_state_limit_mb)
         if self.eval_per_client and not self.data.test_partition:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-# where and how fast a run goes, not what it computes
+# where and how fast a run goes, and where else its numbers are sent, not what it computes
 PLACEMENT_KEYS = frozenset(
     {
         "workers",
@@ -26,6 +26,7 @@ PLACEMENT_KEYS = frozenset(
         "data.download",
         "data.placement",
         "lora.share_base",
+        "trackers",
     }
 )
 # what a resumed run may change: those, how long it runs and how often it reports

@@ -40,7 +40,7 @@ from ..results.keys import RESUMABLE_KEYS, flatten_config
 from ..results.progress import RoundLog, console_logging
 from ..results.records import client_columns
 from ..results.rundir import RunDirectory, read_clients, read_mapping
-from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart, notify
+from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart, notify, trackers_of
 from .parts import build_parts, component_names, data_placement, make_engine, resolve_workers, run_device
 from .summary import account, update_bytes
 
@@ -197,6 +197,7 @@ class Session:
                     else []
                 ),
                 *self.user_callbacks,
+                *trackers_of(self.cfg, self.user_callbacks),
             ]
             if root
             else []
