@@ -242,8 +242,8 @@ def throughput(result: dict, batch_size: int, sequence_length: int) -> dict:
 
 def memory(summary: dict, sampled: dict | None, gpu: bool) -> dict:
     """Per process as fedsim's summary reports it: on a CPU the PSS of every process, read at one
-    moment of a round; on a GPU the CUDA allocator's peak (no CUDA context); and the PSS of
-    every process sampled from outside."""
+    moment (after the first round or at the end of the run); on a GPU the CUDA allocator's peak
+    (no CUDA context); and the PSS of every process sampled from outside."""
     workers = summary.get("worker_peak_memory_mb" if gpu else "worker_pss_mb") or []
     server = summary.get("server_peak_memory_mb" if gpu else "server_pss_mb")
     return {
@@ -407,7 +407,11 @@ def report(entries: list[dict], args: argparse.Namespace, device: str) -> list[d
     print(f"\nchar_transformer width {args.width}, {args.layers} layers, LoRA rank {args.rank} on c_attn; {name}")
     print("\nTraining tokens per second (rounds after the first, see the module's docstring)")
     print(harness.format_table(TIMING_COLUMNS, ok))
-    what = "CUDA allocator peaks per process" if device == "cuda" else "PSS per process, read together during a round"
+    what = (
+        "CUDA allocator peaks per process"
+        if device == "cuda"
+        else "PSS per process, read together after the first round and at the end"
+    )
     print(f"\nMemory: {what} (fedsim's summary), PSS of all processes sampled from outside")
     gpu = device == "cuda"
     sampled = [c for c in harness.memory_columns(gpu) if gpu or c[1] != "pss_total_mb"]  # PSS peak is ours on a CPU
