@@ -64,6 +64,9 @@ FIRST_ROUND_TIMEOUT = 900.0  # the first round also pays for cuDNN set-up and fi
 def _set_up(conn: Connection, rank: int, device: torch.device, command: tuple) -> tuple:
     """The worker's runner for the run of ``command``; each stage is told first, for a timeout to name."""
     _, config, runner, buffers = command
+    # the run's threads (a kept worker's may have served another run): the same float reductions in
+    # every worker and in InlinePool, so that results do not depend on `workers`
+    torch.set_num_threads(config.threads)
     if device.type == "cuda":
         conn.send(("stage", f"initialising CUDA on {device}"))
         torch.cuda.set_device(device)  # creates the worker's CUDA context
@@ -83,8 +86,6 @@ def _worker_main(rank: int, device: str, sharing_strategy: str, conn: Connection
         for signum in STOP_SIGNALS:  # Ctrl-C, and torchrun's or systemd's SIGTERM, reach the whole process
             signal.signal(signum, signal.SIG_IGN)  # group; the server decides, and stops its workers itself
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)
-        torch.set_num_threads(1)  # one thread per worker: no oversubscription, and the same float
-        # reductions in every worker (and in InlinePool), so results do not depend on `workers`
         trainer = buffers = None
         conn.send(("stage", RECEIVING))
         while True:
@@ -356,7 +357,8 @@ class InlinePool(Executor):
     """``workers: 0``: the server trains the clients itself, one after another, with no worker
     process. For debugging (a breakpoint in a model's forward stops there) and for runs so small
     that starting a process costs more than training. The same code trains the same clients from
-    the same streams, on one thread as a worker does, so the numbers are those of any ``workers``.
+    the same streams, on ``threads`` threads as a worker does, so the numbers are those of any
+    ``workers``.
     No timeout guards a round here, and there is no process to restart."""
 
     num_workers = 0
@@ -375,7 +377,7 @@ class InlinePool(Executor):
         b.global_flat.copy_(start_from)
         b.assignment[:k] = clients
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)
+        torch.set_num_threads(self.config.threads)
         started = time.perf_counter()
         try:
             for slots in slot_groups(self.config, k) if groups is None else groups:
