@@ -41,7 +41,7 @@ class Federation:
     data: Dataset
     parts: Parts  # one index tensor per client into data.train_x
     natural: bool = False  # the parts are the data's own clients (data.partition: natural)
-    own_clients: torch.Tensor | None = None  # natural parts of data with clients: each part's own (part_clients)
+    own_clients: torch.Tensor | None = None  # natural parts: each part's own client in the data (part_clients)
 
     def client_names(self) -> ClientNames | None:
         """Each client's own id in the data (a LEAF writer, a play role, an ``hf:`` client value),
@@ -74,7 +74,7 @@ def load_federation(cfg: Config, datasets: dict | None = None) -> Federation:
     parts = split(data.train_y, d.partition, d.num_clients, cfg.seed, data.columns(), **options)
     if d.partition != "natural":
         return Federation(data, parts)
-    kept = part_clients(data, parts) if data.train_clients is not None else None
+    kept = part_clients(data, parts)  # natural splits data with clients of its own (Dataset.columns)
     return Federation(_kept_clients_tests(data, kept), parts, True, kept)
 
 
@@ -83,12 +83,12 @@ def part_clients(data: Dataset, parts: Parts) -> torch.Tensor:
     return data.train_clients[parts.firsts().to(data.train_clients.device)]
 
 
-def _kept_clients_tests(data: Dataset, kept: torch.Tensor | None) -> Dataset:
+def _kept_clients_tests(data: Dataset, kept: torch.Tensor) -> Dataset:
     """The data with the test samples of the ``kept`` clients only (each natural part's own),
     where the data has clients of its own: a run of some of them is scored on their test samples
     (all of them when every client is kept), as LEAF scores a run on the union of its clients'
     test data."""
-    if data.test_clients is None or kept is None:
+    if data.test_clients is None:
         return data
     if len(kept) == len(torch.unique(data.train_clients)):
         return data
