@@ -167,7 +167,7 @@ def _small_mlp(input_shape, num_classes):
 
 
 def measure(tree: Path, workload: str, out: Path) -> dict:
-    load = harness._load_average()[0] if harness._load_average() else None
+    load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     figures = run_scale(tree, out) if workload == "scale" else run_cli(tree, workload, out)
     return {**figures, "load_average": load}
 
