@@ -42,6 +42,11 @@ the split by time always puts it in the test set (checked on the data in each ru
     FEDSIM_DATA=/path/to/datasets python benchmarks/bench_lm.py   # real Shakespeare text
     python benchmarks/bench_lm.py --device cuda --workers 1,2,4,8  # on a GPU: CUDA memory per worker
     python benchmarks/bench_lm.py --figure tokens.png    # and a bar per kind; --replot JSON redraws one
+    python benchmarks/bench_lm.py --kinds sequential,shared --workers 1 --threads 1,2  # a lone worker's threads
+
+fedsim's kinds run with ``threads: 1`` (one torch thread per worker, fedsim's default) unless
+``--threads`` names others: each fedsim row is then measured once per thread count. The
+sequential loop uses torch's default threads (every core).
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ TIMING_COLUMNS = [
     ("data", "data", ""),
     ("kind", "kind", ""),
     ("W", "workers", "d"),
+    ("threads", "threads", ""),
     ("group", "group", ""),
     ("tokens/round", "tokens_per_round", ",.0f"),
     ("tokens/s", "tokens_per_second", ",.0f"),
@@ -128,6 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", help=f"worker counts, comma-separated (default {DEFAULTS['workers']})")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"what to measure, of {', '.join(KINDS)}")
     parser.add_argument("--groups", help="batched: clients per group, vmap_group_size (default 1,4,8)")
+    parser.add_argument("--threads", default="1", help="fedsim's kinds: torch threads per worker, comma-separated")
     parser.add_argument("--width", type=int, help=f"char_transformer width (default {DEFAULTS['width']})")
     parser.add_argument("--layers", type=int, help=f"char_transformer layers (default {DEFAULTS['layers']})")
     parser.add_argument("--heads", type=int, help=f"attention heads (default {DEFAULTS['heads']})")
@@ -242,8 +249,8 @@ def throughput(result: dict, batch_size: int, sequence_length: int) -> dict:
 
 def memory(summary: dict, sampled: dict | None, gpu: bool) -> dict:
     """Per process as fedsim's summary reports it: on a CPU the PSS of every process, read at one
-    moment of a round; on a GPU the CUDA allocator's peak (no CUDA context); and the PSS of
-    every process sampled from outside."""
+    moment (after the first round or at the end of the run); on a GPU the CUDA allocator's peak
+    (no CUDA context); and the PSS of every process sampled from outside."""
     workers = summary.get("worker_peak_memory_mb" if gpu else "worker_pss_mb") or []
     server = summary.get("server_peak_memory_mb" if gpu else "server_pss_mb")
     return {
@@ -257,9 +264,11 @@ def memory(summary: dict, sampled: dict | None, gpu: bool) -> dict:
     }
 
 
-def child_spec(args: argparse.Namespace, device: str, kind: str, workers: int, group: int | None, root) -> dict:
+def child_spec(
+    args: argparse.Namespace, device: str, kind: str, workers: int, group: int | None, root, threads: int = 1
+) -> dict:
     config = {
-        "name": f"lm-{kind}-{workers}" + (f"-{group}" if group else ""),
+        "name": f"lm-{kind}-{workers}" + (f"-{group}" if group else "") + (f"-t{threads}" if threads != 1 else ""),
         "seed": 0,
         "rounds": args.rounds,
         "clients_per_round": args.clients_per_round,
@@ -268,6 +277,7 @@ def child_spec(args: argparse.Namespace, device: str, kind: str, workers: int, g
         "eval_batch_size": 32,  # the server's activations stay small: its PSS after the last round is then steady
         "device": device,
         "workers": workers,
+        "threads": threads,
         "model": "char_transformer",
         "model_options": {"layers": args.layers, "width": args.width, "heads": args.heads},
         "data": {
@@ -351,14 +361,28 @@ def measure_all(args: argparse.Namespace, device: str) -> list[dict]:
     kinds = [k for k in harness.split_list(args.kinds) if k in KINDS]
     worker_counts = [int(w) for w in harness.split_list(args.workers)]
     groups = [int(g) for g in harness.split_list(args.groups)]
-    plan = [("sequential", 1, None)] if "sequential" in kinds else []
-    plan += [(kind, w, None) for kind in ("copies", "shared") if kind in kinds for w in worker_counts]
+    thread_counts = [int(t) for t in harness.split_list(args.threads)]
+    plan = [("sequential", 1, None, None)] if "sequential" in kinds else []
+    plan += [
+        (kind, w, None, t)
+        for kind in ("copies", "shared")
+        if kind in kinds
+        for w in worker_counts
+        for t in thread_counts
+    ]
     if "batched" in kinds:  # a worker trains one group at a time: no more workers than groups
-        plan += [("batched", w, g) for g in groups for w in worker_counts if w <= -(-args.clients_per_round // g)]
+        plan += [
+            ("batched", w, g, t)
+            for g in groups
+            for w in worker_counts
+            if w <= -(-args.clients_per_round // g)
+            for t in thread_counts
+        ]
     entries = []
-    for kind, workers, group in plan:
-        entry = {"data": data, "kind": kind, "workers": workers, "group": group or ""}
-        result = harness.run_isolated(Path(__file__), child_spec(args, device, kind, workers, group, root), device)
+    for kind, workers, group, threads in plan:
+        entry = {"data": data, "kind": kind, "workers": workers, "threads": threads or "default", "group": group or ""}
+        spec = child_spec(args, device, kind, workers, group, root, threads or 1)
+        result = harness.run_isolated(Path(__file__), spec, device)
         entry.update(status=result["status"], message=result.get("message"))
         if result["status"] == "ok" and kind == "sequential":
             entry.update(result["sequential"], **harness.memory_fields(result.get("memory")))
@@ -370,7 +394,10 @@ def measure_all(args: argparse.Namespace, device: str) -> list[dict]:
             entry.update({k: summary.get(k) for k in ("startup_seconds", "final_test_loss", "device_name")})
             entry.update(rows=result["rows"], summary=summary, backend=result["config"]["backend"])
         entries.append(entry)
-        print(f"{data} {kind} workers={workers} group={group or '-'}: {entry['status']}", flush=True)
+        print(
+            f"{data} {kind} workers={workers} threads={entry['threads']} group={group or '-'}: {entry['status']}",
+            flush=True,
+        )
     sequential = next((e for e in entries if e["kind"] == "sequential" and e["status"] == "ok"), None)
     for e in entries:
         if sequential and e.get("tokens_per_second"):
@@ -381,7 +408,7 @@ def measure_all(args: argparse.Namespace, device: str) -> list[dict]:
 def comparison(entries: list[dict]) -> list[dict]:
     """Per worker count, the memory of the server and its workers (PSS on a CPU, the CUDA allocator's
     peaks on a GPU) with one base and with a copy per worker."""
-    ok = {(e["kind"], e["workers"]): e for e in entries if e["status"] == "ok"}
+    ok = {(e["kind"], e["workers"]): e for e in entries if e["status"] == "ok" and e.get("threads", 1) == 1}
     rows = []
     for workers in sorted({w for _, w in ok}):
         shared, copies = ok.get(("shared", workers)), ok.get(("copies", workers))
@@ -407,7 +434,11 @@ def report(entries: list[dict], args: argparse.Namespace, device: str) -> list[d
     print(f"\nchar_transformer width {args.width}, {args.layers} layers, LoRA rank {args.rank} on c_attn; {name}")
     print("\nTraining tokens per second (rounds after the first, see the module's docstring)")
     print(harness.format_table(TIMING_COLUMNS, ok))
-    what = "CUDA allocator peaks per process" if device == "cuda" else "PSS per process, read together during a round"
+    what = (
+        "CUDA allocator peaks per process"
+        if device == "cuda"
+        else "PSS per process, read together after the first round and at the end"
+    )
     print(f"\nMemory: {what} (fedsim's summary), PSS of all processes sampled from outside")
     gpu = device == "cuda"
     sampled = [c for c in harness.memory_columns(gpu) if gpu or c[1] != "pss_total_mb"]  # PSS peak is ours on a CPU
@@ -452,6 +483,7 @@ def draw(entries: list[dict], machine: dict, path: str) -> None:
         e["kind"]
         + ("" if e["kind"] == "sequential" else f"\nW={e['workers']}")
         + (f" g={e['group']}" if e["group"] else "")
+        + (f" t={e['threads']}" if e.get("threads", 1) not in (1, "default") else "")
         for e in done
     ]
     colors = {"sequential": "0.45", "copies": "tab:orange", "shared": "tab:blue", "batched": "tab:green"}

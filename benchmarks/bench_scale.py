@@ -3,21 +3,25 @@
 StackOverflow, the largest federated benchmark in common use, has 342,477 clients. This builds
 generated federated datasets whose samples each name their own client (as FEMNIST's writers or
 Shakespeare's roles do), with ``--samples`` samples per client, and runs a few FedAvg rounds of
-``data.partition: natural`` on each through ``fedsim.run``, ``--per-round`` clients a round. It
-reports, per size: the time to build the dataset (generation, not fedsim's), fedsim's start-up
-(``startup_seconds``: the federation split, the model, the buffers, the workers ready), the
-mean seconds of a round after the first, and the peak memory of the server process and of the
-largest worker. What should hold: the time per round and the workers' memory flat in the number
-of clients (a round touches ``--per-round`` of them), the server's memory and the start-up
-growing at most linearly (one index per sample, one offset per client).
+``data.partition: natural`` on each through ``fedsim.run``, ``--per-round`` clients a round, each
+size in a fresh process (see harness.py: peaks do not carry over, and every size starts its own
+workers). It reports, per size: the time to build the dataset (generation, not fedsim's),
+fedsim's start-up (``startup_seconds``: the federation split, the model, the buffers, the
+workers ready), the mean seconds of the rounds after the first without their scoring (``seconds``
+less ``eval_seconds``: the last round scores the whole test set), its ratio to the smallest
+size's, and the peak memory of the server process and of the largest worker. What should hold:
+the time per round and the workers' memory flat in the number of clients (a round touches
+``--per-round`` of them), the server's memory and the start-up growing at most linearly (one
+index per sample, one offset per client).
 
     python benchmarks/bench_scale.py                       # 10^3, 10^4, 10^5, 10^6 clients
-    python benchmarks/bench_scale.py --clients 1000,100000 --rounds 3
+    python benchmarks/bench_scale.py --clients 10000,1000000 --rounds 6
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +42,7 @@ COLUMNS = [
     ("build s", "build_seconds", ".2f"),
     ("startup s", "startup_seconds", ".2f"),
     ("s/round", "round_seconds", ".4f"),
+    ("x smallest", "round_ratio", ".2f"),
     ("server MB", "server_peak_memory_mb", ",.0f"),
     ("worker MB", "worker_peak_memory_mb", ",.0f"),
     ("acc", "final_test_accuracy", ".3f"),
@@ -79,34 +84,50 @@ def small_mlp(input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module
     return torch.nn.Sequential(torch.nn.Linear(input_shape[0], 32), torch.nn.ReLU(), torch.nn.Linear(32, num_classes))
 
 
-def measure(num_clients: int, args: argparse.Namespace, out: Path) -> dict:
+class RoundTimes:
+    """A callback keeping every round's row (metrics.csv keeps the scored rounds only)."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def on_round_end(self, row: dict, clients: list[dict]) -> None:
+        self.rows.append(row)
+
+
+def measure(spec: dict) -> dict:
+    """In a fresh process: build the federation of ``spec["clients"]`` clients and run it."""
+    num_clients = spec["clients"]
     t0 = time.perf_counter()
-    data = federated_dataset(num_clients, args.samples)
+    data = federated_dataset(num_clients, spec["samples"])
     built = time.perf_counter() - t0
     config = {
         "name": f"scale-{num_clients}",
         "seed": 0,
-        "rounds": args.rounds,
-        "clients_per_round": args.per_round,
-        "device": args.device,
-        "workers": args.workers,
+        "rounds": spec["rounds"],
+        "clients_per_round": spec["per_round"],
+        "device": spec["device"],
+        "workers": spec["workers"],
         "model": small_mlp,
-        "eval_every": args.rounds,
+        "eval_every": spec["rounds"],
         "data": {"dataset": data, "partition": "natural", "num_clients": num_clients},
-        "local": {"epochs": 1, "batch_size": args.samples, "lr": 0.1},
+        "local": {"epochs": 1, "batch_size": spec["samples"], "lr": 0.1},
     }
-    history = fedsim.run(config, out=out / f"clients-{num_clients}", quiet=True)
+    rounds = RoundTimes()
+    with tempfile.TemporaryDirectory() as tmp:
+        history = fedsim.run(config, out=Path(tmp) / "run", quiet=True, callbacks=[rounds])
     s = history.summary
-    seconds = [r["seconds"] for r in history.rows]
+    after_first = [r["seconds"] - r["eval_seconds"] for r in rounds.rows[1:]]
     return {
         "clients": num_clients,
-        "samples": num_clients * args.samples,
+        "samples": num_clients * spec["samples"],
         "build_seconds": built,
         "startup_seconds": s["startup_seconds"],
-        "round_seconds": seconds[-1] if seconds else None,
+        "round_seconds": statistics.mean(after_first) if after_first else None,
+        "rounds": [{k: r[k] for k in ("round", "seconds", "train_seconds", "eval_seconds")} for r in rounds.rows],
         "server_peak_memory_mb": s["server_peak_memory_mb"],
         "worker_peak_memory_mb": max(s["worker_peak_memory_mb"] or [0]),
         "final_test_accuracy": s["final_test_accuracy"],
+        "load_average": s["load_average"],
     }
 
 
@@ -115,20 +136,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", default="1000,10000,100000,1000000", help="comma-separated sizes")
     parser.add_argument("--samples", type=int, default=4, help="training samples per client")
     parser.add_argument("--per-round", type=int, default=10, help="clients per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", help="results JSON (default benchmarks/results/bench_scale-<device>-<time>.json)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # JSON spec of one measurement
+    parser.add_argument("--child-result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    sizes = [int(float(n)) for n in args.clients.split(",")]
+    if args.child:
+        harness.child_main(args, measure)
+        return
+    if args.rounds < 2:
+        parser.error("--rounds: at least 2 (the rounds after the first are measured)")
+    machine = harness.machine_info()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in sizes:
-            rows.append(measure(n, args, Path(tmp)))
-            print(f"{n:,} clients done", flush=True)
+    for n in (int(float(n)) for n in args.clients.split(",")):
+        spec = {"clients": n, "samples": args.samples, "rounds": args.rounds, "per_round": args.per_round}
+        spec.update(device=args.device, workers=args.workers)
+        result = harness.run_isolated(Path(__file__), spec, args.device, sample_memory=False)
+        if result["status"] != "ok":
+            print(f"{n:,} clients {result['status']}: {result.get('message')}", flush=True)
+            continue
+        rows.append(result)
+        print(f"{n:,} clients done (load {result['load_average']})", flush=True)
+    for row in rows:
+        row["round_ratio"] = row["round_seconds"] / rows[0]["round_seconds"]
     print(harness.format_table(COLUMNS, rows))
-    path = harness.write_results("bench_scale", args, harness.machine_info(), args.device, [], {"rows": rows})
-    print(f"wrote {path}")
+    path = harness.write_results("bench_scale", args, machine, args.device, [], {"rows": rows})
+    load = machine["load_average_start"], machine["load_average_end"]
+    print(f"wrote {path}; load average {load[0]} at the start, {load[1]} at the end")
 
 
 if __name__ == "__main__":

@@ -176,25 +176,30 @@ def child_main(args, measure) -> None:
     Path(args.child_result).write_text(json.dumps(result))
 
 
-def run_isolated(script: Path, spec: dict, device: str) -> dict:
+def run_isolated(script: Path, spec: dict, device: str, sample_memory: bool = True) -> dict:
     """Run ``script --child spec`` in a fresh process; its result, plus the memory of the
-    process and its children as sampled from outside (see MemorySampler)."""
+    process and its children as sampled from outside (see MemorySampler) unless not
+    ``sample_memory``: reading every process's PSS four times a second slows what it reads, so
+    a benchmark of time alone leaves it out."""
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
         command = [sys.executable, str(script), "--child", json.dumps(spec), "--child-result", str(result_path)]
-        sampler = MemorySampler(gpu=device == "cuda")
+        sampler = MemorySampler(gpu=device == "cuda") if sample_memory else None
         with open(Path(tmp) / "stderr", "w+") as stderr:
             process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=child_env())
-            sampler.start(process.pid)
+            if sampler:
+                sampler.start(process.pid)
             process.wait()
-            sampler.stop()
+            if sampler:
+                sampler.stop()
             stderr.seek(0)
             error_text = stderr.read()
         if process.returncode != 0 or not result_path.is_file():
             lines = [line for line in error_text.splitlines() if line.strip()]
             return {"status": "failed", "message": lines[-1] if lines else f"exit status {process.returncode}"}
         result = json.loads(result_path.read_text())
-    result["memory"] = sampler.report()
+    if sampler:
+        result["memory"] = sampler.report()
     return result
 
 

@@ -58,6 +58,7 @@ CASES = [
         ["exp.yaml: clients_per_round: must be <= data.num_clients (4), got 9"],
     ),
     ("too many workers", with_change("workers", 3), [], ["exp.yaml: workers: must be <= clients_per_round (2)"]),
+    ("no threads", with_change("threads", 0), [], ["exp.yaml: threads: must be >= 1, got 0"]),
     (
         "unknown dataset",
         with_change("data.dataset", "imagenet"),

@@ -10,6 +10,7 @@ import torch
 from support import child_pids, shm_entries, shm_left_behind
 
 import fedsim
+from fedsim.models import MODELS
 from fedsim.results.rundir import COLUMNS
 
 pytestmark = pytest.mark.slow
@@ -52,6 +53,35 @@ def test_metrics_do_not_depend_on_the_number_of_workers(small_config, tmp_path):
     for column in ("test_accuracy", "test_loss", "train_loss"):
         assert getattr(one, column) == getattr(two, column) == getattr(none, column), column  # bit-identical on CPU
     assert none.summary["workers"] == 0 and child_pids() == []
+
+
+def trained_on_threads(threads: int):
+    """mnist_cnn that refuses to train with any other number of torch threads than ``threads``
+    (a local class: pickled by value into the workers)."""
+
+    class OnThreads(torch.nn.Module):
+        def __init__(self, input_shape, num_classes):
+            super().__init__()
+            self.inner = MODELS.get("mnist_cnn")(input_shape, num_classes)
+
+        def forward(self, x):
+            if self.training and torch.get_num_threads() != threads:
+                raise RuntimeError(f"training on {torch.get_num_threads()} threads, not {threads}")
+            return self.inner(x)
+
+    return OnThreads
+
+
+def test_threads_set_each_workers_threads_and_the_numbers_stay_those_of_any_workers(small_config, tmp_path):
+    """threads: 2 trains every client on two threads, in a worker or in the server (workers: 0);
+    one worker or two, the same numbers and the same final weights."""
+    cfg = dict(small_config, threads=2, rounds=2, model=trained_on_threads(2))
+    runs = {w: fedsim.run(cfg, out=tmp_path / f"w{w}", quiet=True, workers=w) for w in (1, 2, 0)}
+    for column in ("test_accuracy", "test_loss", "train_loss"):
+        assert getattr(runs[1], column) == getattr(runs[2], column) == getattr(runs[0], column), column
+    weights = [torch.load(tmp_path / f"w{w}" / "checkpoint.pt", weights_only=True)["global"] for w in (1, 2, 0)]
+    assert torch.equal(weights[0], weights[1]) and torch.equal(weights[0], weights[2])
+    assert runs[1].test_accuracy[-1] > 0.3, runs[1].test_accuracy  # it trained (chance is 0.1)
 
 
 def test_more_clients_per_round_than_workers_and_eval_every(small_config, tmp_path):

@@ -6,7 +6,7 @@ from support import installed
 from fedsim.core import streams
 from fedsim.core.errors import ConfigError
 from fedsim.data import PARTITIONS, load_dataset, options_for, partition
-from fedsim.data.partition import local_test_split
+from fedsim.data.partition import Parts, local_test_split, natural_test_split, split
 from fedsim.experiment.config import DataConfig
 
 
@@ -53,6 +53,52 @@ def test_every_partition_is_disjoint_covering_and_seeded(method, options):
     if method != "contiguous":
         other = partition(UNEVEN, method, 20, seed=6, **options)
         assert not all(torch.equal(a, b) for a, b in zip(parts, other))
+
+
+@pytest.mark.parametrize("method, options", COVERING)
+def test_split_holds_each_method_parts_as_the_per_client_tensors_held_them(method, options):
+    """A run's Parts (one flat tensor and offsets) against what partition returned before: one
+    int64 tensor per client, converted from the method's arrays one by one."""
+    fn = PARTITIONS.get(method)
+    before = [
+        torch.as_tensor(np.asarray(p), dtype=torch.int64) for p in fn(UNEVEN, 20, streams.partition_rng(5), **options)
+    ]
+    parts = split(UNEVEN, method, 20, seed=5, **options)
+    assert isinstance(parts, Parts) and len(parts) == len(before) == 20
+    assert all(a.dtype == torch.int64 and torch.equal(a, b) for a, b in zip(parts, before))
+    assert parts.sizes().tolist() == [len(p) for p in before]
+    assert (
+        torch.equal(parts.indices, torch.cat(before))
+        and parts[-1].data_ptr() == parts.indices[-len(before[-1]) :].data_ptr()
+    )
+    with pytest.raises(IndexError):
+        parts[20]
+
+
+def each_clients_samples(clients, kept):
+    """The natural split as it was computed client by client: each kept client's sample indices,
+    ascending."""
+    return [torch.from_numpy(np.flatnonzero(clients == c)) for c in kept]
+
+
+def test_natural_parts_are_each_kept_clients_samples_as_one_client_at_a_time_found_them():
+    rng = np.random.default_rng(0)
+    clients = rng.choice(np.arange(0, 3000, 3), size=20_000)  # ids with gaps, in no order, of unequal sizes
+    ids = np.unique(clients)
+    for num_clients in (len(ids), 57):
+        parts = split(
+            np.zeros(len(clients), np.int64), "natural", num_clients, 4, {"clients": torch.from_numpy(clients)}
+        )
+        draw = streams.partition_rng(4)
+        kept = ids if num_clients == len(ids) else np.sort(draw.choice(ids, num_clients, replace=False))
+        expected = each_clients_samples(clients, kept)
+        assert len(parts) == num_clients and all(torch.equal(a, b) for a, b in zip(parts, expected))
+        assert torch.equal(torch.from_numpy(clients)[parts.firsts()], torch.from_numpy(kept))
+    # a test split: some kept clients hold no test sample, which gives them an empty part
+    test_clients = rng.choice(ids[::2], size=500)
+    tests = natural_test_split(torch.from_numpy(ids), torch.from_numpy(test_clients))
+    assert all(torch.equal(a, b) for a, b in zip(tests, each_clients_samples(test_clients, ids)))
+    assert (tests.sizes() == 0).sum() > 0 and tests.sizes().sum() == 500
 
 
 def test_partition_accepts_a_label_tensor():

@@ -1,11 +1,12 @@
 """Splitting a dataset among clients.
 
 A partition method is one registered function ``method(labels, num_clients, rng, **options)``
-that returns one index array per client. ``labels`` is a numpy int array and ``rng`` a seeded
-``numpy.random.Generator``; options are keyword arguments named like the ``data.*`` keys, and
-a bad value raises ConfigError naming its key. A method that needs more of each sample than its
-label names the dataset's column as a parameter (``clients``: its own clients, for ``natural``;
-``coarse_labels``: CIFAR-100's superclasses, for ``pachinko``), and gets it as a numpy array.
+that returns one index array per client (or a ``Parts``, which holds them as one). ``labels`` is
+a numpy int array and ``rng`` a seeded ``numpy.random.Generator``; options are keyword arguments
+named like the ``data.*`` keys, and a bad value raises ConfigError naming its key. A method that
+needs more of each sample than its label names the dataset's column as a parameter (``clients``:
+its own clients, for ``natural``; ``coarse_labels``: CIFAR-100's superclasses, for
+``pachinko``), and gets it as a numpy array.
 The parts are disjoint and together cover the data, except where a method's description says
 otherwise (``label_k``, ``natural`` with fewer clients than the data has, ``pachinko``).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import operator
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
@@ -41,6 +43,48 @@ COLUMNS = {
 }  # what a method may ask of each sample
 
 
+class Parts(Sequence):
+    """One int64 index tensor per client, held as one flat tensor of indices and the offsets at
+    which each client's begin (client c owns ``indices[offsets[c]:offsets[c + 1]]``): a million
+    clients are two tensors, not a million, and a client's part is a view, made when asked for."""
+
+    def __init__(self, indices: torch.Tensor, offsets: torch.Tensor):
+        self.indices, self.offsets = indices, offsets
+
+    @classmethod
+    def of(cls, parts: Sequence[np.ndarray | torch.Tensor]) -> Parts:
+        """The parts of a list of index arrays (or tensors), in its order."""
+        sizes = np.fromiter(map(len, parts), np.int64, count=len(parts))
+        indices = np.concatenate(parts) if len(parts) else np.zeros(0, np.int64)
+        return cls.of_sizes(indices, sizes)
+
+    @classmethod
+    def of_sizes(cls, indices: np.ndarray, sizes: np.ndarray) -> Parts:
+        """``indices`` cut into consecutive parts of ``sizes``."""
+        offsets = np.zeros(len(sizes) + 1, np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        return cls(torch.as_tensor(indices, dtype=torch.int64), torch.from_numpy(offsets))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, client: int) -> torch.Tensor:
+        client = operator.index(client)
+        if client < 0:
+            client += len(self)
+        if not 0 <= client < len(self):
+            raise IndexError(f"client {client} of {len(self)}")
+        return self.indices[int(self.offsets[client]) : int(self.offsets[client + 1])]
+
+    def sizes(self) -> torch.Tensor:
+        """Each client's number of samples."""
+        return self.offsets.diff()
+
+    def firsts(self) -> torch.Tensor:
+        """Each client's first index (every part must hold one)."""
+        return self.indices[self.offsets[:-1]]
+
+
 def partition(
     labels: torch.Tensor | np.ndarray,
     method: str,
@@ -52,6 +96,18 @@ def partition(
     """Split sample indices among ``num_clients`` clients; one int64 tensor per client.
     ``columns``: the dataset's per-sample columns (``Dataset.columns()``), for the methods that
     name them. Token data's targets ([N, T]) are no labels: only ``WITHOUT_LABELS`` split it."""
+    return list(split(labels, method, num_clients, seed, columns, **options))
+
+
+def split(
+    labels: torch.Tensor | np.ndarray,
+    method: str,
+    num_clients: int,
+    seed: int,
+    columns: dict[str, torch.Tensor] | None = None,
+    **options: Any,
+) -> Parts:
+    """``partition``'s parts as one Parts, as a run holds them: no tensor per client."""
     fn = PARTITIONS.get(method)
     labels = np.asarray(labels.cpu() if isinstance(labels, torch.Tensor) else labels)
     if labels.ndim > 1 and method not in WITHOUT_LABELS:
@@ -67,7 +123,7 @@ def partition(
             raise ConfigError(f"data.partition: {method} needs a dataset with {COLUMNS[name]}; this one has none")
         options[name] = np.asarray(columns[name].cpu())
     parts = fn(labels, num_clients, partition_rng(seed), **options)
-    return [torch.as_tensor(np.asarray(p), dtype=torch.int64) for p in parts]
+    return parts if isinstance(parts, Parts) else Parts.of(parts)
 
 
 def partition_options(method: str) -> set[str]:
@@ -86,21 +142,23 @@ def options_for(method: str, data_config: Any) -> dict:
     return {name: getattr(data_config, name) for name in partition_options(method) if hasattr(data_config, name)}
 
 
-def samples_of(clients: np.ndarray, kept: np.ndarray) -> list[np.ndarray]:
+def samples_of(clients: np.ndarray, kept: np.ndarray) -> Parts:
     """The ascending sample indices of each client in ``kept``, in the order of ``kept``: one
-    sort of the samples, so a million clients cost what one costs times a log."""
+    sort of the samples and no step per client, so a million clients cost what one costs times
+    a log."""
     order = np.argsort(clients, kind="stable")
     starts = np.searchsorted(clients[order], kept, side="left")
-    ends = np.searchsorted(clients[order], kept, side="right")
-    return [order[a:b] for a, b in zip(starts, ends)]
+    sizes = np.searchsorted(clients[order], kept, side="right") - starts
+    # position j of the flat result is sample order[starts[c] + j - (where client c's run begins)]
+    begins = np.cumsum(sizes) - sizes
+    return Parts.of_sizes(order[np.repeat(starts - begins, sizes) + np.arange(sizes.sum())], sizes)
 
 
-def natural_test_split(kept: torch.Tensor, test_clients: torch.Tensor) -> list[torch.Tensor]:
+def natural_test_split(kept: torch.Tensor, test_clients: torch.Tensor) -> Parts:
     """Each client's own test samples, for parts of ``natural`` (``kept``: each part's own client):
     the test samples of the same writer, role or user (none for a client the data holds no test
     sample of)."""
-    owners = np.asarray(test_clients.cpu())
-    return [torch.as_tensor(p, dtype=torch.int64) for p in samples_of(owners, np.asarray(kept.cpu()))]
+    return samples_of(np.asarray(test_clients.cpu()), np.asarray(kept.cpu()))
 
 
 def local_test_split(
@@ -188,7 +246,7 @@ def _parts_from_owner(owner: np.ndarray, num_clients: int) -> list[np.ndarray]:
     "the dataset's own clients (a writer, a role, a user); data.num_clients of them, a seeded "
     "subset when the data has more",
 )
-def natural(labels: np.ndarray, num_clients: int, rng: np.random.Generator, clients: np.ndarray) -> list[np.ndarray]:
+def natural(labels: np.ndarray, num_clients: int, rng: np.random.Generator, clients: np.ndarray) -> Parts:
     """All the dataset's clients when ``num_clients`` is their number, else a seeded draw of
     that many; client i of the run is the i-th kept, in the dataset's order of ids."""
     ids = np.unique(clients)

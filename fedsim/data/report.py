@@ -179,7 +179,7 @@ def write_report(config: Any, federation: Any, out_dir: str | os.PathLike) -> di
     }
     names = federation.client_names()
     if names is not None:  # the data's own ids of the clients (which writers or roles the seed drew)
-        report["client_names"] = names
+        report["client_names"] = list(names)
     if d.test_partition:
         test_parts = federation.test_parts(config.seed)
         if data.tokens:

@@ -16,6 +16,7 @@ from ..fl.sampling import poisson_capacity
 if TYPE_CHECKING:
     from ..algorithms import Algorithm
     from ..data.datasets import Dataset
+    from ..data.partition import Parts
     from ..experiment.config import Config
     from .state import GlobalState
 
@@ -49,7 +50,7 @@ class RoundBuffers:
         cfg: Config,
         state: GlobalState,
         data: Dataset,
-        parts: list[torch.Tensor],
+        parts: Parts,
         data_device: torch.device,
         algorithm: Algorithm,
         keeps_copies: bool,
@@ -68,8 +69,8 @@ class RoundBuffers:
         return cls(
             train_x=data.train_x.to(data_device),
             train_y=data.train_y.to(data_device),
-            client_indices=torch.cat(parts).to(data_device),
-            client_offsets=torch.tensor([0] + torch.tensor([len(q) for q in parts]).cumsum(0).tolist()),
+            client_indices=parts.indices.to(data_device, copy=True),  # the buffers' own, shared with the workers
+            client_offsets=parts.offsets.clone(),
             num_classes=data.num_classes,
             global_flat=torch.zeros(len(state.model), device=dev),
             client_weights=torch.zeros(k if keeps_copies else 0, len(state.model), device=dev),

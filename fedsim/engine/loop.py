@@ -46,8 +46,8 @@ class Executor(Protocol):
 
     busy_seconds: list[float]  # each worker's training time in the last round
     peak_memory: list[int]  # bytes, each worker's peak
-    # bytes: each worker's proportional set size and the server's, read at one moment during the
-    # rounds, the one their sum was highest at (0 unknown)
+    # bytes: each worker's proportional set size and the server's, read at one moment (read_pss),
+    # the one their sum was highest at (0 unknown)
     pss_memory: list[int]
     server_pss: int
 
@@ -56,6 +56,10 @@ class Executor(Protocol):
 
     def train(self, rnd: int, clients: torch.Tensor, start_from: torch.Tensor) -> None:
         """Train ``clients`` (slot by slot) from ``start_from`` into the buffers' rows."""
+
+    def read_pss(self) -> None:
+        """Read every process's proportional set size now, at one moment, between rounds; keep
+        the reading whose sum is the highest so far in ``pss_memory`` and ``server_pss``."""
 
     def agree(self, compute: Callable[[], object]) -> object:
         """``compute()``, computed once and the same for every part of the run that plans rounds."""

@@ -165,9 +165,10 @@ class AggregateUpdates:
             )  # every client trained this round's model
             for i, c in enumerate(clients.tolist())
         ]
+        outsiders = len(byzantine.updates)  # their rows after the clients' (none: no second copy of the updates)
         round_ = Round(
-            updates=torch.cat([updates[keep], byzantine.updates]),
-            weights=torch.cat([b.stats[keep, 0], byzantine.weights]),
+            updates=torch.cat([updates[keep], byzantine.updates]) if outsiders else updates[keep],
+            weights=torch.cat([b.stats[keep, 0], byzantine.weights]) if outsiders else b.stats[keep, 0],
             clients=clients[keep.cpu()].to(b.global_flat.device),
             reports={name: report[keep] for name, report in b.reports.items()},
             aggregate=self.privacy.rule(cfg.seed, rnd) if self.privacy else self._rule(rnd, keeps_memory=True),
@@ -175,7 +176,7 @@ class AggregateUpdates:
             num_params=self.state.model.num_params,
             num_clients=cfg.data.num_clients,
             slots=keep,
-            byzantine=len(byzantine.updates),
+            byzantine=outsiders,
         )
         return round_, records
 

@@ -46,6 +46,9 @@ class Wrapper(Executor):
     def server_pss(self) -> int:
         return self.inner.server_pss
 
+    def read_pss(self) -> None:
+        self.inner.read_pss()
+
     def start(self, buffers: RoundBuffers) -> None:
         self.buffers = buffers
         self.inner.start(buffers)

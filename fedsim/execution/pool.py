@@ -58,13 +58,15 @@ from .runner import ClientRunner
 STARTING, IDLE = -2, -1  # RoundBuffers.progress values besides a client id
 RECEIVING = "receiving the run's config and shared buffers"
 NOT_RUNNING = "starting its process (the fork server may still be importing torch)"  # no stage reported yet
-PSS_EVERY = 0.25  # seconds between two readings of every process's PSS during a round (a few ms each)
 FIRST_ROUND_TIMEOUT = 900.0  # the first round also pays for cuDNN set-up and first kernels
 
 
 def _set_up(conn: Connection, rank: int, device: torch.device, command: tuple) -> tuple:
     """The worker's runner for the run of ``command``; each stage is told first, for a timeout to name."""
     _, config, runner, buffers = command
+    # the run's threads (a kept worker's may have served another run): the same float reductions in
+    # every worker and in InlinePool, so that results do not depend on `workers`
+    torch.set_num_threads(config.threads)
     if device.type == "cuda":
         conn.send(("stage", f"initialising CUDA on {device}"))
         torch.cuda.set_device(device)  # creates the worker's CUDA context
@@ -84,8 +86,6 @@ def _worker_main(rank: int, device: str, sharing_strategy: str, conn: Connection
         for signum in STOP_SIGNALS:  # Ctrl-C, and torchrun's or systemd's SIGTERM, reach the whole process
             signal.signal(signum, signal.SIG_IGN)  # group; the server decides, and stops its workers itself
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)
-        torch.set_num_threads(1)  # one thread per worker: no oversubscription, and the same float
-        # reductions in every worker (and in InlinePool), so results do not depend on `workers`
         trainer = buffers = None
         conn.send(("stage", RECEIVING))
         while True:
@@ -159,7 +159,7 @@ class WorkerPool(Executor):
         self._in_round = False
         self.peak_memory = [0] * self.num_workers  # bytes, as last reported by each worker
         # bytes, the workers' and the server's share of what they map (resources.pss_bytes), read
-        # together every PSS_EVERY seconds of a round: those of the moment their sum was highest
+        # together at the few moments the session asks (read_pss): those of the highest sum
         self.pss_memory, self.server_pss = [0] * self.num_workers, 0
         self.busy_seconds = [0.0] * self.num_workers  # each worker's training time in the last round
 
@@ -227,23 +227,17 @@ class WorkerPool(Executor):
         self.slowest = max(self.slowest, time.perf_counter() - started)
 
     def _await_all(self, kind: str, timeout: float) -> None:
-        """Wait until every worker has sent ``kind``, reading every process's PSS each PSS_EVERY
-        seconds of a round's training and as each worker ends it; raise WorkerError on the first
-        death, exception report or timeout."""
+        """Wait until every worker has sent ``kind``; raise WorkerError on the first death,
+        exception report or timeout."""
         waiting = set(range(self.num_workers))
         owner = {p.sentinel: rank for rank, p in enumerate(self.processes)}
-        due = time.monotonic()
-        deadline = due + timeout
+        deadline = time.monotonic() + timeout
         while waiting:
             now = time.monotonic()
             if now >= deadline:
                 raise WorkerError(self._timeout_message(kind, timeout, sorted(waiting)))
-            if kind == "done" and now >= due:
-                self._read_pss()
-                due = now + PSS_EVERY
             pipes = {self.conns[rank]: rank for rank in waiting}
-            wake = min(deadline, due) if kind == "done" else deadline
-            ready = wait(list(pipes) + list(owner), timeout=wake - now)
+            ready = wait(list(pipes) + list(owner), timeout=deadline - now)
             for obj in sorted(ready, key=lambda o: o not in pipes):  # messages before deaths
                 if obj in pipes:
                     rank = pipes[obj]
@@ -259,7 +253,6 @@ class WorkerPool(Executor):
                         waiting.discard(rank)
                     if message[0] == "done":
                         self.busy_seconds[rank], self.peak_memory[rank] = message[1:]
-                        self._read_pss()  # a round shorter than PSS_EVERY, once the pages are touched
                 else:
                     rank = owner[obj]
                     self.processes[rank].join(1)
@@ -267,8 +260,10 @@ class WorkerPool(Executor):
                         raise UnguardedScript()
                     raise WorkerError(self._failure(rank, exit_cause(self.processes[rank].exitcode)))
 
-    def _read_pss(self) -> None:
-        """Every process's PSS at one moment; kept where their sum is the highest so far."""
+    def read_pss(self) -> None:
+        """Every process's PSS at one moment; kept where their sum is the highest so far. Reading
+        smaps_rollup walks every mapping of a process (milliseconds, and the process waits
+        meanwhile), so the session reads it at fixed points between rounds, never during one."""
         workers, server = [pss_bytes(p.pid) for p in self.processes], pss_bytes()
         if sum(workers) + server > sum(self.pss_memory) + self.server_pss:
             self.pss_memory, self.server_pss = workers, server
@@ -362,7 +357,8 @@ class InlinePool(Executor):
     """``workers: 0``: the server trains the clients itself, one after another, with no worker
     process. For debugging (a breakpoint in a model's forward stops there) and for runs so small
     that starting a process costs more than training. The same code trains the same clients from
-    the same streams, on one thread as a worker does, so the numbers are those of any ``workers``.
+    the same streams, on ``threads`` threads as a worker does, so the numbers are those of any
+    ``workers``.
     No timeout guards a round here, and there is no process to restart."""
 
     num_workers = 0
@@ -381,7 +377,7 @@ class InlinePool(Executor):
         b.global_flat.copy_(start_from)
         b.assignment[:k] = clients
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)
+        torch.set_num_threads(self.config.threads)
         started = time.perf_counter()
         try:
             for slots in slot_groups(self.config, k) if groups is None else groups:
@@ -391,6 +387,8 @@ class InlinePool(Executor):
         finally:
             torch.set_num_threads(threads)
         self.busy_seconds, self.peak_memory = [time.perf_counter() - started], [self.runner.peak_memory()]
+
+    def read_pss(self) -> None:
         self.server_pss = max(self.server_pss, pss_bytes())  # no worker: the server trains
 
 

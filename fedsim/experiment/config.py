@@ -92,6 +92,13 @@ class Config:
         "another (for debugging, where a breakpoint in a model stops in the one process, and for tiny runs; same "
         "numbers, no round timeout)",
     )
+    threads: int = option(
+        1,
+        "torch threads each worker trains with (the server, with `workers: 0`); the numbers depend on it but not on "
+        "`workers`: a matrix product split over another number of threads may round differently. Fewer workers "
+        "than cores leave cores idle at 1: a lone worker on 2 cores trains faster with `threads: 2` (see "
+        "[Performance](performance.md#threads))",
+    )
     mode: str = option(
         "sync",
         "`sync`: clients train copies of the global model, the server aggregates them; `async`: the server waits "
@@ -241,6 +248,7 @@ class Config:
                 "clients_per_round",
                 f"must be <= data.num_clients ({self.data.num_clients}), got {self.clients_per_round}",
             )
+        checks.at_least("threads", self.threads, 1)
         if self.workers is not None:
             checks.at_least("workers", self.workers, 0)
             if self.workers > self.clients_per_round:

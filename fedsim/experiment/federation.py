@@ -7,38 +7,55 @@ the same initial weights for the same config.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..core.errors import ConfigError, DataError, ResourceError
 from ..core.streams import model_seed
-from ..data import Dataset, load_dataset, options_for, partition
-from ..data.partition import local_test_split, natural_test_split
+from ..data import Dataset, load_dataset, options_for
+from ..data.partition import Parts, local_test_split, natural_test_split, split
 from . import components
 from .config import Config
+
+
+class ClientNames(Sequence):
+    """Each client's own id in the data, looked up when asked for: a million clients build no
+    list of a million strings."""
+
+    def __init__(self, names: Sequence[str], owners: torch.Tensor):
+        self.names, self.owners = names, owners  # owners[c]: client c's own id, an index into names
+
+    def __len__(self) -> int:
+        return len(self.owners)
+
+    def __getitem__(self, client: int) -> str:
+        if not -len(self) <= client < len(self):
+            raise IndexError(f"client {client} of {len(self)}")
+        return self.names[int(self.owners[client])]
 
 
 @dataclass
 class Federation:
     data: Dataset
-    parts: list[torch.Tensor]  # one index tensor per client into data.train_x
+    parts: Parts  # one index tensor per client into data.train_x
     natural: bool = False  # the parts are the data's own clients (data.partition: natural)
+    own_clients: torch.Tensor | None = None  # natural parts: each part's own client in the data (part_clients)
 
-    def client_names(self) -> list[str] | None:
+    def client_names(self) -> ClientNames | None:
         """Each client's own id in the data (a LEAF writer, a play role, an ``hf:`` client value),
         where the parts are the data's own clients; None otherwise."""
-        data = self.data
-        if not (self.natural and data.client_names and data.train_clients is not None):
+        if self.own_clients is None or not self.data.client_names:
             return None
-        return [data.client_names[int(i)] for i in part_clients(data, self.parts).tolist()]
+        return ClientNames(self.data.client_names, self.own_clients)
 
-    def test_parts(self, seed: int) -> list[torch.Tensor]:
+    def test_parts(self, seed: int) -> Parts | list[torch.Tensor]:
         """Each client's own test split (data.test_partition): a natural client's own test
         samples where the data has them, else the test set dealt by each client's label mix."""
         data = self.data
-        if self.natural and data.test_clients is not None:
-            return natural_test_split(part_clients(data, self.parts), data.test_clients)
+        if self.own_clients is not None and data.test_clients is not None:
+            return natural_test_split(self.own_clients, data.test_clients)
         return local_test_split(data.train_y, self.parts, data.test_y, seed)
 
 
@@ -54,23 +71,25 @@ def load_federation(cfg: Config, datasets: dict | None = None) -> Federation:
         if datasets is not None:
             datasets[key] = data
     options = options_for(d.partition, d)
-    parts = partition(data.train_y, d.partition, d.num_clients, cfg.seed, data.columns(), **options)
-    natural = d.partition == "natural"
-    return Federation(_kept_clients_tests(data, parts) if natural else data, parts, natural)
+    parts = split(data.train_y, d.partition, d.num_clients, cfg.seed, data.columns(), **options)
+    if d.partition != "natural":
+        return Federation(data, parts)
+    kept = part_clients(data, parts)  # natural splits data with clients of its own (Dataset.columns)
+    return Federation(_kept_clients_tests(data, kept), parts, True, kept)
 
 
-def part_clients(data: Dataset, parts: list[torch.Tensor]) -> torch.Tensor:
+def part_clients(data: Dataset, parts: Parts) -> torch.Tensor:
     """The data's own client (writer, role, user) of each part of ``natural``: its first sample's."""
-    return data.train_clients[torch.stack([p[0] for p in parts]).to(data.train_clients.device)]
+    return data.train_clients[parts.firsts().to(data.train_clients.device)]
 
 
-def _kept_clients_tests(data: Dataset, parts: list[torch.Tensor]) -> Dataset:
-    """The data with the test samples of the kept clients only, where the data has clients of its
-    own: a run of some of them is scored on their test samples (all of them when every client is
-    kept), as LEAF scores a run on the union of its clients' test data."""
+def _kept_clients_tests(data: Dataset, kept: torch.Tensor) -> Dataset:
+    """The data with the test samples of the ``kept`` clients only (each natural part's own),
+    where the data has clients of its own: a run of some of them is scored on their test samples
+    (all of them when every client is kept), as LEAF scores a run on the union of its clients'
+    test data."""
     if data.test_clients is None:
         return data
-    kept = part_clients(data, parts)
     if len(kept) == len(torch.unique(data.train_clients)):
         return data
     keep = torch.isin(data.test_clients, kept)

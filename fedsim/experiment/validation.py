@@ -6,7 +6,6 @@ cli) imports this module: the features it combines never import it back."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from collections.abc import Iterable, Mapping
@@ -46,7 +45,7 @@ def load_config(
         raw = source.to_dict()
         origin, earlier = getattr(source, "origin", (origin, earlier))  # its overrides stay overrides
     elif isinstance(source, dict):
-        raw = copy.deepcopy(source)
+        raw = _nested_copy(source)
     else:
         origin = str(source)
         raw = read_yaml(experiment_file(source))
@@ -65,6 +64,17 @@ def load_config(
         raise ConfigError(f"{where(origin, key, from_overrides)}: {message}") from None
     cfg.origin = (origin, from_overrides)  # for errors found later (see config.locate), and overrides_of
     return cfg
+
+
+def _nested_copy(value: Any) -> Any:
+    """A config's dicts and lists copied, for the overrides to write into without touching the
+    caller's; what they hold (a dataset of a million clients, a model's function) is shared,
+    not copied."""
+    if isinstance(value, dict):
+        return {key: _nested_copy(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_nested_copy(item) for item in value]
+    return value
 
 
 def validate(cfg: Config) -> None:

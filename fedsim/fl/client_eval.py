@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from ..data.partition import Parts
 from ..models import tasks
 
 CLIENT_ACCURACY_COLUMNS = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")
@@ -65,11 +66,14 @@ class ClientEvaluation:
     ``score`` fills ``last``: the rows of ``client_accuracy.csv`` for the round it scored (see
     callbacks.ClientAccuracyFile)."""
 
-    def __init__(self, test_parts: list[torch.Tensor], device: torch.device, names: list[str] | None = None):
+    def __init__(
+        self, test_parts: Parts | list[torch.Tensor], device: torch.device, names: Sequence[str] | None = None
+    ):
         self.names = names  # each client's own id in the data, where it has one
-        self.samples = torch.tensor([len(p) for p in test_parts], dtype=torch.int64)  # [N]
-        self.index = torch.cat(test_parts).to(device)  # where the test set lives
-        self.owner = torch.repeat_interleave(torch.arange(len(test_parts)), self.samples)
+        parts = test_parts if isinstance(test_parts, Parts) else Parts.of(test_parts)
+        self.samples = parts.sizes()  # [N]
+        self.index = parts.indices.to(device)  # where the test set lives
+        self.owner = torch.repeat_interleave(torch.arange(len(parts)), self.samples)
         self.last: list[dict] = []
 
     def warning(self) -> str | None:

@@ -95,7 +95,7 @@ def draw(sampling: str, seed: int, rnd: int, online: np.ndarray, want: int, size
         drawn = generator(SAMPLING, seed, rnd).choice(len(sizes), size=count, replace=False)
         return np.intersect1d(drawn, online)  # sorted; the same law as a coin per online client
     if len(online) <= want:
-        return online
+        return online.copy()  # the caller's may be kept from round to round (System.online_ids)
     rng = generator(SAMPLING, seed, rnd)
     if sampling == "uniform":
         return np.sort(online[rng.choice(len(online), size=want, replace=False)])

@@ -174,6 +174,7 @@ class System:
         if not self.phases or min(self.phases) < 1:
             raise ValueError(f"phases must be epochs >= 1, one per phase, got {phases}")
         self._cache: tuple = (None, None, None)
+        self._everyone = np.arange(0)  # every client's id, kept for rounds where all are online
 
     @classmethod
     def from_config(cls, cfg: Any) -> System:
@@ -272,6 +273,16 @@ class System:
         p = self._constants(seed, num_clients)[0]
         return generator(ONLINE, seed, rnd).random(num_clients) < p
 
+    def online_ids(self, seed: int, rnd: int, num_clients: int) -> np.ndarray:
+        """The ids of the clients online in round ``rnd``, ascending: every client's, made once
+        and kept, where all are always online (a round then costs nothing per client)."""
+        kind, *params = self.spec.availability
+        if kind != "constant" or params[0] != 1:
+            return np.flatnonzero(self.online(seed, rnd, num_clients))
+        if len(self._everyone) != num_clients:
+            self._everyone = np.arange(num_clients)
+        return self._everyone
+
     def candidates(
         self, seed: int, rnd: int, num_clients: int, k: int, sizes: Sequence[int] | np.ndarray
     ) -> np.ndarray:
@@ -279,12 +290,12 @@ class System:
         (every online client when at most d are online), whose losses ``round`` then needs; for
         the other samplings the sample itself."""
         self._arguments(num_clients, k, sizes)
-        return self._draw(
-            seed, rnd, np.flatnonzero(self.online(seed, rnd, num_clients)), k, np.asarray(sizes, dtype=np.float64)
-        )
+        return self._draw(seed, rnd, self.online_ids(seed, rnd, num_clients), k, sizes)
 
-    def _draw(self, seed: int, rnd: int, online: np.ndarray, k: int, sizes: np.ndarray) -> np.ndarray:
+    def _draw(self, seed: int, rnd: int, online: np.ndarray, k: int, sizes: Sequence[int] | np.ndarray) -> np.ndarray:
         s = self.spec
+        if s.sampling not in ("uniform", "poisson"):  # weighted by size: the only ones that read the sizes
+            sizes = np.asarray(sizes, dtype=np.float64)
         return draw(s.sampling, seed, rnd, online, s.candidates if s.sampling == "power_of_choice" else k, sizes)
 
     def round(
@@ -309,10 +320,8 @@ class System:
         0.0 when nobody reports and nobody straggles. Dropouts do not count."""
         s = self.spec
         self._arguments(num_clients, k, sizes)
-        sizes_f = np.asarray(sizes, dtype=np.float64)
-        mask = self.online(seed, rnd, num_clients)
-        online = np.flatnonzero(mask)
-        candidates = self._draw(seed, rnd, online, k, sizes_f)
+        online = self.online_ids(seed, rnd, num_clients)
+        candidates = self._draw(seed, rnd, online, k, sizes)
         sampled = choose(candidates, k, losses) if s.sampling == "power_of_choice" else candidates
         # connectivity: who fails before reporting
         if s.dropout > 0 and len(sampled):

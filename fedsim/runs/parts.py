@@ -101,9 +101,9 @@ def build_parts(
     algorithm (set up and bound to the model) and the clients' state (its bound checked).
     ``datasets``: loaded datasets to reuse (see load_federation)."""
     federation = load_federation(cfg, datasets)
-    sizes = [len(p) for p in federation.parts]
-    if 0 in sizes:
-        raise ConfigError(f"data.partition: client {sizes.index(0)} gets no samples; use fewer clients or more data")
+    empty = (federation.parts.sizes() == 0).nonzero()
+    if len(empty):
+        raise ConfigError(f"data.partition: client {int(empty[0])} gets no samples; use fewer clients or more data")
     model = FlatModel(initial_model(cfg, federation.data), device)
     if cfg.backend == "vmap" and len(model) != model.num_params:
         raise ConfigError(

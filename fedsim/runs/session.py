@@ -300,6 +300,8 @@ class Session:
                     logger.info(hint, extra={"once": "eval_subset hint"})  # a sweep's: its first run's figures
                 if reached or rnd == cfg.rounds:
                     self.status = "finished"  # whatever arrives from here on, every round is done
+            if rnd == self.first_round:  # the processes' memory once a round has touched it; again at the end
+                self.executor.read_pss()
             # the other ranks, if any, get the new state or learn that the run is over
             self.executor.end_round(rnd, result.trained, go_on=self.status != "finished")
             if reached:
@@ -317,6 +319,7 @@ class Session:
     def _finish(self, ended_by: BaseException | None) -> None:
         """Stop the workers, write the summary and plot, tell the callbacks; called with signals held."""
         status = self.status
+        self.executor.read_pss()  # the second of the two readings (see _rounds), the workers still up
         # bytes: each worker's peak; each worker's PSS and the server's, read at one moment
         self.worker_memory = list(self.executor.peak_memory), list(self.executor.pss_memory), self.executor.server_pss
         self.executor.close(finished=status == "finished", ended_by=ended_by)

@@ -162,8 +162,8 @@ def where_it_ran(
     """summary.json's account of the machine: the device, the workers and the memory they took.
     On a CPU also each process's proportional set size, in which memory shared by several
     processes (the data, a frozen base) counts once over all of them, read for every process at
-    one moment during the rounds (the moment their sum was highest), and that sum; and the frozen
-    base's size."""
+    one moment (after the first round and at the end of the run, whichever sum was higher), and
+    that sum; and the frozen base's size."""
     megabytes = lambda sizes: [round(b / 2**20, 1) for b in sizes]  # noqa: E731
     return {
         "device": str(device),
