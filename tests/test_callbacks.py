@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support import child_pids
 
 import fedsim
 from fedsim.cli import main
@@ -230,6 +231,7 @@ def test_wandb_offline_holds_what_the_run_wrote(tmp_path, monkeypatch):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert final["final_test_accuracy"] == summary["final_test_accuracy"] == resumed.test_accuracy[-1]
     assert final["status"] == "finished" and final["rounds"] == 3
+    assert child_pids() == []  # W&B's service process ends with the run
 
 
 # ------------------------------------------------------------------------------------ the docs

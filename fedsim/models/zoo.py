@@ -7,6 +7,7 @@ that already ends in log-softmax this equals the negative log-likelihood).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -188,7 +189,7 @@ class BasicBlock(nn.Module):
     """Two 3x3 convolutions with a shortcut (a strided 1x1 convolution where the shape changes),
     each followed by ``norm`` (GroupNorm of 2 groups unless given)."""
 
-    def __init__(self, in_channels: int, channels: int, stride: int, norm=_group_norm):
+    def __init__(self, in_channels: int, channels: int, stride: int, norm: Callable[[int], nn.Module] = _group_norm):
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, channels, 3, stride=stride, padding=1, bias=False)
         self.norm1 = norm(channels)

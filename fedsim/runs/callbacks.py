@@ -40,6 +40,7 @@ from ..results.records import CLIENT_COLUMNS
 from ..results.rundir import RunDirectory, cell_text, read_client_accuracy, row_cells
 
 if TYPE_CHECKING:
+    from ..experiment.config import Config
     from ..fl.client_eval import ClientEvaluation
 
 CLIENT_ACCURACY_COLUMNS = ("round", "client", "client_name", "model", "samples", "accuracy")
@@ -316,7 +317,7 @@ class WandB(Callback):
     run it began (the id follows from the run directory). Needs the wandb package (``pip install
     "fedsim-sync[wandb]"``)."""
 
-    def __init__(self, project: str | None = None, mode: str | None = None, **init):
+    def __init__(self, project: str | None = None, mode: str | None = None, **init: object):
         self.project, self.mode, self.init = project, mode, init
         self.run = None
 
@@ -364,6 +365,7 @@ class WandB(Callback):
         self.run.summary.update(history.summary)
         self.run.finish(exit_code=0 if history.summary.get("status") == "finished" else 1)
         self.run = None
+        wandb.teardown()  # its service process too: a run leaves no process behind
 
 
 def _wandb_table(wandb, records: list[dict]):
@@ -386,7 +388,7 @@ def notify(callbacks: Iterable[object], event: str, *args: object) -> None:
 TRACKERS = dict(zip(TRACKER_NAMES, (TensorBoard, MLflow, WandB), strict=True))
 
 
-def trackers_of(cfg, callbacks: Iterable[object] = ()) -> list[Callback]:
+def trackers_of(cfg: Config, callbacks: Iterable[object] = ()) -> list[Callback]:
     """A callback for each tracker that ``cfg.trackers`` names, but for one already among
     ``callbacks`` (given as an object, with options of its own, or by a command-line flag)."""
     given = {type(callback) for callback in callbacks}
