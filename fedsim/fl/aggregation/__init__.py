@@ -200,15 +200,20 @@ def middle(values: torch.Tensor) -> torch.Tensor:
     return ordered[(k - 1) // 2] / 2 + ordered[k // 2] / 2  # halves first: no overflow near the float limit
 
 
-def centred_gram(rows: torch.Tensor) -> torch.Tensor:
-    """``(X - mean) (X - mean)^T`` of the rows, in float64 (column blocks: no float64 copy of the
-    whole stack)."""
-    mean = rows.to(torch.float64).mean(dim=0)
-    gram = torch.zeros(len(rows), len(rows), dtype=torch.float64, device=rows.device)
+def gram(rows: torch.Tensor, centre: torch.Tensor | None = None) -> torch.Tensor:
+    """``(X - centre) (X - centre)^T`` of the rows (``centre`` default 0), in float64 (column blocks:
+    no float64 copy of the whole stack)."""
+    out = torch.zeros(len(rows), len(rows), dtype=torch.float64, device=rows.device)
     for start, block in float64_blocks(rows):
-        block -= mean[start : start + block.shape[1]]
-        gram.addmm_(block, block.T)
-    return gram
+        if centre is not None:
+            block -= centre[start : start + block.shape[1]]
+        out.addmm_(block, block.T)
+    return out
+
+
+def centred_gram(rows: torch.Tensor) -> torch.Tensor:
+    """``(X - mean) (X - mean)^T`` of the rows, in float64."""
+    return gram(rows, rows.to(torch.float64).mean(dim=0))
 
 
 def squared_distances(updates: torch.Tensor) -> torch.Tensor:

@@ -9,19 +9,7 @@ import math
 
 import torch
 
-from . import (
-    AGGREGATORS,
-    OPTIONS,
-    Memory,
-    Rule,
-    combine,
-    float64_blocks,
-    mean_of,
-    middle,
-    remembering,
-    row_norms,
-    tolerating,
-)
+from . import AGGREGATORS, OPTIONS, Memory, Rule, combine, gram, mean_of, middle, remembering, row_norms, tolerating
 
 
 def _memory(rule: Rule, memory: Memory | None, like: torch.Tensor) -> Memory:
@@ -64,11 +52,9 @@ def centered_clipping(tau: float = 100.0, iterations: int = 1) -> Rule:
 def cosine_distances(rows: torch.Tensor) -> torch.Tensor:
     """``[k, k]`` ``1 - cos(rows_i, rows_j)`` in float64, as ``torch.nn.functional.cosine_similarity``
     defines the cosine (each norm at least 1e-8, so a zero row is at distance 1 from every row)."""
-    gram = torch.zeros(len(rows), len(rows), dtype=torch.float64, device=rows.device)
-    for _, block in float64_blocks(rows):
-        gram.addmm_(block, block.T)
-    norms = gram.diagonal().sqrt().clamp(min=1e-8)
-    return 1 - gram / norms[:, None] / norms[None, :]
+    inner = gram(rows)
+    norms = inner.diagonal().sqrt().clamp(min=1e-8)
+    return 1 - inner / norms[:, None] / norms[None, :]
 
 
 def larger_of_two_clusters(distances: torch.Tensor, linkage: str) -> torch.Tensor:
@@ -126,8 +112,7 @@ def clipped_clustering(max_tau: float = 1e5, linkage: str = "average", agg: str 
         norms = row_norms(updates)
         seen = torch.cat([memory.kept["norms"], norms])
         memory.new["norms"] = seen
-        ordered = seen.sort().values
-        bound = min(float(ordered[(len(seen) - 1) // 2] / 2 + ordered[len(seen) // 2] / 2), max_tau)
+        bound = min(float(middle(seen[:, None])[0]), max_tau)
         scale = torch.where(norms > bound, bound / norms, 1.0).to(updates.dtype)
         clipped = updates * scale[:, None]
         kept = clipped[larger_of_two_clusters(cosine_distances(clipped), linkage)]
