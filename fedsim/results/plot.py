@@ -110,9 +110,11 @@ def plot_runs(
     with matplotlib.rc_context(_style(inches)):
         across = min(len(panels), 3 if inches >= 5 else 2)
         down = math.ceil(len(panels) / across)
-        panel = 2.0 + 0.18 * inches / across  # wide panels get flatter, as in a paper's full-width figures
+        panel_height = 2.0 + 0.18 * inches / across  # wide panels get flatter, as in a paper's full-width figures
         height = (
-            down * panel * (1.55 if loss else 1) + _legend_height(legend, columns, label) + 0.3 * (facet is not None)
+            down * panel_height * (1.55 if loss else 1)
+            + _legend_height(legend, columns, label)
+            + 0.3 * (facet is not None)
         )
         fig = Figure(figsize=(inches, height), layout="constrained")
         grid = fig.subplots(down * len(metrics), across, sharex=True, sharey="row", squeeze=False)

@@ -236,15 +236,16 @@ def format_table(runs: list[SweepRun], target: float | None = None) -> str:
                 ("rounds to target", cells),
             ]
     columns.append(("s/round", [f"{mean_and_sd(seconds_per_round(run.history) for run in g)[0]:.2f}" for g in groups]))
-    widths = [max(len(title), *(len(cell) for cell in cells)) for title, cells in columns]
-    lines = []
-    for row in [[title for title, _ in columns], *zip(*(cells for _, cells in columns))]:
-        lines.append(
-            "  ".join(
-                f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}" for i, (cell, w) in enumerate(zip(row, widths))
-            ).rstrip()
-        )
-    return "\n".join(lines)
+    return "\n".join(_aligned([[title for title, _ in columns], *zip(*(cells for _, cells in columns))]))
+
+
+def _aligned(rows: list) -> list[str]:
+    """Rows of cells as fixed-width lines: the first column to the left, the others to the right."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}" for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in rows
+    ]
 
 
 def _printable(text: str) -> str:
@@ -291,13 +292,8 @@ def format_pivot(runs: list[SweepRun], down: str, across: str) -> str:
         for row, values in cells.items():
             means = [mean_and_sd(values[c])[0] for c in columns if c in values]
             table.append([row, *(_accuracy(values[c]) if c in values else "–" for c in columns), f"{min(means):.4f}"])
-        widths = [max(len(line[i]) for line in table) for i in range(len(header))]
         title = f"final test accuracy, {', '.join(f'{k}={v}' for k, v in others)}" if others else "final test accuracy"
-        lines = [title] + [
-            "  ".join(f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}" for i, (cell, w) in enumerate(zip(line, widths)))
-            for line in table
-        ]
-        out.append("\n".join(lines))
+        out.append("\n".join([title, *_aligned(table)]))
     return "\n\n".join(out)
 
 
