@@ -59,6 +59,7 @@ class GlobalState:
         self.server_state = {
             name: torch.zeros(*shape, device=device) for name, shape in algorithm.server_state(n).items()
         }
+        algorithm.start_server(self.server_state, model)
         self.algorithm_rows = tuple(algorithm.client_state(n))  # the names of the algorithm's rows in clients
         self.saved_round = 0  # the round of the last state saved (or resumed from); 0: none
 
@@ -82,7 +83,7 @@ class GlobalState:
         """The weights client ``client`` uses as its own model ([P]), or None when the algorithm
         keeps no personal model."""
         rows = {name: row[0] for name, row in self.client_rows([client]).items()}
-        return self.algorithm.personal_weights(self.model.flat, rows)
+        return self.algorithm.personal_weights(self.model.flat, rows, self.server_state)
 
     def state_dict(self, rnd: int) -> dict:
         return {
