@@ -142,5 +142,6 @@ class DataConfig:
         checks.at_least("classes_per_client", self.classes_per_client, 1)
         checks.one_of("quantity_skew", self.quantity_skew, ("lognormal", "dirichlet"))
         checks.one_of("placement", self.placement, ("auto", "device", "host"))
-        checks.one_of("rotations", self.rotations, (1, 2, 4))
+        if self.rotations not in (1, 2, 4) or isinstance(self.rotations, bool):
+            checks.fail("rotations", f"must be 1, 2 or 4 (turns of 360, 180 or 90 degrees), got {self.rotations!r}")
         checks.choice("partition", self.partition, PARTITIONS)
