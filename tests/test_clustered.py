@@ -223,7 +223,7 @@ def complete_linkage(similarity):
 def test_cfl_bipartition_is_complete_linkage_on_the_cosine_similarities():
     g = torch.Generator().manual_seed(3)
     directions = torch.randn(2, 50, generator=g)
-    for trial in range(5):
+    for _ in range(5):
         # two planted groups of noisy directions, and unstructured updates
         groups = torch.randint(0, 2, (9,), generator=g)
         planted = directions[groups] + 0.8 * torch.randn(9, 50, generator=g)

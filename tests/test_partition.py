@@ -364,9 +364,11 @@ def test_rotations_turn_each_clients_training_and_test_images_by_its_group():
     assert torch.equal(plain.data.train_y, turned.data.train_y) and torch.equal(plain.data.test_y, turned.data.test_y)
     tests = plain.test_parts(0)
     for c in range(8):
-        quarter = lambda x: torch.rot90(x, c % 4, dims=(2, 3))  # noqa: E731
-        assert torch.equal(turned.data.train_x[plain.parts[c]], quarter(plain.data.train_x[plain.parts[c]]))
-        assert torch.equal(turned.data.test_x[tests[c]], quarter(plain.data.test_x[tests[c]]))
+        for x, y, index in (
+            (turned.data.train_x, plain.data.train_x, plain.parts[c]),
+            (turned.data.test_x, plain.data.test_x, tests[c]),
+        ):
+            assert torch.equal(x[index], torch.rot90(y[index], c % 4, dims=(2, 3)))
     assert not torch.equal(turned.data.train_x[plain.parts[1]], plain.data.train_x[plain.parts[1]])
     halves = federation(rotations=2)
     assert torch.equal(halves.data.train_x[plain.parts[3]], plain.data.train_x[plain.parts[3]].flip(2, 3))
