@@ -1,8 +1,8 @@
 """What the clustered algorithms (ifca.py, cfl.py) share: K cluster models, each client's cluster,
 and each cluster's model moved by the mean update of its clients.
 
-Cluster 0's model is the global model: the weights the engine keeps, scores on the global test set
-and sends to Byzantine clients outside the federation. Clusters 1 .. K-1 are the server state
+Cluster 0's model is the global model: the weights the engine keeps and scores on the global test
+set. Clusters 1 .. K-1 are the server state
 ``models`` ([K-1, P]), so a run with one cluster is FedAvg, number for number. A client's cluster is
 its row ``cluster`` (0 until it is assigned one); ``sizes`` ([K]) counts the clients each cluster
 holds, for metrics.csv's ``clusters``.
@@ -133,11 +133,9 @@ class Clustered(Algorithm):
         sizes.index_add_(0, before, torch.ones_like(before, dtype=sizes.dtype).neg())
         sizes.index_add_(0, now, torch.ones_like(now, dtype=sizes.dtype))
         clients["cluster"][:, 0] = now.to(clients["cluster"].dtype)
-        # Byzantine clients outside the federation are sent the global model: theirs is cluster 0's update
-        member = torch.cat([now, now.new_zeros(round.byzantine)])
-        steps = []
+        steps = []  # (no Byzantine rows: an algorithm with a server_update of its own is refused with attack.count)
         for cluster in range(self.slots):
-            rows = (member == cluster).nonzero().flatten()
+            rows = (now == cluster).nonzero().flatten()
             steps.append(round.aggregate(round.updates[rows], round.weights[rows]) if len(rows) else None)
         steps = self.adjust_steps(round, steps)
         for cluster, step in enumerate(steps[1:], 1):
