@@ -28,6 +28,7 @@ from fedsim.engine.loop import evaluate
 from fedsim.experiment.federation import load_federation
 from fedsim.experiment.validation import load_config
 from fedsim.fl.aggregation import get as aggregation_rule
+from fedsim.results.keys import flatten_config as flatten
 
 
 def bound(algorithm, module, num_clients=6, seed=0, **config):
@@ -362,3 +363,32 @@ def scored_with_cluster_models(history) -> dict[int, float]:
         model.flat.copy_(models[int(state["client_state"]["cluster"][client][0])])
         scores[client] = evaluate(model.module, federation.data.test_x[split], federation.data.test_y[split], 1000)[0]
     return scores
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "algorithm, options",
+    [("ifca", {"k": 3}), ("cfl", {"start_round": 2, "eps1": 10.0, "eps2": 0.0, "min_cluster_size": 1})],
+)
+def test_clustered_runs_are_the_same_bits_for_any_workers(tmp_path, algorithm, options):
+    """Cluster choices, splits, cluster models and each client's score: workers 0 and 2 alike."""
+    cfg = {
+        "name": algorithm,
+        "seed": 1,
+        "rounds": 4,
+        "clients_per_round": 3,
+        "algorithm": algorithm,
+        "algorithm_options": options,
+        "eval_per_client": True,
+        "data": {"dataset": "synthetic", "num_clients": 6, "limit": 600, "test_partition": True},
+        "local": {"batch_size": 32, "lr": 0.05},
+    }
+    runs = [fedsim.run(cfg, out=tmp_path / f"w{w}", quiet=True, workers=w) for w in (0, 2)]
+    states = [torch.load(tmp_path / f"w{w}" / "checkpoint.pt", weights_only=False) for w in (0, 2)]
+    tensors = [dict(flatten({key: s[key] for key in ("global", "algorithm", "client_state")})) for s in states]
+    assert tensors[0].keys() == tensors[1].keys()
+    assert all(torch.equal(tensors[0][key], tensors[1][key]) for key in tensors[0]), algorithm
+    assert [r["cluster"] for r in runs[0].client_records] == [r["cluster"] for r in runs[1].client_records]
+    for column in ("test_accuracy", "client_accuracy_mean", "clusters", "train_loss"):
+        assert getattr(runs[0], column) == getattr(runs[1], column), column
+    assert algorithm == "ifca" or runs[0].clusters[-1] > 1  # cfl split

@@ -68,7 +68,7 @@ class IFCA(Clustered):
         super().start_server(server, model)
         shared = self.shared.to(model.flat.device)
         for j in range(1, self.k):
-            module = copy.deepcopy(model.module)
+            module = copy.deepcopy(model.module).cpu()  # drawn on the CPU: the same models on any device
             with torch.random.fork_rng(devices=[]):  # the run's own stream of torch draws is left as it was
                 torch.manual_seed(torch_seed(CLUSTER_INIT, self.config.seed, j))
                 for layer in module.modules():
