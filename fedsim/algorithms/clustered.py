@@ -37,20 +37,19 @@ class Clustered(Algorithm):
 
     def setup(self, config: Any) -> None:
         super().setup(config)
-        name = getattr(config, "algorithm", "this algorithm")
         # the cluster models take each cluster's plain mean: a second step on cluster 0 alone, a
         # rule's memory or privacy's accounting, each made for one aggregate a round, would be wrong
         refused = [
-            ("server_optimizer", getattr(config, "server_optimizer", "none") != "none", "server_optimizer: none"),
-            ("aggregator", getattr(config, "aggregator", "fedavg") != "fedavg", "aggregator: fedavg"),
-            ("pre_aggregators", bool(getattr(config, "pre_aggregators", None)), "no pre_aggregators"),
-            ("privacy", getattr(config, "privacy", None) is not None, "no privacy section"),
+            ("server_optimizer", config.server_optimizer != "none", "server_optimizer: none"),
+            ("aggregator", config.aggregator != "fedavg", "aggregator: fedavg"),
+            ("pre_aggregators", bool(config.pre_aggregators), "no pre_aggregators"),
+            ("privacy", config.privacy is not None, "no privacy section"),
         ]
         for key, bad, allowed in refused:
             if bad:
                 raise ConfigError(
-                    f"{key}: algorithm {name} moves each cluster's model by the sample-weighted mean of its "
-                    f"clients' updates, one mean per cluster a round; use {allowed}"
+                    f"{key}: algorithm {config.algorithm} moves each cluster's model by the sample-weighted mean "
+                    f"of its clients' updates, one mean per cluster a round; use {allowed}"
                 )
         self.num_clients = config.data.num_clients
 
