@@ -375,13 +375,13 @@ def test_clustered_runs_are_the_same_bits_for_any_workers(tmp_path, algorithm, o
     cfg = {
         "name": algorithm,
         "seed": 1,
-        "rounds": 4,
+        "rounds": 3,
         "clients_per_round": 3,
         "algorithm": algorithm,
         "algorithm_options": options,
         "eval_per_client": True,
-        "data": {"dataset": "synthetic", "num_clients": 6, "limit": 600, "test_partition": True},
-        "local": {"batch_size": 32, "lr": 0.05},
+        "data": {"dataset": "synthetic", "num_clients": 6, "limit": 300, "test_partition": True},
+        "local": {"batch_size": 25, "lr": 0.05},
     }
     runs = [fedsim.run(cfg, out=tmp_path / f"w{w}", quiet=True, workers=w) for w in (0, 2)]
     states = [torch.load(tmp_path / f"w{w}" / "checkpoint.pt", weights_only=False) for w in (0, 2)]
