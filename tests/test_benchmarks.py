@@ -158,3 +158,15 @@ def test_w3_is_pfl_researchs_cifar10_benchmark(tmp_path, monkeypatch):
     assert (cfg.data.num_clients, cfg.clients_per_round, cfg.local.epochs, cfg.local.batch_size) == (1000, 50, 1, 10)
     assert (cfg.local.lr, cfg.server_optimizer, cfg.eval_every, cfg.model) == (0.1, "none", 10, "pfl_cnn")
     assert cfg.data.dataset == "w3data:cifar_shaped" and cfg.data.augment is False
+
+
+def test_bench_personal_scoring_scores_each_client_two_ways_alike(tmp_path):
+    output = tmp_path / "p.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "bench_personal_scoring.py"), "--clients", "4,500"]
+    command += ["--repeats", "1", "--model", "mnist_2nn", "--data-root", "", "--output", str(output)]  # generated data
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads(output.read_text())["rows"]
+    assert [row["clients"] for row in rows] == [4, 500] and all(row["same_accuracies"] for row in rows)
+    for row in rows:
+        assert_positive(row, "global_seconds", "personal_seconds", "one_by_one_seconds", "personal_ratio")

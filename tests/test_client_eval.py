@@ -83,8 +83,8 @@ def test_columns_and_table_agree_with_a_direct_evaluation_of_the_final_model(tmp
 
     with open(run_dir / "client_accuracy.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == ["round", "client", "client_name", "model", "samples", "accuracy"]
-    assert {r["model"] for r in rows} == {"global"}  # fedavg has no personal models
+    assert list(rows[0]) == ["round", "client", "client_name", "model", "samples", "accuracy", "trained"]
+    assert {(r["model"], r["trained"]) for r in rows} == {("global", "")}  # fedavg has no personal models
     assert len(rows) == 3 * 10 and [int(r["round"]) for r in rows] == [1] * 10 + [2] * 10 + [3] * 10
     last = rows[-10:]
     assert [int(r["client"]) for r in last] == list(range(10))
@@ -176,3 +176,36 @@ def test_a_client_without_test_samples_is_left_out_and_warned_about():
     assert evaluation.last[0]["accuracy"] == 0.5 and math.isnan(evaluation.last[1]["accuracy"])
     assert evaluation.last[2]["accuracy"] == 2 / 3
     assert got == spread([0.5, 2 / 3]) and ClientEvaluation(parts[:1], torch.device("cpu")).warning() is None
+
+
+@pytest.mark.parametrize("model, shape", [("mnist_2nn", (1, 28, 28)), ("cifar_cnn_bn", (3, 32, 32))])
+def test_each_client_is_scored_with_its_own_model_in_a_group_or_alone(model, shape):
+    """score_personal's groups (vmap over the clients' stacked weights, batch-norm statistics
+    included) and its one-at-a-time path give each client the hits of its own model on its own
+    split, as a plain forward pass of that model counts them; a client not trained is marked so."""
+    from fedsim.fl.client_eval import ClientEvaluation
+    from fedsim.models import build_model
+
+    torch.manual_seed(0)
+    flat_model = FlatModel(build_model(model, shape, 10), "cpu")
+    sizes = [0, 1, 3, 3, 5, 8, 13, 40]  # up to 8 in groups; 13 and 40 alone, 40 in three batches of 16
+    x, y = torch.randn(sum(sizes), *shape), torch.randint(0, 10, (sum(sizes),))
+    parts = list(torch.randperm(sum(sizes)).split(sizes))
+    own = flat_model.flat + 0.05 * torch.randn(len(sizes), len(flat_model.flat))
+    own[:, flat_model.num_params :] = (
+        flat_model.flat[flat_model.num_params :].abs() + 0.5
+    )  # buffers: positive variances
+    evaluation = ClientEvaluation(parts, torch.device("cpu"))
+    columns = evaluation.score_personal(flat_model, lambda clients: own[clients], x, y, 16, rnd=3, trained={2, 5})
+    module = build_model(model, shape, 10).eval()
+    expected = []
+    for client, part in enumerate(parts):
+        FlatModel(module, "cpu").flat.copy_(own[client])
+        with torch.no_grad():
+            hits = (module(x[part]).argmax(1) == y[part]).sum().item() if len(part) else 0
+        expected.append(hits / len(part) if len(part) else math.nan)
+    got = [r["accuracy"] for r in evaluation.last]
+    assert [math.isnan(a) for a in got] == [math.isnan(a) for a in expected]
+    assert [a for a in got if not math.isnan(a)] == [a for a in expected if not math.isnan(a)]
+    assert [r["trained"] for r in evaluation.last] == [0, 0, 1, 0, 0, 1, 0, 0]
+    assert columns["client_accuracy_mean"] == pytest.approx(sum(expected[1:]) / 7, abs=1e-12)

@@ -323,11 +323,11 @@ def test_results_table_gives_a_language_models_loss_and_perplexity_and_each_feat
     assert fedit["final_personal_accuracy"] is None and fedsa["final_personal_accuracy"] == 0.31
     lines = table.markdown().splitlines()
     assert lines[0] == (
-        "| name | runs | final test loss | final ppl | final tok. acc. (%) | best tok. acc. (%) | personal acc "
-        "| rounds | wall (s) |"
+        "| name | runs | final test loss | final ppl | final tok. acc. (%) | best tok. acc. (%) "
+        "| final personal acc. (%) | rounds | wall (s) |"
     )
     assert lines[2] == "| fedit | 2 | 2.3000 | 10.02 | 30.0 ± 0.0 | 30.0 | – | 1 | 9.0 |"
-    assert lines[3] == "| fedsa | 1 | 2.5000 | 12.18 | 30.0 | 30.0 | 0.3100 | 1 | 9.0 |"
+    assert lines[3] == "| fedsa | 1 | 2.5000 | 12.18 | 30.0 | 30.0 | 31.0 | 1 | 9.0 |"
     # privacy: the epsilon spent, where some run has a privacy section
     private = History(
         [{"round": 1, "test_accuracy": 0.9, "test_loss": 0.3, "epsilon": 1.5}],

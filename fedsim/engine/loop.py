@@ -316,11 +316,12 @@ class Engine:
             personal = self.personal_model or FlatModel(copy.deepcopy(module), self.state.model.flat.device)
             self.personal_model = personal
             per_client = self.client_eval.score_personal(
-                personal.module,
-                lambda c: personal.flat.copy_(self.state.personal_weights(c)),
+                personal,
+                self.state.personal_weights_of,
                 *self.test,
                 cfg.eval_batch_size,
                 rnd,
+                self.state.trained_clients(),
             )
         return {**scores, **per_client}
 

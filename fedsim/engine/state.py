@@ -79,11 +79,20 @@ class GlobalState:
         start = self.algorithm.new_client_state(self.model.flat, self.model.num_params)
         return {name: self.clients.gather(name, clients, start[name]) for name in self.algorithm_rows}
 
-    def personal_weights(self, client: int) -> torch.Tensor | None:
-        """The weights client ``client`` uses as its own model ([P]), or None when the algorithm
-        keeps no personal model."""
-        rows = {name: row[0] for name, row in self.client_rows([client]).items()}
-        return self.algorithm.personal_weights(self.model.flat, rows, self.server_state)
+    def trained_clients(self) -> set[int]:
+        """The clients holding a row of the algorithm's state, those trained at least once; the
+        others use the model they would start from."""
+        return {c for name in self.algorithm_rows for c in self.clients.rows[name]}
+
+    def personal_weights_of(self, clients: list[int]) -> torch.Tensor:
+        """The weights ([c, P]) the ``clients`` use as their own models (an algorithm with personal
+        models); a client not trained yet has the model it would start from."""
+        rows = self.client_rows(clients)
+        own = self.algorithm.personal_weights
+        server = self.server_state
+        return torch.stack(
+            [own(self.model.flat, {k: v[i] for k, v in rows.items()}, server) for i in range(len(clients))]
+        )
 
     def state_dict(self, rnd: int) -> dict:
         return {

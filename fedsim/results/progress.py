@@ -171,8 +171,15 @@ def final_line(summary: dict, run_dir: str | os.PathLike) -> str:
         )
     else:
         final = f"final test accuracy {summary['final_test_accuracy']:.4f}"
-    if summary.get("final_personal_accuracy") is not None:
-        final += f", personal accuracy {summary['final_personal_accuracy']:.4f}"
+    if summary.get("final_personal_accuracy") is not None:  # which model each figure scores, on which set
+        untrained = summary.get("personal_untrained_clients")
+        final += (
+            f" (the global model on the test set; best {summary['best_test_accuracy']:.4f}), personal accuracy "
+            f"{summary['final_personal_accuracy']:.4f} (the mean of {summary['personal_clients']} clients' own "
+            f"models on their own test splits"
+            + (f", {untrained} of them never trained and scored as they would start" if untrained else "")
+            + f"; best {summary['best_personal_accuracy']:.4f})"
+        )
     figures = []
     if summary.get("compression_ratio") not in (None, 1):
         figures.append(f"{summary['megabytes_sent']:.3g} MB sent, {summary['compression_ratio']:.3g} of uncompressed")

@@ -332,13 +332,14 @@ TEXT_CELLS = ("model", "client_name")  # client_accuracy.csv's cells that are wo
 
 
 def read_client_accuracy(path: Path) -> list[dict]:
-    """The rows of a client_accuracy.csv, numbers as numbers (accuracy nan: no test samples)."""
+    """The rows of a client_accuracy.csv, numbers as numbers (accuracy nan: no test samples;
+    ``trained`` None where the global model was scored, or in a file older than the column)."""
     try:
         with open(path, newline="") as f:
             return [
                 # an empty client_name (a client without an id of its own) is None, as in clients.csv
                 {
-                    k: (float(v) if k == "accuracy" else (v or None) if k in TEXT_CELLS else int(v))
+                    k: float(v) if k == "accuracy" else (v or None) if k in TEXT_CELLS or not v else int(v)
                     for k, v in row.items()
                 }
                 for row in csv.DictReader(f)

@@ -14,8 +14,9 @@ from .history import History, check_target, finished, format_rounds_to_target, g
 # summary.json's figures a table reports where some run has them: (key, the table's title, format);
 # a figure without a title goes to sweep.csv only
 FIGURES = (
-    ("final_personal_accuracy", "personal acc", ".4f"),
-    ("best_personal_accuracy", None, ".4f"),
+    ("final_personal_accuracy", "final personal acc", ".4f"),
+    ("best_personal_accuracy", "best personal acc", ".4f"),
+    ("personal_untrained_clients", None, "g"),
     ("megabytes_sent", "MB sent", ".3g"),
     ("compression_ratio", "ratio", ".3g"),
     ("delta", None, ".3g"),
@@ -23,6 +24,8 @@ FIGURES = (
     ("staleness_max", None, "g"),
     ("clients_lost", "lost", "g"),
 )
+# the personal models' accuracies, in percent beside the global model's in a results table
+PERSONAL = ("final_personal_accuracy", "best_personal_accuracy")
 # every run that sends anything has these: they are columns only where some run compresses
 TRAFFIC = ("megabytes_sent", "compression_ratio")
 
@@ -88,7 +91,7 @@ _HEADERS = {
     "best_accuracy": "best acc. (%)",
     "test_samples": "scored on",  # where some run scored rounds on eval_subset: the set of final, best and target
     "epsilon": "epsilon",
-    **{key: title for key, title, _ in FIGURES if title},
+    **{key: title + (". (%)" if key in PERSONAL else "") for key, title, _ in FIGURES if title},
     "target": "target (%)",
     "rounds_to_target": "rounds to target",
     "rounds": "rounds",
@@ -104,6 +107,8 @@ def _header(column: str, rows) -> str:
             return f"rounds to {_percent(targets.pop())} %"
     if column in ("final_accuracy", "best_accuracy") and "final_test_perplexity" in rows.columns:
         return _HEADERS[column].replace("acc.", "tok. acc.")  # a language model's accuracy is its tokens'
+    if column in ("final_accuracy", "best_accuracy") and "final_personal_accuracy" in rows.columns:
+        return _HEADERS[column].replace("acc.", "global acc.")  # beside the clients' own models'
     return _HEADERS.get(column, column)
 
 
@@ -121,8 +126,8 @@ def _text(row: dict, column: str) -> str:
     if column == "final_accuracy":
         spread = f" ± {100 * row['final_accuracy_std']:.1f}" if row["runs"] > 1 else ""
         return f"{100 * value:.1f}{spread}"
-    if column == "best_accuracy":
-        return f"{100 * value:.1f}"
+    if column == "best_accuracy" or column in PERSONAL:
+        return "–" if value is None else f"{100 * value:.1f}"
     if column == "target":
         return "–" if value is None else _percent(value)
     if column == "test_samples":

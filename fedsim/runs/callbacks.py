@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from ..experiment.config import Config
     from ..fl.client_eval import ClientEvaluation
 
-CLIENT_ACCURACY_COLUMNS = ("round", "client", "client_name", "model", "samples", "accuracy")
+CLIENT_ACCURACY_COLUMNS = ("round", "client", "client_name", "model", "samples", "accuracy", "trained")
 
 
 @dataclass

@@ -34,7 +34,11 @@ def account(session: Any, status: str, ended_by: BaseException | None) -> dict:
         **what_ran(s.cfg.to_dict(), s.state.model.module, s.input_shape, s.num_classes, s.overrides, s.first_round),
         "aggregation": s.state.algorithm.aggregation(describe(s.cfg.aggregator)),
         **outcome(s.rows, s.cfg.stop_at_accuracy),
-        **(personal_outcome(s.rows) if s.client_eval and personal else {}),
+        **(
+            personal_outcome(s.rows, s.client_eval.samples, s.state.trained_clients())
+            if s.client_eval and personal
+            else {}
+        ),
         **feature_figures(s.cfg, s.rows, s.client_rows, update_bytes(s.state, s.compression)),
         **s.state.algorithm.summary(s.client_rows),
         "checkpoint_round": s.state.saved_round,
@@ -103,11 +107,20 @@ def outcome(rows: list[dict], target: float | None) -> dict:
     }
 
 
-def personal_outcome(rows: list[dict]) -> dict:
+def personal_outcome(rows: list[dict], samples: torch.Tensor, trained: set[int]) -> dict:
     """summary.json's account of the personal models (a run whose client_eval_model is personal):
-    the final and best mean accuracy of the clients' own models on their own test splits."""
+    the final and best mean accuracy of the clients' own models on their own test splits, over the
+    ``personal_clients`` with a split (``samples``, each client's), of which
+    ``personal_untrained_clients`` never trained (not in ``trained``) and were scored with the model
+    they would start from."""
     means = [r["client_accuracy_mean"] for r in rows if r.get("client_accuracy_mean") is not None]
-    return {"final_personal_accuracy": means[-1] if means else None, "best_personal_accuracy": max(means, default=None)}
+    scored = [c for c, n in enumerate(samples.tolist()) if n]
+    return {
+        "final_personal_accuracy": means[-1] if means else None,
+        "best_personal_accuracy": max(means, default=None),
+        "personal_clients": len(scored),
+        "personal_untrained_clients": sum(1 for c in scored if c not in trained),
+    }
 
 
 def feature_figures(cfg: Config, rows: list[dict], client_rows: list[dict], update_bytes: tuple | None) -> dict:

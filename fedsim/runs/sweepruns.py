@@ -212,7 +212,8 @@ def format_table(runs: list[SweepRun], target: float | None = None) -> str:
     if tokens:  # a language model is judged by its perplexity first
         for title, value in (("final ppl", lambda h: h.final_perplexity), ("best ppl", lambda h: h.best_perplexity)):
             columns.append((title, [_accuracy([value(run.history) for run in g], ".2f") for g in groups]))
-    named = "tok acc" if tokens else "acc"
+    personal = any(key == "final_personal_accuracy" for key, _, _ in _figures(runs))
+    named = "tok acc" if tokens else "global acc" if personal else "acc"  # beside the clients' own models
     for title, value in (("final", lambda h: h.final_accuracy), ("best", lambda h: h.best_accuracy)):
         columns.append((f"{title} {named}", [_accuracy([value(run.history) for run in g]) for g in groups]))
     if _scored_apart(runs):  # the set the figures before come from, where some rounds were scored on eval_subset's

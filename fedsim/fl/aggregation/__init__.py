@@ -176,21 +176,30 @@ def row_norms(rows: torch.Tensor, point: torch.Tensor | None = None) -> torch.Te
 
 
 _NETWORK_ROWS = 24  # up to here a network of min and max sorts faster than torch.sort (see sorted_rows)
+_NETWORK_COLUMNS = 1 << 14  # the network's columns at a time: k rows of them stay in the CPU's cache
 
 
 def sorted_rows(values: torch.Tensor) -> torch.Tensor:
     """``values.sort(dim=0).values``. For up to 24 rows, by an odd-even transposition network of
-    elementwise minima and maxima, k (k - 1) / 2 of each: torch.sort along a short first dimension
-    is slow on a CPU (11 rows of 431,080 values: 27 ms against 72 ms, 24 rows: 146 against 255, one
-    thread); a comparison network puts the same values in the same places."""
+    elementwise minima and maxima, k (k - 1) / 2 of each, over blocks of 16,384 columns: torch.sort
+    along a short first dimension is slow on a CPU (11 rows of 431,080 values: 72 ms against 27 ms by
+    the network, one thread), and a network over whole rows goes through memory at each of its
+    steps (14 rows: 80 ms over whole rows, 42 ms in blocks, paired medians); a comparison network
+    puts the same values in the same places."""
     k = values.shape[0]
     if k > _NETWORK_ROWS:
         return values.sort(dim=0).values
-    rows = list(values.unbind(0))
-    for sweep in range(k):
-        for i in range(sweep % 2, k - 1, 2):
-            rows[i], rows[i + 1] = torch.minimum(rows[i], rows[i + 1]), torch.maximum(rows[i], rows[i + 1])
-    return torch.stack(rows)
+    shape, values = values.shape, values.reshape(k, -1)  # a [k] or [k, ...] stack as [k, columns]
+    out = torch.empty_like(values)
+    # a GPU has no such cache to keep, and each block would cost it k (k - 1) more kernel launches
+    width = _NETWORK_COLUMNS if values.device.type == "cpu" else max(1, values.shape[1])
+    for start in range(0, values.shape[1], width):
+        rows = list(values[:, start : start + width].unbind(0))
+        for sweep in range(k):
+            for i in range(sweep % 2, k - 1, 2):
+                rows[i], rows[i + 1] = torch.minimum(rows[i], rows[i + 1]), torch.maximum(rows[i], rows[i + 1])
+        torch.stack(rows, out=out[:, start : start + width])
+    return out.view(shape)
 
 
 def middle(values: torch.Tensor) -> torch.Tensor:
