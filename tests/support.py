@@ -313,10 +313,11 @@ def write_fake_cifar(root, per_batch=4, test_size=3):
     return batches
 
 
-def write_run(path, name="run", seed=0, accuracies=(0.5, 0.7, 0.8), summary=True, settings=None):
+def write_run(path, name="run", seed=0, accuracies=(0.5, 0.7, 0.8), summary=True, settings=None, clusters=None):
     """A run directory as the server writes it: config.yaml, metrics.csv, summary.json.
 
     ``settings``: config keys to change from the defaults, dotted for sections (``"data.alpha"``).
+    ``clusters``: a clustered algorithm's number of clusters in each round (None: empty, as other runs write it).
     """
     path.mkdir(parents=True)
     cfg = Config(name=name, seed=seed, device="cpu", workers=2).to_dict()
@@ -349,6 +350,7 @@ def write_run(path, name="run", seed=0, accuracies=(0.5, 0.7, 0.8), summary=True
                     "bytes_up": 500,
                     "cumulative_bytes": 1500 * rnd,
                     "test_samples": 1000,
+                    "clusters": "" if clusters is None else clusters[rnd - 1],
                 }
             )
     if summary:

@@ -344,3 +344,49 @@ def test_gamma_zero_is_byzfls_extreme_split():
     expected = byzfl.extreme_niid_idx(UNEVEN, np.arange(len(UNEVEN)))
     parts = partition(UNEVEN, "gamma_similarity", 10, seed=0, gamma=0.0)
     assert all(np.array_equal(np.sort(np.asarray(e)), p.numpy()) for e, p in zip(expected, parts))
+
+
+# ----------------------------------------------------------------------------- planted clusters
+
+
+def test_rotations_turn_each_clients_training_and_test_images_by_its_group():
+    """data.rotations: 4 turns client c's training samples and test split by (c mod 4) quarter
+    turns, the data unturned otherwise alike (the same split, labels and test splits)."""
+    from fedsim.experiment.federation import load_federation
+    from fedsim.experiment.validation import load_config
+
+    def federation(**data):
+        base = {"dataset": "synthetic", "num_clients": 8, "limit": 800, "partition": "dirichlet", "alpha": 1.0}
+        return load_federation(load_config({"clients_per_round": 8, "data": {**base, **data}}))
+
+    plain, turned = federation(), federation(rotations=4)
+    assert torch.equal(plain.parts.indices, turned.parts.indices)
+    assert torch.equal(plain.data.train_y, turned.data.train_y) and torch.equal(plain.data.test_y, turned.data.test_y)
+    tests = plain.test_parts(0)
+    for c in range(8):
+        for x, y, index in (
+            (turned.data.train_x, plain.data.train_x, plain.parts[c]),
+            (turned.data.test_x, plain.data.test_x, tests[c]),
+        ):
+            assert torch.equal(x[index], torch.rot90(y[index], c % 4, dims=(2, 3)))
+    assert not torch.equal(turned.data.train_x[plain.parts[1]], plain.data.train_x[plain.parts[1]])
+    halves = federation(rotations=2)
+    assert torch.equal(halves.data.train_x[plain.parts[3]], plain.data.train_x[plain.parts[3]].flip(2, 3))
+
+
+def test_rotations_are_checked_in_one_line():
+    from fedsim.experiment.validation import load_config
+
+    with pytest.raises(
+        ConfigError, match=r"data.rotations: must be 1, 2 or 4 \(turns of 360, 180 or 90 degrees\), got 3"
+    ):
+        load_config({"data": {"rotations": 3}})
+    from fedsim.core.errors import DataError
+    from fedsim.data import from_tensors
+    from fedsim.experiment.federation import load_federation
+
+    x, y = torch.randn(40, 4), torch.arange(40) % 2
+    data = {"dataset": from_tensors(x, y, x, y), "num_clients": 4, "rotations": 2}
+    cfg = load_config({"clients_per_round": 4, "data": data})
+    with pytest.raises(DataError, match=r"data.rotations: turns images by 180 degrees, which needs images \[C, H, W\]"):
+        load_federation(cfg)

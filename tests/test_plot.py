@@ -410,3 +410,19 @@ def test_plot_command_facets_by_a_swept_key(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_a_clustered_runs_clusters_are_drawn_and_other_runs_say_they_have_none(tmp_path):
+    """metrics.csv's clusters: a line of whole numbers with --metric clusters, grey steps on a
+    right-hand axis of the run's accuracy.png; a run without them is told so in one line."""
+    from fedsim.results.plot import accuracy_figure
+
+    clustered, plain = runs(tmp_path, [{"name": "cfl", "clusters": (1, 2, 4)}, {"name": "fedavg"}])
+    (ax,) = plot_runs([clustered], metric="clusters").axes
+    assert list(ax.lines[0].get_ydata()) == [1, 2, 4] and ax.get_ylabel() == "clusters"
+    figure = accuracy_figure(clustered)
+    side = next(axis for axis in figure.axes if axis.get_ylabel() == "clusters (dashed)")
+    assert list(side.lines[0].get_xdata()) == [1, 2, 3] and list(side.lines[0].get_ydata()) == [1, 2, 4]
+    assert all(axis.get_ylabel() != "clusters (dashed)" for axis in accuracy_figure(plain).axes)
+    with pytest.raises(FedsimError, match="has no clusters values to plot; a run of a clustered algorithm"):
+        plot_runs([plain], metric="clusters")

@@ -308,6 +308,12 @@ def algorithm_config(name: str, tmp_path, rounds: int) -> dict:
         "data": {"dataset": "synthetic", "num_clients": 6, "limit": 600},
         "local": {"batch_size": 32, "lr": 0.05},
         **({"model": "cifar_cnn_bn"} if name == "fedbn" else {}),  # fedbn needs batch norm
+        # cfl splits its clusters from round 2 on, so that the resumed rounds hold several
+        **(
+            {"algorithm_options": {"start_round": 2, "eps1": 10.0, "eps2": 0.0, "min_cluster_size": 1}}
+            if name == "cfl"
+            else {}
+        ),
     }
 
 

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from ..core.flat import FlatModel
+
 
 @dataclass
 class Clients:
@@ -74,6 +76,7 @@ class Round:
     # the federation (attack.count): they have no client id, report or slot, so ``clients``, ``reports`` and
     # ``slots`` hold the first k - byzantine rows only
     byzantine: int = 0
+    number: int = 0  # the round's number (1 for the first)
 
 
 class Algorithm:
@@ -110,8 +113,14 @@ class Algorithm:
     # ----------------------------------------------------------------- state
 
     def server_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
-        """Tensors the server keeps, by name and shape; zeros at the start."""
+        """Tensors the server keeps, by name and shape; zeros at the start, unless ``start_server``
+        fills them."""
         return {}
+
+    def start_server(self, server: dict[str, torch.Tensor], model: FlatModel) -> None:
+        """Called once in the server before round 1 (a resumed run's checkpoint then replaces the
+        state): the place to fill ``server`` with what is not zero at the start, from the run's
+        initial model (IFCA's k cluster models)."""
 
     def client_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
         """Tensors kept for every client, by name and the shape of one client's row, in host
@@ -123,9 +132,12 @@ class Algorithm:
         ([P], of which the first ``num_params`` are trainable) as they are then: zeros by default."""
         return {name: global_weights.new_zeros(shape) for name, shape in self.client_state(num_params).items()}
 
-    def personal_weights(self, global_weights: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """The weights ([P]) a client with state ``rows`` uses as its own model; None: it uses the
-        global model (no personal model)."""
+    def personal_weights(
+        self, global_weights: torch.Tensor, rows: dict[str, torch.Tensor], server: dict[str, torch.Tensor]
+    ) -> torch.Tensor | None:
+        """The weights ([P]) a client with state ``rows`` uses as its own model, given the server
+        state ``server`` (a clustered algorithm's cluster models); None: it uses the global model
+        (no personal model)."""
         return None
 
     def report_shapes(self, num_params: int) -> dict[str, tuple[int, ...]]:
@@ -141,7 +153,9 @@ class Algorithm:
         term ``term(grad, weights)`` (None: ``adjust_gradient``), and returns what it did (its
         ``weights`` [P]: the trainer's own, changed by the next fit). What the last fit leaves in
         ``weights`` is what the client sends; return the fit that counts as the client's training.
-        Only the process backend runs an algorithm that overrides this."""
+        ``fit.loss(weights)`` is the client's mean loss on its training samples at ``weights`` ([P]),
+        in eval mode (IFCA's choice of a cluster). Only the process backend runs an algorithm that
+        overrides this."""
         return fit(start)
 
     def phase_epochs(self, epochs: int) -> tuple[int, ...]:
@@ -180,6 +194,11 @@ class Algorithm:
         (``aggregation``) and tables, given the run's rule (``aggregator``, named): the rule, unless
         the algorithm replaces it or changes what it weighs."""
         return rule
+
+    def round_figures(self, server: dict[str, torch.Tensor]) -> dict[str, int | float]:
+        """metrics.csv's figures of the algorithm after a round, from the server state: columns of
+        results/records.py's RoundRow (a clustered algorithm's ``clusters``); none by default."""
+        return {}
 
     def summary(self, client_rows: list[dict]) -> dict:
         """summary.json's figures of the algorithm, from the run's clients.csv rows (as dicts, with the

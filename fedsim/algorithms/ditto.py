@@ -48,7 +48,9 @@ class Ditto(Algorithm):
     def new_client_state(self, global_weights: torch.Tensor, num_params: int) -> dict[str, torch.Tensor]:
         return {"personal": global_weights[:num_params].clone()}
 
-    def personal_weights(self, global_weights: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    def personal_weights(
+        self, global_weights: torch.Tensor, rows: dict[str, torch.Tensor], server: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         weights = global_weights.clone()
         weights[: len(rows["personal"])] = rows["personal"]
         return weights

@@ -86,7 +86,9 @@ class FedPer(Algorithm):
     def new_client_state(self, global_weights: torch.Tensor, num_params: int) -> dict[str, torch.Tensor]:
         return {"head": global_weights[:num_params][self.mask(global_weights)].clone()}
 
-    def personal_weights(self, global_weights: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    def personal_weights(
+        self, global_weights: torch.Tensor, rows: dict[str, torch.Tensor], server: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         weights = global_weights.clone()
         weights[: len(self.head)][self.mask(weights)] = rows["head"]
         return weights

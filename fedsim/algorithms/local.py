@@ -294,6 +294,30 @@ class LocalTrainer(Trainer):
             (self.loss_sum / seen)[None], torch.tensor([steps], device=model.flat.device), mean_gradient, model.flat
         )
 
+    @torch.no_grad()
+    def loss(
+        self,
+        indices: torch.Tensor,
+        weights: torch.Tensor,
+        relabel: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+    ) -> float:
+        """The mean loss of the model at ``weights`` ([P], loaded into the trainer's model) on the
+        samples ``indices``, over the scored targets, in eval mode and without augmentation, in
+        batches of local.batch_size in the order the client holds them: no randomness is drawn."""
+        model = self.model
+        model.flat.copy_(weights)
+        model.module.eval()
+        total = torch.zeros((), dtype=torch.float64, device=model.flat.device)
+        targets = 0
+        for batch in indices.split(self.local.batch_size):
+            x, y = batch_on(self.train_x, self.train_y, batch, model.flat.device)
+            if relabel is not None:
+                y = relabel(y, self.num_classes)
+            with self.autocast:
+                total += tasks.loss(model.module(x), y, reduction="sum").double()
+            targets += int(tasks.scored(y).sum())
+        return float(total) / targets
+
     def _count_loss(self, loss: torch.Tensor, y: torch.Tensor) -> int | torch.Tensor:
         """Add a batch's loss to the client's sum, weighed by its scored targets; return their number
         (a tensor for a token-level task, counted on the device: no host sync per step)."""

@@ -47,6 +47,7 @@ POISSON_SIZES = 17  # (block): the sample sizes of a block of a poisson run's ro
 LORA_RANKS = 18  # (): each client's LoRA rank, drawn once (models/lora.py)
 LORA_INIT = 19  # (round, client): the fresh adapters a FLoRA client starts a round from
 PRE_AGGREGATION = 20  # (round): the random buckets of the bucketing pre-aggregator
+CLUSTER_INIT = 21  # (cluster): the initial weights of IFCA's cluster models after the first
 
 _KEYS = {
     PARTITION: 0,
@@ -69,6 +70,7 @@ _KEYS = {
     LORA_RANKS: 0,
     LORA_INIT: 2,
     PRE_AGGREGATION: 1,
+    CLUSTER_INIT: 1,
 }
 _WORD = 2**32
 

@@ -99,6 +99,12 @@ class DataConfig:
         "give every client a test split with its own label mix, drawn from the test set (reported by `fedsim "
         "partition`; scored with `eval_per_client`)",
     )
+    rotations: int = option(
+        1,
+        "planted clusters: client c's images, training and test split alike, turned by (c mod rotations) x 360 / "
+        "rotations degrees: `1` none, `2` 0/180, `4` 0/90/180/270 (the IFCA paper's rotated MNIST; see "
+        "[Planted clusters](data.md#planted-clusters))",
+    )
     augment: bool | None = option(
         None, "training-time augmentation on the device; `null`: the dataset's default (on for CIFAR-10 and CIFAR-100)"
     )
@@ -136,4 +142,6 @@ class DataConfig:
         checks.at_least("classes_per_client", self.classes_per_client, 1)
         checks.one_of("quantity_skew", self.quantity_skew, ("lognormal", "dirichlet"))
         checks.one_of("placement", self.placement, ("auto", "device", "host"))
+        if self.rotations not in (1, 2, 4) or isinstance(self.rotations, bool):
+            checks.fail("rotations", f"must be 1, 2 or 4 (turns of 360, 180 or 90 degrees), got {self.rotations!r}")
         checks.choice("partition", self.partition, PARTITIONS)

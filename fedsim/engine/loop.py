@@ -191,6 +191,7 @@ class Engine:
             # dropped_clients: the lost work of the plan, and the non-finite updates left out
             **plan.metrics(left_out=len(plan.clients) - len(round_.clients)),
             simulated_time=self.state.simulated_time,
+            **self.state.algorithm.round_figures(self.state.server_state),
         )
         return RoundResult(row.as_row(), records, evaluated, clients)
 

@@ -59,6 +59,7 @@ class GlobalState:
         self.server_state = {
             name: torch.zeros(*shape, device=device) for name, shape in algorithm.server_state(n).items()
         }
+        algorithm.start_server(self.server_state, model)
         self.algorithm_rows = tuple(algorithm.client_state(n))  # the names of the algorithm's rows in clients
         self.saved_round = 0  # the round of the last state saved (or resumed from); 0: none
 
@@ -88,7 +89,10 @@ class GlobalState:
         models); a client not trained yet has the model it would start from."""
         rows = self.client_rows(clients)
         own = self.algorithm.personal_weights
-        return torch.stack([own(self.model.flat, {k: v[i] for k, v in rows.items()}) for i in range(len(clients))])
+        server = self.server_state
+        return torch.stack(
+            [own(self.model.flat, {k: v[i] for k, v in rows.items()}, server) for i in range(len(clients))]
+        )
 
     def state_dict(self, rnd: int) -> dict:
         return {

@@ -177,6 +177,7 @@ class AggregateUpdates:
             num_clients=cfg.data.num_clients,
             slots=keep,
             byzantine=outsiders,
+            number=rnd,
         )
         return round_, records
 

@@ -85,6 +85,7 @@ class AdoptSharedWeights:
             global_weights=self.state.model.flat,
             num_params=self.state.model.num_params,
             num_clients=self.cfg.data.num_clients,
+            number=rnd,
         )
         return round_, records
 

@@ -121,6 +121,8 @@ class ClientRunner:
             taken.append(trained.steps)
             return trained
 
+        fit.loss = lambda weights: self.trainer.loss(indices, weights, options.get("relabel"))
+
         trained = self.algorithm.train_client(fit, start, options["local_state"])
         if len(taken) > 1:
             trained = dataclasses.replace(trained, steps=torch.stack(taken).sum(0))

@@ -73,9 +73,40 @@ def load_federation(cfg: Config, datasets: dict | None = None) -> Federation:
     options = options_for(d.partition, d)
     parts = split(data.train_y, d.partition, d.num_clients, cfg.seed, data.columns(), **options)
     if d.partition != "natural":
-        return Federation(data, parts)
-    kept = part_clients(data, parts)  # natural splits data with clients of its own (Dataset.columns)
-    return Federation(_kept_clients_tests(data, kept), parts, True, kept)
+        federation = Federation(data, parts)
+    else:
+        kept = part_clients(data, parts)  # natural splits data with clients of its own (Dataset.columns)
+        federation = Federation(_kept_clients_tests(data, kept), parts, True, kept)
+    return rotated(federation, d.rotations, cfg.seed) if d.rotations > 1 else federation
+
+
+def rotated(federation: Federation, rotations: int, seed: int) -> Federation:
+    """Planted clusters (data.rotations): client c's training samples and its test split turned by
+    (c mod ``rotations``) quarter turns of 4 / ``rotations``, in a copy of the data (a loaded
+    dataset is shared by the runs of a sweep). Test samples in no client's split (a class no
+    client trains on) stay as they are: the global test set is the clients' splits as they see them."""
+    data = federation.data
+    shape = tuple(data.train_x.shape[1:])
+    if data.tokens or len(shape) != 3 or (rotations == 4 and shape[1] != shape[2]):
+        raise DataError(
+            f"data.rotations: turns images by {360 // rotations} degrees, which needs "
+            f"{'square ' if rotations == 4 else ''}images [C, H, W]; {data.name}'s inputs have shape {shape}"
+        )
+    groups = torch.arange(len(federation.parts)) % rotations
+
+    def turned(x: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        owner = torch.zeros(len(x), dtype=torch.int64)  # each sample's group: that of the client holding it
+        for client, part in enumerate(parts):
+            owner[part] = groups[client]
+        x = x.clone()
+        for group in range(1, rotations):
+            rows = (owner == group).nonzero().flatten().to(x.device)
+            x[rows] = torch.rot90(x[rows], group * 4 // rotations, dims=(-2, -1))
+        return x
+
+    test_x = turned(data.test_x, federation.test_parts(seed))
+    data = dataclasses.replace(data, train_x=turned(data.train_x, federation.parts), test_x=test_x)
+    return dataclasses.replace(federation, data=data)
 
 
 def part_clients(data: Dataset, parts: Parts) -> torch.Tensor:

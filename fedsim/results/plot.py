@@ -52,6 +52,7 @@ _HAS = {
     "simulated_time": "every run keeps the simulated clock (runs resumed from an older version's checkpoint do not)",
     "test_perplexity": "a language model's run (token-level data) has it",
     **dict.fromkeys(SPREAD, "a run with eval_per_client: true and data.test_partition: true has it"),
+    "clusters": "a run of a clustered algorithm (ifca, cfl) has it",
 }
 
 
@@ -187,6 +188,8 @@ def _label_axes(axes, metrics: list[str], x: str, spread: bool, tokens: bool, yl
         if ylabels:
             ax.set_ylabel("client accuracy (%)" if spread and column == SPREAD[0] else _axis_label(column, tokens))
         ax.grid(True, alpha=0.3, linewidth=0.6)
+        if column == "clusters":
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         if column == "test_perplexity":  # it grows exponentially with the loss
             ax.set_yscale("log")
         elif column == "test_loss" and tokens:  # perplexity = exp(loss): the same curve, read on the right
@@ -302,6 +305,8 @@ def accuracy_figure(history: History) -> Figure:
         line.set_markersize(2.5)
         ax.legend([ax.lines[0], line], ["global", "personal"], loc="lower right", frameon=False, fontsize="small")
         values += [100 * v for v in personal if not math.isnan(v)]
+    if any(count is not None for count in history.clusters):
+        _draw_clusters(figure.axes[0], history)
     classes = history.summary.get("num_classes")
     if classes and not history.tokens:
         ax, chance = figure.axes[0], 100.0 / classes
@@ -323,6 +328,20 @@ def accuracy_figure(history: History) -> Figure:
 
 
 # ----------------------------------------------------------------------------- drawing
+
+
+def _draw_clusters(ax, history: History) -> None:
+    """A clustered run's number of clusters (metrics.csv's ``clusters``) at its evaluated rounds, as
+    grey steps read on a right-hand axis of whole numbers, behind the accuracy."""
+    rounds = [r for r, count in zip(history.round, history.clusters) if count is not None]
+    counts = [count for count in history.clusters if count is not None]
+    side = ax.twinx()
+    side.step(rounds, counts, where="post", color="0.55", linewidth=1, linestyle="--")
+    side.set_ylabel("clusters (dashed)")
+    side.set_ylim(0, max(counts) + 1)
+    side.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_zorder(side.get_zorder() + 1)  # the accuracy lines over the steps
+    ax.patch.set_visible(False)
 
 
 def _draw(ax, group: list[History], column: str, x: str, band: str, style: dict, name: str, shading: float = 0.2):

@@ -39,6 +39,7 @@ class RoundRow:
     cumulative_bytes: int | None = None
     test_perplexity: float | None = None  # exp(test_loss), for a token-level task (a language model)
     test_samples: int | None = None  # the test samples scored: eval_subset's or the whole set's (None: not evaluated)
+    clusters: int | None = None  # a clustered algorithm's (ifca, cfl): the clusters holding a client after the round
 
     def as_row(self) -> dict:
         return asdict(self)

@@ -50,6 +50,7 @@ OPTIONAL_COLUMNS = {
     "bytes_down",
     "bytes_up",
     "cumulative_bytes",
+    "clusters",
 }
 _INT_COLUMNS = {
     "round",
@@ -62,6 +63,7 @@ _INT_COLUMNS = {
     "bytes_down",
     "bytes_up",
     "cumulative_bytes",
+    "clusters",
 }
 RUN_FILES = (
     "config.yaml",
