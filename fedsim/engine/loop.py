@@ -315,7 +315,7 @@ class Engine:
             personal = self.personal_model or FlatModel(copy.deepcopy(module), self.state.model.flat.device)
             self.personal_model = personal
             per_client = self.client_eval.score_personal(
-                personal.module,
+                self.state.algorithm.personal_scorer(personal.module, self.state.server_state),
                 lambda c: personal.flat.copy_(self.state.personal_weights(c)),
                 *self.test,
                 cfg.eval_batch_size,
