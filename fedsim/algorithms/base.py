@@ -85,6 +85,9 @@ class Algorithm:
 
     keeps_mean_gradient = False  # set True to get LocalResult.mean_gradient (costs a [n] sum per step)
     sent_to_clients: tuple[str, ...] = ()  # the server state its clients read: it travels with the global weights
+    # False: clients neither receive the global weights nor send theirs, only reports and the server
+    # state they read travel (FedProto's prototypes); what the traffic counts (bytes_sent)
+    exchanges_weights = True
     # the aggregation rule the algorithm's paper fixes: a run that sets no aggregator gets it, one
     # that sets another is warned (None: the paper fixes none, and such a run gets fedavg)
     paper_aggregator: str | None = None

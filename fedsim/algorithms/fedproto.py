@@ -69,6 +69,7 @@ class FedProto(Algorithm):
 
     personal_state = ("model",)  # the client keeps its model: only the prototypes travel
     sent_to_clients = ("prototypes", "prototype_counts")
+    exchanges_weights = False
 
     def __init__(self, lam: float = 1.0):
         self.lam = _CHECKS.non_negative("lam", lam)
