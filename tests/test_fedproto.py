@@ -27,6 +27,9 @@ def test_the_server_averages_each_classs_prototypes_by_count():
     prototypes, total = aggregate_prototypes(PROTOTYPES, COUNTS)
     assert torch.equal(prototypes, torch.tensor([[2.5, 0.0], [0.0, 1.5], [0.0, 0.0]]))
     assert torch.equal(total, torch.tensor([4.0, 4.0, 0.0]))
+    # the authors' code: the plain mean over the clients holding the class, ([1, 0] + [3, 0]) / 2, ([0, 2] + 0) / 2
+    plain, _ = aggregate_prototypes(PROTOTYPES, COUNTS, weighted=False)
+    assert torch.equal(plain, torch.tensor([[2.0, 0.0], [0.0, 1.0], [0.0, 0.0]]))
 
 
 def test_a_round_replaces_the_reported_prototypes_keeps_the_others_and_moves_no_weight():
@@ -169,6 +172,7 @@ def test_fedproto_clients_learn_their_own_models_and_the_global_one_stays(mnist_
         ({"model": "mnist_2nn"}, ("algorithm: fedproto", "MnistMLP", "moon_cnn")),
         ({"backend": "vmap"}, ("backend", "fedproto", "process")),
         ({"algorithm_options": {"lam": -1}}, ("algorithm_options", "lam", "-1")),
+        ({"algorithm_options": {"weighted": "yes"}}, ("algorithm_options", "weighted", "true or false")),
     ],
 )
 def test_fedproto_refuses_what_it_cannot_train_in_one_line(changes, fragments, tmp_path):

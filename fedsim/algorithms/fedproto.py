@@ -20,13 +20,16 @@ from .base import Algorithm, Clients, LocalResult, Round
 _CHECKS = Checks("algorithm_options", options=True)
 
 
-def aggregate_prototypes(prototypes: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def aggregate_prototypes(
+    prototypes: torch.Tensor, counts: torch.Tensor, weighted: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The global prototype of each class from the clients' ([k, C, d] prototypes, [k, C] counts of
-    the representations each averaged): C_j = sum_i n_ij C_ij / sum_i n_ij, and the totals sum_i n_ij
-    ([C, d], [C]); a class no client reports gets 0 and a total of 0."""
-    total = counts.sum(0)
-    summed = (counts.unsqueeze(-1) * prototypes).sum(0)
-    return summed / total.clamp_min(1).unsqueeze(-1), total
+    the representations each averaged): C_j = sum_i n_ij C_ij / sum_i n_ij, or with ``weighted``
+    False the plain mean over the clients that hold class j (the authors' code); and the totals
+    sum_i n_ij ([C, d], [C]). A class no client reports gets 0 and a total of 0."""
+    weights = counts if weighted else (counts > 0).to(counts.dtype)
+    summed = (weights.unsqueeze(-1) * prototypes).sum(0)
+    return summed / weights.sum(0).clamp_min(1).unsqueeze(-1), counts.sum(0)
 
 
 def prototype_scores(z: torch.Tensor, prototypes: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -61,18 +64,24 @@ class FedProto(Algorithm):
     whose class has no global prototype yet (all of them in round 1) adds nothing to the term. It
     sends, for each class, the mean representation of its samples seen in training (every epoch's,
     as the authors' code and PFLlib take them) and their count. The server's prototype of a class is
-    the mean of the round's reported ones, weighted by those counts (``aggregate_prototypes``); a
-    class no client of the round holds keeps its prototype. ``eval_per_client`` scores each client's
-    model by the nearest global prototype (``prototype_scores``); the global model stays the initial
-    one, so ``test_accuracy`` says nothing of FedProto. Client state: 4 bytes per value of the model
-    per client that has taken part. Only the process backend runs it."""
+    the mean of the round's reported ones, weighted by those counts (``aggregate_prototypes``;
+    ``weighted: false``: the plain mean over the clients that hold the class, as the authors' code
+    and PFLlib take it); a class no client of the round holds keeps its prototype.
+    ``eval_per_client`` scores each client's model by the nearest global prototype
+    (``prototype_scores``); the global model stays the initial one, so ``test_accuracy`` says
+    nothing of FedProto. Only prototypes and their counts travel (``exchanges_weights``). Client
+    state: 4 bytes per value of the model per client that has taken part. Only the process backend
+    runs it."""
 
     personal_state = ("model",)  # the client keeps its model: only the prototypes travel
     sent_to_clients = ("prototypes", "prototype_counts")
     exchanges_weights = False
 
-    def __init__(self, lam: float = 1.0):
+    def __init__(self, lam: float = 1.0, weighted: bool = True):
         self.lam = _CHECKS.non_negative("lam", lam)
+        if not isinstance(weighted, bool):
+            _CHECKS.fail("weighted", f"must be true or false, got {weighted!r}")
+        self.weighted = weighted
         self.size: int | None = None  # the flat weights' length, buffers included
         self.classes, self.width = 1, 1  # the prototypes' shape, from the model (bind)
 
@@ -131,7 +140,8 @@ class FedProto(Algorithm):
     def server_update(
         self, round: Round, server: dict[str, torch.Tensor], clients: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        prototypes, total = aggregate_prototypes(round.reports["prototypes"], round.reports["prototype_counts"])
+        reports = round.reports
+        prototypes, total = aggregate_prototypes(reports["prototypes"], reports["prototype_counts"], self.weighted)
         reported = total > 0
         server["prototypes"][reported] = prototypes[reported]
         server["prototype_counts"][reported] = total[reported]
