@@ -41,7 +41,7 @@ class Moon(Algorithm):
     Both are computed without a gradient, in eval mode (no dropout, batch-norm running statistics).
     The server averages the clients' weights as FedAvg does. A client sampled for the first time has
     no previous model: it uses w, as Flower's baseline does, which makes l_con = log 2 with zero
-    gradient (the authors' code leaves the term out in the first round: the same training).
+    gradient (the authors' code then has no negative pair, a term of 0: the same training).
 
     The representation is the model's ``represent`` (models.zoo.Represents): moon_cnn's is the
     paper's projection head's output. Each client's previous model, weights and buffers, is client
