@@ -134,19 +134,15 @@ def fedproto_config(**changes):
     }
 
 
-@pytest.mark.slow
-def test_fedproto_clients_learn_their_own_models_and_the_global_one_stays(mnist_root, tmp_path):
-    """On real MNIST split Dir(0.3) over 10 clients: every client's own model, scored by the nearest
-    prototype on its own test split, gets better over the rounds; the global model is the initial
-    one throughout, and each client keeps a model of its own."""
+def test_fedproto_clients_learn_their_own_models_and_the_global_one_stays(tmp_path):
+    """On 1,600 generated samples split Dir(0.3) over 10 clients: every client's own model, scored by
+    the nearest prototype on its own test split, gets better over the rounds; the global model is
+    the initial one throughout, and each client keeps a model of its own."""
     cfg = fedproto_config(
-        rounds=3,
         clients_per_round=10,
-        model="mnist_cnn",
         data={
-            "dataset": "mnist",
-            "root": mnist_root,
-            "limit": 3000,
+            "dataset": "synthetic",
+            "limit": 1600,
             "partition": "dirichlet",
             "alpha": 0.3,
             "num_clients": 10,
@@ -155,8 +151,8 @@ def test_fedproto_clients_learn_their_own_models_and_the_global_one_stays(mnist_
     )
     history = fedsim.run(cfg, out=tmp_path / "run", quiet=True)
     accuracy = [row["client_accuracy_mean"] for row in history.rows]
-    # measured: 0.54, 0.64, 0.69 (chance: 0.1)
-    assert accuracy[-1] > 0.6 and accuracy[-1] > accuracy[0] + 0.1, accuracy
+    # measured: 0.64, 0.68, 0.78 (chance: 0.1)
+    assert accuracy[-1] > 0.7 and accuracy[-1] > accuracy[0] + 0.1, accuracy
     assert len({row["test_accuracy"] for row in history.rows}) == 1  # the untouched initial model
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
     models = state["client_state"]["model"]
