@@ -165,7 +165,7 @@ def test_fedproto_clients_learn_their_own_models_and_the_global_one_stays(tmp_pa
 @pytest.mark.parametrize(
     "changes, fragments",
     [
-        ({"model": "mnist_2nn"}, ("algorithm: fedproto", "MnistMLP", "moon_cnn")),
+        ({"model": "fedavg_cnn"}, ("algorithm: fedproto", "FedAvgCNN", "moon_cnn")),
         ({"backend": "vmap"}, ("backend", "fedproto", "process")),
         ({"algorithm_options": {"lam": -1}}, ("algorithm_options", "lam", "-1")),
         ({"algorithm_options": {"weighted": "yes"}}, ("algorithm_options", "weighted", "true or false")),

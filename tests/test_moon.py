@@ -141,9 +141,23 @@ def test_each_clients_previous_model_is_what_it_sent_and_its_first_round_is_feda
 
 
 @pytest.mark.slow
+def test_moon_runs_are_the_same_bits_for_any_workers(tmp_path):
+    """Each worker keeps its own copies of the reference models; what a client trains depends on its
+    rows alone: workers 0 and 2 end with the same global model, previous models and figures."""
+    cfg = moon_config(rounds=2, clients_per_round=3)
+    zero = fedsim.run(cfg, out=tmp_path / "w0", quiet=True)
+    two = fedsim.run(cfg, out=tmp_path / "w2", quiet=True, workers=2)
+    ends = [torch.load(tmp_path / run / "checkpoint.pt", weights_only=True) for run in ("w0", "w2")]
+    assert torch.equal(ends[0]["global"], ends[1]["global"])
+    held, other = (end["client_state"]["previous"] for end in ends)
+    assert held.keys() == other.keys() and all(torch.equal(held[c], other[c]) for c in held)
+    assert zero.test_accuracy == two.test_accuracy and zero.train_loss == two.train_loss
+
+
+@pytest.mark.slow
 def test_moon_learns_mnist(learning_config, tmp_path):
-    """Real MNIST when FEDSIM_DATA has it, the generated stand-in otherwise; 2 workers, 3 rounds."""
-    cfg = dict(learning_config, algorithm="moon", on_nonfinite="fail")  # mnist_cnn's 50 units as z
+    """Real MNIST when FEDSIM_DATA has it, the generated stand-in otherwise; 3 rounds."""
+    cfg = dict(learning_config, algorithm="moon", workers=0, on_nonfinite="fail")  # mnist_cnn's 50 units as z
     history = fedsim.run(cfg, out=tmp_path / "run", quiet=True)
     # measured on MNIST: 0.42, 0.59, 0.74; train loss (with mu l_con) 5.74, 4.83, 4.64
     assert history.test_accuracy[-1] > 0.5, history.test_accuracy  # chance is 0.1
@@ -154,7 +168,7 @@ def test_moon_learns_mnist(learning_config, tmp_path):
 @pytest.mark.parametrize(
     "changes, fragments",
     [
-        ({"model": "mnist_2nn"}, ("algorithm: moon", "MnistMLP", "moon_cnn")),
+        ({"model": "fedavg_cnn"}, ("algorithm: moon", "FedAvgCNN", "moon_cnn")),
         ({"backend": "vmap"}, ("backend", "moon", "process")),
         ({"algorithm_options": {"tau": 0}}, ("algorithm_options", "tau", "> 0")),
         ({"algorithm_options": {"mu": -1}}, ("algorithm_options", "mu", "-1")),

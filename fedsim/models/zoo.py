@@ -48,7 +48,7 @@ class Represents(nn.Module):
             raise ConfigError(
                 f"algorithm: {algorithm} works on the representation a model's output layer reads, which "
                 f"{type(module).__name__} does not give; use model: moon_cnn (MOON's, with its projection "
-                f"head) or mnist_cnn, or a model of your own that subclasses fedsim.models.zoo.Represents"
+                f"head), mnist_cnn or mnist_2nn, or a model of your own that subclasses fedsim.models.zoo.Represents"
             )
         return module
 
@@ -96,18 +96,24 @@ class FedAvgCNN(nn.Module):
         return self.fc2(x)
 
 
-class MnistMLP(nn.Module):
-    """McMahan et al. 2017's "2NN": two hidden layers of 200 ReLU units; 199,210 parameters."""
+class MnistMLP(Represents):
+    """McMahan et al. 2017's "2NN": two hidden layers of 200 ReLU units; 199,210 parameters. Its
+    representation is the second hidden layer."""
+
+    representation_size = 200
 
     def __init__(self, in_features: int = 784, num_classes: int = 10):
         super().__init__()
+        self.num_classes = num_classes
         self.fc1 = nn.Linear(in_features, 200)
         self.fc2 = nn.Linear(200, 200)
         self.fc3 = nn.Linear(200, num_classes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.fc1(x.flatten(1)))
-        return self.fc3(F.relu(self.fc2(x)))
+    def represent(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.fc2(F.relu(self.fc1(x.flatten(1)))))
+
+    def classify(self, z: torch.Tensor) -> torch.Tensor:
+        return self.fc3(z)
 
 
 class CifarCNN(nn.Module):
