@@ -58,15 +58,15 @@ class NearestPrototype(torch.nn.Module):
 class FedProto(Algorithm):
     """Each client keeps its whole model (weights and buffers), which starts as the run's initial
     model and is never averaged. A sampled client trains it for local.epochs on the loss
-    CE + lam * MSE(z, C[y]) (the paper's Eq. 6 with the authors' code's distance, torch's mean squared
-    error over the batch and the representation's width), z the representation of each sample
+    CE + lam * MSE(z, C[y]) (the paper's objective with the authors' code's distance, torch's mean
+    squared error over the batch and the representation's width), z the representation of each sample
     (``represent``, models.zoo.Represents) and C[y] the global prototype of its class; a sample
     whose class has no global prototype yet (all of them in round 1) adds nothing to the term. It
     sends, for each class, the mean representation of its samples seen in training (every epoch's,
     as the authors' code and PFLlib take them) and their count. The server's prototype of a class is
     the mean of the round's reported ones, weighted by those counts (``aggregate_prototypes``;
-    ``weighted: false``: the plain mean over the clients that hold the class, as the authors' code
-    and PFLlib take it); a class no client of the round holds keeps its prototype.
+    ``weighted: false``: the plain mean over the clients that hold the class, as the authors' code,
+    PFLlib and FL-bench take it); a class no client of the round holds keeps its prototype.
     ``eval_per_client`` scores each client's model by the nearest global prototype
     (``prototype_scores``); the global model stays the initial one, so ``test_accuracy`` says
     nothing of FedProto. Only prototypes and their counts travel (``exchanges_weights``). Client
@@ -148,4 +148,5 @@ class FedProto(Algorithm):
         return torch.zeros_like(round.global_weights)
 
     def aggregation(self, rule: str) -> str:
-        return "none: each client keeps its model; class prototypes averaged by count"
+        mean = "by count" if self.weighted else "over the clients holding each class"
+        return f"none: each client keeps its model; class prototypes averaged {mean}"

@@ -24,7 +24,7 @@ def contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor
     """The model-contrastive loss l_con of the paper's Eq. 3, averaged over the batch:
     -log(exp(sim(z, z_glob) / tau) / (exp(sim(z, z_glob) / tau) + exp(sim(z, z_prev) / tau))), sim
     the cosine similarity; as the cross-entropy of the logits [sim_glob, sim_prev] / tau with target
-    0, which is that expression without overflow (the authors' code computes it so)."""
+    0, which is that expression without overflow (Flower's baseline computes it so)."""
     logits = torch.stack((F.cosine_similarity(z, z_glob, dim=-1), F.cosine_similarity(z, z_prev, dim=-1)), 1)
     return F.cross_entropy(logits.float() / tau, torch.zeros(len(z), dtype=torch.long, device=z.device))
 

@@ -205,8 +205,8 @@ class SimpleCNN(nn.Module):
 
 
 class MoonCNN(Represents):
-    """MOON's model (Li, He & Song 2021; QinbinLi/MOON's ``ModelFedCon`` and Flower's MOON baseline's
-    ``ModelMOON`` with the ``simple-cnn`` base): SimpleCNN's layers up to its 84 ReLU units as the
+    """MOON's model (Li, He & Song 2021), as Flower's MOON baseline builds it (``ModelMOON`` with the
+    ``simple-cnn`` base, models.py): SimpleCNN's layers up to its 84 ReLU units as the
     base, a projection head (linear 84 -> 84, ReLU, linear 84 -> 256) whose output is the
     representation, and an output layer 256 -> classes. 75,046 parameters on 1x28x28 with 10
     classes, 92,626 on 3x32x32 (the baseline's CIFAR-10 model)."""
