@@ -79,23 +79,29 @@ class Moon(Algorithm):
         self, start: torch.Tensor, previous: torch.Tensor
     ) -> Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
         """The minibatch loss of a client that started from ``start`` and sent ``previous`` last."""
-        loaded = []
+        first = True
 
         def loss(module: Represents, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            if not loaded:  # the first step: the reference models take this client's weights
-                while len(self.references) < 2:  # copies of the trainer's own model, once per worker
-                    reference = FlatModel(copy.deepcopy(module), start.device)
-                    reference.module.eval()
-                    self.references.append(reference)
-                for reference, weights in zip(self.references, (start, previous)):
-                    reference.flat.copy_(weights)
-                loaded.append(True)
+            nonlocal first
+            if first:  # the client's first step: the reference models take its two models' weights
+                self.load_references(module, start, previous)
+                first = False
             z = module.represent(x)
             with torch.no_grad():
                 z_glob, z_prev = (reference.module.represent(x) for reference in self.references)
             return tasks.loss(module.classify(z), y) + self.mu * contrastive_loss(z, z_glob, z_prev, self.tau)
 
         return loss
+
+    def load_references(self, module: torch.nn.Module, *weights: torch.Tensor) -> None:
+        """The reference models, in eval mode, at ``weights`` (the global model's, the previous one's):
+        copies of the trainer's own model, made at a worker's first client."""
+        while len(self.references) < len(weights):
+            reference = FlatModel(copy.deepcopy(module), weights[0].device)
+            reference.module.eval()
+            self.references.append(reference)
+        for reference, values in zip(self.references, weights):
+            reference.flat.copy_(values)
 
     def client_report(self, result: LocalResult, previous: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"previous": result.weights}
