@@ -37,7 +37,7 @@ def test_the_contrastive_term_is_the_papers_on_hand_computed_similarities():
 
 
 def paper_step(start, previous, x, y, mu, tau, lr):
-    """One SGD step of a client on the whole batch by the paper's Eq. 4, written out: CE + mu l_con
+    """One SGD step of a client on the whole batch by the paper's local loss, written out: CE + mu l_con
     with l_con = -log(exp(sim_g / tau) / (exp(sim_g / tau) + exp(sim_p / tau))), the representations
     of the global and previous models without a gradient, those models in eval mode."""
     trained, glob, prev = (FlatModel(MoonCNN(1, 10, 28), "cpu") for _ in range(3))

@@ -21,7 +21,7 @@ _CHECKS = Checks("algorithm_options", options=True)
 
 
 def contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, tau: float) -> torch.Tensor:
-    """The model-contrastive loss l_con of the paper's Eq. 3, averaged over the batch:
+    """The model-contrastive loss l_con of the paper, averaged over the batch:
     -log(exp(sim(z, z_glob) / tau) / (exp(sim(z, z_glob) / tau) + exp(sim(z, z_prev) / tau))), sim
     the cosine similarity; as the cross-entropy of the logits [sim_glob, sim_prev] / tau with target
     0, which is that expression without overflow (Flower's baseline computes it so)."""
