@@ -94,7 +94,15 @@ def main(argv=None) -> None:
         own = model.flat + 0.01 * torch.randn(clients, len(model.flat))
         evaluation = ClientEvaluation(parts, torch.device("cpu"))
         personal = functools.partial(
-            evaluation.score_personal, model, own.__getitem__, x, y, args.batch_size, 1, set(range(clients))
+            evaluation.score_personal,
+            model,
+            model.module,
+            own.__getitem__,
+            x,
+            y,
+            args.batch_size,
+            1,
+            set(range(clients)),
         )
         row = {
             "clients": clients,

@@ -196,7 +196,9 @@ def test_each_client_is_scored_with_its_own_model_in_a_group_or_alone(model, sha
         flat_model.flat[flat_model.num_params :].abs() + 0.5
     )  # buffers: positive variances
     evaluation = ClientEvaluation(parts, torch.device("cpu"))
-    columns = evaluation.score_personal(flat_model, lambda clients: own[clients], x, y, 16, rnd=3, trained={2, 5})
+    columns = evaluation.score_personal(
+        flat_model, flat_model.module, lambda clients: own[clients], x, y, 16, rnd=3, trained={2, 5}
+    )
     module = build_model(model, shape, 10).eval()
     expected = []
     for client, part in enumerate(parts):

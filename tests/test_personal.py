@@ -211,7 +211,7 @@ def checkpoint(path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["ditto", "fedrep"])
+@pytest.mark.parametrize("algorithm", ["ditto", "fedrep", "fedproto"])
 def test_personal_runs_are_the_same_bits_for_any_workers_and_after_a_resume(tmp_path, algorithm):
     """Each client's own state and the personal scores: workers 0 and 2, and 2 rounds then a resume
     to 3, give the same bits; clients left out of a round keep their rows."""
@@ -222,7 +222,7 @@ def test_personal_runs_are_the_same_bits_for_any_workers_and_after_a_resume(tmp_
     shutil.copy(tmp_path / "resumed" / "checkpoint.pt", tmp_path / "round2.pt")
     again = fedsim.resume(tmp_path / "resumed", quiet=True, rounds=3)
     ends = {name: checkpoint(tmp_path / name) for name in ("w0", "w2", "resumed")}
-    name = "personal" if algorithm == "ditto" else "head"
+    name = {"ditto": "personal", "fedrep": "head", "fedproto": "model"}[algorithm]
     for run in ("w2", "resumed"):
         assert torch.equal(ends["w0"]["global"], ends[run]["global"]), run
         held, other = ends["w0"]["client_state"][name], ends[run]["client_state"][name]

@@ -298,6 +298,8 @@ def algorithm_config(name: str, tmp_path, rounds: int) -> dict:
         from test_lora_methods import lora_config, play_root
 
         return lora_config(play_root(tmp_path)[0], name, algorithm=name, rounds=rounds)
+    # fedproto's figures are its clients' own models, by the nearest prototype: resumed, they must match too
+    personal = name == "fedproto"
     return {
         "name": name,
         "seed": 1,
@@ -305,8 +307,9 @@ def algorithm_config(name: str, tmp_path, rounds: int) -> dict:
         "workers": 0,
         "clients_per_round": 3,
         "algorithm": name,
-        "data": {"dataset": "synthetic", "num_clients": 6, "limit": 600},
+        "data": {"dataset": "synthetic", "num_clients": 6, "limit": 600, "test_partition": personal},
         "local": {"batch_size": 32, "lr": 0.05},
+        "eval_per_client": personal,
         **({"model": "cifar_cnn_bn"} if name == "fedbn" else {}),  # fedbn needs batch norm
         # cfl splits its clusters from round 2 on, so that the resumed rounds hold several
         **(

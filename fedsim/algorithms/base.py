@@ -88,6 +88,9 @@ class Algorithm:
 
     keeps_mean_gradient = False  # set True to get LocalResult.mean_gradient (costs a [n] sum per step)
     sent_to_clients: tuple[str, ...] = ()  # the server state its clients read: it travels with the global weights
+    # False: clients neither receive the global weights nor send theirs, only reports and the server
+    # state they read travel (FedProto's prototypes); what the traffic counts (bytes_sent)
+    exchanges_weights = True
     # the aggregation rule the algorithm's paper fixes: a run that sets no aggregator gets it, one
     # that sets another is warned (None: the paper fixes none, and such a run gets fedavg)
     paper_aggregator: str | None = None
@@ -140,6 +143,12 @@ class Algorithm:
         (no personal model)."""
         return None
 
+    def personal_scorer(self, module: torch.nn.Module, server: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """What ``eval_per_client`` scores a client's own model with: ``module``, holding the client's
+        ``personal_weights``, or a module around it whose scores' argmax is the prediction (FedProto's
+        nearest prototype), given the server state ``server``."""
+        return module
+
     def report_shapes(self, num_params: int) -> dict[str, tuple[int, ...]]:
         """What a client reports besides its weights, by name and shape."""
         return {}
@@ -147,10 +156,13 @@ class Algorithm:
     # ----------------------------------------------------------------- a client (in a worker)
 
     def train_client(self, fit: Callable[..., Any], start: torch.Tensor, local: Any) -> Any:
-        """A client's local training. ``fit(start, epochs=None, trainable=None, term=None)`` runs
-        local SGD from the weights ``start`` ([P]) for ``epochs`` (None: local.epochs), changing
-        only the coordinates where the [n] mask ``trainable`` is 1 (None: all), with the gradient
-        term ``term(grad, weights)`` (None: ``adjust_gradient``), and returns what it did (its
+        """A client's local training. ``fit(start, epochs=None, trainable=None, term=None,
+        objective=None)`` runs local SGD from the weights ``start`` ([P]) for ``epochs`` (None:
+        local.epochs), changing only the coordinates where the [n] mask ``trainable`` is 1 (None:
+        all), with the gradient term ``term(grad, weights)`` (None: ``adjust_gradient``), on the
+        minibatch loss ``objective(module, x, y)`` (None: the task's cross-entropy of ``module(x)``;
+        an algorithm that adds a term to the loss, or reads the model's representation, computes
+        it there), and returns what it did (its
         ``weights`` [P]: the trainer's own, changed by the next fit). What the last fit leaves in
         ``weights`` is what the client sends; return the fit that counts as the client's training.
         ``fit.loss(weights)`` is the client's mean loss on its training samples at ``weights`` ([P]),

@@ -249,6 +249,7 @@ class LocalTrainer(Trainer):
         epochs: int | None = None,
         trainable: torch.Tensor | None = None,
         term: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
+        objective: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> Trained:
         """Train from ``start`` on the samples ``indices``; the result is left in ``model.flat``.
         ``max_steps``: stop after that many SGD steps (a partial straggler's work, see system.py);
@@ -257,7 +258,7 @@ class LocalTrainer(Trainer):
         which other workers change meanwhile; a copy onto them would undo their steps).
         ``local_state`` is what the algorithm's ``start_client`` returned for this client;
         ``relabel(labels, num_classes)`` replaces the labels it trains on (a label attack).
-        ``epochs``, ``trainable`` and ``term``: see ``Algorithm.train_client``."""
+        ``epochs``, ``trainable``, ``term`` and ``objective``: see ``Algorithm.train_client``."""
         model, local, algorithm = self.model, self.local, self.algorithm
         torch.manual_seed(seed)  # shuffling, dropout and augmentation of this client, this round
         if start is not None:
@@ -283,7 +284,7 @@ class LocalTrainer(Trainer):
             if relabel is not None:
                 y = relabel(y, self.num_classes)
             with self.autocast:
-                loss = tasks.loss(model.module(x), y)
+                loss = tasks.loss(model.module(x), y) if objective is None else objective(model.module, x, y)
             grad.zero_()
             loss.backward()
             self._descend(gradient_sum, term, trainable)

@@ -48,6 +48,15 @@ def _install(holders: list[tuple[nn.Module, str]], tensor: torch.Tensor, require
     return value
 
 
+def flat_size(module: nn.Module) -> int:
+    """The length of a FlatModel's ``flat`` for ``module``: its trainable parameters and, in a model
+    without frozen parameters, its floating-point buffers (a frozen model's are in the base)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if len(params) < len(list(module.parameters())):
+        return sum(p.numel() for p in params)
+    return sum(t.numel() for t in params + [b for b in module.buffers() if b.is_floating_point()])
+
+
 def base_bytes(base: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in base.values())
 

@@ -317,6 +317,7 @@ class Engine:
             self.personal_model = personal
             per_client = self.client_eval.score_personal(
                 personal,
+                self.state.algorithm.personal_scorer(personal.module, self.state.server_state),
                 self.state.personal_weights_of,
                 *self.test,
                 cfg.eval_batch_size,

@@ -118,10 +118,14 @@ class AggregateUpdates:
         buffers travel whole."""
         state, n = self.state, self.state.model.num_params
         length, size = len(state.model), state.model.flat.element_size()
-        down = size * (length + sum(state.server_state[name].numel() for name in self.algorithm.sent_to_clients))
-        update = (
-            self.compression.compressor.message_bytes(n) + size * (length - n) if self.compression else size * length
-        )
+        weights = length if self.algorithm.exchanges_weights else 0
+        down = size * (weights + sum(state.server_state[name].numel() for name in self.algorithm.sent_to_clients))
+        if not weights:
+            update = 0
+        elif self.compression:
+            update = self.compression.compressor.message_bytes(n) + size * (length - n)
+        else:
+            update = size * length
         reports = sum(
             r[0].numel() * r.element_size()
             for name, r in self.buffers.reports.items()

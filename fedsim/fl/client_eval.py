@@ -106,6 +106,7 @@ class ClientEvaluation:
     def score_personal(
         self,
         model: FlatModel,
+        scorer: torch.nn.Module,
         weights_of: Callable[[list[int]], torch.Tensor],
         x: torch.Tensor,
         y: torch.Tensor,
@@ -114,24 +115,30 @@ class ClientEvaluation:
         trained: set[int],
     ) -> dict:
         """The three columns for every client's own model: ``weights_of(clients)`` gives their
-        weights ([c, P], the layout of ``model.flat``), and each client's model scores its split;
-        a client not in ``trained`` has the model it would start from (``last`` says which).
+        weights ([c, P], the layout of ``model.flat``), and each client's model scores its split,
+        through ``scorer`` (``model.module``, or the algorithm's module around it: FedProto's nearest
+        prototype); a client not in ``trained`` has the model it would start from (``last`` says which).
 
         Clients with a few test samples (``_GROUPED_SAMPLES``) are scored a group at a time, by
         ``torch.func.vmap`` over their stacked weights (clients of alike split sizes together, each
         split padded to the group's largest with samples that are not counted): one pass per group
-        instead of one per client, whose cost would be mostly per-call overhead. A larger split, and
-        a model with a frozen base (LoRA, whose adapters are batched otherwise), load each client's
-        weights into ``model`` in turn."""
+        instead of one per client, whose cost would be mostly per-call overhead. A larger split, a
+        model with a frozen base (LoRA, whose adapters are batched otherwise) and an algorithm's own
+        scorer load each client's weights into ``model`` in turn."""
         module = model.module
         module.eval()
+        scorer.eval()
         device = model.flat.device
         correct = torch.zeros(len(self.samples), dtype=torch.int64, device=device)
         targets = torch.zeros_like(correct)
         splits = self.index.split(self.samples.tolist())
         sizes = self.samples.tolist()
         small = min(batch_size, _GROUPED_SAMPLES)
-        grouped = [] if model.base else [c for c in self.samples.argsort(stable=True).tolist() if 0 < sizes[c] <= small]
+        grouped = (
+            []
+            if model.base or scorer is not module
+            else [c for c in self.samples.argsort(stable=True).tolist() if 0 < sizes[c] <= small]
+        )
         for group in _groups(grouped, sizes, batch_size, max(1, _GROUP_VALUES // model.flat.numel())):
             hits, scored = _score_group(module, weights_of(group), [splits[c] for c in group], x, y, device)
             correct[group], targets[group] = hits, scored
@@ -139,7 +146,7 @@ class ClientEvaluation:
             model.flat.copy_(weights_of([client])[0])
             for part in splits[client].split(batch_size):
                 xb, yb = x[part].to(device, non_blocking=True), y[part].to(device, non_blocking=True)
-                correct[client] += tasks.hits(module(xb), yb).sum()
+                correct[client] += tasks.hits(scorer(xb), yb).sum()
                 targets[client] += tasks.scored(yb).sum()
         result = self._spread(correct, targets, rnd, "personal")
         for record in self.last:

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..core.errors import ConfigError
 from ..core.registry import Registry
 
 MODELS = Registry("model")
@@ -22,24 +23,60 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     return MODELS.get(name)(input_shape, num_classes)
 
 
-class MnistCNN(nn.Module):
-    """The small CNN of pytorch/examples' mnist_hogwild: 21,840 parameters."""
+class Represents(nn.Module):
+    """A classifier that gives the representation its output layer reads, for the algorithms that
+    work on it (MOON's contrastive term, FedProto's class prototypes): ``forward(x)`` is
+    ``classify(represent(x))``, ``represent`` gives [B, representation_size]."""
+
+    representation_size: int
+    num_classes: int
+
+    def represent(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def classify(self, z: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classify(self.represent(x))
+
+    @staticmethod
+    def of(module: nn.Module, algorithm: str) -> Represents:
+        """``module``, which ``algorithm`` reads the representation of; a one-line ConfigError if it
+        gives none."""
+        if not isinstance(module, Represents):
+            raise ConfigError(
+                f"algorithm: {algorithm} works on the representation a model's output layer reads, which "
+                f"{type(module).__name__} does not give; use model: moon_cnn (MOON's, with its projection "
+                f"head), mnist_cnn or mnist_2nn, or a model of your own that subclasses fedsim.models.zoo.Represents"
+            )
+        return module
+
+
+class MnistCNN(Represents):
+    """The small CNN of pytorch/examples' mnist_hogwild: 21,840 parameters. Its representation is
+    the 50 units before the output layer (FedProto's MNIST model, whose prototypes they are)."""
+
+    representation_size = 50
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10):
         super().__init__()
+        self.num_classes = num_classes
         self.conv1 = nn.Conv2d(in_channels, 10, kernel_size=5)
         self.conv2 = nn.Conv2d(10, 20, kernel_size=5)
         self.conv2_drop = nn.Dropout2d()
         self.fc1 = nn.Linear(320, 50)
         self.fc2 = nn.Linear(50, num_classes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def represent(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(F.max_pool2d(self.conv1(x), 2))
         x = F.relu(F.max_pool2d(self.conv2_drop(self.conv2(x)), 2))
         x = x.flatten(1)
         x = F.relu(self.fc1(x))
-        x = F.dropout(x, training=self.training)
-        return F.log_softmax(self.fc2(x), dim=1)
+        return F.dropout(x, training=self.training)
+
+    def classify(self, z: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.fc2(z), dim=1)
 
 
 class FedAvgCNN(nn.Module):
@@ -59,18 +96,24 @@ class FedAvgCNN(nn.Module):
         return self.fc2(x)
 
 
-class MnistMLP(nn.Module):
-    """McMahan et al. 2017's "2NN": two hidden layers of 200 ReLU units; 199,210 parameters."""
+class MnistMLP(Represents):
+    """McMahan et al. 2017's "2NN": two hidden layers of 200 ReLU units; 199,210 parameters. Its
+    representation is the second hidden layer."""
+
+    representation_size = 200
 
     def __init__(self, in_features: int = 784, num_classes: int = 10):
         super().__init__()
+        self.num_classes = num_classes
         self.fc1 = nn.Linear(in_features, 200)
         self.fc2 = nn.Linear(200, 200)
         self.fc3 = nn.Linear(200, num_classes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.fc1(x.flatten(1)))
-        return self.fc3(F.relu(self.fc2(x)))
+    def represent(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.fc2(F.relu(self.fc1(x.flatten(1)))))
+
+    def classify(self, z: torch.Tensor) -> torch.Tensor:
+        return self.fc3(z)
 
 
 class CifarCNN(nn.Module):
@@ -159,6 +202,41 @@ class SimpleCNN(nn.Module):
         x = F.relu(self.fc1(x.flatten(1)))
         x = F.relu(self.fc2(x))
         return self.fc3(x)
+
+
+class MoonCNN(Represents):
+    """MOON's model (Li, He & Song 2021), as Flower's MOON baseline builds it (``ModelMOON`` with the
+    ``simple-cnn`` base, models.py): SimpleCNN's layers up to its 84 ReLU units as the
+    base, a projection head (linear 84 -> 84, ReLU, linear 84 -> 256) whose output is the
+    representation, and an output layer 256 -> classes. 75,046 parameters on 1x28x28 with 10
+    classes, 92,626 on 3x32x32 (the baseline's CIFAR-10 model)."""
+
+    representation_size = 256
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 10, side: int = 32):
+        super().__init__()
+        self.num_classes = num_classes
+        self.conv1 = nn.Conv2d(in_channels, 6, 5)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        after_convs = ((side - 4) // 2 - 4) // 2
+        if after_convs < 1:
+            raise ValueError(
+                f"images of {side}x{side} pixels are too small for its two 5x5 convolutions (16x16 at least)"
+            )
+        self.fc1 = nn.Linear(16 * after_convs**2, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.l1 = nn.Linear(84, 84)
+        self.l2 = nn.Linear(84, self.representation_size)
+        self.l3 = nn.Linear(self.representation_size, num_classes)
+
+    def represent(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc2(F.relu(self.fc1(x.flatten(1)))))
+        return self.l2(F.relu(self.l1(x)))
+
+    def classify(self, z: torch.Tensor) -> torch.Tensor:
+        return self.l3(z)
 
 
 class PflCNN(nn.Module):
@@ -365,6 +443,15 @@ def resnet18(input_shape: tuple[int, ...], num_classes: int) -> ResNet18:
 @MODELS.register("resnet20", "He et al.'s ResNet-20 for 32x32 inputs, with batch norm (272,474 parameters)")
 def resnet20(input_shape: tuple[int, ...], num_classes: int) -> ResNet20:
     return ResNet20(input_shape[0], num_classes)
+
+
+@MODELS.register(
+    "moon_cnn",
+    "MOON's model (Li et al. 2021): simple_cnn's base, a projection head 84-84-256 whose output is the "
+    "representation, an output layer (75,046 parameters on 1x28x28, 92,626 on 3x32x32)",
+)
+def moon_cnn(input_shape: tuple[int, ...], num_classes: int) -> MoonCNN:
+    return MoonCNN(input_shape[0], num_classes, side=input_shape[-1])
 
 
 @MODELS.register(
