@@ -154,6 +154,7 @@ def test_fedproto_clients_learn_their_own_models_and_the_global_one_stays(tmp_pa
     # measured: 0.64, 0.68, 0.78 (chance: 0.1)
     assert accuracy[-1] > 0.7 and accuracy[-1] > accuracy[0] + 0.1, accuracy
     assert len({row["test_accuracy"] for row in history.rows}) == 1  # the untouched initial model
+    assert history.summary["global_model_trained"] is False
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
     models = state["client_state"]["model"]
     assert len(models) == 10 and not torch.equal(models[0], models[1])

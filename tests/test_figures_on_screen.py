@@ -75,9 +75,12 @@ def test_personal_accuracy_on_the_line_in_the_summary_the_table_and_the_plot(tmp
 
     fedavg, *_ = run(tmp_path, "fedavg")
     table = format_table([sweep_run(fedavg), sweep_run(history)]).splitlines()
-    assert table[0].split() == ["run", "final", "acc", "best", "acc", "personal", "acc", "s/round"]
-    assert table[1].split()[3] == "–"  # FedAvg has no personal models
-    assert table[2].split()[3] == f"{means[-1]:.4f}"
+    assert table[0].split() == [
+        "run", "final", "global", "acc", "best", "global", "acc", "final", "personal", "acc", "best", "personal", "acc",
+        "s/round",
+    ]  # fmt: skip
+    assert table[1].split()[3:5] == ["–", "–"]  # FedAvg has no personal models
+    assert table[2].split()[3:5] == [f"{means[-1]:.4f}", f"{max(means):.4f}"]
 
     ax = accuracy_figure(load_run(tmp_path / "ditto")).axes[0]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["global", "personal"]

@@ -264,7 +264,11 @@ def test_the_final_line_gives_each_features_figure():
     assert final_line(base, "runs/r") == "final test accuracy 0.9123 after round 30 (76.9 s); results in runs/r"
     everything = {
         **base,
+        "best_test_accuracy": 0.9201,
         "final_personal_accuracy": 0.5274,
+        "best_personal_accuracy": 0.5312,
+        "personal_clients": 100,
+        "personal_untrained_clients": 7,
         "megabytes_sent": 1.78208,
         "compression_ratio": 0.5104,
         "final_epsilon": 1.9171,
@@ -274,9 +278,16 @@ def test_the_final_line_gives_each_features_figure():
         "clients_lost": 95,
     }
     assert final_line(everything, "runs/r") == (
-        "final test accuracy 0.9123, personal accuracy 0.5274 after round 30 (76.9 s); 1.78 MB sent, 0.51 of "
+        "final test accuracy 0.9123 (the global model on the test set; best 0.9201), personal accuracy 0.5274 (the "
+        "mean of 100 clients' own models on their own test splits, 7 of them never trained and scored as they would "
+        "start; best 0.5312) after round 30 (76.9 s); 1.78 MB sent, 0.51 of "
         "uncompressed; epsilon 1.92 at delta 1e-05; staleness 0.86 on average, 5 at most; 95 sampled clients' "
         "work lost; results in runs/r"
+    )
+    prototypes = {**everything, "global_model_trained": False, "personal_untrained_clients": 0}
+    assert final_line(prototypes, "runs/r").startswith(
+        "final test accuracy 0.9123 (the global model on the test set, never trained: no weights are exchanged; best "
+        "0.9201), personal accuracy 0.5274 (the mean of 100 clients' own models on their own test splits; best 0.5312)"
     )
     uncompressed = {**base, "megabytes_sent": 3.5, "compression_ratio": 1.0, "clients_lost": 0}
     assert final_line(uncompressed, "runs/r") == final_line(base, "runs/r")  # nothing to compare, nothing lost

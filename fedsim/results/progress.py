@@ -173,10 +173,11 @@ def final_line(summary: dict, run_dir: str | os.PathLike) -> str:
         final = f"final test accuracy {summary['final_test_accuracy']:.4f}"
     if summary.get("final_personal_accuracy") is not None:  # which model each figure scores, on which set
         untrained = summary.get("personal_untrained_clients")
+        untouched = ", never trained: no weights are exchanged" if summary.get("global_model_trained") is False else ""
         final += (
-            f" (the global model on the test set; best {summary['best_test_accuracy']:.4f}), personal accuracy "
-            f"{summary['final_personal_accuracy']:.4f} (the mean of {summary['personal_clients']} clients' own "
-            f"models on their own test splits"
+            f" (the global model on the test set{untouched}; best {summary['best_test_accuracy']:.4f}), "
+            f"personal accuracy {summary['final_personal_accuracy']:.4f} (the mean of {summary['personal_clients']} "
+            f"clients' own models on their own test splits"
             + (f", {untrained} of them never trained and scored as they would start" if untrained else "")
             + f"; best {summary['best_personal_accuracy']:.4f})"
         )

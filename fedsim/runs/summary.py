@@ -33,6 +33,8 @@ def account(session: Any, status: str, ended_by: BaseException | None) -> dict:
         **({"error": error} if failed else {}),  # what ended a failed run, in the words of its one line
         **what_ran(s.cfg.to_dict(), s.state.model.module, s.input_shape, s.num_classes, s.overrides, s.first_round),
         "aggregation": s.state.algorithm.aggregation(describe(s.cfg.aggregator)),
+        # FedProto's clients exchange no weights: its global model, which test_accuracy scores, never trains
+        **({} if s.state.algorithm.exchanges_weights else {"global_model_trained": False}),
         **outcome(s.rows, s.cfg.stop_at_accuracy),
         **(
             personal_outcome(s.rows, s.client_eval.samples, s.state.trained_clients())
