@@ -161,7 +161,10 @@ class ClientOptimizer:
         if self.moments is None:
             update = grad
             if self.momentum is not None:
-                _keep(self.momentum, self.momentum * local.momentum + grad, active)
+                if active is None:  # in place: the same operations, without two temporaries per step
+                    self.momentum.mul_(local.momentum).add_(grad)
+                else:
+                    _keep(self.momentum, self.momentum * local.momentum + grad, active)
                 update = self.momentum
             weights.sub_(update if active is None else update * active, alpha=lr)
             return
@@ -287,7 +290,7 @@ class LocalTrainer(Trainer):
                 loss = tasks.loss(model.module(x), y) if objective is None else objective(model.module, x, y)
             grad.zero_()
             loss.backward()
-            self._descend(gradient_sum, term, trainable)
+            self._descend(params, grad, gradient_sum, term, trainable)
             seen = seen + self._count_loss(loss, y)
             steps += 1
         mean_gradient = None if gradient_sum is None else (gradient_sum / steps)[None]
@@ -329,10 +332,16 @@ class LocalTrainer(Trainer):
         self.loss_sum.add_(loss.detach() * targets)
         return targets
 
-    def _descend(self, gradient_sum: torch.Tensor | None, term, trainable: torch.Tensor | None) -> None:
-        """One step from the gradient in ``model.grad``: weight decay (SGD's), the algorithm's term,
-        frozen coordinates, then the client's optimizer."""
-        params, grad = self.model.params, self.model.grad
+    def _descend(
+        self,
+        params: torch.Tensor,
+        grad: torch.Tensor,
+        gradient_sum: torch.Tensor | None,
+        term,
+        trainable: torch.Tensor | None,
+    ) -> None:
+        """One step of ``params`` from the gradient ``grad`` (the model's): weight decay (SGD's), the
+        algorithm's term, frozen coordinates, then the client's optimizer."""
         self.optimizer.decay_in_gradient(grad, params)
         if gradient_sum is not None:
             gradient_sum.add_(grad)
