@@ -18,7 +18,7 @@ import torch
 
 from ..core.checks import Checks
 from ..core.errors import ConfigError
-from ..core.flat import FlatModel
+from ..core.flat import FlatModel, flat_size
 from .base import Algorithm, Clients, LocalResult, Round
 
 CHECKS = Checks("algorithm_options", options=True)
@@ -59,9 +59,7 @@ class Clustered(Algorithm):
                 "algorithm: a clustered algorithm keeps whole models per cluster, which a model with frozen "
                 "weights (LoRA) holds in the base all clusters would share; use it without lora.rank"
             )
-        # the flat weights: the parameters, then the floating-point buffers (core/flat.py)
-        buffers = [b for b in module.buffers() if b.is_floating_point()]
-        self.length = sum(p.numel() for p in module.parameters()) + sum(b.numel() for b in buffers)
+        self.length = flat_size(module)  # the flat weights: the parameters, then the floating-point buffers
 
     def server_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"models": (self.slots - 1, self.length), "sizes": (self.slots,)}

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..core.errors import ConfigError
+from ..core.flat import flat_layout
 from . import ALGORITHMS
 from .fedper import FedPer
 
@@ -46,10 +47,7 @@ class FedBN(FedPer):
         def within(name: str) -> bool:
             return any(name.startswith(layer + ".") for layer in norms)
 
-        # the flat weights: the trainable parameters, then the floating-point buffers (core/flat.py)
-        params = [(name, p) for name, p in module.named_parameters()]
-        buffers = [(name, b) for name, b in module.named_buffers() if b.is_floating_point()]
-        self.head = torch.cat([torch.full((t.numel(),), within(name)) for name, t in params + buffers])
+        self.head = torch.cat([torch.full((t.numel(),), within(name)) for name, t in flat_layout(module)])
         self.personal_layers = norms
 
     def new_client_state(self, global_weights: torch.Tensor, num_params: int) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..core.flat import FlatModel
+from ..core.flat import FlatModel, flat_layout
 from ..core.streams import CLUSTER_INIT, torch_seed
 from . import ALGORITHMS
 from .base import Round
@@ -61,8 +61,7 @@ class IFCA(Clustered):
         def within(name: str) -> bool:  # a shared layer's parameters and buffers (a batch norm's statistics)
             return name.rpartition(".")[0] in shared
 
-        buffers = [(name, b) for name, b in module.named_buffers() if b.is_floating_point()]
-        self.shared = torch.cat([torch.full((t.numel(),), within(name)) for name, t in params + buffers])
+        self.shared = torch.cat([torch.full((t.numel(),), within(name)) for name, t in flat_layout(module)])
 
     def start_server(self, server: dict[str, torch.Tensor], model: FlatModel) -> None:
         super().start_server(server, model)

@@ -48,13 +48,19 @@ def _install(holders: list[tuple[nn.Module, str]], tensor: torch.Tensor, require
     return value
 
 
-def flat_size(module: nn.Module) -> int:
-    """The length of a FlatModel's ``flat`` for ``module``: its trainable parameters and, in a model
-    without frozen parameters, its floating-point buffers (a frozen model's are in the base)."""
-    params = [p for p in module.parameters() if p.requires_grad]
+def flat_layout(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors a FlatModel's ``flat`` holds for ``module``, in its order: the trainable
+    parameters, then, in a model without frozen parameters, the floating-point buffers (a frozen
+    model's are in the base)."""
+    params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     if len(params) < len(list(module.parameters())):
-        return sum(p.numel() for p in params)
-    return sum(t.numel() for t in params + [b for b in module.buffers() if b.is_floating_point()])
+        return params
+    return params + [(name, b) for name, b in module.named_buffers() if b.is_floating_point()]
+
+
+def flat_size(module: nn.Module) -> int:
+    """The length of a FlatModel's ``flat`` for ``module``."""
+    return sum(t.numel() for _, t in flat_layout(module))
 
 
 def base_bytes(base: dict[str, torch.Tensor]) -> int:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch.func import functional_call, vmap
 
-from ..core.flat import FlatModel
+from ..core.flat import FlatModel, flat_layout
 from ..data.partition import Parts
 from ..models import tasks
 
@@ -206,10 +206,8 @@ def _score_group(
     index = torch.stack([torch.cat([s, s[:1].expand(longest - len(s))]) for s in splits])
     real = torch.arange(longest)[None, :] < torch.tensor([len(s) for s in splits])[:, None]
     xb, yb = x[index.flatten()].to(device), y[index.flatten()].to(device)
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    named += [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
     views, offset = {}, 0
-    for name, tensor in named:
+    for name, tensor in flat_layout(module):
         views[name] = weights[:, offset : offset + tensor.numel()].view(len(splits), *tensor.shape)
         offset += tensor.numel()
     scores = vmap(lambda p, inputs: functional_call(module, p, (inputs,)))(
