@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..core.clustering import two_clusters
 from . import ALGORITHMS
 from .base import Round
 from .clustered import CHECKS, Clustered
@@ -111,23 +112,9 @@ def cosine_similarities(updates: torch.Tensor) -> torch.Tensor:
 
 def bipartition(similarity: torch.Tensor) -> torch.Tensor:
     """[m] bool, True for the second of two parts: complete-linkage agglomerative clustering on the
-    distances -similarity, merging the closest two clusters (ties: the first pair in row order)
-    until two are left. Complete linkage: the distance of two clusters is the largest of their
-    members' pairs, so that the two parts left are those whose most similar pair across them is
-    least similar among the merges' candidates."""
-    m = len(similarity)
-    distance = (-similarity).clone().double()
-    distance.fill_diagonal_(float("inf"))
-    label = torch.arange(m)
-    alive = torch.ones(m, dtype=torch.bool)
-    for _ in range(m - 2):
-        a, b = divmod(int(distance.argmin()), m)
-        a, b = min(a, b), max(a, b)
-        merged = torch.maximum(distance[a], distance[b])  # complete linkage (Lance-Williams)
-        distance[a], distance[:, a] = merged, merged
-        distance[a, a] = float("inf")
-        distance[b], distance[:, b] = float("inf"), float("inf")
-        label[label == b] = a
-        alive[b] = False
-    first = int(alive.nonzero()[0])
-    return label != first
+    distances -similarity (``core.clustering.two_clusters``), merging the closest two clusters
+    (ties: the first pair in row order) until two are left, the part holding row 0 first. Complete
+    linkage: the distance of two clusters is the largest of their members' pairs, so that the two
+    parts left are those whose most similar pair across them is least similar among the merges'
+    candidates."""
+    return two_clusters(-similarity, "complete")[1]

@@ -5,10 +5,9 @@ resumed run goes on exactly as an uninterrupted one."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from ...core.clustering import two_clusters
 from . import AGGREGATORS, OPTIONS, Memory, Rule, combine, gram, mean_of, middle, remembering, row_norms, tolerating
 
 
@@ -59,29 +58,10 @@ def cosine_distances(rows: torch.Tensor) -> torch.Tensor:
 
 def larger_of_two_clusters(distances: torch.Tensor, linkage: str) -> torch.Tensor:
     """The rows of the larger of the two clusters that agglomerative clustering of ``distances``
-    (``[k, k]``) leaves: each step merges the two closest clusters, their distance to the others
-    updated by Lance and Williams' formula (``average``: the mean over pairs of members, weighted
-    by size; ``single``: the nearest pair). A cluster is named by its lowest row; equal distances
-    merge the pair of lowest names first; of two clusters of equal size, the one holding row 0 is
-    returned. A ``[k]`` bool mask."""
-    k = len(distances)
-    members = torch.eye(k, dtype=torch.bool, device=distances.device)
-    sizes = torch.ones(k, dtype=torch.float64, device=distances.device)
-    d = distances.clone().fill_diagonal_(math.inf)
-    for _ in range(k - 2):
-        a, b = divmod(int(d.flatten().sort(stable=True).indices[0]), k)  # a < b: the upper triangle comes first
-        if linkage == "average":
-            merged = (sizes[a] * d[a] + sizes[b] * d[b]) / (sizes[a] + sizes[b])
-        else:
-            merged = torch.minimum(d[a], d[b])
-        d[a], d[:, a] = merged, merged
-        d[b], d[:, b] = math.inf, math.inf
-        d[a, a] = math.inf
-        members[a] |= members[b]
-        sizes[a] += sizes[b]
-        sizes[b] = 0
-    first, second = sizes.nonzero().flatten()[:2].tolist() if k > 1 else (0, 0)
-    return members[second] if sizes[second] > sizes[first] else members[first]
+    (``[k, k]``, ``linkage`` average or single: ``core.clustering.two_clusters``) leaves; of two
+    clusters of equal size, the one holding row 0. A ``[k]`` bool mask."""
+    first, second = two_clusters(distances, linkage)
+    return second if second.sum() > first.sum() else first
 
 
 @AGGREGATORS.register(
