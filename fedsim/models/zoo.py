@@ -173,6 +173,18 @@ class ByzflCNN(nn.Module):
         return F.log_softmax(self.fc2(F.relu(self.fc1(x.flatten(1)))), dim=1)
 
 
+def _side_after_two_convs(side: int) -> int:
+    """The side of a ``side`` x ``side`` image after two 5x5 convolutions, each followed by 2x2
+    max-pooling (4 for 28x28 inputs, 5 for 32x32); a ValueError for images too small for them."""
+    after = ((side - 4) // 2 - 4) // 2
+    if after < 1:
+        raise ValueError(
+            f"images of {side}x{side} pixels are too small for its two 5x5 convolutions "
+            f"and 2x2 poolings (16x16 at least)"
+        )
+    return after
+
+
 class SimpleCNN(nn.Module):
     """NIID-Bench's ``simple-cnn`` (Li, Diao, Chen, He, "Federated Learning on Non-IID Data Silos:
     An Experimental Study", ICDE 2022; Xtra-Computing/NIID-Bench, model.py): ``SimpleCNNMNIST``
@@ -186,13 +198,7 @@ class SimpleCNN(nn.Module):
         self.conv1 = nn.Conv2d(in_channels, 6, 5)
         self.pool = nn.MaxPool2d(2, 2)
         self.conv2 = nn.Conv2d(6, 16, 5)
-        after_convs = ((side - 4) // 2 - 4) // 2  # 4 for 28x28 inputs, 5 for 32x32
-        if after_convs < 1:
-            raise ValueError(
-                f"images of {side}x{side} pixels are too small for its two 5x5 convolutions "
-                f"and 2x2 poolings (16x16 at least)"
-            )
-        self.fc1 = nn.Linear(16 * after_convs**2, 120)
+        self.fc1 = nn.Linear(16 * _side_after_two_convs(side) ** 2, 120)
         self.fc2 = nn.Linear(120, 84)
         self.fc3 = nn.Linear(84, num_classes)
 
@@ -218,12 +224,7 @@ class MoonCNN(Represents):
         self.num_classes = num_classes
         self.conv1 = nn.Conv2d(in_channels, 6, 5)
         self.conv2 = nn.Conv2d(6, 16, 5)
-        after_convs = ((side - 4) // 2 - 4) // 2
-        if after_convs < 1:
-            raise ValueError(
-                f"images of {side}x{side} pixels are too small for its two 5x5 convolutions (16x16 at least)"
-            )
-        self.fc1 = nn.Linear(16 * after_convs**2, 120)
+        self.fc1 = nn.Linear(16 * _side_after_two_convs(side) ** 2, 120)
         self.fc2 = nn.Linear(120, 84)
         self.l1 = nn.Linear(84, 84)
         self.l2 = nn.Linear(84, self.representation_size)
