@@ -50,6 +50,8 @@ COLUMNS = [
     ("f", "f", "d"),
     ("acc", "accuracy", ".4f"),
     ("worst attack", "worst_attack", ""),
+    ("attacks", "attacks", "d"),
+    ("seeds", "seeds", "d"),
 ]
 
 
@@ -64,9 +66,24 @@ def parse_args(argv=None):
     parser.add_argument("--seeds", default="0", help="training seeds, comma-separated and consecutive")
     parser.add_argument("--only", choices=["both", "fedsim", "byzfl"], default="both")
     parser.add_argument("--byzfl-jobs", type=int, default=2, help="cells ByzFL trains at once (its nb_jobs)")
-    parser.add_argument("--workers", type=int, default=2, help="fedsim's worker processes")
+    parser.add_argument(
+        "--workers", type=int, default=2, help="fedsim's worker processes (0: each run in its sweep's process)"
+    )
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="fedsim's sweeps at once: one sweep per (f, seed), N at a time (a GPU machine's cores)",
+    )
     parser.add_argument("--device", default="cpu", help="both sides' device (cpu or cuda)")
-    parser.add_argument("--from-sweep", default=None, help="a fedsim sweep directory to tabulate, running nothing")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help="fedsim's side: stop its sweeps after this many seconds, keeping the runs finished",
+    )
+    parser.add_argument(
+        "--from-sweep", nargs="+", help="fedsim sweep directories to tabulate together, running nothing"
+    )
     parser.add_argument("--heatmaps", default=None, help="a folder for each tool's and rule's heatmap (PNG)")
     parser.add_argument("--data-root", default=None, help="the folder holding MNIST/raw (default $FEDSIM_DATA)")
     parser.add_argument("--output", default=None, help="the results JSON (default benchmarks/results/...)")
@@ -84,28 +101,63 @@ def cells(args) -> dict:
 
 
 def heatmap(curves: dict) -> list[dict]:
-    """ByzFL's cell figure from ``{(rule, gamma, f, attack): [curve per seed]}``."""
+    """ByzFL's cell figure from ``{(rule, gamma, f, attack): [curve per seed]}``, with how much of
+    the cell ran: its attacks, and the fewest seeds of any of them (a cell of a grid cut short
+    may lack some)."""
     worst: dict = {}
     for (rule, gamma, f, attack), per_seed in curves.items():
         length = min(len(c) for c in per_seed)
         mean = [sum(c[i] for c in per_seed) / len(per_seed) for i in range(length)]
         best = max(mean)
         key = (rule, gamma, f)
-        if key not in worst or best < worst[key][0]:
-            worst[key] = (best, attack)
+        cell = worst.setdefault(key, {"accuracy": best, "worst_attack": attack, "attacks": 0, "seeds": len(per_seed)})
+        if best < cell["accuracy"]:
+            cell.update(accuracy=best, worst_attack=attack)
+        cell["attacks"] += 1
+        cell["seeds"] = min(cell["seeds"], len(per_seed))
     return [
-        {"rule": rule, "gamma": gamma, "f": f, "accuracy": acc, "worst_attack": attack}
-        for (rule, gamma, f), (acc, attack) in sorted(worst.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2]))
+        {"rule": rule, "gamma": gamma, "f": f, **cell}
+        for (rule, gamma, f), cell in sorted(worst.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2]))
     ]
 
 
-def timed(command: list[str], cwd: Path, env: dict) -> float:
+def timed(commands: list[list[str]], cwd: Path, env: dict, parallel: int = 1, budget_s: float | None = None) -> float:
+    """Run the commands, ``parallel`` at a time; seconds from the first launch to the last exit.
+    The first that fails stops the others and raises with its message. After ``budget_s`` the
+    ones still running are stopped and the rest are not started: what they finished stays."""
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command[:4])} ... failed: {(done.stderr or done.stdout).strip()[-800:]}")
-    return seconds
+    waiting, running = list(commands), []
+    try:
+        while waiting or running:
+            if budget_s is not None and time.perf_counter() - start > budget_s:
+                print(f"bench_byzfl: the budget of {budget_s:.0f} s is spent; {len(running)} sweeps stopped, "
+                      f"{len(waiting)} not started", flush=True)  # fmt: skip
+                break
+            while waiting and len(running) < parallel:
+                command = waiting.pop(0)
+                # a file, not a pipe, which a chatty process could fill and block on; closed when it ends
+                log = tempfile.TemporaryFile()  # noqa: SIM115
+                process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+                running.append((command, process, log))
+            time.sleep(0.2)
+            for command, process, log in [r for r in running if r[1].poll() is not None]:
+                running.remove((command, process, log))
+                log.seek(0)
+                output = log.read().decode(errors="replace").strip()
+                log.close()
+                if process.returncode != 0:
+                    raise RuntimeError(f"{' '.join(command[:4])} ... failed: {output[-800:]}")
+    finally:
+        for _, process, _ in running:
+            process.terminate()  # fedsim stops its workers on SIGTERM; SIGKILL would leave them behind
+        for _, process, log in running:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            log.close()
+    return time.perf_counter() - start
 
 
 # ----------------------------------------------------------------------------- ByzFL
@@ -155,8 +207,8 @@ def run_byzfl(grid: dict, args, data_root: str, folder: Path) -> dict:
     results = folder / "results"
     (folder / "config.json").write_text(json.dumps(byzfl_config(grid, args, data_root, results), indent=2))
     code = f"from byzfl.benchmark import run_benchmark; run_benchmark({args.byzfl_jobs})"
-    seconds = timed([sys.executable, "-c", code], folder, dict(os.environ))
-    rule_of = {spec["name"]: rule for rule, (spec, _) in RULES.items()}
+    seconds = timed([[sys.executable, "-c", code]], folder, dict(os.environ))
+    rule_of = {spec["name"]: rule for rule, spec in RULES.items()}
     attack_of = {name: attack for attack, name in ATTACKS.items()}
     curves: dict = {}
     runs = []  # each run's own time: ByzFL's train_time, its loop from the first step to the last evaluation
@@ -182,36 +234,54 @@ def run_byzfl(grid: dict, args, data_root: str, folder: Path) -> dict:
 
 
 def run_fedsim(grid: dict, args, data_root: str, folder: Path) -> dict:
+    """``fedsim sweep`` over the cells, cut into one sweep per (f, seed), ``--parallel`` at a time:
+    timed from the first launch to the last exit."""
     env = {**os.environ, "FEDSIM_DATA": data_root}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "fedsim", "sweep", str(EXPERIMENT), "--quiet", "--out", str(folder / "runs")]
-    settings = [f"rounds={args.steps}", f"eval_every={args.eval_every}", f"workers={args.workers}"]
-    for setting in [*settings, f"device={args.device}"]:
-        command += ["--set", setting]
-    command += ["--grid", f"rule={','.join(grid['rules'])}"]
-    command += ["--grid", f"attack.type={','.join(grid['attacks'])}"]
-    command += ["--grid", f"attack.count={','.join(map(str, grid['f']))}"]
-    command += ["--grid", f"data.gamma={','.join(map(str, grid['gammas']))}"]
-    command += ["--seeds", ",".join(map(str, grid["seeds"]))]
-    seconds = timed(command, REPO, env)
-    return {"wall_seconds": seconds, **sweep_cells(folder / "runs")}
+    if args.parallel > 1:  # the cores shared out: sweeps whose threads outnumber the cores wait on each other
+        threads = str(max(1, (os.cpu_count() or 1) // args.parallel))
+        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    settings = [
+        f"rounds={args.steps}",
+        f"eval_every={args.eval_every}",
+        f"workers={args.workers}",
+        f"device={args.device}",
+    ]
+    commands = []
+    for f in grid["f"]:
+        for seed in grid["seeds"]:
+            command = [sys.executable, "-m", "fedsim", "sweep", str(EXPERIMENT), "--quiet"]
+            command += ["--out", str(folder / f"runs-f{f}-seed{seed}")]
+            command += [flag for setting in settings for flag in ("--set", setting)]
+            command += ["--grid", f"rule={','.join(grid['rules'])}"]
+            command += ["--grid", f"attack.type={','.join(grid['attacks'])}"]
+            command += ["--grid", f"attack.count={f}", "--grid", f"data.gamma={','.join(map(str, grid['gammas']))}"]
+            commands.append([*command, "--seeds", str(seed)])
+    seconds = timed(commands, REPO, env, args.parallel, args.budget_s)
+    return {"wall_seconds": seconds, **sweep_cells(sorted(folder.glob("runs-*")), args.steps)}
 
 
-def sweep_cells(folder: Path) -> dict:
-    """The cells of the runs of a sweep of the experiment in ``folder`` (each run a folder), and
-    each run's own time, from its first round to its end (summary.json, less its start-up)."""
-    from fedsim.results.history import load_runs
+def sweep_cells(folders: list[Path], steps: int | None = None) -> dict:
+    """The cells of the runs of sweeps of the experiment in ``folders`` (each run a folder), and
+    each run's own time, from its first round to its end (summary.json, less its start-up). A run
+    that has not reached its last round (``steps``, else its own ``rounds``: one cut short by a
+    time limit) is counted apart and left out of the cells."""
+    from fedsim.results.history import load_run
 
     curves: dict = {}
-    runs = []
-    for history in load_runs(folder / "*"):
+    runs, unfinished = [], 0
+    for path in sorted(p.parent for folder in folders for p in Path(folder).glob("*/metrics.csv")):
+        history = load_run(path)
         cfg = history.config
+        if not history.rows or history.round[-1] < (steps or cfg["rounds"]) or "wall_seconds" not in history.summary:
+            unfinished += 1
+            continue
         key = (cfg["aggregator"], float(cfg["data"]["gamma"]), int(cfg["attack"]["count"]), cfg["attack"]["type"])
         curves.setdefault(key, []).append(list(history.test_accuracy))
         trained = history.summary["wall_seconds"] - history.summary["startup_seconds"]
         curve = list(history.test_accuracy)
         runs.append(dict(zip(("rule", "gamma", "f", "attack"), key), seed=cfg["seed"], seconds=trained, accuracy=curve))
-    return {"cells": heatmap(curves), "runs": runs}
+    return {"cells": heatmap(curves), "runs": runs, "unfinished_runs": unfinished}
 
 
 def write_heatmaps(sides: dict, folder: Path) -> list[Path]:
@@ -247,7 +317,7 @@ def write_heatmaps(sides: dict, folder: Path) -> list[Path]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_sweep:
-        side = sweep_cells(Path(args.from_sweep))
+        side = sweep_cells([Path(folder) for folder in args.from_sweep])
         print(harness.format_table(COLUMNS, [{"tool": "fedsim", **cell} for cell in side["cells"]]))
         for path in write_heatmaps({"fedsim": side}, Path(args.heatmaps)) if args.heatmaps else []:
             print(f"wrote {path}")
@@ -269,6 +339,9 @@ def main(argv=None) -> int:
     count = len(grid["gammas"]) * len(grid["f"]) * len(grid["rules"]) * len(grid["attacks"]) * len(grid["seeds"])
     print(f"\n{count} runs of {args.steps} steps each (cells x attacks x seeds)")
     print(harness.format_table(COLUMNS, rows))
+    for tool, side in sides.items():
+        if side.get("unfinished_runs"):
+            print(f"{tool}: {side['unfinished_runs']} runs did not finish and are left out of the cells")
     print()
     per_attack = [
         {"tool": tool, "attack": attack, "seconds": sum(times) / len(times), "runs": len(times)}

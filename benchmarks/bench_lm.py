@@ -147,6 +147,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--test-windows", type=int, default=256, help="test sequences evaluated (real data)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--data-root", help="folder holding shakespeare/texts (default $FEDSIM_DATA; else generated)")
+    parser.add_argument(
+        "--no-sampler",
+        action="store_true",
+        help="leave out the outside PSS sampler, whose reads take CPU from the timed threads (for a figure of speed)",
+    )
     parser.add_argument("--output", help="results JSON (default benchmarks/results/bench_lm-<device>-<time>.json)")
     parser.add_argument("--figure", help="also draw tokens per second by kind into this PNG")
     parser.add_argument("--replot", metavar="JSON", help="draw --figure from a results file, measuring nothing")
@@ -382,7 +387,7 @@ def measure_all(args: argparse.Namespace, device: str) -> list[dict]:
     for kind, workers, group, threads in plan:
         entry = {"data": data, "kind": kind, "workers": workers, "threads": threads or "default", "group": group or ""}
         spec = child_spec(args, device, kind, workers, group, root, threads or 1)
-        result = harness.run_isolated(Path(__file__), spec, device)
+        result = harness.run_isolated(Path(__file__), spec, device, sample_memory=not args.no_sampler)
         entry.update(status=result["status"], message=result.get("message"))
         if result["status"] == "ok" and kind == "sequential":
             entry.update(result["sequential"], **harness.memory_fields(result.get("memory")))

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Wheels for the GPU machine, which has no network: pfl 0.6.0 (the peer of W3) and what it needs
-# that the machine's image lacks, for CPython 3.12 on manylinux x86_64, into wheelhouse/ (ignored
-# by git; the device call carries it). Resolves pfl's whole closure for that platform, then keeps
-# only the projects missing from the image (PRESENT: KINDS.md's "Python packages already there"),
-# one version each. fedsim itself and tests/test_cuda.py need nothing beyond the image (peft and
-# transformers are there), and the calls run no other tests, so no test extras travel.
+# Wheels for the GPU machine, which has no network, for CPython 3.12 on manylinux x86_64, into
+# wheelhouse/ (ignored by git; the device call carries it): pfl 0.6.0 (the peer of W3) and what it
+# needs that the machine's image lacks, and byzfl 0.0.11 (call 3's peer) alone: its dependencies are
+# in the image, and resolving them here would pick another torch with its CUDA 12 libraries (2.8 GB).
+# Resolves pfl's whole closure for that platform, then keeps only the projects missing from the
+# image (PRESENT: KINDS.md's "Python packages already there"), one version each. fedsim itself and
+# tests/test_cuda.py need nothing beyond the image (peft and transformers are there), and the calls
+# run no other tests, so no test extras travel.
 #   bash benchmarks/gpu_wheelhouse.sh [PIP]          # PIP: a pip command, default "python3 -m pip"
 # benchmarks/gpu/call.sh installs them on the GPU machine:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fedsim-site wheelhouse/*.whl
@@ -12,6 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=${1:-python3 -m pip}
 WANT=(pfl==0.6.0)
+ALONE=(byzfl==0.0.11)  # without its dependencies
 PRESENT="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
 certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
 cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock
@@ -38,6 +41,7 @@ PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp --platfo
 all=$(mktemp -d)
 trap 'rm -rf "$all"' EXIT
 $PIP download -q "${PLATFORM[@]}" -d "$all" "${WANT[@]}"
+$PIP download -q "${PLATFORM[@]}" --no-deps -d "$all" "${ALONE[@]}"
 rm -rf wheelhouse && mkdir wheelhouse
 for wheel in "$all"/*.whl; do
   name=$(basename "$wheel" | cut -d- -f1 | tr '[:upper:]_.' '[:lower:]--')  # the normalized project name

@@ -1,4 +1,4 @@
-"""The two prepared GPU calls (benchmarks/gpu/): their commands parse, the gate reads a run's
+"""The prepared GPU calls (benchmarks/gpu/): their commands parse, the gate reads a run's
 files right, the side-by-side ratios are the quotients of the measured rates, and a step's process
 group is gone when the step ends, also when it is stopped at its limit."""
 
@@ -37,9 +37,10 @@ def calls():
 
 @pytest.mark.parametrize("tiny", [False, True])
 def test_every_benchmark_step_parses_its_flags(calls, tiny, tmp_path):
-    steps = calls.plan.call1_steps(tiny, str(tmp_path)) + calls.plan.call2_steps(tiny, str(tmp_path))
+    plans = (calls.plan.call1_steps, calls.plan.call2_steps, calls.plan.call3_steps)
+    steps = [step for plan in plans for step in plan(tiny, str(tmp_path))]
     benches = [s for s in steps if s.kind == "bench"]
-    assert len(benches) == 10
+    assert len(benches) == 12
     for step in benches:
         script = REPO / step.command[1]
         module = load(script, script.stem)
@@ -47,6 +48,8 @@ def test_every_benchmark_step_parses_its_flags(calls, tiny, tmp_path):
         assert args.output == step.output
         if not tiny and hasattr(args, "size"):
             assert (args.device, args.size) == ("cuda", "full")
+        if getattr(args, "budget_s", None):  # bench_byzfl stops its sweeps in time to write its JSON
+            assert args.budget_s < step.cap_s - 10
     # pfl runs first in call 2, right after the environment, in its own invocation
     call2 = calls.plan.call2_steps(tiny, str(tmp_path))
     assert [s.kind for s in call2[:3]] == ["env", "env", "bench"] and call2[2].what == "pfl"
@@ -57,6 +60,7 @@ def test_the_steps_guesses_fit_their_calls(calls, tmp_path):
     for steps, budget in (
         (calls.plan.call1_steps(False, str(tmp_path)), 280),
         (calls.plan.call2_steps(False, "w"), 340),
+        (calls.plan.call3_steps(False, "w"), 520),
     ):
         assert sum(s.guess_s for s in steps) < budget - calls.SUMMARY_RESERVE_S
         assert all(s.cap_s > s.guess_s for s in steps)

@@ -1,8 +1,9 @@
-"""Run one of the two prepared GPU calls (issue 29) and leave its results in the output folder.
+"""Run one of the prepared GPU calls (issue 29) and leave its results in the output folder.
 
     bash benchmarks/gpu/call.sh 1          # on the device machine: wheels, data path, then this
     python3 benchmarks/gpu/calls.py 1 --out $OUT --budget-s 280
     python3 benchmarks/gpu/calls.py 2 --out $OUT --budget-s 340
+    python3 benchmarks/gpu/calls.py 3 --out $OUT --budget-s 520    # ByzFL's benchmark, a session of its own
     python benchmarks/gpu/calls.py 1 --tiny --out /tmp/gpu-dry   # the dry run: CPU, tiny sizes
 
 Each step (benchmarks/gpu/steps.py) runs in its own process group under coreutils `timeout -k`,
@@ -41,6 +42,7 @@ import steps as plan  # noqa: E402
 SUMMARY_RESERVE_S = 5  # kept back from the budget to write the JSON and print the tables
 KILL_GRACE_S = 5  # between timeout's SIGTERM and its SIGKILL
 TAIL_LINES = 40
+BUDGETS = {1: 280, 2: 340, 3: 520}  # seconds for each call's steps, inside call.sh's hard limits
 RUNNING: dict[str, int] = {}  # the process group of the step under way, for the SIGTERM handler
 
 STEP_COLUMNS = [
@@ -60,14 +62,14 @@ SIDE_COLUMNS = [
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("call", type=int, choices=(1, 2))
+    parser.add_argument("call", type=int, choices=tuple(BUDGETS))
     parser.add_argument("--out", default=os.environ.get("OUT"), help="output folder (default $OUT)")
-    parser.add_argument("--budget-s", type=float, help="seconds for all steps (default 280 for call 1, 340 for 2)")
+    parser.add_argument("--budget-s", type=float, help="seconds for all steps (default 280, 340, 520 for calls 1-3)")
     parser.add_argument("--tiny", action="store_true", help="the CPU dry run: tiny sizes, CUDA-only steps skipped")
     args = parser.parse_args(argv)
     if not args.out:
         parser.error("--out: name the output folder (or set OUT)")
-    args.budget_s = args.budget_s or (280 if args.call == 1 else 340)
+    args.budget_s = args.budget_s or BUDGETS[args.call]
     return args
 
 
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + args.budget_s
     work = tempfile.mkdtemp(prefix=f"fedsim-call{args.call}-")
-    steps = (plan.call1_steps if args.call == 1 else plan.call2_steps)(args.tiny, work)
+    steps = {1: plan.call1_steps, 2: plan.call2_steps, 3: plan.call3_steps}[args.call](args.tiny, work)
     threshold = float(os.environ.get("FEDSIM_GPU_GATE", plan.TINY_GATE_ACCURACY if args.tiny else plan.GATE_ACCURACY))
     report = {"call": args.call, "tiny": args.tiny, "budget_s": args.budget_s, "steps": [], "gate": None}
     path = out / f"call{args.call}.json"

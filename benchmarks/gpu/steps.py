@@ -1,9 +1,12 @@
-"""The steps of the two GPU calls (issue 29): what each runs, its time cap and its guessed time.
+"""The steps of the GPU calls (issue 29): what each runs, its time cap and its guessed time.
 
 Call 1 (at most 300 s) proves the path: the machine, the default experiment through `fedsim run`
 with a gate, the CUDA tests, then fedsim against the sequential device-resident loop on W1 and W2
 (mnist_cnn). Call 2 (at most 360 s, only after call 1 passed) sets fedsim beside pfl-research on
 W3 (pfl first, in its own invocation), W2 with fedavg_cnn, and the language-model memory rows.
+Call 3 (at most 540 s, in a session of its own once calls 1 and 2 have run) is ByzFL's
+benchmark: fedsim and ByzFL on the same 100-step cells, then fedsim alone on the γ = 0.33 and
+γ = 0 rows of ByzFL's grid at their full 800 steps, 12 sweeps at once on the machine's cores.
 
 `guess_s` is a guess for an H100: nothing has measured these steps on a GPU yet. It is printed
 beside the measured time and never used to skip a step; a step runs with `cap_s` (or what is left
@@ -127,4 +130,24 @@ def call2_steps(tiny: bool, work: str) -> list[Step]:
         # four kinds: the sequential peft loop, a base per worker, the shared base, batched adapters
         Step("LM rows (bench_lm --quick)", "bench", [*lm, "--output", f"{work}/bench_lm.json"], 90, 45,
              output=f"{work}/bench_lm.json", what="lm"),
+    ]  # fmt: skip
+
+
+# ByzFL's published rows (docs/robustness.md): 144 runs of 800 steps; cut short, the runs done are kept
+GRID = ["--gammas", "0.33,0", "--f", "1,2,3,4", "--rules", "trimmed_mean,geometric_median", "--seeds", "0,1,2"]
+TINY_GRID = ["--gammas", "0.33", "--f", "1,2", "--seeds", "0", "--attacks", "sign_flip,optimal_ipm"]
+
+
+def call3_steps(tiny: bool, work: str) -> list[Step]:
+    """ByzFL and fedsim on the same short cells (wall times side by side), then fedsim on the grid."""
+    device = ["--device", "cpu" if tiny else "cuda", "--workers", "0"]
+    speed = ["--only", "both", "--gammas", "0.33", "--rules", "trimmed_mean", "--seeds", "0", "--byzfl-jobs", "2"]
+    speed += ["--steps", "3", "--eval-every", "3", "--f", "1", "--attacks", "sign_flip"] if tiny else ["--f", "1,4"]
+    grid_cap = 400
+    grid = [*(TINY_GRID if tiny else GRID), "--parallel", "2" if tiny else "12", "--budget-s", str(grid_cap - 30)]
+    grid += ["--only", "fedsim", *(["--steps", "4", "--eval-every", "2"] if tiny else ["--steps", "800"])]
+    return [
+        *environment_steps(tiny),
+        bench("ByzFL and fedsim, 100 steps", "bench_byzfl.py", [*speed, *device], 110, 60, work, what="byzfl speed"),
+        bench("ByzFL grid, fedsim", "bench_byzfl.py", [*grid, *device], grid_cap, 300, work, what="byzfl grid"),
     ]  # fmt: skip

@@ -1,0 +1,50 @@
+"""benchmarks/bench_byzfl.py: ByzFL's cell figure from the runs' curves, and the sweeps run N at a
+time within a budget."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def bench_byzfl(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import bench_byzfl
+
+    return bench_byzfl
+
+
+def test_a_cell_is_the_worst_attacks_best_of_the_seeds_mean_curve(bench_byzfl):
+    curves = {
+        ("trimmed_mean", 0.33, 4, "sign_flip"): [[0.2, 0.8, 0.6], [0.4, 0.6, 0.9]],  # mean .3 .7 .75: best .75
+        ("trimmed_mean", 0.33, 4, "optimal_ipm"): [[0.5, 0.9, 0.7], [0.5, 0.5, 0.8]],  # mean .5 .7 .75: best .75
+        ("trimmed_mean", 0.33, 4, "optimal_alie"): [[0.1, 0.7]],  # one seed only: best .7
+        ("trimmed_mean", 0.0, 1, "sign_flip"): [[0.3, 0.2]],
+    }
+    cells = {(c["gamma"], c["f"]): c for c in bench_byzfl.heatmap(curves)}
+    hard = cells[(0.33, 4)]
+    assert hard["accuracy"] == pytest.approx(0.7) and hard["worst_attack"] == "optimal_alie"
+    assert (hard["attacks"], hard["seeds"]) == (3, 1)  # the cell lacks seeds: it says so
+    assert (cells[(0.0, 1)]["accuracy"], cells[(0.0, 1)]["attacks"]) == (0.3, 1)
+    assert list(cells) == [(0.33, 4), (0.0, 1)]  # gamma down, as ByzFL's heatmaps
+
+
+def test_commands_run_n_at_a_time_and_stop_at_the_budget(bench_byzfl, tmp_path):
+    """Two sleepers run at once (each leaves its mark), the budget stops both, the third never starts."""
+    marks = [tmp_path / f"ran{i}" for i in range(3)]
+    sleepers = [[sys.executable, "-c", f"import time; open({str(m)!r}, 'w'); time.sleep(60)"] for m in marks]
+    started = time.perf_counter()
+    bench_byzfl.timed(sleepers, tmp_path, {}, parallel=2, budget_s=1.5)
+    assert time.perf_counter() - started < 30  # stopped, not waited for
+    assert [m.exists() for m in marks] == [True, True, False]
+
+
+def test_a_failing_command_names_itself(bench_byzfl, tmp_path):
+    with pytest.raises(RuntimeError, match="(?i)no such file"):
+        bench_byzfl.timed([[sys.executable, "-c", "open('/no/such/file')"]], tmp_path, {})
