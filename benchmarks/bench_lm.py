@@ -42,7 +42,12 @@ the split by time always puts it in the test set (checked on the data in each ru
     FEDSIM_DATA=/path/to/datasets python benchmarks/bench_lm.py   # real Shakespeare text
     python benchmarks/bench_lm.py --device cuda --workers 1,2,4,8  # on a GPU: CUDA memory per worker
     python benchmarks/bench_lm.py --figure tokens.png    # and a bar per kind; --replot JSON redraws one
-    python benchmarks/bench_lm.py --kinds sequential,shared --workers 1 --threads 1,2  # a lone worker's threads
+    python benchmarks/bench_lm.py --kinds sequential,shared --workers 1 --threads 2,1 --no-sampler  # a lone worker
+
+``--no-sampler`` leaves out the outside sampler of every process's PSS (four reads a second), whose
+reads take CPU from the timed threads: for figures of speed, most of all with rounds of a fraction
+of a second or with threads on every core; the PSS is then fedsim's own, read after the first
+round and at the end.
 
 fedsim's kinds run with ``threads: 1`` (one torch thread per worker, fedsim's default) unless
 ``--threads`` names others: each fedsim row is then measured once per thread count. The
