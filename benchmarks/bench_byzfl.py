@@ -3,16 +3,21 @@
     python benchmarks/bench_byzfl.py                        # 100 steps; gamma 1, 0.33, 0; f 1, 4; TM; 3 attacks
     python benchmarks/bench_byzfl.py --only fedsim --steps 800 --gammas 1,0.66,0.33,0 --f 1,2,3,4 \\
         --rules trimmed_mean,geometric_median --seeds 0,1,2   # ByzFL's whole default grid, fedsim alone
+    python benchmarks/bench_byzfl.py --only fedsim --steps 800 --gammas 0.33,0 --f 1,2,3,4 \
+        --rules trimmed_mean,geometric_median --seeds 0,1,2 --workers 0 --device cuda --parallel 12 \
+        --budget-s 370                                      # GPU call 3: ByzFL's published rows
     python benchmarks/bench_byzfl.py --from-sweep runs/byzfl-sweep-X --heatmaps docs/figures
-        # the cells and heatmaps of a sweep of experiments/robustness/byzfl.yaml already run
+        # the cells and heatmaps of sweeps of experiments/robustness/byzfl.yaml already run
 
 ByzFL's side is its own ``run_benchmark`` (byzfl 0.0.11, ``byzfl/benchmark/benchmark.py``) on a
 ``config.json`` of the cells, in a temporary folder, reading MNIST from the data root
 (``--data-root``, else ``$FEDSIM_DATA``), with ``--byzfl-jobs`` cells at a time. fedsim's side is
-``fedsim sweep experiments/robustness/byzfl.yaml`` over the same cells (a part of the file's grid). Each side
-runs in its own process and is timed from launch to exit. Both train on all 60,000 training
-images (ByzFL's ``size_train_set: 1.0``: its default keeps 20 % apart to choose learning rates
-on) and evaluate on the test set every ``--eval-every`` steps.
+``fedsim sweep experiments/robustness/byzfl.yaml`` over the same cells (a part of the file's grid),
+one sweep per (f, seed), ``--parallel`` of them at a time, each with its share of the cores as
+torch threads; ``--budget-s`` stops them and keeps the runs they finished, and the table counts
+each cell's attacks and seeds. Each side is timed from its first launch to its last exit. Both
+train on all 60,000 training images (ByzFL's ``size_train_set: 1.0``: its default keeps 20 %
+apart to choose learning rates on) and evaluate on the test set every ``--eval-every`` steps.
 
 A cell's accuracy is ByzFL's heatmap figure (``evaluate_results.test_heatmap``): the test
 accuracy curves averaged over the seeds, their best evaluation, the worst over the attacks.
@@ -319,6 +324,8 @@ def main(argv=None) -> int:
     if args.from_sweep:
         side = sweep_cells([Path(folder) for folder in args.from_sweep])
         print(harness.format_table(COLUMNS, [{"tool": "fedsim", **cell} for cell in side["cells"]]))
+        if side["unfinished_runs"]:
+            print(f"fedsim: {side['unfinished_runs']} runs did not finish and are left out of the cells")
         for path in write_heatmaps({"fedsim": side}, Path(args.heatmaps)) if args.heatmaps else []:
             print(f"wrote {path}")
         return 0
