@@ -100,6 +100,7 @@ def test_fedavg_looks_as_before(tmp_path, capsys):
         expected = (
             rf"round {row['round']}/2  test acc {row['test_accuracy']:.4f}  test loss {row['test_loss']:.4f}  "
             rf"train loss {row['train_loss']:.4f}  \d+\.\d\d s"
+            r"( \(\d+\.\d\d s scoring [\d,]+ test samples\))?"  # shown where scoring took a good part of the round
         )
         assert re.fullmatch(expected, line)
     assert format_table([sweep_run(history)]).splitlines()[0].split() == [
