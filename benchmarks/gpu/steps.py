@@ -144,7 +144,8 @@ def call3_steps(tiny: bool, work: str) -> list[Step]:
     speed = ["--only", "both", "--gammas", "0.33", "--rules", "trimmed_mean", "--seeds", "0", "--byzfl-jobs", "2"]
     speed += ["--steps", "3", "--eval-every", "3", "--f", "1", "--attacks", "sign_flip"] if tiny else ["--f", "1,4"]
     grid_cap = 400
-    grid = [*(TINY_GRID if tiny else GRID), "--parallel", "2" if tiny else "12", "--budget-s", str(grid_cap - 30)]
+    budget = grid_cap - 45  # then up to 30 s for the sweeps to stop, and the table
+    grid = [*(TINY_GRID if tiny else GRID), "--parallel", "2" if tiny else "12", "--budget-s", str(budget)]
     grid += ["--only", "fedsim", *(["--steps", "4", "--eval-every", "2"] if tiny else ["--steps", "800"])]
     return [
         *environment_steps(tiny),
