@@ -837,12 +837,22 @@ def test_attack_count_sets_f_of_the_rules_and_pre_aggregators():
     torch.testing.assert_close(arc(u, w, g)[0], pre_aggregator({"arc": {"f": 1}})(u, w, g)[0])  # set: kept
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 11, 24, 25])
+@pytest.mark.parametrize("k", [1, 2, 3, 11, 14, 17, 24, 25])
 def test_rows_are_sorted_as_torch_sorts_them(k):
     g = torch.Generator().manual_seed(k)
     values = torch.randint(-3, 4, (k, 500), generator=g).float()  # many ties
     values[0, :10] = -0.0
     assert torch.equal(aggregation.sorted_rows(values), values.sort(dim=0).values)
+
+
+def test_the_sorting_network_sorts_every_column_of_zeros_and_ones():
+    """The 0-1 principle (Knuth, TAOCP 5.3.4): a comparison network that sorts every sequence of 0s
+    and 1s sorts every sequence. Every one of the 2^k columns, for each k up to 16."""
+    for k in range(1, 17):
+        columns = torch.arange(1 << k)
+        bits = ((columns[None, :] >> torch.arange(k)[:, None]) & 1).float()
+        assert torch.equal(aggregation.sorted_rows(bits), bits.sort(dim=0).values), k
+    assert len(aggregation.sorting_network(14)) == 53  # where odd-even transposition takes 91
 
 
 def ref_dnc(u, f, iterations, b, c, seed):

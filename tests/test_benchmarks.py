@@ -170,3 +170,22 @@ def test_bench_personal_scoring_scores_each_client_two_ways_alike(tmp_path):
     assert [row["clients"] for row in rows] == [4, 500] and all(row["same_accuracies"] for row in rows)
     for row in rows:
         assert_positive(row, "global_seconds", "personal_seconds", "one_by_one_seconds", "personal_ratio")
+
+
+def test_bench_aggregation_times_both_pipelines_on_the_same_aggregate(tmp_path):
+    pytest.importorskip("byzfl")
+    output = tmp_path / "a.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "bench_aggregation.py"), "--rows", "11,14"]
+    command += ["--values", "3000", "--repeats", "1", "--output", str(output)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    entries = json.loads(output.read_text())["entries"]
+    assert [(e["rows"], e["f"], e["rule"]) for e in entries] == [
+        (11, 1, "trimmed_mean"),
+        (11, 1, "geometric_median"),
+        (14, 4, "trimmed_mean"),
+        (14, 4, "geometric_median"),
+    ]
+    for entry in entries:
+        assert entry["max_difference"] < 1e-6  # coordinates below 0.05 in float32: a few ulps are under 1e-8
+        assert_positive(entry, "fedsim_ms", "byzfl_ms", "ratio")

@@ -28,6 +28,7 @@ The families are the modules of this package, each registering its own: ``means.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -179,25 +180,46 @@ _NETWORK_ROWS = 24  # up to here a network of min and max sorts faster than torc
 _NETWORK_COLUMNS = 1 << 14  # the network's columns at a time: k rows of them stay in the CPU's cache
 
 
+@functools.cache
+def sorting_network(k: int) -> tuple[tuple[int, int], ...]:
+    """The compare-exchanges ``(i, j)``, ``i < j``, that sort k rows: Batcher's odd-even merge sort
+    on the power of two at or above k, less those that reach row k or beyond. Rows past k would
+    hold +inf, which a compare-exchange with a real row never moves, so the rest sorts the k rows.
+    14 rows take 53 compare-exchanges, where odd-even transposition takes k (k - 1) / 2 = 91."""
+    size = 1 << max(0, k - 1).bit_length()
+    pairs = []
+    p = 1
+    while p < size:
+        step = p
+        while step >= 1:
+            for j in range(step % p, size - step, 2 * step):
+                for i in range(min(step, size - j - step)):
+                    if (i + j) // (2 * p) == (i + j + step) // (2 * p) and i + j + step < k:
+                        pairs.append((i + j, i + j + step))
+            step //= 2
+        p *= 2
+    return tuple(pairs)
+
+
 def sorted_rows(values: torch.Tensor) -> torch.Tensor:
-    """``values.sort(dim=0).values``. For up to 24 rows, by an odd-even transposition network of
-    elementwise minima and maxima, k (k - 1) / 2 of each, over blocks of 16,384 columns: torch.sort
-    along a short first dimension is slow on a CPU (11 rows of 431,080 values: 72 ms against 27 ms by
-    the network, one thread), and a network over whole rows goes through memory at each of its
-    steps (14 rows: 80 ms over whole rows, 42 ms in blocks, paired medians); a comparison network
-    puts the same values in the same places."""
+    """``values.sort(dim=0).values``. For up to 24 rows, by a sorting network of elementwise minima
+    and maxima (``sorting_network``) over blocks of 16,384 columns: torch.sort along a short first
+    dimension is several times slower on a CPU, a network over whole rows goes through memory at
+    each of its steps, and in blocks each compare-exchange costs about its call, so the fewer the
+    better (benchmarks/bench_aggregation.py). A comparison network puts the same values in the
+    same places."""
     k = values.shape[0]
     if k > _NETWORK_ROWS:
         return values.sort(dim=0).values
     shape, values = values.shape, values.reshape(k, -1)  # a [k] or [k, ...] stack as [k, columns]
     out = torch.empty_like(values)
-    # a GPU has no such cache to keep, and each block would cost it k (k - 1) more kernel launches
+    network = sorting_network(k)
+    # a GPU has no such cache to keep, and each block would cost it the network's kernel launches again
     width = _NETWORK_COLUMNS if values.device.type == "cpu" else max(1, values.shape[1])
     for start in range(0, values.shape[1], width):
         rows = list(values[:, start : start + width].unbind(0))
-        for sweep in range(k):
-            for i in range(sweep % 2, k - 1, 2):
-                rows[i], rows[i + 1] = torch.minimum(rows[i], rows[i + 1]), torch.maximum(rows[i], rows[i + 1])
+        for i, j in network:
+            rows[i], rows[j] = torch.minimum(rows[i], rows[j]), torch.maximum(rows[i], rows[j])
         torch.stack(rows, out=out[:, start : start + width])
     return out.view(shape)
 
