@@ -2,6 +2,7 @@
 
     python benchmarks/bench_aggregation.py                       # 11 and 14 rows of 431,080 values
     python benchmarks/bench_aggregation.py --rows 11 --rules trimmed_mean --repeats 15
+    python benchmarks/bench_aggregation.py --sort 14,64,128 --values 200000   # the sort alone
 
 This is the step the optimal attacks repeat 20 times a round (their line search over the attack's
 factor), so it sets the speed of ByzFL's benchmark (docs/robustness.md). Rows of ``--values``
@@ -13,6 +14,8 @@ ByzFL 0.0.11: ``Clipping(c=2)``, ``NNM(f)``, then ``TrMean(f)`` or ``GeometricMe
 T=3)``, the same functions (tests/test_aggregation.py checks them against each other). The two
 are timed in turns, ``--repeats`` times each after a warm-up, on ``--threads`` torch threads;
 the table gives the medians, their ratio and the largest difference between the two aggregates.
+``--sort`` also times fedsim's sort of k rows (``sorted_rows``: a sorting network on a CPU up to
+128 rows, which the trimmed mean and the median use) against ``torch.sort`` along the rows.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def parse_args(argv=None):
     parser.add_argument("--rules", default="trimmed_mean,geometric_median", help="comma-separated")
     parser.add_argument("--repeats", type=int, default=9, help="timed evaluations of each, in turns")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--sort", default="", help="also time the sort alone of these numbers of rows, comma-separated")
     parser.add_argument("--output", help="results JSON (default benchmarks/results/bench_aggregation-cpu-<time>.json)")
     return parser.parse_args(argv)
 
@@ -102,6 +106,31 @@ def measure(rows: int, rule: str, args) -> dict:
     }
 
 
+SORT_COLUMNS = [
+    ("rows", "rows", "d"),
+    ("sorted_rows ms", "network_ms", ".1f"),
+    ("torch.sort ms", "torch_ms", ".1f"),
+    ("torch.sort / sorted_rows", "ratio", ".2f"),
+]
+
+
+def measure_sort(rows: int, args) -> dict:
+    """fedsim's sort of ``rows`` rows against torch.sort, in turns; the two must agree exactly."""
+    from fedsim.fl.aggregation import sorted_rows
+
+    values = torch.randn(rows, args.values, generator=torch.Generator().manual_seed(rows))
+    if not torch.equal(sorted_rows(values), values.sort(dim=0).values):
+        raise AssertionError(f"sorted_rows and torch.sort differ on {rows} rows")
+    times: dict[str, list[float]] = {"network": [], "torch": []}
+    for _ in range(args.repeats):
+        for name, sort in (("network", sorted_rows), ("torch", lambda v: v.sort(dim=0).values)):
+            start = time.perf_counter()
+            sort(values)
+            times[name].append(time.perf_counter() - start)
+    network_ms, torch_ms = (1e3 * statistics.median(times[name]) for name in ("network", "torch"))
+    return {"rows": rows, "network_ms": network_ms, "torch_ms": torch_ms, "ratio": torch_ms / network_ms}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -114,7 +143,12 @@ def main(argv=None) -> int:
     entries = [measure(int(k), rule, args) for k in args.rows.split(",") for rule in args.rules.split(",")]
     print(f"one evaluation, {args.values:,} values a row, {args.threads} thread(s), median of {args.repeats}")
     print(harness.format_table(COLUMNS, entries))
-    path = harness.write_results("bench_aggregation", args, machine, "cpu", [], {"entries": entries})
+    sorts = [measure_sort(int(k), args) for k in args.sort.split(",") if k]
+    if sorts:
+        print(f"\nthe sort alone, {args.values:,} values a row")
+        print(harness.format_table(SORT_COLUMNS, sorts))
+    payload = {"entries": entries, "sorts": sorts}
+    path = harness.write_results("bench_aggregation", args, machine, "cpu", [], payload)
     print(f"wrote {path}")
     return 0
 

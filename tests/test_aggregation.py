@@ -837,7 +837,7 @@ def test_attack_count_sets_f_of_the_rules_and_pre_aggregators():
     torch.testing.assert_close(arc(u, w, g)[0], pre_aggregator({"arc": {"f": 1}})(u, w, g)[0])  # set: kept
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 11, 14, 17, 24, 25])
+@pytest.mark.parametrize("k", [1, 2, 3, 11, 14, 17, 24, 25, 100, 128, 129])
 def test_rows_are_sorted_as_torch_sorts_them(k):
     g = torch.Generator().manual_seed(k)
     values = torch.randint(-3, 4, (k, 500), generator=g).float()  # many ties

@@ -176,10 +176,12 @@ def test_bench_aggregation_times_both_pipelines_on_the_same_aggregate(tmp_path):
     pytest.importorskip("byzfl")
     output = tmp_path / "a.json"
     command = [sys.executable, str(REPO / "benchmarks" / "bench_aggregation.py"), "--rows", "11,14"]
-    command += ["--values", "3000", "--repeats", "1", "--output", str(output)]
+    command += ["--values", "3000", "--repeats", "1", "--sort", "3,129", "--output", str(output)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    entries = json.loads(output.read_text())["entries"]
+    results = json.loads(output.read_text())
+    assert [s["rows"] for s in results["sorts"]] == [3, 129]  # the sort agreed with torch.sort on both
+    entries = results["entries"]
     assert [(e["rows"], e["f"], e["rule"]) for e in entries] == [
         (11, 1, "trimmed_mean"),
         (11, 1, "geometric_median"),

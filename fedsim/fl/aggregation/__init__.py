@@ -176,7 +176,8 @@ def row_norms(rows: torch.Tensor, point: torch.Tensor | None = None) -> torch.Te
     return torch.linalg.vector_norm(torch.stack(parts), dim=0)
 
 
-_NETWORK_ROWS = 24  # up to here a network of min and max sorts faster than torch.sort (see sorted_rows)
+_NETWORK_ROWS = 128  # on a CPU, up to here the network sorts faster than torch.sort (bench_aggregation --sort)
+_NETWORK_ROWS_ELSEWHERE = 24  # a GPU launches two kernels a compare-exchange: kept to what it was
 _NETWORK_COLUMNS = 1 << 14  # the network's columns at a time: k rows of them stay in the CPU's cache
 
 
@@ -202,14 +203,14 @@ def sorting_network(k: int) -> tuple[tuple[int, int], ...]:
 
 
 def sorted_rows(values: torch.Tensor) -> torch.Tensor:
-    """``values.sort(dim=0).values``. For up to 24 rows, by a sorting network of elementwise minima
-    and maxima (``sorting_network``) over blocks of 16,384 columns: torch.sort along a short first
-    dimension is several times slower on a CPU, a network over whole rows goes through memory at
-    each of its steps, and in blocks each compare-exchange costs about its call, so the fewer the
-    better (benchmarks/bench_aggregation.py). A comparison network puts the same values in the
-    same places."""
+    """``values.sort(dim=0).values``. For up to 128 rows (24 off a CPU), by a sorting network of
+    elementwise minima and maxima (``sorting_network``) over blocks of 16,384 columns: torch.sort
+    along a short first dimension is several times slower on a CPU, a network over whole rows goes
+    through memory at each of its steps, and in blocks each compare-exchange costs about its call,
+    so the fewer the better (benchmarks/bench_aggregation.py). A comparison network puts the same
+    values in the same places."""
     k = values.shape[0]
-    if k > _NETWORK_ROWS:
+    if k > (_NETWORK_ROWS if values.device.type == "cpu" else _NETWORK_ROWS_ELSEWHERE):
         return values.sort(dim=0).values
     shape, values = values.shape, values.reshape(k, -1)  # a [k] or [k, ...] stack as [k, columns]
     out = torch.empty_like(values)
