@@ -177,7 +177,7 @@ def row_norms(rows: torch.Tensor, point: torch.Tensor | None = None) -> torch.Te
 
 
 _NETWORK_ROWS = 128  # on a CPU, up to here the network sorts faster than torch.sort (bench_aggregation --sort)
-_NETWORK_ROWS_ELSEWHERE = 24  # a GPU launches two kernels a compare-exchange: kept to what it was
+_NETWORK_ROWS_ELSEWHERE = 24  # a GPU launches two kernels a compare-exchange, torch.sort one call
 _NETWORK_COLUMNS = 1 << 14  # the network's columns at a time: k rows of them stay in the CPU's cache
 
 
