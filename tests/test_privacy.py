@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from fedsim.algorithms import Algorithm
+from fedsim.core.blocks import row_norms
 from fedsim.core.errors import ConfigError
 from fedsim.experiment.config import Config
 from fedsim.experiment.validation import check_privacy
 from fedsim.fl import accounting, aggregation, privacy
-from fedsim.fl.aggregation import AGGREGATORS, row_norms
+from fedsim.fl.aggregation import AGGREGATORS
 from fedsim.fl.privacy import Privacy
 from fedsim.fl.sampling import draw, poisson_capacity
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..core.blocks import gram
 from ..core.clustering import two_clusters
 from . import ALGORITHMS
 from .base import Round
@@ -95,19 +96,22 @@ class CFL(Clustered):
 def splits(updates: torch.Tensor, eps1: float, eps2: float) -> bool:
     """The paper's criterion on a cluster's updates ([m, n]): the norm of their mean below ``eps1``
     (near a stationary point of the cluster's joint loss), the largest norm above ``eps2`` (far
-    from some client's own); a cluster of one client cannot split."""
+    from some client's own); a cluster of one client cannot split. Both from the updates' Gram
+    matrix, in float64 (``core.blocks``: no float64 copy of the updates): the squared norm of
+    the mean is the sum of its entries over m squared."""
     if len(updates) < 2:
         return False
-    updates = updates.double()
-    return bool(updates.mean(dim=0).norm() < eps1) and bool(updates.norm(dim=1).max() > eps2)
+    inner = gram(updates)
+    mean_norm = inner.sum().clamp_min(0).sqrt() / len(updates)
+    return bool(mean_norm < eps1) and bool(inner.diagonal().max().sqrt() > eps2)
 
 
 def cosine_similarities(updates: torch.Tensor) -> torch.Tensor:
     """[m, m] float64: the cosine similarity of every pair of the rows of ``updates`` (a zero row's
-    is 0 with every other)."""
-    rows = updates.double()
-    unit = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    return unit @ unit.T
+    is 0 with every other), from their Gram matrix (``core.blocks``)."""
+    inner = gram(updates)
+    norms = inner.diagonal().sqrt().clamp_min(1e-12)
+    return inner / (norms[:, None] * norms[None, :])
 
 
 def bipartition(similarity: torch.Tensor) -> torch.Tensor:

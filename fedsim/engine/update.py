@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..algorithms import Algorithm, Round
+from ..core.blocks import row_norms
 from ..core.errors import NonFiniteError, UserCodeError, user_code
 from ..core.streams import attack_generator, pre_aggregation_generator
-from ..fl.aggregation import Memory, PreAggregator, Rule, remembers, row_norms
+from ..fl.aggregation import Memory, PreAggregator, Rule, remembers
 from ..fl.aggregation.preaggregation import pre_aggregated
 from ..fl.attacks import Attack, RoundView
 from ..results.records import ClientRecord

@@ -88,6 +88,7 @@ from typing import Any
 
 import torch
 
+from ..core.blocks import float64_blocks, row_norms
 from ..core.checks import FLOAT32, Checks, is_integer, is_number
 from ..core.errors import ConfigError, FedsimError, user_code
 from ..core.sections import option, required_keys
@@ -105,7 +106,6 @@ from .accounting import (
     rdp_epsilon,
     rdp_floor,
 )
-from .aggregation import float64_blocks, row_norms
 
 RULES = ("fedavg", "mean")  # the rules that privacy's clipped, noised mean replaces
 

@@ -32,11 +32,12 @@ import functools
 import importlib
 import inspect
 import pkgutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
 
+from ...core.blocks import gram, row_norms
 from ...core.checks import Checks, refuse_unknown
 from ...core.errors import ConfigError
 from ...core.registry import Registry
@@ -142,40 +143,6 @@ def mean_of(rows: torch.Tensor) -> torch.Tensor:
     return combine(normalized(rows.new_ones(rows.shape[0]), rows), rows)
 
 
-_BLOCK = 1 << 16  # elements of the float64 block in ``float64_blocks``: 512 KiB, kept in cache through its passes
-
-
-def float64_blocks(rows: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(start, block)`` over the columns of ``rows``: each block of columns copied in turn into
-    one float64 buffer of ~``_BLOCK`` elements, so that a float64 view of a large stack never
-    exists whole (the buffer is reused: use a block before taking the next)."""
-    k, p = rows.shape
-    columns = max(1, min(p, _BLOCK // max(1, k)))
-    buffer = rows.new_empty((k, columns), dtype=torch.float64)
-    for start in range(0, p, columns):
-        block = buffer[:, : min(columns, p - start)]
-        block.copy_(rows[:, start : start + columns])
-        yield start, block
-
-
-def row_norms(rows: torch.Tensor, point: torch.Tensor | None = None) -> torch.Tensor:
-    """The ``[k]`` Euclidean norms of ``rows[i] - point`` (``point`` default 0), in float64.
-
-    In float32 a sum of squares overflows once an entry passes 1.8e19, and an infinite norm
-    then gives 0 / 0 or inf / inf = NaN downstream. Float64 holds the difference of two float32
-    values to ~1e-16 and a sum of P squares of them up to (6.8e38)^2 P ~ 5e77 P. The work is in
-    column blocks (``float64_blocks``), so that the float64 copy stays small; the norm of a row
-    is the norm of its blocks' norms.
-    """
-    point = None if point is None else point.to(torch.float64)
-    parts = []
-    for start, block in float64_blocks(rows):
-        if point is not None:
-            block -= point[start : start + block.shape[1]]
-        parts.append(torch.linalg.vector_norm(block, dim=1))
-    return torch.linalg.vector_norm(torch.stack(parts), dim=0)
-
-
 _NETWORK_ROWS = 128  # on a CPU, up to here the network sorts faster than torch.sort (bench_aggregation --sort)
 _NETWORK_ROWS_ELSEWHERE = 24  # a GPU launches two kernels a compare-exchange, torch.sort one call
 _NETWORK_COLUMNS = 1 << 14  # the network's columns at a time: k rows of them stay in the CPU's cache
@@ -230,17 +197,6 @@ def middle(values: torch.Tensor) -> torch.Tensor:
     k = values.shape[0]
     ordered = sorted_rows(values)
     return ordered[(k - 1) // 2] / 2 + ordered[k // 2] / 2  # halves first: no overflow near the float limit
-
-
-def gram(rows: torch.Tensor, centre: torch.Tensor | None = None) -> torch.Tensor:
-    """``(X - centre) (X - centre)^T`` of the rows (``centre`` default 0), in float64 (column blocks:
-    no float64 copy of the whole stack)."""
-    out = torch.zeros(len(rows), len(rows), dtype=torch.float64, device=rows.device)
-    for start, block in float64_blocks(rows):
-        if centre is not None:
-            block -= centre[start : start + block.shape[1]]
-        out.addmm_(block, block.T)
-    return out
 
 
 def centred_gram(rows: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from ...core.blocks import gram, row_norms
 from ...core.clustering import two_clusters
-from . import AGGREGATORS, OPTIONS, Memory, Rule, combine, gram, mean_of, middle, remembering, row_norms, tolerating
+from . import AGGREGATORS, OPTIONS, Memory, Rule, combine, mean_of, middle, remembering, tolerating
 
 
 def _memory(rule: Rule, memory: Memory | None, like: torch.Tensor) -> Memory:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from . import AGGREGATORS, OPTIONS, Rule, combine, mean_of, middle, normalized, row_norms
+from ...core.blocks import row_norms
+from . import AGGREGATORS, OPTIONS, Rule, combine, mean_of, middle, normalized
 
 
 @AGGREGATORS.register("fedavg", "mean weighted by client sample counts (McMahan et al. 2017)")

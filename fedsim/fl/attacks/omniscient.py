@@ -22,8 +22,9 @@ from statistics import NormalDist
 
 import torch
 
+from ...core.blocks import row_norms
 from ...core.checks import Checks
-from ..aggregation import centred_gram, row_norms, squared_distances
+from ..aggregation import centred_gram, squared_distances
 from . import ATTACKS, Attack, RoundView
 
 logger = logging.getLogger("fedsim")

@@ -1,0 +1,53 @@
+"""float64 arithmetic over a stack of float32 rows ([k, P]), a block of columns at a time, so that
+a float64 copy of the whole stack never exists: the norms of the rows and their Gram matrix, which
+the robust rules (fl/aggregation), the privacy accounting and the clustered algorithms read."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+_BLOCK = 1 << 16  # elements of the float64 block in ``float64_blocks``: 512 KiB, kept in cache through its passes
+
+
+def float64_blocks(rows: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(start, block)`` over the columns of ``rows``: each block of columns copied in turn into
+    one float64 buffer of ~``_BLOCK`` elements, so that a float64 view of a large stack never
+    exists whole (the buffer is reused: use a block before taking the next)."""
+    k, p = rows.shape
+    columns = max(1, min(p, _BLOCK // max(1, k)))
+    buffer = rows.new_empty((k, columns), dtype=torch.float64)
+    for start in range(0, p, columns):
+        block = buffer[:, : min(columns, p - start)]
+        block.copy_(rows[:, start : start + columns])
+        yield start, block
+
+
+def row_norms(rows: torch.Tensor, point: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``[k]`` Euclidean norms of ``rows[i] - point`` (``point`` default 0), in float64.
+
+    In float32 a sum of squares overflows once an entry passes 1.8e19, and an infinite norm
+    then gives 0 / 0 or inf / inf = NaN downstream. Float64 holds the difference of two float32
+    values to ~1e-16 and a sum of P squares of them up to (6.8e38)^2 P ~ 5e77 P. The work is in
+    column blocks (``float64_blocks``), so that the float64 copy stays small; the norm of a row
+    is the norm of its blocks' norms.
+    """
+    point = None if point is None else point.to(torch.float64)
+    parts = []
+    for start, block in float64_blocks(rows):
+        if point is not None:
+            block -= point[start : start + block.shape[1]]
+        parts.append(torch.linalg.vector_norm(block, dim=1))
+    return torch.linalg.vector_norm(torch.stack(parts), dim=0)
+
+
+def gram(rows: torch.Tensor, centre: torch.Tensor | None = None) -> torch.Tensor:
+    """``(X - centre) (X - centre)^T`` of the rows (``centre`` default 0), in float64 (column blocks:
+    no float64 copy of the whole stack)."""
+    out = torch.zeros(len(rows), len(rows), dtype=torch.float64, device=rows.device)
+    for start, block in float64_blocks(rows):
+        if centre is not None:
+            block -= centre[start : start + block.shape[1]]
+        out.addmm_(block, block.T)
+    return out
