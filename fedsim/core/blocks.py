@@ -9,14 +9,16 @@ from collections.abc import Iterator
 import torch
 
 _BLOCK = 1 << 16  # elements of the float64 block in ``float64_blocks``: 512 KiB, kept in cache through its passes
+_BLOCK_ELSEWHERE = 1 << 20  # 8 MiB on a GPU, which has no such cache to keep and pays its kernel launches per block
 
 
 def float64_blocks(rows: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
     """``(start, block)`` over the columns of ``rows``: each block of columns copied in turn into
-    one float64 buffer of ~``_BLOCK`` elements, so that a float64 view of a large stack never
+    one float64 buffer of a fixed size, so that a float64 view of a large stack never
     exists whole (the buffer is reused: use a block before taking the next)."""
     k, p = rows.shape
-    columns = max(1, min(p, _BLOCK // max(1, k)))
+    size = _BLOCK if rows.device.type == "cpu" else _BLOCK_ELSEWHERE
+    columns = max(1, min(p, size // max(1, k)))
     buffer = rows.new_empty((k, columns), dtype=torch.float64)
     for start in range(0, p, columns):
         block = buffer[:, : min(columns, p - start)]
