@@ -82,17 +82,23 @@ def pipelines(rule: str, f: int):
     return fedsim_side, byzfl_side
 
 
+def in_turns(sides: dict, value: torch.Tensor, repeats: int) -> dict[str, list[float]]:
+    """Each side called on ``value`` in turn, ``repeats`` times: its seconds each time."""
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, side in sides.items():
+            start = time.perf_counter()
+            side(value)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def measure(rows: int, rule: str, args) -> dict:
     f = rows - HONEST
     updates = torch.randn(rows, args.values, generator=torch.Generator().manual_seed(rows)) * 0.005
     fedsim_side, byzfl_side = pipelines(rule, f)
     ours, theirs = fedsim_side(updates), byzfl_side(updates)  # the warm-up, and the aggregates compared
-    times: dict[str, list[float]] = {"fedsim": [], "byzfl": []}
-    for _ in range(args.repeats):
-        for name, side in (("fedsim", fedsim_side), ("byzfl", byzfl_side)):
-            start = time.perf_counter()
-            side(updates)
-            times[name].append(time.perf_counter() - start)
+    times = in_turns({"fedsim": fedsim_side, "byzfl": byzfl_side}, updates, args.repeats)
     fedsim_ms, byzfl_ms = (1e3 * statistics.median(times[name]) for name in ("fedsim", "byzfl"))
     return {
         "rows": rows,
@@ -121,12 +127,7 @@ def measure_sort(rows: int, args) -> dict:
     values = torch.randn(rows, args.values, generator=torch.Generator().manual_seed(rows))
     if not torch.equal(sorted_rows(values), values.sort(dim=0).values):
         raise AssertionError(f"sorted_rows and torch.sort differ on {rows} rows")
-    times: dict[str, list[float]] = {"network": [], "torch": []}
-    for _ in range(args.repeats):
-        for name, sort in (("network", sorted_rows), ("torch", lambda v: v.sort(dim=0).values)):
-            start = time.perf_counter()
-            sort(values)
-            times[name].append(time.perf_counter() - start)
+    times = in_turns({"network": sorted_rows, "torch": lambda v: v.sort(dim=0).values}, values, args.repeats)
     network_ms, torch_ms = (1e3 * statistics.median(times[name]) for name in ("network", "torch"))
     return {"rows": rows, "network_ms": network_ms, "torch_ms": torch_ms, "ratio": torch_ms / network_ms}
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..core.blocks import gram
+from ..core.blocks import cosine_similarities, gram
 from ..core.clustering import two_clusters
 from . import ALGORITHMS
 from .base import Round
@@ -70,9 +70,10 @@ class CFL(Clustered):
         updates = round.updates[: len(trained), : round.num_params]
         for cluster in trained.unique().tolist():
             rows = (trained == cluster).nonzero().flatten()
-            if not splits(updates[rows], self.eps1, self.eps2):
+            cluster_updates = updates[rows]
+            if not splits(cluster_updates, self.eps1, self.eps2):
                 continue
-            second = bipartition(cosine_similarities(updates[rows])).to(rows.device)
+            second = bipartition(cosine_similarities(cluster_updates)).to(rows.device)
             smaller = min(int(second.sum()), len(rows) - int(second.sum()))
             if smaller < self.min_cluster_size:
                 continue
@@ -104,14 +105,6 @@ def splits(updates: torch.Tensor, eps1: float, eps2: float) -> bool:
     inner = gram(updates)
     mean_norm = inner.sum().clamp_min(0).sqrt() / len(updates)
     return bool(mean_norm < eps1) and bool(inner.diagonal().max().sqrt() > eps2)
-
-
-def cosine_similarities(updates: torch.Tensor) -> torch.Tensor:
-    """[m, m] float64: the cosine similarity of every pair of the rows of ``updates`` (a zero row's
-    is 0 with every other), from their Gram matrix (``core.blocks``)."""
-    inner = gram(updates)
-    norms = inner.diagonal().sqrt().clamp_min(1e-12)
-    return inner / (norms[:, None] * norms[None, :])
 
 
 def bipartition(similarity: torch.Tensor) -> torch.Tensor:

@@ -53,3 +53,11 @@ def gram(rows: torch.Tensor, centre: torch.Tensor | None = None) -> torch.Tensor
             block -= centre[start : start + block.shape[1]]
         out.addmm_(block, block.T)
     return out
+
+
+def cosine_similarities(rows: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """``[k, k]`` float64: the cosine of every pair of the rows, from their Gram matrix, each norm
+    taken as at least ``eps`` (a zero row's cosine is 0 with every row)."""
+    inner = gram(rows)
+    norms = inner.diagonal().sqrt().clamp(min=eps)
+    return inner / norms[:, None] / norms[None, :]

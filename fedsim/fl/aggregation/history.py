@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ...core.blocks import gram, row_norms
+from ...core.blocks import cosine_similarities, row_norms
 from ...core.clustering import two_clusters
 from . import AGGREGATORS, OPTIONS, Memory, Rule, combine, mean_of, middle, remembering, tolerating
 
@@ -52,9 +52,7 @@ def centered_clipping(tau: float = 100.0, iterations: int = 1) -> Rule:
 def cosine_distances(rows: torch.Tensor) -> torch.Tensor:
     """``[k, k]`` ``1 - cos(rows_i, rows_j)`` in float64, as ``torch.nn.functional.cosine_similarity``
     defines the cosine (each norm at least 1e-8, so a zero row is at distance 1 from every row)."""
-    inner = gram(rows)
-    norms = inner.diagonal().sqrt().clamp(min=1e-8)
-    return 1 - inner / norms[:, None] / norms[None, :]
+    return 1 - cosine_similarities(rows, eps=1e-8)
 
 
 def larger_of_two_clusters(distances: torch.Tensor, linkage: str) -> torch.Tensor:
