@@ -50,7 +50,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", default="20,1000,10000", help="federation sizes, comma-separated")
     parser.add_argument("--model", default="mnist_cnn")
-    parser.add_argument("--batch-size", type=int, default=1000, help="eval_batch_size (default 1000, fedsim's)")
+    parser.add_argument("--batch-size", type=int, default=128, help="eval_batch_size (default 128, fedsim's)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--data-root", default=os.environ.get("FEDSIM_DATA"))
     parser.add_argument("--output", help="the JSON file (default under benchmarks/results/)")

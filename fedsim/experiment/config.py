@@ -133,8 +133,10 @@ class Config:
         unread=_not_power_of_choice,
     )
     eval_every: int = option(1, "evaluate every N rounds (and always after the last)")
+    # 128: a CPU scores a batch fastest when its activations stay in the core's cache (the zoo's
+    # CNNs score 1.3 to 1.8 times as fast as in batches of 2,000); a GPU's scoring is milliseconds either way
     eval_batch_size: int = option(
-        2000,
+        128,
         "test-set batch size, in samples (a text dataset's: sequences, whose scores take batch x "
         "`data.sequence_length` x vocabulary floats: set it lower for a language model)",
     )
