@@ -44,6 +44,24 @@ def row_norms(rows: torch.Tensor, point: torch.Tensor | None = None) -> torch.Te
     return torch.linalg.vector_norm(torch.stack(parts), dim=0)
 
 
+def finite_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``[k]`` bool: which rows hold no NaN or Inf. A float32 (or narrower) row is finite exactly
+    when its float64 norm is: the squares cannot overflow a float64 sum (see ``row_norms``), and a
+    NaN or an Inf carries through it. That costs a tenth of ``torch.isfinite(rows).all(dim=1)`` on
+    a CPU, which writes a bool per value. A float64 row, whose norm could overflow, is checked
+    value by value."""
+    if not rows.is_floating_point():
+        return torch.ones(len(rows), dtype=torch.bool, device=rows.device)
+    if rows.dtype == torch.float64 or not rows.shape[1]:
+        return torch.isfinite(rows).all(dim=1)
+    return torch.isfinite(row_norms(rows))
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (any shape) holds no NaN or Inf, read as one row (``finite_rows``)."""
+    return bool(finite_rows(tensor.reshape(1, -1))[0])
+
+
 def gram(rows: torch.Tensor, centre: torch.Tensor | None = None) -> torch.Tensor:
     """``(X - centre) (X - centre)^T`` of the rows (``centre`` default 0), in float64 (column blocks:
     no float64 copy of the whole stack)."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..algorithms import Algorithm, Round
-from ..core.blocks import row_norms
+from ..core.blocks import all_finite, finite_rows, row_norms
 from ..core.errors import NonFiniteError, UserCodeError, user_code
 from ..core.streams import attack_generator, pre_aggregation_generator
 from ..fl.aggregation import Memory, PreAggregator, Rule, remembers
@@ -40,7 +40,7 @@ logger = logging.getLogger("fedsim")
 
 def check_finite(state: GlobalState, tensor: torch.Tensor, rnd: int, what: str, why: str, advice: str) -> None:
     """The global state must stay finite: stop before a non-finite one is evaluated or saved."""
-    if not torch.isfinite(tensor).all():
+    if not all_finite(tensor):
         raise NonFiniteError(
             f"round {rnd}: {what} (NaN/Inf){why}; nothing of this round was saved and {state.kept()}; {advice}"
         )
@@ -140,9 +140,9 @@ class AggregateUpdates:
         updates = b.client_weights[:k].sub_(self.state.model.flat)  # client weights - global weights, in place
         attacking = b.attackers[clients]
         byzantine = self._attack(rnd, updates, attacking.to(updates.device))
-        finite = torch.isfinite(updates).all(dim=1)
+        finite = finite_rows(updates)
         for report in b.reports.values():
-            finite &= torch.isfinite(report[:k].reshape(k, report[0].numel())).all(dim=1)
+            finite &= finite_rows(report[:k].reshape(k, report[0].numel()))
         if self.compression:  # what each client sends instead (see compression.py for why after the attack)
             self.compression.compress(updates[:, : self.state.model.num_params], clients.tolist(), finite, rnd)
         keep = finite.nonzero().flatten()
@@ -198,7 +198,7 @@ class AggregateUpdates:
         none = SimpleNamespace(updates=updates[:0], weights=weights[:0])
         if not outsiders and not attacking.any():
             return none
-        finite = torch.isfinite(updates).all(dim=1)
+        finite = finite_rows(updates)
         stack, mask = updates, attacking
         if outsiders:  # rows of their own after the clients' (no client of the federation is an attacker)
             # holding no data, what they would send honestly is the honest clients' mean (as in ByzFL)
@@ -222,7 +222,7 @@ class AggregateUpdates:
             stack[mask] = sent.to(updates.dtype)
         if not outsiders:
             return none
-        sending = torch.isfinite(stack[k:]).all(dim=1)  # a non-finite update is left out, as a client's is
+        sending = finite_rows(stack[k:])  # a non-finite update is left out, as a client's is
         return SimpleNamespace(updates=stack[k:][sending], weights=weights[k:][sending])
 
     def _warn_breakdown(self, rnd: int, count: int, n: int) -> None:

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from ..core.blocks import all_finite
 from ..core.checks import Checks
 from ..core.registry import Registry
 from ..core.sections import option
@@ -218,7 +219,7 @@ class Compression:
             generator = compression_generator(self.seed, rnd, client) if self.compressor.random else None
             sent = self.compressor(target, generator)
             residual = target - sent if self.error_feedback else None
-            if not (torch.isfinite(sent).all() and (residual is None or torch.isfinite(residual).all())):
+            if not (all_finite(sent) and (residual is None or all_finite(residual))):
                 usable[i] = False
                 continue
             if self.error_feedback:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ...core.blocks import finite_rows
 from ...core.checks import Checks, refuse_unknown
 from ...core.registry import Registry, is_import_path, load_attr
 from ...core.sections import option
@@ -115,7 +116,7 @@ class RoundView:
     def honest(self) -> torch.Tensor:
         """The honest clients' finite updates ``[h, P]``; where the round has none, the attackers'
         own (they trained honestly on their data too)."""
-        rows = ~self.attackers & torch.isfinite(self.updates).all(dim=1)
+        rows = ~self.attackers & finite_rows(self.updates)
         return self.updates[rows] if bool(rows.any()) else self.own
 
     def sending(self, vector: torch.Tensor) -> torch.Tensor:
