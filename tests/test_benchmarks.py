@@ -172,6 +172,19 @@ def test_bench_personal_scoring_scores_each_client_two_ways_alike(tmp_path):
         assert_positive(row, "global_seconds", "personal_seconds", "one_by_one_seconds", "personal_ratio")
 
 
+def test_bench_scoring_scores_alike_in_every_batch_size(tmp_path):
+    output = tmp_path / "s.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "bench_scoring.py"), "--models", "mnist_cnn"]
+    command += ["--batches", "64,300", "--samples", "300", "--repeats", "1", "--output", str(output)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    small, whole = json.loads(output.read_text())["entries"]
+    assert (small["batch"], whole["batch"], whole["ratio"]) == (64, 300, 1.0)
+    assert small["accuracy"] == whole["accuracy"]
+    assert small["loss"] == pytest.approx(whole["loss"], rel=1e-6)  # float32 sums of 64 and of 300 losses
+    assert_positive(small, "seconds", "ratio")
+
+
 def test_bench_aggregation_times_both_pipelines_on_the_same_aggregate(tmp_path):
     pytest.importorskip("byzfl")
     output = tmp_path / "a.json"
