@@ -14,6 +14,8 @@ ByzFL 0.0.11: ``Clipping(c=2)``, ``NNM(f)``, then ``TrMean(f)`` or ``GeometricMe
 T=3)``, the same functions (tests/test_aggregation.py checks them against each other). The two
 are timed in turns, ``--repeats`` times each after a warm-up, on ``--threads`` torch threads;
 the table gives the medians, their ratio and the largest difference between the two aggregates.
+``--keep-freed-memory`` sets glibc to keep freed blocks for reuse, as fedsim does in a run's
+processes (execution/resources.py), for both sides: a ByzFL run's process does not.
 ``--sort`` also times fedsim's sort of k rows (``sorted_rows``: a sorting network on a CPU up to
 128 rows, which the trimmed mean and the median use) against ``torch.sort`` along the rows.
 """
@@ -50,6 +52,11 @@ def parse_args(argv=None):
     parser.add_argument("--rules", default="trimmed_mean,geometric_median", help="comma-separated")
     parser.add_argument("--repeats", type=int, default=9, help="timed evaluations of each, in turns")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="glibc keeps freed blocks for reuse, as a fedsim run's processes do (both sides, one process)",
+    )
     parser.add_argument("--sort", default="", help="also time the sort alone of these numbers of rows, comma-separated")
     parser.add_argument("--output", help="results JSON (default benchmarks/results/bench_aggregation-cpu-<time>.json)")
     return parser.parse_args(argv)
@@ -140,9 +147,14 @@ def main(argv=None) -> int:
         print("bench_aggregation: ByzFL is the other side; pip install byzfl==0.0.11", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    if args.keep_freed_memory:
+        from fedsim.execution.resources import keep_freed_memory
+
+        keep_freed_memory()
     machine = harness.machine_info()
     entries = [measure(int(k), rule, args) for k in args.rows.split(",") for rule in args.rules.split(",")]
-    print(f"one evaluation, {args.values:,} values a row, {args.threads} thread(s), median of {args.repeats}")
+    kept = ", freed memory kept" if args.keep_freed_memory else ""
+    print(f"one evaluation, {args.values:,} values a row, {args.threads} thread(s), median of {args.repeats}{kept}")
     print(harness.format_table(COLUMNS, entries))
     sorts = [measure_sort(int(k), args) for k in args.sort.split(",") if k]
     if sorts:

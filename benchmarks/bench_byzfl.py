@@ -13,8 +13,9 @@ ByzFL's side is its own ``run_benchmark`` (byzfl 0.0.11, ``byzfl/benchmark/bench
 ``config.json`` of the cells, in a temporary folder, reading MNIST from the data root
 (``--data-root``, else ``$FEDSIM_DATA``), with ``--byzfl-jobs`` cells at a time. fedsim's side is
 ``fedsim sweep experiments/robustness/byzfl.yaml`` over the same cells (a part of the file's grid),
-one sweep per (f, seed), ``--parallel`` of them at a time, each with its share of the cores as
-torch threads; ``--budget-s`` stops them and keeps the runs they finished, and the table counts
+one sweep per (f, seed), ``--parallel`` of them at a time, each bound to its own share of the
+cores (its CPU affinity, which a run's server and workers read as the cores they have);
+``--budget-s`` stops them and keeps the runs they finished, and the table counts
 each cell's attacks and seeds. Each side is timed from its first launch to its last exit. Both
 train on all 60,000 training images (ByzFL's ``size_train_set: 1.0``: its default keeps 20 %
 apart to choose learning rates on) and evaluate on the test set every ``--eval-every`` steps.
@@ -126,12 +127,24 @@ def heatmap(curves: dict) -> list[dict]:
     ]
 
 
-def timed(commands: list[list[str]], cwd: Path, env: dict, parallel: int = 1, budget_s: float | None = None) -> float:
+def timed(
+    commands: list[list[str]],
+    cwd: Path,
+    env: dict,
+    parallel: int = 1,
+    budget_s: float | None = None,
+    share_cores: bool = False,
+) -> float:
     """Run the commands, ``parallel`` at a time; seconds from the first launch to the last exit.
     The first that fails stops the others and raises with its message. After ``budget_s`` the
-    ones still running are stopped and the rest are not started: what they finished stays."""
+    ones still running are stopped and the rest are not started: what they finished stays.
+    ``share_cores``: each of the ``parallel`` slots has its own equal share of this process's
+    cores, as its CPU affinity (where the platform has one)."""
     start = time.perf_counter()
     waiting, running = list(commands), []
+    cores = sorted(os.sched_getaffinity(0)) if share_cores and hasattr(os, "sched_getaffinity") else []
+    each = max(1, len(cores) // parallel)
+    slots = [set(cores[(i * each) % len(cores) :][:each]) for i in range(parallel)] if cores else []
     try:
         while waiting or running:
             if budget_s is not None and time.perf_counter() - start > budget_s:
@@ -142,20 +155,24 @@ def timed(commands: list[list[str]], cwd: Path, env: dict, parallel: int = 1, bu
                 command = waiting.pop(0)
                 # a file, not a pipe, which a chatty process could fill and block on; closed when it ends
                 log = tempfile.TemporaryFile()  # noqa: SIM115
-                process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
-                running.append((command, process, log))
+                free = [slot for slot in slots if all(slot is not r[3] for r in running)]
+                bind = (lambda cores=free[0]: os.sched_setaffinity(0, cores)) if free else None
+                process = subprocess.Popen(
+                    command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=bind
+                )
+                running.append((command, process, log, free[0] if free else None))
             time.sleep(0.2)
-            for command, process, log in [r for r in running if r[1].poll() is not None]:
-                running.remove((command, process, log))
+            for command, process, log, slot in [r for r in running if r[1].poll() is not None]:
+                running.remove((command, process, log, slot))
                 log.seek(0)
                 output = log.read().decode(errors="replace").strip()
                 log.close()
                 if process.returncode != 0:
                     raise RuntimeError(f"{' '.join(command[:4])} ... failed: {output[-800:]}")
     finally:
-        for _, process, _ in running:
+        for _, process, _, _ in running:
             process.terminate()  # fedsim stops its workers on SIGTERM; SIGKILL would leave them behind
-        for _, process, log in running:
+        for _, process, log, _ in running:
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -243,9 +260,6 @@ def run_fedsim(grid: dict, args, data_root: str, folder: Path) -> dict:
     timed from the first launch to the last exit."""
     env = {**os.environ, "FEDSIM_DATA": data_root}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    if args.parallel > 1:  # the cores shared out: sweeps whose threads outnumber the cores wait on each other
-        threads = str(max(1, (os.cpu_count() or 1) // args.parallel))
-        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     settings = [
         f"rounds={args.steps}",
         f"eval_every={args.eval_every}",
@@ -262,7 +276,8 @@ def run_fedsim(grid: dict, args, data_root: str, folder: Path) -> dict:
             command += ["--grid", f"attack.type={','.join(grid['attacks'])}"]
             command += ["--grid", f"attack.count={f}", "--grid", f"data.gamma={','.join(map(str, grid['gammas']))}"]
             commands.append([*command, "--seeds", str(seed)])
-    seconds = timed(commands, REPO, env, args.parallel, args.budget_s)
+    # the cores shared out, as affinity: sweeps whose threads outnumber the cores wait on each other
+    seconds = timed(commands, REPO, env, args.parallel, args.budget_s, share_cores=args.parallel > 1)
     return {"wall_seconds": seconds, **sweep_cells(sorted(folder.glob("runs-*")), args.steps)}
 
 

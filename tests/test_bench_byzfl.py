@@ -48,3 +48,19 @@ def test_commands_run_n_at_a_time_and_stop_at_the_budget(bench_byzfl, tmp_path):
 def test_a_failing_command_names_itself(bench_byzfl, tmp_path):
     with pytest.raises(RuntimeError, match="(?i)no such file"):
         bench_byzfl.timed([[sys.executable, "-c", "open('/no/such/file')"]], tmp_path, {})
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="no CPU affinity on this platform")
+def test_commands_at_once_are_bound_to_cores_of_their_own(bench_byzfl, tmp_path):
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to share out")
+    marks = [tmp_path / f"cores{i}" for i in range(2)]
+    code = "import os, time; open({!r}, 'w').write(' '.join(map(str, sorted(os.sched_getaffinity(0))))); time.sleep(1)"
+    commands = [[sys.executable, "-c", code.format(str(m))] for m in marks]
+    bench_byzfl.timed(commands, tmp_path, {}, parallel=2, share_cores=True)
+    bound = [set(map(int, m.read_text().split())) for m in marks]
+    share = len(cores) // 2
+    assert all(len(b) == share and b <= set(cores) for b in bound) and not bound[0] & bound[1]

@@ -46,6 +46,7 @@ from .resources import (
     check_descriptors,
     die_with_parent,
     exit_cause,
+    keep_freed_memory,
     name_this_process,
     prepare_descriptor_sharing,
     pss_bytes,
@@ -81,6 +82,7 @@ def _set_up(conn: Connection, rank: int, device: torch.device, command: tuple) -
 def _worker_main(rank: int, device: str, sharing_strategy: str, conn: Connection) -> None:
     try:  # everything, so that whatever fails is reported in one line, never as a traceback
         die_with_parent()
+        keep_freed_memory()
         name_this_process(f"fedsim-worker{rank}")
         leave_library_warnings_to_the_server()
         for signum in STOP_SIGNALS:  # Ctrl-C, and torchrun's or systemd's SIGTERM, reach the whole process

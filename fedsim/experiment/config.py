@@ -97,7 +97,8 @@ class Config:
         "torch threads each worker trains with (the server, with `workers: 0`); the numbers depend on it but not on "
         "`workers`: a matrix product split over another number of threads may round differently. Fewer workers "
         "than cores leave cores idle at 1: a lone worker on 2 cores trains faster with `threads: 2` (see "
-        "[Performance](performance.md#threads))",
+        "[Performance](performance.md#threads)). The server scores and aggregates with the cores the process may "
+        "use (its CPU affinity), whatever OMP_NUM_THREADS or torchrun says",
     )
     mode: str = option(
         "sync",

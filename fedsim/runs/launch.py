@@ -15,6 +15,7 @@ from ..core.errors import ConfigError, FedsimError, UnguardedScript, explain_res
 from ..execution.distributed import Ranks, RankStopped
 from ..execution.pool import PoolKeeper
 from ..execution.processes import UNGUARDED_SCRIPT, in_worker_start, start_fork_server, worker_imports
+from ..execution.resources import keep_freed_memory
 from ..experiment import components
 from ..experiment.config import SECTIONS, Config, apply_overrides, directory_name, save_config
 from ..experiment.reading import locate
@@ -268,6 +269,7 @@ def _setup(
 ) -> Session:
     ranks = ranks or Ranks()
     log = RoundLog(progress, quiet=quiet or not ranks.is_root)
+    keep_freed_memory()  # the server's stacks of updates, as the workers' (execution/resources.py)
     if cfg.workers != 0:  # the workers' imports, while the session loads the data
         start_fork_server(worker_imports(cfg.to_dict()))
     try:
