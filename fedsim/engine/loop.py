@@ -23,6 +23,7 @@ import torch
 from ..core.errors import user_code
 from ..core.flat import FlatModel
 from ..core.streams import eval_subset_rng
+from ..core.threads import scoring_threads
 from ..experiment.components import describe
 from ..experiment.config import Config
 from ..fl.system import RoundPlan, System
@@ -232,9 +233,10 @@ class Engine:
         if len(candidates) <= cfg.clients_per_round:
             return None
         losses = {}
-        for c in candidates.tolist():
-            ix = b.client_samples(c)
-            losses[c] = evaluate(self.state.model.module, b.train_x[ix], b.train_y[ix], cfg.eval_batch_size)[1]
+        with scoring_threads():
+            for c in candidates.tolist():
+                ix = b.client_samples(c)
+                losses[c] = evaluate(self.state.model.module, b.train_x[ix], b.train_y[ix], cfg.eval_batch_size)[1]
         return losses
 
     def evaluation_note(self) -> str | None:
@@ -300,7 +302,7 @@ class Engine:
     def evaluate_round(self, rnd: int) -> tuple[bool, dict]:
         """Whether round ``rnd`` is evaluated (every eval_every-th and the last), and its scores."""
         evaluated = rnd % self.cfg.eval_every == 0 or rnd == self.cfg.rounds
-        with user_code(f"model {describe(self.cfg.model)} failed in the evaluation of round {rnd}"):
+        with user_code(f"model {describe(self.cfg.model)} failed in the evaluation of round {rnd}"), scoring_threads():
             return evaluated, self._evaluate(rnd, evaluated)
 
     def _evaluate(self, rnd: int, evaluated: bool) -> dict:
@@ -330,7 +332,8 @@ class Engine:
         """The global model's test accuracy and loss (and perplexity, for tokens): on the whole
         test set where ``full`` or no eval_subset is set, else on the subset."""
         scored = self.test if full or self.test_subset is None else self.test_subset
-        accuracy, loss = evaluate(self.state.model.module, *scored, self.cfg.eval_batch_size)
+        with scoring_threads():
+            accuracy, loss = evaluate(self.state.model.module, *scored, self.cfg.eval_batch_size)
         perplexity = {"test_perplexity": tasks.perplexity(loss)} if self.test[1].ndim == 2 else {}
         return {"test_accuracy": accuracy, "test_loss": loss, **perplexity, "test_samples": len(scored[1])}
 

@@ -36,6 +36,7 @@ from multiprocessing.connection import Connection, wait
 import torch
 
 from ..core.errors import UnguardedScript, WorkerError, exception_text, resource_hint, user_code
+from ..core.threads import torch_threads
 from ..engine.buffers import RoundBuffers
 from ..engine.loop import Executor
 from ..experiment.config import Config, vmap_group_size
@@ -378,16 +379,12 @@ class InlinePool(Executor):
         b, k = self.buffers, len(clients)
         b.global_flat.copy_(start_from)
         b.assignment[:k] = clients
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.config.threads)
         started = time.perf_counter()
-        try:
+        with torch_threads(self.config.threads):
             for slots in slot_groups(self.config, k) if groups is None else groups:
                 with user_code(f"training client {int(b.assignment[slots[0]])} in round {rnd} failed", WorkerError):
                     self.runner.train_group(slots, rnd)
             self.runner.synchronize()
-        finally:
-            torch.set_num_threads(threads)
         self.busy_seconds, self.peak_memory = [time.perf_counter() - started], [self.runner.peak_memory()]
 
     def read_pss(self) -> None:

@@ -97,8 +97,8 @@ class Config:
         "torch threads each worker trains with (the server, with `workers: 0`); the numbers depend on it but not on "
         "`workers`: a matrix product split over another number of threads may round differently. Fewer workers "
         "than cores leave cores idle at 1: a lone worker on 2 cores trains faster with `threads: 2` (see "
-        "[Performance](performance.md#threads)). The server scores and aggregates with the cores the process may "
-        "use (its CPU affinity), whatever OMP_NUM_THREADS or torchrun says",
+        "[Performance](performance.md#threads)). The server scores with every core the process may use (its CPU "
+        "affinity), whatever OMP_NUM_THREADS or torchrun says",
     )
     mode: str = option(
         "sync",
@@ -135,7 +135,7 @@ class Config:
     )
     eval_every: int = option(1, "evaluate every N rounds (and always after the last)")
     # 128: a CPU scores a batch fastest when its activations stay in the core's cache (the zoo's
-    # CNNs score 1.3 to 1.8 times as fast as in batches of 2,000); a GPU's scoring is milliseconds either way
+    # CNNs score 1.6 to 1.8 times as fast as in batches of 2,000: benchmarks/bench_scoring.py)
     eval_batch_size: int = option(
         128,
         "test-set batch size, in samples (a text dataset's: sequences, whose scores take batch x "

@@ -4,13 +4,12 @@ privacy, the algorithm and the clients' state; and the engine assembled from the
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..algorithms import Algorithm
 from ..core.errors import ConfigError, FedsimError, user_code
 from ..core.flat import FlatModel
+from ..core.threads import available_cores
 from ..data.tensors import Dataset
 from ..engine.async_loop import AsyncEngine
 from ..engine.buffers import RoundBuffers
@@ -62,13 +61,6 @@ def run_device(cfg: Config, ranks: Ranks) -> torch.device:
     if one_process and ranks.several:
         raise ConfigError(f"mode: {cfg.mode} {one_process}; run it as a single process, without torchrun")
     return resolve_device(rank_device(cfg.device) if ranks.several else cfg.device)
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def resolve_workers(cfg: Config, device: torch.device) -> int:

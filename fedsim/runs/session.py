@@ -41,15 +41,7 @@ from ..results.progress import RoundLog, console_logging
 from ..results.records import client_columns
 from ..results.rundir import RunDirectory, read_clients, read_mapping
 from .callbacks import ClientAccuracyFile, ClientsFile, MetricsFile, RunStart, notify, trackers_of
-from .parts import (
-    available_cores,
-    build_parts,
-    component_names,
-    data_placement,
-    make_engine,
-    resolve_workers,
-    run_device,
-)
+from .parts import build_parts, component_names, data_placement, make_engine, resolve_workers, run_device
 from .summary import account, update_bytes
 
 logger = logging.getLogger("fedsim")
@@ -122,10 +114,6 @@ class Session:
         self.user_callbacks = list(callbacks)
         self.t_start = time.perf_counter()
         torch.multiprocessing.set_sharing_strategy(cfg.sharing_strategy)
-        # the server scores and aggregates with the cores this process may use, whatever
-        # OMP_NUM_THREADS or a launcher (torchrun sets 1) says: a product split over another number of
-        # threads may round differently, and a run's numbers must not depend on how it was started
-        torch.set_num_threads(available_cores())
         self.device = run_device(cfg, self.ranks)
         self.ranks.use_device(self.device)
         self.workers = resolve_workers(cfg, self.device)
