@@ -7,9 +7,14 @@ import signal
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-from support import _started, tagged_processes
+# Before torch (and its OpenMP) is loaded, here and in every process a test starts: the test
+# processes share the cores with the runs they start, and an OpenMP thread that spins while it
+# waits for work takes a core another process needs (the suite took 12.5 minutes so, 9 without)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from support import _started, tagged_processes  # noqa: E402
 
 
 def _real_mnist_root() -> str | None:
