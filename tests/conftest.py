@@ -9,7 +9,7 @@ from pathlib import Path
 
 # Before torch (and its OpenMP) is loaded, here and in every process a test starts: the test
 # processes share the cores with the runs they start, and an OpenMP thread that spins while it
-# waits for work takes a core another process needs (the suite took 12.5 minutes so, 9 without)
+# waits for work takes a core another process needs (the suite took 12.5 minutes so, 8 without)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
