@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -89,23 +88,14 @@ def pipelines(rule: str, f: int):
     return fedsim_side, byzfl_side
 
 
-def in_turns(sides: dict, value: torch.Tensor, repeats: int) -> dict[str, list[float]]:
-    """Each side called on ``value`` in turn, ``repeats`` times: its seconds each time."""
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(repeats):
-        for name, side in sides.items():
-            start = time.perf_counter()
-            side(value)
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def measure(rows: int, rule: str, args) -> dict:
     f = rows - HONEST
     updates = torch.randn(rows, args.values, generator=torch.Generator().manual_seed(rows)) * 0.005
     fedsim_side, byzfl_side = pipelines(rule, f)
     ours, theirs = fedsim_side(updates), byzfl_side(updates)  # the warm-up, and the aggregates compared
-    times = in_turns({"fedsim": fedsim_side, "byzfl": byzfl_side}, updates, args.repeats)
+    times = harness.in_turns(
+        {"fedsim": lambda: fedsim_side(updates), "byzfl": lambda: byzfl_side(updates)}, args.repeats
+    )
     fedsim_ms, byzfl_ms = (1e3 * statistics.median(times[name]) for name in ("fedsim", "byzfl"))
     return {
         "rows": rows,
@@ -134,7 +124,9 @@ def measure_sort(rows: int, args) -> dict:
     values = torch.randn(rows, args.values, generator=torch.Generator().manual_seed(rows))
     if not torch.equal(sorted_rows(values), values.sort(dim=0).values):
         raise AssertionError(f"sorted_rows and torch.sort differ on {rows} rows")
-    times = in_turns({"network": sorted_rows, "torch": lambda v: v.sort(dim=0).values}, values, args.repeats)
+    times = harness.in_turns(
+        {"network": lambda: sorted_rows(values), "torch": lambda: values.sort(dim=0).values}, args.repeats
+    )
     network_ms, torch_ms = (1e3 * statistics.median(times[name]) for name in ("network", "torch"))
     return {"rows": rows, "network_ms": network_ms, "torch_ms": torch_ms, "ratio": torch_ms / network_ms}
 

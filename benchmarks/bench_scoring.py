@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -53,19 +52,15 @@ def measure(name: str, args) -> list[dict]:
     from fedsim.engine.loop import evaluate
     from fedsim.models.zoo import MODELS
 
-    generator = torch.Generator().manual_seed(0)
+    shape, generator = SHAPES.get(name, (1, 28, 28)), torch.Generator().manual_seed(0)
     torch.manual_seed(0)  # the model's initial weights
-    model = MODELS.get(name)(SHAPES.get(name, (1, 28, 28)), 10).to(args.device)
-    x = torch.randn(args.samples, *SHAPES.get(name, (1, 28, 28)), generator=generator).to(args.device)
+    model = MODELS.get(name)(shape, 10).to(args.device)
+    x = torch.randn(args.samples, *shape, generator=generator).to(args.device)
     y = torch.randint(0, 10, (args.samples,), generator=generator).to(args.device)
     batches = [int(b) for b in args.batches.split(",")]
     scores = {b: evaluate(model, x, y, b) for b in batches}  # the warm-up
-    times: dict[int, list[float]] = {b: [] for b in batches}
-    for _ in range(args.repeats):
-        for b in batches:
-            started = time.perf_counter()
-            evaluate(model, x, y, b)  # ends with a host sync (.item()), on a GPU too
-            times[b].append(time.perf_counter() - started)
+    # each scoring ends with a host sync (.item()), on a GPU too
+    times = harness.in_turns({b: lambda b=b: evaluate(model, x, y, b) for b in batches}, args.repeats)
     largest = statistics.median(times[max(batches)])
     return [
         {

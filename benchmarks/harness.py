@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -448,6 +449,18 @@ def memory_fields(report: dict | None) -> dict:
 
 
 # ----------------------------------------------------------------------------- output
+
+
+def in_turns(sides: dict, repeats: int) -> dict:
+    """Each side (a callable of no argument) called in turn, ``repeats`` times: its seconds each
+    time, so that both sides see the same load."""
+    times: dict = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, side in sides.items():
+            start = time.perf_counter()
+            side()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def machine_info() -> dict:

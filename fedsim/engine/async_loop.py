@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..core.blocks import all_finite
 from ..core.errors import FedsimError
 from ..core.streams import async_start_generator
 from ..experiment.config import Config
@@ -133,7 +134,7 @@ class AsyncEngine(Engine):
                 self._train_in_flight(rnd, job)
                 train_seconds, busy = train_seconds + time.perf_counter() - t, busy + max(self.executor.busy_seconds)
             staleness = s.version - job.version
-            finite = bool(torch.isfinite(job.weights).all())
+            finite = all_finite(job.weights)
             records.append(self._arrived(rnd, job, finite, staleness))
             if not finite:
                 in_a_row += 1

@@ -302,7 +302,7 @@ class Engine:
     def evaluate_round(self, rnd: int) -> tuple[bool, dict]:
         """Whether round ``rnd`` is evaluated (every eval_every-th and the last), and its scores."""
         evaluated = rnd % self.cfg.eval_every == 0 or rnd == self.cfg.rounds
-        with user_code(f"model {describe(self.cfg.model)} failed in the evaluation of round {rnd}"), scoring_threads():
+        with user_code(f"model {describe(self.cfg.model)} failed in the evaluation of round {rnd}"):
             return evaluated, self._evaluate(rnd, evaluated)
 
     def _evaluate(self, rnd: int, evaluated: bool) -> dict:
@@ -310,22 +310,23 @@ class Engine:
         if not evaluated:
             return {"test_accuracy": math.nan, "test_loss": math.nan}
         scores = self.scores(full=rnd == cfg.rounds)
-        if not self.client_eval:
-            per_client = {}
-        elif not self.state.algorithm.has_personal_model:
-            per_client = self.client_eval.score(module, *self.test, cfg.eval_batch_size, rnd)
-        else:  # every client's own model, in a copy of the global one
-            personal = self.personal_model or FlatModel(copy.deepcopy(module), self.state.model.flat.device)
-            self.personal_model = personal
-            per_client = self.client_eval.score_personal(
-                personal,
-                self.state.algorithm.personal_scorer(personal.module, self.state.server_state),
-                self.state.personal_weights_of,
-                *self.test,
-                cfg.eval_batch_size,
-                rnd,
-                self.state.trained_clients(),
-            )
+        with scoring_threads():  # as scores() has
+            if not self.client_eval:
+                per_client = {}
+            elif not self.state.algorithm.has_personal_model:
+                per_client = self.client_eval.score(module, *self.test, cfg.eval_batch_size, rnd)
+            else:  # every client's own model, in a copy of the global one
+                personal = self.personal_model or FlatModel(copy.deepcopy(module), self.state.model.flat.device)
+                self.personal_model = personal
+                per_client = self.client_eval.score_personal(
+                    personal,
+                    self.state.algorithm.personal_scorer(personal.module, self.state.server_state),
+                    self.state.personal_weights_of,
+                    *self.test,
+                    cfg.eval_batch_size,
+                    rnd,
+                    self.state.trained_clients(),
+                )
         return {**scores, **per_client}
 
     def scores(self, full: bool) -> dict:
