@@ -1028,3 +1028,75 @@ def test_a_rule_of_ones_own_with_a_memory_keeps_it_with_its_options(tmp_path):
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["aggregator"]["average"]
     plain = fedsim.run(dict(cfg, aggregator="mean", aggregator_options={}), out=tmp_path / "mean", quiet=True, rounds=2)
     assert saved.abs().sum() > 0 and run.test_loss != plain.test_loss
+
+
+# ----------------------------------------------------------------------------- rotations
+
+
+EQUIVARIANT = {
+    "fedavg",
+    "mean",
+    "norm_clip",
+    "krum",
+    "multi_krum",
+    "geometric_median",
+    "clipped_clustering",
+    "clipping",
+    "nnm",
+    "bucketing",
+    "arc",
+}
+
+
+def rotated(name):
+    """What the rule or pre-aggregator ``name`` (default options) makes of a float64 stack turned
+    by a random rotation Q, and of the stack itself: ``(f(X Q), f(X))``."""
+    g = torch.Generator().manual_seed(5)
+    updates = torch.randn(9, 12, generator=g, dtype=torch.float64) * torch.linspace(0.2, 3, 9)[:, None]
+    weights = torch.randint(1, 50, (9,), generator=g).double()
+    q, r = torch.linalg.qr(torch.randn(12, 12, generator=g, dtype=torch.float64))
+    q = q * r.diagonal().sign()
+    if name in aggregation.AGGREGATORS.names():
+        step = aggregation.get(name)
+        return step(updates @ q, weights) @ q.T, step(updates, weights), aggregation.is_equivariant(step)
+    step = pre_aggregator(name)
+    turned, _ = step(updates @ q, weights, torch.Generator().manual_seed(1))
+    plain, _ = step(updates, weights, torch.Generator().manual_seed(1))
+    return turned @ q.T, plain, aggregation.is_equivariant(step)
+
+
+@pytest.mark.parametrize("name", sorted(EQUIVARIANT))
+def test_the_rules_marked_equivariant_commute_with_a_rotation(name):
+    """Turned back, what a marked rule makes of the turned stack is what it makes of the stack, up
+    to float64 rounding of a few dozen operations on values of order 1 (the optimal attacks' line
+    search relies on it: core.blocks.span_coordinates)."""
+    turned, plain, marked = rotated(name)
+    assert marked
+    torch.testing.assert_close(turned, plain, rtol=0, atol=1e-12)
+
+
+def test_exactly_the_rules_that_commute_with_rotations_are_marked():
+    names = [*aggregation.AGGREGATORS.names(), *aggregation.PRE_AGGREGATORS.names()]
+    assert {name for name in names if rotated(name)[2]} == EQUIVARIANT
+    turned, plain, _ = rotated("median")  # coordinate-wise: another result, turned
+    assert (turned - plain).abs().max() > 1e-3
+    assert not aggregation.is_equivariant(aggregation.get("clipped_clustering", agg="median"))
+
+
+def test_a_pipeline_is_equivariant_where_every_step_and_its_rule_are():
+    steps = [pre_aggregator({"clipping": {"max_norm": 2.0}}), pre_aggregator("nnm")]
+    assert aggregation.is_equivariant(pre_aggregated(steps, aggregation.get("geometric_median"), torch.Generator))
+    assert not aggregation.is_equivariant(pre_aggregated(steps, aggregation.get("trimmed_mean"), torch.Generator))
+    assert not aggregation.is_equivariant(pre_aggregated(steps, lambda u, w: u.mean(0), torch.Generator))
+
+
+def test_a_rule_of_ones_own_marked_equivariant_stays_so_with_its_options():
+    from fedsim.experiment.components import aggregator
+
+    def clipped_mean(updates, weights, bound=1.0):
+        return (updates * (bound / updates.norm(dim=1)).clamp(max=1.0)[:, None]).mean(dim=0)
+
+    assert not aggregation.is_equivariant(aggregator(clipped_mean, {"bound": 0.5}))
+    marked = aggregation.equivariant(clipped_mean)
+    assert aggregation.is_equivariant(aggregator(marked, {"bound": 0.5}))
+    assert aggregation.is_equivariant(aggregator(marked, {}))

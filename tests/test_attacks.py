@@ -286,14 +286,19 @@ def test_an_unknown_attack_option_is_refused_in_one_line():
 # ----------------------------------------------------------------------------- against ByzFL
 
 
-def byzfl_server(f):
-    """ByzFL's benchmark server: clipping, then NNM, then the trimmed mean (and fedsim's same)."""
-    from byzfl.aggregators import TrMean
+def byzfl_server(f, rule="trimmed_mean"):
+    """ByzFL's benchmark server: clipping, then NNM, then the trimmed mean or the geometric median
+    (and fedsim's same)."""
+    from byzfl.aggregators import GeometricMedian, TrMean
     from byzfl.aggregators.preaggregators import NNM, Clipping
 
     steps = [pre_aggregator({"clipping": {"max_norm": 2.0}}), pre_aggregator({"nnm": {"f": f}})]
-    ours = pre_aggregated(steps, aggregation.get("trimmed_mean", f=f), torch.Generator)
-    return ours, TrMean(f=f), [Clipping(c=2.0), NNM(f=f)]
+    if rule == "trimmed_mean":
+        ours, theirs = aggregation.get("trimmed_mean", f=f), TrMean(f=f)
+    else:
+        ours = aggregation.get("geometric_median", eps=0.1, max_iter=3, tol=0, init="zero")
+        theirs = GeometricMedian(nu=0.1, T=3)
+    return pre_aggregated(steps, ours, torch.Generator), theirs, [Clipping(c=2.0), NNM(f=f)]
 
 
 def byzfl_round(h=10, f=3, p=400, seed=1):
@@ -325,22 +330,34 @@ def test_ipm_and_sign_flipping_match_byzfl():
 @needs_byzfl
 @pytest.mark.parametrize("kind", ["optimal_alie", "optimal_ipm"])
 @pytest.mark.parametrize("f", [1, 3])
-def test_optimal_attacks_match_byzfl_against_its_benchmark_server(kind, f):
+@pytest.mark.parametrize("rule", ["trimmed_mean", "geometric_median"])
+def test_optimal_attacks_match_byzfl_against_its_benchmark_server(kind, f, rule):
+    """Against the geometric median, fedsim searches in the span of the honest updates (the server's
+    steps are equivariant), ByzFL on the whole vectors. Against it ALIE's vector grows until the
+    clipping sends every candidate in nearly one direction: the aggregate then stops moving, up to
+    rounding, and which factor past that point each search keeps is rounding too; there the test
+    compares how far the two vectors move the aggregate, to float32 rounding (the distances are of
+    order 1, each a norm of sums of ~15 rounded terms: 1e-5 relative)."""
     from byzfl.attacks.attacks import Optimal_ALittleIsEnough, Optimal_InnerProductManipulation
 
     updates, rows = byzfl_round(f=f)
-    ours, agg, pre = byzfl_server(f)
+    ours, agg, pre = byzfl_server(f, rule)
     theirs = (Optimal_ALittleIsEnough if kind == "optimal_alie" else Optimal_InnerProductManipulation)(
         agg=agg, pre_agg_list=pre, f=f
     )
     # ByzFL's vectors are gradients, minus the updates; its server's steps are odd functions
     expected = -theirs(-updates[:10])
     got = sent_by(kind, updates, rows, aggregate=ours)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    # the search keeps the farthest factor it tried: at least as far as its start (factor 0)
     mean = updates[:10].mean(0)
     view = view_of(updates, rows, aggregate=ours)
     reach = float((ours(view.sending(got), view.weights) - mean).norm())
+    if (rule, kind) == ("geometric_median", "optimal_alie"):
+        assert expected.norm() > 1e4 and got.norm() > 1e4  # past the point where the aggregate stops
+        byzfl_reach = float((ours(view.sending(expected), view.weights) - mean).norm())
+        assert reach == pytest.approx(byzfl_reach, rel=1e-5)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    # the search keeps the farthest factor it tried: at least as far as its start (factor 0)
     start = sent_by(
         "alie" if kind == "optimal_alie" else "ipm",
         updates,
@@ -348,6 +365,32 @@ def test_optimal_attacks_match_byzfl_against_its_benchmark_server(kind, f):
         **{"z" if kind == "optimal_alie" else "epsilon": 0.0},
     )
     assert float((ours(view.sending(start), view.weights) - mean).norm()) <= reach
+
+
+@pytest.mark.parametrize("kind", ["optimal_alie", "optimal_ipm"])
+@pytest.mark.parametrize(
+    "steps, rule",
+    [([], "geometric_median"), (["nnm"], "geometric_median"), (["bucketing"], "krum"), ([], "multi_krum")],
+)
+def test_the_search_in_the_span_keeps_the_factor_of_the_search_on_whole_vectors(kind, steps, rule):
+    """Where the aggregate keeps moving with the factor (no clipping to make it stop), the search in
+    coordinates keeps the factor the search on the [k, P] stack keeps: the same distances, up to
+    rounding far below their differences. A rule that is not marked equivariant (the lambda) is
+    searched on the whole vectors."""
+    updates, rows = byzfl_round(f=2)
+    server = pre_aggregated([pre_aggregator(s) for s in steps], aggregation.get(rule), torch.Generator)
+    assert aggregation.is_equivariant(server)
+    in_span = sent_by(kind, updates, rows, aggregate=server)
+    whole = sent_by(kind, updates, rows, aggregate=lambda u, w: server(u, w))
+    torch.testing.assert_close(in_span, whole, rtol=1e-5, atol=0)
+
+
+def test_a_round_with_a_non_finite_honest_update_is_searched_on_whole_vectors():
+    updates, rows = byzfl_round(f=2)
+    updates[3] = math.nan
+    server = aggregation.get("geometric_median")
+    got = sent_by("optimal_ipm", updates, rows, aggregate=server)
+    assert torch.equal(got, sent_by("optimal_ipm", updates, rows, aggregate=lambda u, w: server(u, w)))
 
 
 @needs_byzfl
@@ -368,9 +411,10 @@ def attack_run(small_config, tmp_path, name, workers, **changes):
 
 
 @pytest.mark.slow
-def test_an_omniscient_attack_gives_the_same_numbers_whatever_workers(small_config, tmp_path):
+@pytest.mark.parametrize("aggregator", ["median", "geometric_median"])  # searched on whole vectors, in the span
+def test_an_omniscient_attack_gives_the_same_numbers_whatever_workers(small_config, tmp_path, aggregator):
     changes = dict(
-        aggregator="median",
+        aggregator=aggregator,
         pre_aggregators=[{"clipping": {"max_norm": 1.0}}, "bucketing", "nnm"],
         attack={"type": "optimal_alie", "count": 2},
         clients_per_round=8,
@@ -383,11 +427,20 @@ def test_an_omniscient_attack_gives_the_same_numbers_whatever_workers(small_conf
 
 @pytest.mark.slow
 def test_an_attack_named_by_import_path_runs(small_config, tmp_path):
-    cfg = dict(small_config, aggregator="median", attack={"type": "attack_of_mine:Zeros", "fraction": 0.25}, workers=0)
+    """It sees the server's rule as the run aggregates, marked equivariant where the rule is."""
+    cfg = dict(
+        small_config,
+        aggregator="geometric_median",
+        pre_aggregators=["nnm"],
+        attack={"type": "attack_of_mine:Zeros", "fraction": 0.25},
+        workers=0,
+    )
     (tmp_path / "attack_of_mine.py").write_text(
         "import fedsim\n\n\n"
         "class Zeros(fedsim.attacks.Attack):\n"
+        "    seen = []\n\n"
         "    def rewrite(self, view):\n"
+        "        self.seen.append(fedsim.aggregation.is_equivariant(view.aggregate))\n"
         "        return 0 * view.honest.mean(dim=0)\n"
     )
     import sys
@@ -395,9 +448,11 @@ def test_an_attack_named_by_import_path_runs(small_config, tmp_path):
     sys.path.insert(0, str(tmp_path))
     try:
         history = fedsim.run(cfg, out=tmp_path / "run", quiet=True)
+        from attack_of_mine import Zeros
     finally:
         sys.path.remove(str(tmp_path))
     assert max(history.attackers) > 0 and history.test_accuracy[-1] > 0.3
+    assert Zeros.seen and all(Zeros.seen)
 
 
 @pytest.mark.slow

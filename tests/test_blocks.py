@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fedsim.core import blocks
-from fedsim.core.blocks import all_finite, cosine_similarities, finite_rows, gram, row_norms
+from fedsim.core.blocks import all_finite, cosine_similarities, finite_rows, gram, row_norms, span_coordinates
 
 
 @pytest.fixture
@@ -68,3 +68,21 @@ def test_row_norms_and_gram_against_float64(small_blocks):
     torch.testing.assert_close(gram(rows, point.double()), centred @ centred.T, rtol=1e-14, atol=0)
     norms = torch.linalg.vector_norm(exact, dim=1)
     torch.testing.assert_close(cosine_similarities(rows), exact @ exact.T / norms[:, None] / norms, rtol=1e-14, atol=0)
+
+
+def test_span_coordinates_keep_every_length_and_angle_of_combinations_of_the_rows(small_blocks):
+    """``C C^T`` is the Gram matrix, so any combination ``A rows`` has the lengths and inner products
+    of ``A C``; the last row is a combination of the others (rank 6 of 7), where rounding makes an
+    eigenvalue negative. The error is the eigendecomposition's: a few units of float64 rounding of
+    the largest eigenvalue, bounded here by 1e-12 of it."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(6, 1000, generator=g) * torch.linspace(0.1, 10, 6)[:, None]
+    rows = torch.cat([rows, (rows[0] - 2 * rows[3])[None]])
+    coordinates = span_coordinates(rows)
+    assert coordinates.shape == (7, 7) and coordinates.dtype == torch.float64 and all_finite(coordinates)
+    exact = rows.double()
+    scale = float(torch.linalg.eigvalsh(exact @ exact.T)[-1])
+    torch.testing.assert_close(coordinates @ coordinates.T, exact @ exact.T, rtol=0, atol=1e-12 * scale)
+    mixing = torch.randn(4, 7, generator=g, dtype=torch.float64)
+    full, reduced = mixing @ exact, mixing @ coordinates
+    torch.testing.assert_close(reduced @ reduced.T, full @ full.T, rtol=0, atol=1e-12 * scale * 49 * 16)

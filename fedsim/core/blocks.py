@@ -73,6 +73,17 @@ def gram(rows: torch.Tensor, centre: torch.Tensor | None = None) -> torch.Tensor
     return out
 
 
+def span_coordinates(rows: torch.Tensor) -> torch.Tensor:
+    """``[k, k]`` float64: the rows' coordinates in an orthonormal basis of their span, ``C`` with
+    ``C C^T = rows rows^T``, from the eigendecomposition of their Gram matrix ``V diag(l) V^T`` as
+    ``V diag(sqrt(l))`` (the basis, never formed, is ``diag(1 / sqrt(l)) V^T rows``). Lengths,
+    distances and angles between combinations of the rows are the same in coordinates, up to the
+    rounding of the Gram matrix; the rounding's negative eigenvalues of a rank-deficient stack are
+    taken as 0."""
+    values, vectors = torch.linalg.eigh(gram(rows))
+    return vectors * values.clamp(min=0).sqrt()
+
+
 def cosine_similarities(rows: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     """``[k, k]`` float64: the cosine of every pair of the rows, from their Gram matrix, each norm
     taken as at least ``eps`` (a zero row's cosine is 0 with every row)."""

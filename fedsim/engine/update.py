@@ -23,7 +23,7 @@ from ..algorithms import Algorithm, Round
 from ..core.blocks import all_finite, finite_rows, row_norms
 from ..core.errors import NonFiniteError, UserCodeError, user_code
 from ..core.streams import attack_generator, pre_aggregation_generator
-from ..fl.aggregation import Memory, PreAggregator, Rule, remembers
+from ..fl.aggregation import Memory, PreAggregator, Rule, equivariant, is_equivariant, remembers
 from ..fl.aggregation.preaggregation import pre_aggregated
 from ..fl.attacks import Attack, RoundView
 from ..results.records import ClientRecord
@@ -270,7 +270,7 @@ class AggregateUpdates:
                 f"updates of {updates.shape[1]} values; expected {expected}"
             )
 
-        return aggregate
+        return equivariant(aggregate) if is_equivariant(rule) else aggregate
 
     def _privacy_advice(self) -> list[str]:
         """Where adaptive clipping has moved the clip, and the noise with it, the key to blame too."""

@@ -231,6 +231,8 @@ def aggregator(spec: Any, options: dict, attackers: int | None = None) -> Rule:
     if not options:
         return rule
     bound = functools.partial(rule, **options)
+    if aggregation.is_equivariant(rule):
+        aggregation.equivariant(bound)
     return aggregation.remembering(bound, rule.start_memory) if aggregation.remembers(rule) else bound
 
 

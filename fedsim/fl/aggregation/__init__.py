@@ -12,6 +12,8 @@ config validation (which calls the rule once on ``clients_per_round`` rows) repo
 
 A pre-aggregator (``preaggregation.py``: clipping, NNM, bucketing, ARC) maps the stack to
 another stack before the rule sees it; ``pre_aggregated`` composes them in order with a rule.
+Those that read the updates only through their inner products are marked ``equivariant``: the
+optimal attacks try them on the updates' coordinates in their span.
 
 The robust rules (``median``, ``trimmed_mean``, ``krum``, ``multi_krum``, ``bulyan``) ignore the
 sample counts, as in their papers: an attacker could otherwise claim a large count.
@@ -95,6 +97,23 @@ def tolerating(rule: Rule, tolerates: Callable[[int], int]) -> Rule:
     breakdown point, or the ``f`` it assumes): a round with more says so (engine/update.py)."""
     rule.tolerates = tolerates
     return rule
+
+
+def equivariant(step: Callable) -> Callable:
+    """``step`` (a rule or a pre-aggregator), marked as reading the updates only through their
+    inner products (lengths, distances, angles) and returning combinations of them: it commutes
+    with every rotation of the space, ``step(X Q) = step(X) Q`` for any orthogonal ``Q``. Given the
+    updates' coordinates in an orthonormal basis of their span (``core.blocks.span_coordinates``),
+    a ``[k, k]`` stack however long the updates, it returns its result's coordinates there: the
+    optimal attacks' line search tries the server's aggregate so. A coordinate-wise rule (median,
+    trimmed mean) is not, and neither is a rule whose memory holds a vector."""
+    step.equivariant = True
+    return step
+
+
+def is_equivariant(step: Callable) -> bool:
+    """Whether ``step`` is marked by ``equivariant``."""
+    return getattr(step, "equivariant", False) is True
 
 
 def with_assumed_attackers(name: str, options: dict, f: int, registry: Registry = AGGREGATORS) -> dict:

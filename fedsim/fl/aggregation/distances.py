@@ -14,6 +14,7 @@ from . import (
     assumed_attackers,
     centred_gram,
     combine,
+    equivariant,
     fail,
     first_lowest,
     mean_of,
@@ -57,7 +58,7 @@ def krum(f: int | None = None) -> Rule:
         best = int(first_lowest(krum_scores(updates, assumed)))
         return updates[best].clone()
 
-    return tolerating(rule, lambda k: (k - 3) // 2 if f is None else f)
+    return tolerating(equivariant(rule), lambda k: (k - 3) // 2 if f is None else f)
 
 
 @AGGREGATORS.register(
@@ -87,7 +88,7 @@ def multi_krum(f: int | None = None, m: int | None = None) -> Rule:
         selected[order[:chosen]] = 1.0
         return combine(normalized(selected, updates), updates)
 
-    return tolerating(rule, lambda k: (k - 3) // 2 if f is None else f)
+    return tolerating(equivariant(rule), lambda k: (k - 3) // 2 if f is None else f)
 
 
 def _check_bulyan(k: int, f: int | None) -> int:
@@ -192,7 +193,7 @@ def geometric_median(eps: float = 1e-6, tol: float = 1e-5, max_iter: int = 100, 
                 break
         return z
 
-    return tolerating(rule, lambda k: (k - 1) // 2)
+    return tolerating(equivariant(rule), lambda k: (k - 1) // 2)
 
 
 @AGGREGATORS.register(

@@ -9,7 +9,7 @@ import torch
 
 from ...core.blocks import cosine_similarities, row_norms
 from ...core.clustering import two_clusters
-from . import AGGREGATORS, OPTIONS, Memory, Rule, combine, mean_of, middle, remembering, tolerating
+from . import AGGREGATORS, OPTIONS, Memory, Rule, combine, equivariant, mean_of, middle, remembering, tolerating
 
 
 def _memory(rule: Rule, memory: Memory | None, like: torch.Tensor) -> Memory:
@@ -98,4 +98,6 @@ def clipped_clustering(max_tau: float = 1e5, linkage: str = "average", agg: str 
         return mean_of(kept) if agg == "mean" else middle(kept)
 
     rule = remembering(rule, lambda like: {"norms": like.new_zeros(0, dtype=torch.float64)})
+    if agg == "mean":  # its memory holds norms alone, which a rotation keeps
+        equivariant(rule)
     return tolerating(rule, lambda k: (k - 1) // 2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...core.blocks import row_norms
-from . import AGGREGATORS, OPTIONS, Rule, combine, mean_of, middle, normalized
+from . import AGGREGATORS, OPTIONS, Rule, combine, equivariant, mean_of, middle, normalized
 
 
 @AGGREGATORS.register("fedavg", "mean weighted by client sample counts (McMahan et al. 2017)")
@@ -13,7 +13,7 @@ def fedavg() -> Rule:
     def rule(updates, weights):
         return combine(normalized(weights, updates), updates)
 
-    return rule
+    return equivariant(rule)
 
 
 @AGGREGATORS.register("mean", "unweighted mean of the client updates")
@@ -21,7 +21,7 @@ def mean() -> Rule:
     def rule(updates, weights):
         return mean_of(updates)
 
-    return rule
+    return equivariant(rule)
 
 
 @AGGREGATORS.register(
@@ -46,4 +46,4 @@ def norm_clip(max_norm: float | None = None) -> Rule:
         # scaling the weights instead of the rows avoids a second [k, P] tensor
         return combine(normalized(weights, updates) * scale, updates)
 
-    return rule
+    return equivariant(rule)

@@ -22,6 +22,8 @@ from . import (
     PreAggregator,
     Rule,
     combine,
+    equivariant,
+    is_equivariant,
     remembers,
     row_norms,
     squared_distances,
@@ -60,7 +62,7 @@ def clipping(max_norm: float = 2.0) -> PreAggregator:
         norms = row_norms(updates)
         return _scaled(updates, torch.where(norms > bound, bound / norms, 1.0)), weights
 
-    return step
+    return equivariant(step)
 
 
 @PRE_AGGREGATORS.register(
@@ -82,7 +84,7 @@ def nnm(f: int | None = None) -> PreAggregator:
         mixing.scatter_(1, nearest, 1.0 / keep)
         return combine(mixing, updates), weights
 
-    return step
+    return equivariant(step)
 
 
 @PRE_AGGREGATORS.register(
@@ -104,7 +106,7 @@ def bucketing(s: int = 2) -> PreAggregator:
         rows = combine(member / member.sum(dim=1, keepdim=True), updates)
         return rows, member.to(weights.dtype) @ weights.to(member.device)
 
-    return step
+    return equivariant(step)
 
 
 @PRE_AGGREGATORS.register(
@@ -133,7 +135,7 @@ def arc(f: int | None = None) -> PreAggregator:
         scale[largest] = torch.where(norms[largest] > bound, bound / norms[largest], 1.0)
         return _scaled(updates, scale), weights
 
-    return step
+    return equivariant(step)
 
 
 def pre_aggregator(spec: object, f: int | None = None) -> PreAggregator:
@@ -168,7 +170,8 @@ def pre_aggregated(
     """The rule applied to what ``steps`` make of the stack, in order; each call draws from a fresh
     ``generator()`` (as do rules that take a ``generator`` keyword, such as ``dnc``), so that an
     algorithm that aggregates twice in a round, and an attack that tries the server's aggregate,
-    see the draws the round's update sees. A rule with a memory gets ``memory()`` on each call."""
+    see the draws the round's update sees. A rule with a memory gets ``memory()`` on each call. The
+    composition is ``equivariant`` where every step and the rule are."""
     draws_too, remembered = takes_generator(rule), memory is not None and remembers(rule)
     if not steps and not draws_too and not remembered:
         return rule
@@ -182,4 +185,4 @@ def pre_aggregated(
             keywords["memory"] = memory()
         return rule(updates, weights, **keywords)
 
-    return aggregate
+    return equivariant(aggregate) if is_equivariant(rule) and all(map(is_equivariant, steps)) else aggregate

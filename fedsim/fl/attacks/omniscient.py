@@ -22,9 +22,9 @@ from statistics import NormalDist
 
 import torch
 
-from ...core.blocks import row_norms
+from ...core.blocks import row_norms, span_coordinates
 from ...core.checks import Checks
-from ..aggregation import centred_gram, squared_distances
+from ..aggregation import centred_gram, is_equivariant, squared_distances
 from . import ATTACKS, Attack, RoundView
 
 logger = logging.getLogger("fedsim")
@@ -240,11 +240,12 @@ class _LineSearch(Attack):
         raise NotImplementedError
 
     def rewrite(self, view: RoundView) -> torch.Tensor:
-        mean = _mean(view.honest)
         offset, direction = self.line(view.honest)
+        seen, origin, heading = _searched(view, offset, direction)
+        mean = _mean(seen.honest)
 
         def distance(factor: float) -> float:
-            aggregate = view.aggregate(view.sending(offset + factor * direction), view.weights)
+            aggregate = seen.aggregate(seen.sending(origin + factor * heading), seen.weights)
             return float(row_norms(aggregate[None], mean)[0])
 
         best, best_distance, delta, left = self.start, distance(self.start), self.delta, self.evals - 1
@@ -260,6 +261,25 @@ class _LineSearch(Attack):
                 delta *= self.ratio
                 growing = False
         return offset + best * direction
+
+
+def _searched(
+    view: RoundView, offset: torch.Tensor, direction: torch.Tensor
+) -> tuple[RoundView, torch.Tensor, torch.Tensor]:
+    """The round and the line ``offset + t direction`` as the search tries them. Where the server's
+    aggregate is ``equivariant`` (clipping, NNM, bucketing, ARC, the geometric median, Krum, ...),
+    in coordinates of an orthonormal basis of the span of the honest updates and the line: each try
+    is then on a ``[k, h + 2]`` stack instead of ``[k, P]``, and gives the same distance up to
+    rounding. Otherwise, and where a non-attacker's update is not finite, as they are."""
+    senders = ~view.attackers
+    honest = view.honest
+    if not (is_equivariant(view.aggregate) and len(honest) == int(senders.sum()) > 0):
+        return view, offset, direction
+    coordinates = span_coordinates(torch.cat([honest, offset[None], direction[None]]))
+    updates = coordinates.new_zeros(len(view.updates), coordinates.shape[1])
+    updates[senders] = coordinates[:-2]
+    seen = RoundView(updates, view.weights, view.attackers, view.generator, view.aggregate)
+    return seen, coordinates[-2], coordinates[-1]
 
 
 @ATTACKS.register("optimal_alie", "ALIE with the z that moves the server's aggregate farthest (ByzFL's line search)")
