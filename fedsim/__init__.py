@@ -17,9 +17,19 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 
 __version__ = "0.1.0"
+
+# Read once, when torch loads its OpenMP runtime (GNU OpenMP in torch's Linux builds), so here, before
+# any of fedsim's modules loads torch; the worker processes inherit it. A thread waiting for the next
+# parallel step spins 10,000 turns, a fraction of a millisecond, then sleeps, where the runtime spins
+# 300,000 by default: a run shares its cores with its workers, other runs or a notebook, and a spinning
+# thread holds a core another process needs. Beside two busy processes 10 rounds of ByzFL's benchmark
+# took half as long so, and alone as long (benchmarks/bench_sharing.py). A setting of the user's is kept.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 _API = {
     "run": "runs.launch",

@@ -142,6 +142,35 @@ def test_bench_startup_times_the_command_and_a_sweep(tmp_path):
     assert "Start-up of fedsim" in done.stdout and "A sweep of 3 one-round runs" in done.stdout
 
 
+def test_bench_sharing_times_both_copies_alone_and_beside_busy_processes(tmp_path):
+    output = tmp_path / "s.json"
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "bench_sharing.py"),
+        "--workloads",
+        "quickstart",
+        "--busy",
+        "0,1",
+        "--repeats",
+        "1",
+        "--source",
+        str(REPO),
+        "--data-root",
+        str(tmp_path),
+        "--output",
+        str(output),
+    ]  # no MNIST there: generated data
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads(output.read_text())["rows"]
+    assert [(r["side"], r["busy"]) for r in rows] == [("this", 0), ("other", 0), ("this", 1), ("other", 1)]
+    for row in rows:
+        assert_positive(row, "median_seconds", "to_alone")
+        assert len(row["seconds"]) == 1
+    assert [r["to_other"] is None for r in rows] == [False, True, False, True]
+    assert "Launch to exit" in done.stdout
+
+
 def test_w3_is_pfl_researchs_cifar10_benchmark(tmp_path, monkeypatch):
     """W3 as its paper's Table 1 sets it, on generated CIFAR-shaped tensors without the files."""
     import argparse

@@ -25,3 +25,26 @@ def test_scoring_uses_every_core_the_process_may_run_on():
     with scoring_threads():
         assert torch.get_num_threads() == available_cores()
     assert torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize(
+    "chosen, expected",
+    [
+        ({}, "10000 None"),
+        ({"GOMP_SPINCOUNT": "INFINITY"}, "INFINITY None"),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, "None ACTIVE"),
+    ],
+)
+def test_a_waiting_openmp_thread_spins_briefly_unless_told_otherwise(chosen, expected):
+    """Set when fedsim is imported, before torch loads its OpenMP runtime; the worker processes
+    inherit it. A spin count or a wait policy in the environment is kept (a policy sets its own count)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = (
+        "import os, sys, fedsim; get = os.environ.get; "
+        "print(get('GOMP_SPINCOUNT'), get('OMP_WAIT_POLICY'), 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env={**env, **chosen}, capture_output=True, text=True)
+    assert done.stdout.split() == [*expected.split(), "False"], done.stderr
