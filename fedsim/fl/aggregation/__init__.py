@@ -104,7 +104,7 @@ def equivariant(step: Callable) -> Callable:
     inner products (lengths, distances, angles) and returning combinations of them: it commutes
     with every rotation of the space, ``step(X Q) = step(X) Q`` for any orthogonal ``Q``. Given the
     updates' coordinates in an orthonormal basis of their span (``core.blocks.span_coordinates``),
-    a ``[k, k]`` stack however long the updates, it returns its result's coordinates there: the
+    at most k columns however long the updates, it returns its result's coordinates there: the
     optimal attacks' line search tries the server's aggregate so. A coordinate-wise rule (median,
     trimmed mean) is not, and neither is a rule whose memory holds a vector."""
     step.equivariant = True
