@@ -7,7 +7,8 @@ with another run, a notebook or a build.
 A busy process is a Python loop that never waits, as another job's computing is. Each command runs
 in a fresh process from an empty folder, timed from its launch to its exit, with the environment
 less OMP_WAIT_POLICY and GOMP_SPINCOUNT, so that each copy of fedsim waits for OpenMP work as it
-does by default; the sides run in turns at each number of busy processes, so that they see the same load. Workloads:
+does by default; the sides run in turns at each number of busy processes, so that they see the
+same load. Workloads:
 
     quickstart   `fedsim run mnist_seed` (its 4 workers, 3 rounds)
     byzfl        ByzFL's benchmark file, 10 rounds of sign flipping against f = 4, `workers=0`
