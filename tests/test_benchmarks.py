@@ -30,11 +30,16 @@ TINY = [
 ]
 
 
-def run_script(name: str, *flags: str, output: Path) -> dict:
-    command = [sys.executable, str(REPO / "benchmarks" / name), *TINY, *flags, "--output", str(output)]
+def run_bench(name: str, *flags: str, output: Path) -> tuple[dict, str]:
+    """The script ``benchmarks/<name>`` run with ``flags``, as it must succeed: its results JSON and what it printed."""
+    command = [sys.executable, str(REPO / "benchmarks" / name), *flags, "--output", str(output)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return json.loads(output.read_text())
+    return json.loads(output.read_text()), done.stdout
+
+
+def run_script(name: str, *flags: str, output: Path) -> dict:
+    return run_bench(name, *TINY, *flags, output=output)[0]
 
 
 def assert_positive(entry: dict, *keys: str) -> None:
@@ -118,57 +123,28 @@ def test_profile_round_breaks_a_client_down(tmp_path):
 
 
 def test_bench_startup_times_the_command_and_a_sweep(tmp_path):
-    output = tmp_path / "s.json"
-    command = [
-        sys.executable,
-        str(REPO / "benchmarks" / "bench_startup.py"),
-        "--repeats",
-        "1",
-        "--workers",
-        "2",
-        "--data-root",
-        str(tmp_path),
-        "--output",
-        str(output),
-    ]  # no MNIST there: generated data
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    result = json.loads(output.read_text())
+    # no MNIST under tmp_path: generated data
+    flags = ["--repeats", "1", "--workers", "2", "--data-root", str(tmp_path)]
+    result, printed = run_bench("bench_startup.py", *flags, output=tmp_path / "s.json")
     (run,), (sweep,) = result["runs"], result["sweeps"]
     assert run["status"] == "ok" and run["workers"] == 2 and run["repeats"] == 1
     assert_positive(run, "first_line_seconds", "ready_seconds", "startup_seconds", "exit_seconds")
     assert sweep["status"] == "ok" and len(sweep["startup_seconds_each"]) == sweep["runs"] == 3
     assert_positive(sweep, "seconds_per_run", "first_startup_seconds", "other_startup_seconds")
-    assert "Start-up of fedsim" in done.stdout and "A sweep of 3 one-round runs" in done.stdout
+    assert "Start-up of fedsim" in printed and "A sweep of 3 one-round runs" in printed
 
 
 def test_bench_sharing_times_both_copies_alone_and_beside_busy_processes(tmp_path):
-    output = tmp_path / "s.json"
-    command = [
-        sys.executable,
-        str(REPO / "benchmarks" / "bench_sharing.py"),
-        "--workloads",
-        "quickstart",
-        "--busy",
-        "0,1",
-        "--repeats",
-        "1",
-        "--source",
-        str(REPO),
-        "--data-root",
-        str(tmp_path),
-        "--output",
-        str(output),
-    ]  # no MNIST there: generated data
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = json.loads(output.read_text())["rows"]
+    # no MNIST under tmp_path: generated data
+    flags = ["--workloads", "quickstart", "--busy", "0,1", "--repeats", "1", "--source", str(REPO)]
+    result, printed = run_bench("bench_sharing.py", *flags, "--data-root", str(tmp_path), output=tmp_path / "s.json")
+    rows = result["rows"]
     assert [(r["side"], r["busy"]) for r in rows] == [("this", 0), ("other", 0), ("this", 1), ("other", 1)]
     for row in rows:
         assert_positive(row, "median_seconds", "to_alone")
         assert len(row["seconds"]) == 1
     assert [r["to_other"] is None for r in rows] == [False, True, False, True]
-    assert "Launch to exit" in done.stdout
+    assert "Launch to exit" in printed
 
 
 def test_w3_is_pfl_researchs_cifar10_benchmark(tmp_path, monkeypatch):
@@ -190,24 +166,16 @@ def test_w3_is_pfl_researchs_cifar10_benchmark(tmp_path, monkeypatch):
 
 
 def test_bench_personal_scoring_scores_each_client_two_ways_alike(tmp_path):
-    output = tmp_path / "p.json"
-    command = [sys.executable, str(REPO / "benchmarks" / "bench_personal_scoring.py"), "--clients", "4,500"]
-    command += ["--repeats", "1", "--model", "mnist_2nn", "--data-root", "", "--output", str(output)]  # generated data
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = json.loads(output.read_text())["rows"]
+    flags = ["--clients", "4,500", "--repeats", "1", "--model", "mnist_2nn", "--data-root", ""]  # generated data
+    rows = run_bench("bench_personal_scoring.py", *flags, output=tmp_path / "p.json")[0]["rows"]
     assert [row["clients"] for row in rows] == [4, 500] and all(row["same_accuracies"] for row in rows)
     for row in rows:
         assert_positive(row, "global_seconds", "personal_seconds", "one_by_one_seconds", "personal_ratio")
 
 
 def test_bench_scoring_scores_alike_in_every_batch_size(tmp_path):
-    output = tmp_path / "s.json"
-    command = [sys.executable, str(REPO / "benchmarks" / "bench_scoring.py"), "--models", "mnist_cnn"]
-    command += ["--batches", "64,300", "--samples", "300", "--repeats", "1", "--output", str(output)]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    small, whole = json.loads(output.read_text())["entries"]
+    flags = ["--models", "mnist_cnn", "--batches", "64,300", "--samples", "300", "--repeats", "1"]
+    small, whole = run_bench("bench_scoring.py", *flags, output=tmp_path / "s.json")[0]["entries"]
     assert (small["batch"], whole["batch"], whole["ratio"]) == (64, 300, 1.0)
     assert small["accuracy"] == whole["accuracy"]
     assert small["loss"] == pytest.approx(whole["loss"], rel=1e-6)  # float32 sums of 64 and of 300 losses
@@ -216,12 +184,8 @@ def test_bench_scoring_scores_alike_in_every_batch_size(tmp_path):
 
 def test_bench_aggregation_times_both_pipelines_on_the_same_aggregate(tmp_path):
     pytest.importorskip("byzfl")
-    output = tmp_path / "a.json"
-    command = [sys.executable, str(REPO / "benchmarks" / "bench_aggregation.py"), "--rows", "11,14"]
-    command += ["--values", "3000", "--repeats", "1", "--sort", "3,129", "--output", str(output)]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    results = json.loads(output.read_text())
+    flags = ["--rows", "11,14", "--values", "3000", "--repeats", "1", "--sort", "3,129"]
+    results = run_bench("bench_aggregation.py", *flags, output=tmp_path / "a.json")[0]
     assert [s["rows"] for s in results["sorts"]] == [3, 129]  # the sort agreed with torch.sort on both
     entries = results["entries"]
     assert [(e["rows"], e["f"], e["rule"]) for e in entries] == [
