@@ -12,6 +12,7 @@ import torch
 from support import installed
 
 import fedsim
+from fedsim.core.blocks import span_basis
 from fedsim.core.errors import ConfigError
 from fedsim.fl import aggregation
 from fedsim.fl.aggregation.preaggregation import pre_aggregated, pre_aggregator
@@ -1088,6 +1089,39 @@ def test_a_pipeline_is_equivariant_where_every_step_and_its_rule_are():
     assert aggregation.is_equivariant(pre_aggregated(steps, aggregation.get("geometric_median"), torch.Generator))
     assert not aggregation.is_equivariant(pre_aggregated(steps, aggregation.get("trimmed_mean"), torch.Generator))
     assert not aggregation.is_equivariant(pre_aggregated(steps, lambda u, w: u.mean(0), torch.Generator))
+
+
+def test_a_pipeline_whose_first_steps_are_equivariant_expands_their_coordinates():
+    """Clipping and bucketing run on the coordinates of the updates in their span, and the median,
+    which is not equivariant, on the rows ``expand`` gives back: the median of the rows, to float32
+    rounding of values below 1 (k = 9 terms: a few float32 epsilons). A first step that is not
+    marked leaves the pipeline to run on the rows, as does one with no step."""
+
+    def shifted(updates, weights, generator):  # not marked: adds a fixed vector
+        return updates + 1.0, weights
+
+    median = aggregation.get("median")
+    steps = [pre_aggregator({"clipping": {"max_norm": 3.0}}), pre_aggregator({"bucketing": {"s": 2}})]
+    pipeline = pre_aggregated(steps, median, lambda: torch.Generator().manual_seed(2))
+    assert aggregation.is_expanding(pipeline) and not aggregation.is_equivariant(pipeline)
+    assert not aggregation.is_expanding(pre_aggregated([shifted, *steps], median, torch.Generator))
+    assert not aggregation.is_expanding(pre_aggregated([], median, torch.Generator))
+    equivariant = pre_aggregated(steps, aggregation.get("geometric_median"), torch.Generator)
+    assert not aggregation.is_expanding(equivariant)
+
+    g = torch.Generator().manual_seed(6)
+    updates = torch.randn(9, 500, generator=g) * torch.linspace(0.5, 2, 9)[:, None]
+    weights = torch.ones(9)
+    coordinates, basis = span_basis(updates)
+    seen = []
+
+    def expand(stack):
+        seen.append(stack.shape)
+        return stack.to(basis.dtype) @ basis
+
+    expanded = pipeline(coordinates, weights, expand=expand)
+    assert seen == [(5, 9)]  # after bucketing: 5 buckets, in coordinates
+    torch.testing.assert_close(expanded, pipeline(updates, weights), rtol=0, atol=8 * 9 * torch.finfo().eps)
 
 
 def test_a_rule_of_ones_own_marked_equivariant_stays_so_with_its_options():

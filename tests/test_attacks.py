@@ -370,16 +370,25 @@ def test_optimal_attacks_match_byzfl_against_its_benchmark_server(kind, f, rule)
 @pytest.mark.parametrize("kind", ["optimal_alie", "optimal_ipm"])
 @pytest.mark.parametrize(
     "steps, rule",
-    [([], "geometric_median"), (["nnm"], "geometric_median"), (["bucketing"], "krum"), ([], "multi_krum")],
+    [
+        ([], "geometric_median"),
+        (["nnm"], "geometric_median"),
+        (["bucketing"], "krum"),
+        ([], "multi_krum"),
+        (["nnm"], "trimmed_mean"),
+        (["bucketing", "nnm"], "median"),
+    ],
 )
 def test_the_search_in_the_span_keeps_the_factor_of_the_search_on_whole_vectors(kind, steps, rule):
     """Where the aggregate keeps moving with the factor (no clipping to make it stop), the search in
     coordinates keeps the factor the search on the [k, P] stack keeps: the same distances, up to
-    rounding far below their differences. A rule that is not marked equivariant (the lambda) is
-    searched on the whole vectors."""
+    rounding far below their differences. A coordinate-wise rule after equivariant steps reads the
+    rows the coordinates stand for. A pipeline that is not marked (the lambda) is searched on the
+    whole vectors."""
     updates, rows = byzfl_round(f=2)
     server = pre_aggregated([pre_aggregator(s) for s in steps], aggregation.get(rule), torch.Generator)
-    assert aggregation.is_equivariant(server)
+    assert aggregation.is_equivariant(server) != (rule in ("trimmed_mean", "median"))
+    assert aggregation.is_expanding(server) == (rule in ("trimmed_mean", "median"))
     in_span = sent_by(kind, updates, rows, aggregate=server)
     whole = sent_by(kind, updates, rows, aggregate=lambda u, w: server(u, w))
     torch.testing.assert_close(in_span, whole, rtol=1e-5, atol=0)
@@ -411,7 +420,7 @@ def attack_run(small_config, tmp_path, name, workers, **changes):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("aggregator", ["median", "geometric_median"])  # searched on whole vectors, in the span
+@pytest.mark.parametrize("aggregator", ["median", "geometric_median"])  # expanded after the steps; in the span
 def test_an_omniscient_attack_gives_the_same_numbers_whatever_workers(small_config, tmp_path, aggregator):
     changes = dict(
         aggregator=aggregator,

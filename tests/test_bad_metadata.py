@@ -85,6 +85,26 @@ def test_a_rule_whose_output_is_no_step_fails_the_run_in_one_line(tmp_path, caps
     assert summary["status"] == "failed" and summary["rounds"] == 0
 
 
+@pytest.mark.parametrize(
+    "rule, got", [("short", r"shape \(3,\), torch\.float32"), ("double", r"shape \((\d+),\), torch\.float64")]
+)
+def test_a_rule_whose_output_is_no_step_is_named_in_an_attacks_search(tmp_path, capsys, rule, got):
+    """The optimal attack tries the rule first, after NNM has run on the updates' coordinates in
+    their span: the rule reads the rows they stand for, and is held to their shape."""
+    settings = ["pre_aggregators=[nnm]", "attack.type=optimal_ipm", "attack.count=1"]
+    code, err = cli(capsys, tmp_path, f"aggregator=test_bad_metadata:{rule}", *settings)
+    lines = [line for line in err.splitlines() if not line.startswith("fedsim: warning")]
+    assert code == 1 and len(lines) == 1, err
+    pattern = (
+        rf"fedsim: error: aggregator test_bad_metadata:{rule} returned {got} on cpu in round 1 for 4 updates of "
+        r"(\d+) values; expected a tensor of shape \((\d+),\), torch\.float32 on cpu, as the updates"
+    )
+    match = re.fullmatch(pattern, lines[0])
+    assert match, lines[0]
+    sizes = {int(n) for n in match.groups() if n is not None}
+    assert len(sizes) == 1 and sizes.pop() > 4
+
+
 def test_a_rule_of_the_wrong_dtype_on_the_probe_is_refused_before_the_run(tmp_path, capsys):
     code, err = cli(capsys, tmp_path, "aggregator=test_bad_metadata:always_double")
     assert code == 2 and not (tmp_path / "run").exists(), err

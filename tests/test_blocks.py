@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from fedsim.core import blocks
-from fedsim.core.blocks import all_finite, cosine_similarities, finite_rows, gram, row_norms, span_coordinates
+from fedsim.core.blocks import (
+    all_finite,
+    cosine_similarities,
+    finite_rows,
+    gram,
+    row_norms,
+    span_basis,
+    span_coordinates,
+)
 
 
 @pytest.fixture
@@ -86,3 +94,39 @@ def test_span_coordinates_keep_every_length_and_angle_of_combinations_of_the_row
     mixing = torch.randn(4, 7, generator=g, dtype=torch.float64)
     full, reduced = mixing @ exact, mixing @ coordinates
     torch.testing.assert_close(reduced @ reduced.T, full @ full.T, rtol=0, atol=1e-12 * scale * 49 * 16)
+
+
+@pytest.mark.parametrize("rank_deficient", [False, True])
+def test_span_basis_gives_back_the_rows_and_their_combinations(small_blocks, rank_deficient):
+    """``C B`` is the rows, and ``A C B`` the combination ``A rows``, to float32 rounding: the error
+    of a float32 product of k = 7 terms of the rows, a few float32 epsilons of the largest value
+    (bounded here by 8 k eps). Numerically null directions (the last row a combination of the
+    others, or a zero row) are left out; the others are orthonormal up to the rounding of the rows
+    divided by the square root of their eigenvalue."""
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randn(7, 1000, generator=g) * torch.linspace(0.1, 10, 7)[:, None]
+    if rank_deficient:
+        rows[5] = rows[0] - 2 * rows[3]
+        rows[6] = 0
+    coordinates, basis = span_basis(rows)
+    rank = 5 if rank_deficient else 7
+    assert coordinates.shape == (7, rank) and coordinates.dtype == torch.float64
+    assert basis.shape == (rank, 1000) and basis.dtype == torch.float32
+    bound = 8 * 7 * torch.finfo(torch.float32).eps * float(rows.abs().max())
+    torch.testing.assert_close(coordinates.float() @ basis, rows, rtol=0, atol=bound)
+    mixing = torch.rand(4, 7, generator=g)
+    mixing /= mixing.sum(dim=1, keepdim=True)  # convex combinations, as NNM and bucketing make
+    torch.testing.assert_close((mixing.double() @ coordinates).float() @ basis, mixing @ rows, rtol=0, atol=bound)
+    exact = rows.double()
+    values = torch.linalg.eigvalsh(exact @ exact.T)
+    torch.testing.assert_close(coordinates @ coordinates.T, exact @ exact.T, rtol=0, atol=1e-12 * float(values[-1]))
+    if not rank_deficient:  # a basis vector's error grows as 1 / sqrt(l): its rows' rounding, divided by it
+        spread = float((values[-1] / values[0]).sqrt())
+        atol = 8 * 7 * torch.finfo(torch.float32).eps * spread
+        torch.testing.assert_close(basis @ basis.T, torch.eye(7), rtol=0, atol=atol)
+
+
+def test_span_basis_of_zero_rows_is_empty():
+    coordinates, basis = span_basis(torch.zeros(3, 10))
+    assert coordinates.shape == (3, 0) and basis.shape == (0, 10)
+    assert torch.equal(coordinates.float() @ basis, torch.zeros(3, 10))

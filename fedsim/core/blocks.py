@@ -84,6 +84,22 @@ def span_coordinates(rows: torch.Tensor) -> torch.Tensor:
     return vectors * values.clamp(min=0).sqrt()
 
 
+def span_basis(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' coordinates ``C`` (``[k, r]``, float64, as ``span_coordinates``) and the basis
+    ``B`` (``[r, P]``, the rows' dtype, at least float32) they refer to, ``C B = rows`` up to
+    rounding. Directions whose eigenvalue of the Gram matrix is within its rounding (k float64
+    epsilons of the largest) are left out: a rank-deficient stack has less than 1e-7 of its largest
+    singular value there. ``B = diag(1 / sqrt(l)) V^T rows`` is computed in the rows' precision; its error along a
+    direction of small ``l`` is large, but ``C`` weighs that direction by ``sqrt(l)``, so ``C B``
+    (and any combination ``A C B``) is as exact as a product of the rows in that precision."""
+    values, vectors = torch.linalg.eigh(gram(rows))
+    kept = values > len(rows) * torch.finfo(torch.float64).eps * values[-1]
+    roots, vectors = values[kept].sqrt(), vectors[:, kept]
+    dtype = torch.promote_types(rows.dtype, torch.float32)
+    basis = (vectors / roots).T.to(dtype) @ rows.to(dtype)
+    return vectors * roots, basis
+
+
 def cosine_similarities(rows: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     """``[k, k]`` float64: the cosine of every pair of the rows, from their Gram matrix, each norm
     taken as at least ``eps`` (a zero row's cosine is 0 with every row)."""

@@ -23,7 +23,16 @@ from ..algorithms import Algorithm, Round
 from ..core.blocks import all_finite, finite_rows, row_norms
 from ..core.errors import NonFiniteError, UserCodeError, user_code
 from ..core.streams import attack_generator, pre_aggregation_generator
-from ..fl.aggregation import Memory, PreAggregator, Rule, equivariant, is_equivariant, remembers
+from ..fl.aggregation import (
+    Memory,
+    PreAggregator,
+    Rule,
+    equivariant,
+    expanding,
+    is_equivariant,
+    is_expanding,
+    remembers,
+)
 from ..fl.aggregation.preaggregation import pre_aggregated
 from ..fl.attacks import Attack, RoundView
 from ..results.records import ClientRecord
@@ -255,22 +264,31 @@ class AggregateUpdates:
             self.pre_aggregators, self.aggregate, lambda: pre_aggregation_generator(self.cfg.seed, rnd), memory
         )
 
-        def aggregate(updates, weights):
+        def aggregate(updates, weights, expand=None):
+            read = [updates]  # the stack the rule reads: the rows an attack's ``expand`` gives back
+
+            def expanded(stack):
+                read.append(expand(stack))
+                return read[-1]
+
             with user_code(f"aggregator {self.names['aggregator']} failed in round {rnd}"):
-                out = rule(updates, weights)
-            expected = f"a tensor of shape ({updates.shape[1]},), {updates.dtype} on {updates.device}, as the updates"
+                out = rule(updates, weights) if expand is None else rule(updates, weights, expand=expanded)
+            like = read[-1]
+            expected = f"a tensor of shape ({like.shape[1]},), {like.dtype} on {like.device}, as the updates"
             if not isinstance(out, torch.Tensor):
                 got = type(out).__name__
-            elif (out.shape, out.dtype, out.device) != (updates.shape[1:], updates.dtype, updates.device):
+            elif (out.shape, out.dtype, out.device) != (like.shape[1:], like.dtype, like.device):
                 got = f"shape {tuple(out.shape)}, {out.dtype} on {out.device}"
             else:
                 return out
             raise UserCodeError(
-                f"aggregator {self.names['aggregator']} returned {got} in round {rnd} for {len(updates)} "
-                f"updates of {updates.shape[1]} values; expected {expected}"
+                f"aggregator {self.names['aggregator']} returned {got} in round {rnd} for {len(like)} "
+                f"updates of {like.shape[1]} values; expected {expected}"
             )
 
-        return equivariant(aggregate) if is_equivariant(rule) else aggregate
+        if is_equivariant(rule):
+            return equivariant(aggregate)
+        return expanding(aggregate) if is_expanding(rule) else aggregate
 
     def _privacy_advice(self) -> list[str]:
         """Where adaptive clipping has moved the clip, and the noise with it, the key to blame too."""

@@ -13,7 +13,8 @@ config validation (which calls the rule once on ``clients_per_round`` rows) repo
 A pre-aggregator (``preaggregation.py``: clipping, NNM, bucketing, ARC) maps the stack to
 another stack before the rule sees it; ``pre_aggregated`` composes them in order with a rule.
 Those that read the updates only through their inner products are marked ``equivariant``: the
-optimal attacks try them on the updates' coordinates in their span.
+optimal attacks try them on the updates' coordinates in their span (and a composition whose rule
+is not, on the rows those coordinates stand for once the equivariant steps are done: ``expanding``).
 
 The robust rules (``median``, ``trimmed_mean``, ``krum``, ``multi_krum``, ``bulyan``) ignore the
 sample counts, as in their papers: an attacker could otherwise claim a large count.
@@ -114,6 +115,21 @@ def equivariant(step: Callable) -> Callable:
 def is_equivariant(step: Callable) -> bool:
     """Whether ``step`` is marked by ``equivariant``."""
     return getattr(step, "equivariant", False) is True
+
+
+def expanding(aggregate: Callable) -> Callable:
+    """``aggregate`` (a composition of pre-aggregators and a rule), marked as starting with
+    ``equivariant`` steps and then something that is not (a coordinate-wise rule after clipping and
+    NNM). It takes an ``expand`` keyword, a map applied to the stack after those steps: the optimal
+    attacks give it the updates' coordinates in their span, and ``expand`` the rows they stand
+    for, which the rest of the composition reads."""
+    aggregate.expanding = True
+    return aggregate
+
+
+def is_expanding(aggregate: Callable) -> bool:
+    """Whether ``aggregate`` is marked by ``expanding``."""
+    return getattr(aggregate, "expanding", False) is True
 
 
 def with_assumed_attackers(name: str, options: dict, f: int, registry: Registry = AGGREGATORS) -> dict:

@@ -23,6 +23,7 @@ from . import (
     Rule,
     combine,
     equivariant,
+    expanding,
     is_equivariant,
     remembers,
     row_norms,
@@ -171,18 +172,26 @@ def pre_aggregated(
     ``generator()`` (as do rules that take a ``generator`` keyword, such as ``dnc``), so that an
     algorithm that aggregates twice in a round, and an attack that tries the server's aggregate,
     see the draws the round's update sees. A rule with a memory gets ``memory()`` on each call. The
-    composition is ``equivariant`` where every step and the rule are."""
+    composition is ``equivariant`` where every step and the rule are, and ``expanding`` where it
+    starts with equivariant steps and then is not."""
     draws_too, remembered = takes_generator(rule), memory is not None and remembers(rule)
     if not steps and not draws_too and not remembered:
         return rule
+    lead = next((i for i, step in enumerate(steps) if not is_equivariant(step)), len(steps))
 
-    def aggregate(updates, weights):
+    def aggregate(updates, weights, expand=None):
         draws = generator()
-        for step in steps:
+        for step in steps[:lead]:
+            updates, weights = step(updates, weights, draws)
+        if expand is not None:
+            updates = expand(updates)
+        for step in steps[lead:]:
             updates, weights = step(updates, weights, draws)
         keywords = {"generator": draws} if draws_too else {}
         if remembered:
             keywords["memory"] = memory()
         return rule(updates, weights, **keywords)
 
-    return equivariant(aggregate) if is_equivariant(rule) and all(map(is_equivariant, steps)) else aggregate
+    if lead == len(steps) and is_equivariant(rule):
+        return equivariant(aggregate)
+    return expanding(aggregate) if lead else aggregate

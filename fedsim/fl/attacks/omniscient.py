@@ -16,15 +16,16 @@ and docs/algorithms.md say how.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from statistics import NormalDist
 
 import torch
 
-from ...core.blocks import row_norms, span_coordinates
+from ...core.blocks import row_norms, span_basis, span_coordinates
 from ...core.checks import Checks
-from ..aggregation import centred_gram, is_equivariant, squared_distances
+from ..aggregation import centred_gram, is_equivariant, is_expanding, squared_distances
 from . import ATTACKS, Attack, RoundView
 
 logger = logging.getLogger("fedsim")
@@ -241,8 +242,7 @@ class _LineSearch(Attack):
 
     def rewrite(self, view: RoundView) -> torch.Tensor:
         offset, direction = self.line(view.honest)
-        seen, origin, heading = _searched(view, offset, direction)
-        mean = _mean(seen.honest)
+        seen, origin, heading, mean = _searched(view, offset, direction)
 
         def distance(factor: float) -> float:
             aggregate = seen.aggregate(seen.sending(origin + factor * heading), seen.weights)
@@ -265,21 +265,30 @@ class _LineSearch(Attack):
 
 def _searched(
     view: RoundView, offset: torch.Tensor, direction: torch.Tensor
-) -> tuple[RoundView, torch.Tensor, torch.Tensor]:
-    """The round and the line ``offset + t direction`` as the search tries them. Where the server's
-    aggregate is ``equivariant`` (clipping, NNM, bucketing, ARC, the geometric median, Krum, ...),
-    in coordinates of an orthonormal basis of the span of the honest updates and the line: each try
-    is then on a ``[k, h + 2]`` stack instead of ``[k, P]``, and gives the same distance up to
-    rounding. Otherwise, and where a non-attacker's update is not finite, as they are."""
+) -> tuple[RoundView, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The round and the line ``offset + t direction`` as the search tries them, and the honest
+    mean in the space of the aggregate they give. Where the server's aggregate is ``equivariant``
+    (clipping, NNM, bucketing, ARC, the geometric median, Krum, ...), in coordinates of an
+    orthonormal basis of the span of the honest updates and the line: each try is then on a
+    ``[k, h + 2]`` stack instead of ``[k, P]``, and gives the same distance up to rounding. Where
+    only its first steps are (``expanding``: clipping and NNM before the trimmed mean), they run on
+    the coordinates and the rest on the rows these stand for (one ``[k, h + 2] x [h + 2, P]``
+    product). Otherwise, and where a non-attacker's update is not finite, as they are."""
     senders = ~view.attackers
     honest = view.honest
-    if not (is_equivariant(view.aggregate) and len(honest) == int(senders.sum()) > 0):
-        return view, offset, direction
-    coordinates = span_coordinates(torch.cat([honest, offset[None], direction[None]]))
+    whole, first = is_equivariant(view.aggregate), is_expanding(view.aggregate)
+    if not ((whole or first) and len(honest) == int(senders.sum()) > 0):
+        return view, offset, direction, _mean(honest)
+    rows = torch.cat([honest, offset[None], direction[None]])
+    if whole:
+        coordinates, aggregate = span_coordinates(rows), view.aggregate
+    else:
+        coordinates, basis = span_basis(rows)
+        aggregate = functools.partial(view.aggregate, expand=lambda stack: stack.to(basis.dtype) @ basis)
     updates = coordinates.new_zeros(len(view.updates), coordinates.shape[1])
     updates[senders] = coordinates[:-2]
-    seen = RoundView(updates, view.weights, view.attackers, view.generator, view.aggregate)
-    return seen, coordinates[-2], coordinates[-1]
+    seen = RoundView(updates, view.weights, view.attackers, view.generator, aggregate)
+    return seen, coordinates[-2], coordinates[-1], _mean(seen.honest if whole else honest)
 
 
 @ATTACKS.register("optimal_alie", "ALIE with the z that moves the server's aggregate farthest (ByzFL's line search)")
