@@ -3,6 +3,7 @@ with another run, a notebook or a build.
 
     python benchmarks/bench_sharing.py                              # this checkout, 0 and 2 busy processes
     python benchmarks/bench_sharing.py --source /tmp/old-fedsim     # and another copy, in turns
+    python benchmarks/bench_sharing.py --set rounds=1               # a change to every workload's file
 
 A busy process is a Python loop that never waits, as another job's computing is. Each command runs
 in a fresh process from an empty folder, timed from its launch to its exit, with the environment
@@ -57,6 +58,7 @@ def parse_args(argv=None):
     parser.add_argument("--busy", default=f"0,{os.cpu_count() or 1}", help="busy processes beside, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="measurements of each side; the table shows medians")
     parser.add_argument("--source", help="another folder holding a fedsim package, timed in turns with this checkout")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a change to every workload")
     parser.add_argument("--data-root", help="folder holding MNIST/raw (default: $FEDSIM_DATA, else generated data)")
     parser.add_argument("--output", help="results JSON path (default benchmarks/results/bench_sharing-cpu-<time>.json)")
     return parser.parse_args(argv)
@@ -66,7 +68,7 @@ def command(args, source: Path, workload: str) -> list[str]:
     config, sets = WORKLOADS[workload]
     root = args.data_root or os.environ.get("FEDSIM_DATA")
     data = [f"data.root={root}"] if root and (Path(root) / "MNIST" / "raw").is_dir() else ["data.dataset=synthetic"]
-    flags = [flag for item in ["device=cpu", *data, *sets] for flag in ("--set", item)]
+    flags = [flag for item in ["device=cpu", *data, *sets, *args.set] for flag in ("--set", item)]
     return [
         sys.executable,
         "-m",

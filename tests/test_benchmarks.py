@@ -137,6 +137,7 @@ def test_bench_startup_times_the_command_and_a_sweep(tmp_path):
 def test_bench_sharing_times_both_copies_alone_and_beside_busy_processes(tmp_path):
     # no MNIST under tmp_path: generated data
     flags = ["--workloads", "quickstart", "--busy", "0,1", "--repeats", "1", "--source", str(REPO)]
+    flags += ["--set", "rounds=1", "--set", "data.limit=2000"]
     result, printed = run_bench("bench_sharing.py", *flags, "--data-root", str(tmp_path), output=tmp_path / "s.json")
     rows = result["rows"]
     assert [(r["side"], r["busy"]) for r in rows] == [("this", 0), ("other", 0), ("this", 1), ("other", 1)]
