@@ -114,10 +114,9 @@ def test_lora_fine_tunes_the_trained_base_further_whatever_the_workers_and_a_res
     adapters = 2 * 8 * ((64 + 3 * 64) + (64 + 4 * 64))  # 2 layers, A (r x in) and B (out x r) of c_attn, c_fc
     assert torch.load(one.run_dir / "checkpoint.pt", weights_only=True)["global"].numel() == adapters
     assert one.summary["frozen_base_mb"] > 0
-    two = shipped("llm/shakespeare_lora", text_root, tmp_path / "two", workers=2, **lora)
-    assert two.test_loss == one.test_loss and two.train_loss[1:] == one.train_loss[1:]  # round 0 trained nothing: NaN
-    # stopped after round 3, resumed to round 6 by another number of workers: the same numbers,
-    # but round 3, the last of the stopped run, was scored on the whole test set, not eval_subset's 512
+    # 2 workers to round 3, stopped, resumed to round 6 by 1 worker: the numbers of 1 worker throughout
+    # (round 0 trained nothing: NaN), but round 3, the last of the stopped run, was scored on the
+    # whole test set, not eval_subset's 512
     shipped("llm/shakespeare_lora", text_root, tmp_path / "resumed", workers=2, **{**lora, "rounds": 3})
     resumed = fedsim.resume(tmp_path / "resumed", rounds=6, workers=1, quiet=True)
     assert resumed.test_loss[-1] == one.test_loss[-1] and resumed.train_loss[1:] == one.train_loss[1:]
