@@ -43,10 +43,11 @@ def test_no_attack_means_no_attackers():
 
 def view_of(updates, rows, generator=None, aggregate=None):
     """The round as the attackers of ``rows`` see it."""
-    attackers = torch.zeros(len(updates), dtype=torch.bool)
+    attackers = torch.zeros(len(updates), dtype=torch.bool, device=updates.device)
     attackers[rows] = True
     rule = aggregate or aggregation.get("mean")
-    return RoundView(updates, torch.ones(len(updates)), attackers, generator or torch.Generator(), rule)
+    weights = torch.ones(len(updates), device=updates.device)
+    return RoundView(updates, weights, attackers, generator or torch.Generator(), rule)
 
 
 def corrupt_updates(attack_config, updates, rows, generator):
@@ -392,6 +393,28 @@ def test_the_search_in_the_span_keeps_the_factor_of_the_search_on_whole_vectors(
     in_span = sent_by(kind, updates, rows, aggregate=server)
     whole = sent_by(kind, updates, rows, aggregate=lambda u, w: server(u, w))
     torch.testing.assert_close(in_span, whole, rtol=1e-5, atol=0)
+
+
+def searched_on(device: str, steps: list, rule: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(the vector the search keeps on ``device``, on the CPU) for both optimal attacks."""
+    updates, rows = byzfl_round(f=2)
+    server = pre_aggregated([pre_aggregator(s) for s in steps], aggregation.get(rule), torch.Generator)
+    pairs = []
+    for kind in ("optimal_alie", "optimal_ipm"):
+        there = sent_by(kind, updates.to(device), rows, aggregate=server)
+        assert there.device.type == device
+        pairs.append((there.cpu(), sent_by(kind, updates, rows, aggregate=server)))
+    return pairs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("steps, rule", [(["nnm"], "geometric_median"), (["nnm"], "trimmed_mean"), ([], "median")])
+def test_the_optimal_attacks_search_on_a_gpu_as_on_the_cpu(steps, rule):
+    """In the span, on the rows the span stands for, and on the whole vectors: the factor the CPU
+    keeps, to the rounding of float32 on another device (the aggregate keeps moving here: no
+    clipping)."""
+    for gpu, cpu in searched_on("cuda", steps, rule):
+        torch.testing.assert_close(gpu, cpu, rtol=1e-4, atol=1e-5)
 
 
 def test_a_round_with_a_non_finite_honest_update_is_searched_on_whole_vectors():
