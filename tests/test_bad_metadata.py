@@ -60,6 +60,24 @@ def as_list(updates, weights):
     return updates.mean(0).tolist() if updates.shape[1] > 3 else updates.mean(0)
 
 
+def fails_naming_the_rule(capsys, tmp_path, rule: str, got: str, updates: int, *settings: str) -> int:
+    """Runs the rule ``rule`` of this file; the run fails in one line naming it, what it returned
+    (``got``, a pattern) for ``updates`` updates and what was expected. Returns the updates' length,
+    which the line gives twice."""
+    code, err = cli(capsys, tmp_path, f"aggregator=test_bad_metadata:{rule}", *settings)
+    lines = [line for line in err.splitlines() if not line.startswith("fedsim: warning")]
+    assert code == 1 and len(lines) == 1, err
+    pattern = (
+        rf"fedsim: error: aggregator test_bad_metadata:{rule} returned {got} in round 1 for {updates} updates of "
+        r"(\d+) values; expected a tensor of shape \((\d+),\), torch\.float32 on cpu, as the updates"
+    )
+    match = re.fullmatch(pattern, lines[0])
+    assert match, lines[0]
+    sizes = {int(n) for n in match.groups() if n is not None}
+    assert len(sizes) == 1
+    return sizes.pop()
+
+
 @pytest.mark.parametrize(
     "rule, got",
     [
@@ -70,39 +88,20 @@ def as_list(updates, weights):
     ],
 )
 def test_a_rule_whose_output_is_no_step_fails_the_run_in_one_line(tmp_path, capsys, rule, got):
-    code, err = cli(capsys, tmp_path, f"aggregator=test_bad_metadata:{rule}")
-    lines = [line for line in err.splitlines() if not line.startswith("fedsim: warning")]
-    assert code == 1 and len(lines) == 1, err
-    pattern = (
-        rf"fedsim: error: aggregator test_bad_metadata:{rule} returned {got} in round 1 for 3 updates of "
-        r"(\d+) values; expected a tensor of shape \((\d+),\), torch\.float32 on cpu, as the updates"
-    )
-    match = re.fullmatch(pattern, lines[0])
-    assert match, lines[0]
-    sizes = {int(n) for n in match.groups() if n is not None}
-    assert len(sizes) == 1 and sizes.pop() > 3  # the model's parameters, the same number each time
+    assert fails_naming_the_rule(capsys, tmp_path, rule, got, 3) > 3  # the model's parameters, each time
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["rounds"] == 0
 
 
 @pytest.mark.parametrize(
-    "rule, got", [("short", r"shape \(3,\), torch\.float32"), ("double", r"shape \((\d+),\), torch\.float64")]
+    "rule, got",
+    [("short", r"shape \(3,\), torch\.float32 on cpu"), ("double", r"shape \((\d+),\), torch\.float64 on cpu")],
 )
 def test_a_rule_whose_output_is_no_step_is_named_in_an_attacks_search(tmp_path, capsys, rule, got):
     """The optimal attack tries the rule first, after NNM has run on the updates' coordinates in
     their span: the rule reads the rows they stand for, and is held to their shape."""
     settings = ["pre_aggregators=[nnm]", "attack.type=optimal_ipm", "attack.count=1"]
-    code, err = cli(capsys, tmp_path, f"aggregator=test_bad_metadata:{rule}", *settings)
-    lines = [line for line in err.splitlines() if not line.startswith("fedsim: warning")]
-    assert code == 1 and len(lines) == 1, err
-    pattern = (
-        rf"fedsim: error: aggregator test_bad_metadata:{rule} returned {got} on cpu in round 1 for 4 updates of "
-        r"(\d+) values; expected a tensor of shape \((\d+),\), torch\.float32 on cpu, as the updates"
-    )
-    match = re.fullmatch(pattern, lines[0])
-    assert match, lines[0]
-    sizes = {int(n) for n in match.groups() if n is not None}
-    assert len(sizes) == 1 and sizes.pop() > 4
+    assert fails_naming_the_rule(capsys, tmp_path, rule, got, 4, *settings) > 4
 
 
 def test_a_rule_of_the_wrong_dtype_on_the_probe_is_refused_before_the_run(tmp_path, capsys):

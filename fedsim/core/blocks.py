@@ -89,9 +89,10 @@ def span_basis(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``B`` (``[r, P]``, the rows' dtype, at least float32) they refer to, ``C B = rows`` up to
     rounding. Directions whose eigenvalue of the Gram matrix is within its rounding (k float64
     epsilons of the largest) are left out: a rank-deficient stack has less than 1e-7 of its largest
-    singular value there. ``B = diag(1 / sqrt(l)) V^T rows`` is computed in the rows' precision; its error along a
-    direction of small ``l`` is large, but ``C`` weighs that direction by ``sqrt(l)``, so ``C B``
-    (and any combination ``A C B``) is as exact as a product of the rows in that precision."""
+    singular value there. ``B = diag(1 / sqrt(l)) V^T rows`` is computed in the rows' precision;
+    its error along a direction of small ``l`` is large, but ``C`` weighs that direction by
+    ``sqrt(l)``, so ``C B`` (and any combination ``A C B``) is as exact as a product of the rows in
+    that precision."""
     values, vectors = torch.linalg.eigh(gram(rows))
     kept = values > len(rows) * torch.finfo(torch.float64).eps * values[-1]
     roots, vectors = values[kept].sqrt(), vectors[:, kept]
