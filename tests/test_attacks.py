@@ -167,6 +167,16 @@ def test_alie_sends_mean_plus_z_std_of_the_honest_updates(z):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_alie_in_a_round_of_attackers_only_sends_their_own_mean(caplog):
+    """No honest update to hide among: z_max is +inf (the attackers are all of the round), which the
+    attack takes as 0, and what it averages is their own honest updates."""
+    assert alie_z_max(3, 3) == math.inf and alie_z_max(1, 1) == math.inf
+    updates = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
+    sent = make_attack(AttackConfig("alie", 0.5)).rewrite(view_of(updates, torch.arange(3)))
+    torch.testing.assert_close(sent, updates.mean(0))
+    assert any("majority" in r.message for r in caplog.records)
+
+
 def test_alie_warns_once_when_z_max_is_not_positive(caplog):
     updates = torch.randn(10, 20, generator=torch.Generator().manual_seed(0))
     attack = make_attack(AttackConfig("alie", 0.1))
@@ -536,30 +546,90 @@ def test_half_or_more_byzantine_clients_are_warned_before_the_run():
     ]
 
 
-def test_byzantine_clients_of_count_flip_the_honest_mean_as_byzfls_sign_flipping(tmp_path):
-    """Holding no data, their own update is the honest clients' mean: with 3 honest clients and 2 of
-    them, the mean rule's step is (3 mu - 2 mu) / 5 = mu / 5, a fifth of the step without them."""
+def tiny_attacked_step(tmp_path, name, attack=None, **changes):
+    """One round of 3 honest clients (one class each) on the tiny linear model, workers 0, with the
+    ``attack`` section given: the global model's step, and the run's history."""
     from test_algorithms import CLASSES, COUNTS, initial_weights, tiny_linear, tiny_samples
 
     from fedsim.data import from_tensors
 
     samples, labels = tiny_samples(), torch.repeat_interleave(torch.arange(CLASSES), torch.tensor(COUNTS))
-    steps = {}
-    for name, attack in (("clean", {}), ("flipped", {"attack": {"type": "sign_flip", "count": 2}})):
-        cfg = {
-            "name": name,
-            "rounds": 1,
-            "workers": 0,
-            "clients_per_round": 3,
-            "aggregator": "mean",
-            "data": {"partition": "label_k", "classes_per_client": 1, "num_clients": 3},
-            "local": {"batch_size": 2, "lr": 0.1},
-            **attack,
-        }
-        dataset = from_tensors(samples[labels], labels, samples, torch.arange(CLASSES))
-        fedsim.run(cfg, out=tmp_path / name, quiet=True, model=tiny_linear, dataset=dataset)
-        state = torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)
-        steps[name] = state["global"].double() - initial_weights()
+    cfg = {
+        "name": name,
+        "rounds": 1,
+        "workers": 0,
+        "clients_per_round": 3,
+        "aggregator": "mean",
+        "data": {"partition": "label_k", "classes_per_client": 1, "num_clients": 3},
+        "local": {"batch_size": 2, "lr": 0.1},
+        **({"attack": attack} if attack else {}),
+        **changes,
+    }
+    dataset = from_tensors(samples[labels], labels, samples, torch.arange(CLASSES))
+    history = fedsim.run(cfg, out=tmp_path / name, quiet=True, model=tiny_linear, dataset=dataset)
+    state = torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)
+    return state["global"].double() - initial_weights(), history
+
+
+def test_byzantine_clients_of_count_flip_the_honest_mean_as_byzfls_sign_flipping(tmp_path):
+    """Holding no data, their own update is the honest clients' mean: with 3 honest clients and 2 of
+    them, the mean rule's step is (3 mu - 2 mu) / 5 = mu / 5, a fifth of the step without them."""
+    clean, _ = tiny_attacked_step(tmp_path, "clean")
+    flipped, _ = tiny_attacked_step(tmp_path, "flipped", {"type": "sign_flip", "count": 2})
     # float32: the mean's step (|step| <= 0.2) rounded a few times, and the weights (|w| <= 1.5) once
-    torch.testing.assert_close(steps["flipped"], steps["clean"] / 5, rtol=0, atol=1e-6)
-    assert float(steps["clean"].abs().max()) > 0.05
+    torch.testing.assert_close(flipped, clean / 5, rtol=0, atol=1e-6)
+    assert float(clean.abs().max()) > 0.05
+
+
+class SendsNaN(fedsim.attacks.Attack):
+    def rewrite(self, view):
+        return torch.full_like(view.honest[0], float("nan"))
+
+
+def test_non_finite_updates_of_count_byzantine_clients_follow_on_nonfinite(tmp_path, caplog):
+    """They have no client id, but what they send is held to the rule for every client's update: fail
+    stops the run in one line; drop leaves them out, warns, and counts them as attackers and dropped."""
+    attack = {"type": SendsNaN, "count": 2}
+    with pytest.raises(fedsim.core.errors.NonFiniteError, match="for 2 of the 2 Byzantine clients of attack.count"):
+        tiny_attacked_step(tmp_path, "fail", attack, on_nonfinite="fail")
+    clean, _ = tiny_attacked_step(tmp_path, "clean")
+    dropped, history = tiny_attacked_step(tmp_path, "drop", attack, on_nonfinite="drop")
+    assert torch.equal(dropped, clean)  # the same three honest updates and rule
+    assert history.attackers == [2] and history.dropped_clients == [2]
+    assert any("sent non-finite (NaN/Inf) updates for 2 of the 2" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "sent, got",
+    [
+        (lambda honest: honest[0][:-1], "shape (14,)"),  # the tiny linear model's 15 weights
+        (lambda honest: honest[:1].expand(3, -1), "shape (3, 15)"),
+        (lambda honest: honest[0].numpy(), "ndarray"),
+        (lambda honest: honest[0].long(), "a tensor of torch.int64"),
+    ],
+)
+def test_an_attack_that_returns_what_cannot_be_sent_is_named_in_one_line(tmp_path, sent, got):
+    attack = type("Broken", (fedsim.attacks.Attack,), {"rewrite": lambda self, view: sent(view.honest)})
+    with pytest.raises(fedsim.core.errors.UserCodeError) as refused:
+        tiny_attacked_step(tmp_path, "broken", {"type": attack, "count": 2})
+    message = str(refused.value)
+    assert "\n" not in message and f"attack test_attacks:Broken returned {got} in round 1" in message
+    assert "expected a float tensor of shape (15,)" in message and "or (2, 15), one row per attacker" in message
+
+
+@pytest.mark.parametrize(
+    "relabelled, got",
+    [
+        (lambda labels: labels[:1], "torch.int64 labels of shape (1,)"),
+        (lambda labels: labels.float(), "torch.float32 labels of shape (2,)"),
+        (lambda labels: labels + 100, "labels from 10"),
+        (lambda labels: labels.tolist(), "list"),
+    ],
+)
+def test_an_attack_that_relabels_what_cannot_be_trained_on_is_named_in_one_line(tmp_path, relabelled, got):
+    attack = type("Mislabels", (fedsim.attacks.Attack,), {"relabel": lambda self, y, classes: relabelled(y)})
+    with pytest.raises(fedsim.core.errors.UserCodeError) as refused:
+        tiny_attacked_step(tmp_path, "mislabels", {"type": attack, "fraction": 0.34})
+    message = str(refused.value)
+    assert "\n" not in message and f"attack test_attacks:Mislabels relabelled a batch as {got}" in message
+    assert message.endswith("expected torch.int64 labels of shape (2,) in [0, 3)")

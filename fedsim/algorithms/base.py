@@ -76,6 +76,7 @@ class Round:
     # the federation (attack.count): they have no client id, report or slot, so ``clients``, ``reports`` and
     # ``slots`` hold the first k - byzantine rows only
     byzantine: int = 0
+    byzantine_left_out: int = 0  # those whose update was non-finite, left out as a client's is (on_nonfinite: drop)
     number: int = 0  # the round's number (1 for the first)
 
 

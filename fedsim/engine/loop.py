@@ -181,7 +181,7 @@ class Engine:
             **self._train_metrics(round_, records),
             seconds=round(time.perf_counter() - t0, 4),
             clients=len(records),
-            attackers=sum(r.attacker for r in records) + round_.byzantine,
+            attackers=sum(r.attacker for r in records) + round_.byzantine + round_.byzantine_left_out,
             train_seconds=round(t_trained - t0, 4),
             worker_seconds=round(max(self.executor.busy_seconds), 4),
             aggregate_seconds=round(t_updated - t_trained, 4),
@@ -190,7 +190,7 @@ class Engine:
             clip=clip,
             **self._traffic(plan),
             # dropped_clients: the lost work of the plan, and the non-finite updates left out
-            **plan.metrics(left_out=len(plan.clients) - len(round_.clients)),
+            **plan.metrics(left_out=len(plan.clients) - len(round_.clients) + round_.byzantine_left_out),
             simulated_time=self.state.simulated_time,
             **self.state.algorithm.round_figures(self.state.server_state),
         )

@@ -191,6 +191,7 @@ class AggregateUpdates:
             num_clients=cfg.data.num_clients,
             slots=keep,
             byzantine=outsiders,
+            byzantine_left_out=byzantine.left_out,
             number=rnd,
         )
         return round_, records
@@ -204,7 +205,7 @@ class AggregateUpdates:
         hold no data: their own honest update, for an attack that rewrites it, is the honest mean."""
         k, outsiders = len(updates), (self.cfg.attack.count or 0) if self.cfg.attack.type != "none" else 0
         weights = self.buffers.stats[:k, 0]
-        none = SimpleNamespace(updates=updates[:0], weights=weights[:0])
+        none = SimpleNamespace(updates=updates[:0], weights=weights[:0], left_out=0)
         if not outsiders and not attacking.any():
             return none
         finite = finite_rows(updates)
@@ -228,11 +229,41 @@ class AggregateUpdates:
         with user_code(f"attack {self.names['attack']} failed in round {rnd}"):
             sent = self.attack.rewrite(view)
         if sent is not None:
-            stack[mask] = sent.to(updates.dtype)
+            stack[mask] = self._checked(sent, int(mask.sum()), stack, rnd)
         if not outsiders:
             return none
         sending = finite_rows(stack[k:])  # a non-finite update is left out, as a client's is
-        return SimpleNamespace(updates=stack[k:][sending], weights=weights[k:][sending])
+        left_out = outsiders - int(sending.sum())
+        if left_out:
+            self._outsiders_nonfinite(rnd, left_out, outsiders)
+        return SimpleNamespace(updates=stack[k:][sending], weights=weights[k:][sending], left_out=left_out)
+
+    def _checked(self, sent, attackers: int, stack: torch.Tensor, rnd: int) -> torch.Tensor:
+        """What an attack's ``rewrite`` returned, as the attackers' rows: one ``[P]`` row for all, or
+        ``[a, P]``; anything else is named in one line (the attack may be the user's)."""
+        length = stack.shape[1]
+        if isinstance(sent, torch.Tensor) and sent.dtype.is_floating_point:
+            if tuple(sent.shape) in ((length,), (attackers, length)):
+                return sent.to(device=stack.device, dtype=stack.dtype)
+            got = f"shape {tuple(sent.shape)}"
+        else:
+            got = f"a tensor of {sent.dtype}" if isinstance(sent, torch.Tensor) else type(sent).__name__
+        raise UserCodeError(
+            f"attack {self.names['attack']} returned {got} in round {rnd}; expected a float tensor of shape "
+            f"({length},), one row every attacker sends, or ({attackers}, {length}), one row per attacker"
+        )
+
+    def _outsiders_nonfinite(self, rnd: int, left_out: int, outsiders: int) -> None:
+        """The rule for non-finite updates (``stop_on_nonfinite``) for the Byzantine clients outside the
+        federation, which have no client id: stop under ``on_nonfinite: fail``, else leave them out, warn
+        and count them (``dropped_clients``)."""
+        what = f"attack {self.names['attack']} sent non-finite (NaN/Inf) updates for {left_out} of the {outsiders}"
+        if self.cfg.on_nonfinite == "fail":
+            raise NonFiniteError(
+                f"round {rnd}: {what} Byzantine clients of attack.count "
+                f"(on_nonfinite: fail; use drop to leave such clients out)"
+            )
+        logger.warning(f"round {rnd}: {what} Byzantine clients of attack.count; dropped them")
 
     def _warn_breakdown(self, rnd: int, count: int, n: int) -> None:
         """Once per run: a round in which half the clients or more, or more than the rule withstands,

@@ -19,7 +19,7 @@ from ..data.augment import augmentation_for
 from ..engine.buffers import RoundBuffers
 from ..experiment import components
 from ..experiment.config import Config
-from ..fl.attacks import make_attack
+from ..fl.attacks import checked_relabel, make_attack
 from .resources import peak_rss_bytes
 
 
@@ -40,6 +40,7 @@ class ClientRunner:
         self.algorithm.setup(config)
         self.algorithm.bind(module)
         self.attack = make_attack(config.attack)
+        self.relabel = checked_relabel(self.attack, components.describe(config.attack.type))
         options = dict(
             num_classes=buffers.num_classes,
             algorithm=self.algorithm,
@@ -67,7 +68,7 @@ class ClientRunner:
         )
         indices = [b.client_samples(c) for c in clients]
         attacked = b.attackers[clients]
-        relabel = self.attack.relabel if self.attack.relabels and bool(attacked.any()) else None
+        relabel = self.relabel if self.attack.relabels and bool(attacked.any()) else None
         limits = [None if limit < 0 else limit for limit in b.step_limits[rows].tolist()]
         keys = b.slot_keys[rows].tolist()  # the round, or an async run's starts
         # the weights the slots start from: the round's global ones, or (async) each slot's own

@@ -30,9 +30,11 @@ import torch
 
 from ...core.blocks import finite_rows
 from ...core.checks import Checks, refuse_unknown
+from ...core.errors import UserCodeError, user_code
 from ...core.registry import Registry, is_import_path, load_attr
 from ...core.sections import option
 from ...core.streams import attackers_rng
+from ...data.tensors import IGNORE_INDEX
 
 ATTACKS = Registry("attack")
 
@@ -170,6 +172,28 @@ def make_attack(attack_config: Any) -> Attack:
     if "scale" in takes:
         options.setdefault("scale", attack_config.scale)
     return cls(**options)
+
+
+def checked_relabel(attack: Attack, name: str) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """``attack.relabel``, named in one line where it raises or returns what an attacker cannot train
+    on (the attack may be the user's): labels of another shape or dtype, or a scored label outside
+    ``[0, num_classes)``, which the loss would otherwise report without naming the attack."""
+
+    def relabel(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+        with user_code(f"attack {name} failed relabelling"):
+            out = attack.relabel(labels, num_classes)
+        expected = f"{labels.dtype} labels of shape {tuple(labels.shape)} in [0, {num_classes})"
+        if not isinstance(out, torch.Tensor):
+            got = type(out).__name__
+        elif (out.shape, out.dtype) != (labels.shape, labels.dtype):
+            got = f"{out.dtype} labels of shape {tuple(out.shape)}"
+        elif bool(((out < 0) | (out >= num_classes))[labels != IGNORE_INDEX].any()):
+            got = f"labels from {int(out.min())} to {int(out.max())}"
+        else:
+            return out
+        raise UserCodeError(f"attack {name} relabelled a batch as {got}; expected {expected}")
+
+    return relabel
 
 
 def attacker_mask(seed: int, num_clients: int, attack_config: Any) -> torch.Tensor:

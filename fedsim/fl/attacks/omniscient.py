@@ -45,7 +45,9 @@ def _std(rows: torch.Tensor) -> torch.Tensor:
 def alie_z_max(n: int, f: int) -> float:
     """Baruch et al. 2019's z_max = Phi^-1((n - f - s) / (n - f)), s = floor(n/2 + 1) - f: the
     largest z for which the attackers' vector is still closer to the mean than s honest updates
-    are. +-inf where the ratio leaves (0, 1)."""
+    are. +-inf where the ratio leaves (0, 1); +inf where every client is an attacker."""
+    if f >= n:
+        return math.inf
     s = n // 2 + 1 - f
     ratio = (n - f - s) / (n - f)
     if ratio <= 0 or ratio >= 1:
