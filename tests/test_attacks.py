@@ -633,3 +633,25 @@ def test_an_attack_that_relabels_what_cannot_be_trained_on_is_named_in_one_line(
     message = str(refused.value)
     assert "\n" not in message and f"attack test_attacks:Mislabels relabelled a batch as {got}" in message
     assert message.endswith("expected torch.int64 labels of shape (2,) in [0, 3)")
+
+
+def test_an_attack_of_the_starting_script_is_given_again_to_resume_as_the_error_says(tmp_path):
+    """config.yaml names it __main__:Name, which another process cannot import: the one-line error
+    says to give it again, and the call it shows resumes the run."""
+    script_attack = type("OfTheScript", (fedsim.attacks.Attack,), {"rewrite": lambda self, view: -view.honest[0]})
+    script_attack.__module__ = "__main__"
+    cfg = {
+        "rounds": 1,
+        "workers": 0,
+        "clients_per_round": 3,
+        "model": "mnist_2nn",
+        "data": {"dataset": "synthetic", "num_clients": 3, "limit": 300},
+        "attack": {"type": script_attack, "count": 1},
+    }
+    fedsim.run(cfg, out=tmp_path / "run", quiet=True)
+    with pytest.raises(fedsim.core.errors.ConfigError) as refused:
+        fedsim.resume(tmp_path / "run", rounds=2, quiet=True)
+    assert "attack.type: __main__:OfTheScript was defined in the script that started the run" in str(refused.value)
+    assert "fedsim.resume(run_dir, **{'attack.type': ...})" in str(refused.value)
+    resumed = fedsim.resume(tmp_path / "run", rounds=2, quiet=True, **{"attack.type": script_attack})
+    assert resumed.round == [1, 2] and resumed.attackers == [1, 1]

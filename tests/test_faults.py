@@ -406,6 +406,17 @@ def test_resume_says_that_a_key_asked_for_cannot_change(tmp_path, capsys, finish
     assert f"--set model='mnist_2nn': cannot change when resuming; {run} ran with model: 'mnist_cnn'" in err
 
 
+def test_resume_accepts_a_key_asked_for_at_the_value_the_run_has(tmp_path, capsys, finished):
+    """Repeating the run's own values (a command line copied from the first run) changes nothing."""
+    run = copy_of(finished, tmp_path)
+    same = ["local.lr=0.05", "attack.fraction=0", "data.num_clients=4", "local={lr: 0.05}", "seed=2"]
+    code, err = cli(capsys, "run", "--resume", run, "--set", "rounds=2", *[a for s in same for a in ("--set", s)])
+    assert code == 0, err
+    assert fedsim.load_run(run).round == [1, 2]
+    code, err = cli(capsys, "run", "--resume", run, "--set", "rounds=3", "--set", "local={lr: 0.05, momentum: 0.5}")
+    assert code == 2 and "--set local.momentum: cannot change when resuming" in err, err
+
+
 def test_resume_takes_no_out_and_no_overwrite(tmp_path, capsys):
     for extra in (["--out", tmp_path / "elsewhere"], ["--overwrite"]):
         code, err = cli(capsys, "run", "--resume", tmp_path / "run", *extra)

@@ -4,6 +4,7 @@ paths, ``pkg.module:attr``, for what is not registered."""
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -50,10 +51,15 @@ def is_import_path(text: str) -> bool:
 def load_attr(key: str, path: str) -> Any:
     """The object an import path ``pkg.module:attr`` names; one line if it cannot be had."""
     module_name, _, attr = path.partition(":")
+    keyword = f"**{{{key!r}: ...}}" if "." in key else f"{key}=..."
     if attr.endswith(")"):  # how config.yaml names an object given from Python (see describe)
         raise ConfigError(
-            f"{key}: {path} was an object given from Python; give it again, e.g. "
-            f"fedsim.resume(run_dir, {key.rpartition('.')[2]}=...)"
+            f"{key}: {path} was an object given from Python; give it again, e.g. fedsim.resume(run_dir, {keyword})"
+        )
+    if module_name == "__main__" and not hasattr(sys.modules.get("__main__"), attr.partition(".")[0]):
+        raise ConfigError(
+            f"{key}: {path} was defined in the script that started the run; give it again from Python, "
+            f"e.g. fedsim.resume(run_dir, {keyword})"
         )
     with user_code(f"{key}: cannot import {module_name!r}", ConfigError):  # ImportError, or what the module raised
         target = importlib.import_module(module_name)

@@ -21,7 +21,7 @@ from ..experiment.config import SECTIONS, Config, apply_overrides, directory_nam
 from ..experiment.reading import locate
 from ..experiment.validation import load_config
 from ..results.history import History
-from ..results.keys import RESUMABLE_KEYS
+from ..results.keys import RESUMABLE_KEYS, flatten_config
 from ..results.progress import RoundLog, console_logging
 from ..results.rundir import RunDirectory, read_mapping
 from .session import Session, run_identity, started_with
@@ -142,7 +142,7 @@ def resume_run(
     def load() -> Config | None:
         if not (path / "config.yaml").is_file():
             raise FedsimError(f"--resume {path}: not a run directory (no config.yaml)")
-        asked = _resumable(overrides)
+        asked = _resumable(path, overrides)
         directory.lock()  # a second resume of the same directory is refused, not interleaved
         try:
             state = directory.load_checkpoint()
@@ -209,16 +209,41 @@ def agree_on_config(ranks: Ranks, load: Callable[[], Config | None]) -> Config |
     return load_config(values) if kind == "run" else None
 
 
-def _resumable(overrides: list[str] | dict | None) -> set[str]:
-    """The keys a resume sets, each one that a resume may change (else one line)."""
-    spelled = apply_overrides({}, overrides or {}, sections=SECTIONS)
-    bad = sorted(set(spelled) - RESUMABLE_KEYS - set(components.KEYS))
-    if bad:
-        raise ConfigError(
-            f"{spelled[bad[0]]} {bad[0]}: cannot change when resuming (the rounds before and after "
-            f"would not be one run); allowed: {', '.join(sorted(RESUMABLE_KEYS))}"
+def _resumable(path: Path, overrides: list[str] | dict | None) -> set[str]:
+    """The keys a resume sets: each must be one that a resume may change, or keep the value the run
+    has (else one line)."""
+    given: dict = {}
+    spelled = apply_overrides(given, overrides or {}, sections=SECTIONS)
+    fixed = set(spelled) - RESUMABLE_KEYS - set(components.KEYS)
+    if fixed:
+        # both with the components given again (a class of the user's script is recorded by name only)
+        again = {key: _value(given, key) for key in spelled if key in components.KEYS}
+        before = dict(flatten_config(load_config(path / "config.yaml", again).to_dict()))
+        after = dict(flatten_config(load_config(path / "config.yaml", overrides).to_dict()))
+        changed = sorted(
+            key
+            for key in set(before) | set(after)
+            if _part_of(key, fixed) and key not in components.KEYS and before.get(key) != after.get(key)
         )
+        if changed:
+            asked = next(k for k in sorted(fixed) if _part_of(changed[0], {k}))
+            raise ConfigError(
+                f"{spelled[asked]} {changed[0]}: cannot change when resuming (the rounds before and after "
+                f"would not be one run); allowed: {', '.join(sorted(RESUMABLE_KEYS))}"
+            )
     return set(spelled)
+
+
+def _value(nested: dict, key: str) -> Any:
+    for part in key.split("."):
+        nested = nested[part]
+    return nested
+
+
+def _part_of(key: str, keys) -> bool:
+    """Whether ``key`` is one of ``keys``, a part of one's mapping, or the mapping one is part of
+    (mapping values are flattened: aggregator_options.beta, system.speed.lognormal)."""
+    return any(r == key or r.startswith(key + ".") or key.startswith(r + ".") for r in keys)
 
 
 def _check_same_run(path: Path, state: dict, cfg: Config, asked=frozenset()) -> None:
@@ -236,18 +261,14 @@ def _check_same_run(path: Path, state: dict, cfg: Config, asked=frozenset()) -> 
         return  # a checkpoint from before runs recorded their identity
     before, now = yaml.safe_load(identity), yaml.safe_load(run_identity(cfg))
 
-    # a key added since ran at its default. Mapping values are flattened (aggregator_options.beta,
-    # system.speed.lognormal), so a key counts as recorded when the checkpoint holds it, a part of
-    # its mapping, or the mapping it is part of.
-    def part_of(key: str, keys) -> bool:
-        return any(r == key or r.startswith(key + ".") or key.startswith(r + ".") for r in keys)
-
-    before = {**{k: v for k, v in yaml.safe_load(run_identity(Config())).items() if not part_of(k, before)}, **before}
+    # a key added since ran at its default; it counts as recorded when the checkpoint holds it, a part
+    # of its mapping, or the mapping it is part of
+    before = {**{k: v for k, v in yaml.safe_load(run_identity(Config())).items() if not _part_of(k, before)}, **before}
     changed = sorted(k for k in set(before) | set(now) if before.get(k, "(unset)") != now.get(k, "(unset)"))
     if not changed:
         return
     key = changed[0]
-    if part_of(key, asked):
+    if _part_of(key, asked):
         raise ConfigError(
             f"--set {key}={now.get(key)!r}: cannot change when resuming; {path} ran with {key}: "
             f"{before.get(key)!r}, and the rounds before and after would not be one run"
