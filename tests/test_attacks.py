@@ -655,3 +655,48 @@ def test_an_attack_of_the_starting_script_is_given_again_to_resume_as_the_error_
     assert "fedsim.resume(run_dir, **{'attack.type': ...})" in str(refused.value)
     resumed = fedsim.resume(tmp_path / "run", rounds=2, quiet=True, **{"attack.type": script_attack})
     assert resumed.round == [1, 2] and resumed.attackers == [1, 1]
+
+
+def test_a_fraction_that_makes_no_attacker_is_warned_before_the_run():
+    from fedsim.experiment.validation import unused_settings
+
+    attack = {"type": "ipm", "fraction": 0.05}
+    cfg = fedsim.load_config({"clients_per_round": 4, "data": {"num_clients": 8}, "attack": attack})
+    assert unused_settings(cfg) == [
+        "attack.fraction is 0.05: round(0.05 x 8) = 0 of the 8 clients are Byzantine; no client attacks"
+    ]
+
+
+@pytest.mark.parametrize(
+    "attack, message",
+    [
+        (
+            {"type": "scale", "fraction": 0.2, "scale": 50, "options": {"scale": 1}},
+            "attack.scale: set attack.scale or attack.options.scale, not both",
+        ),
+        (
+            {"type": "mimic", "count": 1, "options": {"target": 4}},
+            "attack.options: target 4 is past the honest updates of a round, 4 at most (clients_per_round); "
+            "choose 0 to 3, or null",
+        ),
+    ],
+)
+def test_attack_options_that_would_be_ignored_are_refused_in_one_line(attack, message):
+    with pytest.raises(fedsim.core.errors.ConfigError) as refused:
+        fedsim.load_config({"clients_per_round": 4, "data": {"dataset": "synthetic"}, "attack": attack})
+    assert str(refused.value) == f"config: {message}"
+
+
+def test_attack_scale_is_read_by_an_attack_of_ones_own_that_takes_it():
+    from fedsim.experiment.validation import unused_settings
+
+    class Scaled(fedsim.attacks.Attack):
+        def __init__(self, scale=1.0):
+            self.scale = scale
+
+    def loaded(attack_type):
+        attack = {"type": attack_type, "fraction": 0.25, "scale": 3}
+        return fedsim.load_config({"clients_per_round": 4, "data": {"num_clients": 8}, "attack": attack})
+
+    assert unused_settings(loaded(Scaled)) == [] and make_attack(loaded(Scaled).attack).scale == 3
+    assert unused_settings(loaded("alie")) == ["attack.scale is 3.0 but attack.type alie does not use it"]

@@ -493,6 +493,31 @@ CASES = [
         ["exp.yaml: system.speed: unknown distribution 'gamma'; choose one of: lognormal, uniform"],
     ),
     (
+        "unknown pre-aggregator given on the command line",
+        yaml.safe_dump(GOOD),
+        ["--set", "pre_aggregators=[nnm, foo]"],
+        ["fedsim: error: --set pre_aggregators.foo: unknown pre-aggregator 'foo'"],
+    ),
+    # where the k and f a rule refuses come from
+    (
+        "attack.count past krum's f",
+        with_change("attack", {"type": "ipm", "count": 2}),
+        ["--set", "aggregator=krum"],
+        [
+            "exp.yaml: aggregator_options: f = 2 is too large for k = 4 clients per round: Krum needs k > 2f + 2",
+            "(k is clients_per_round 2 plus attack.count 2, and f is attack.count where the options set none)",
+        ],
+    ),
+    (
+        "bucketing leaves too few rows",
+        with_change("pre_aggregators", [{"bucketing": {"s": 2}}]),
+        ["--set", "aggregator=trimmed_mean", "--set", "aggregator_options={f: 1}"],
+        [
+            "f = 1 is too large for k = 1 clients per round",
+            "(the pre-aggregators make 1 row of the 2 updates for the rule)",
+        ],
+    ),
+    (
         "unknown system key",
         with_change("system.deadlines", 5),
         [],

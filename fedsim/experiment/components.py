@@ -336,12 +336,35 @@ def check(cfg: Config) -> None:
     rule, steps = server_rule(cfg)
     rows = cfg.clients_per_round + (assumed_attackers(cfg) or 0)  # attack.count's updates come on top
     if rows <= _PROBE_ROWS:  # Krum's distances are k x k; beyond this the first round checks
-        probe_aggregator(cfg.aggregator, preaggregation.pre_aggregated(steps, rule, torch.Generator), rows)
+        try:
+            probe_aggregator(cfg.aggregator, preaggregation.pre_aggregated(steps, rule, torch.Generator), rows)
+        except ConfigError as refused:
+            raise ConfigError(f"{refused}{_where_k_and_f_come_from(cfg, steps, rows)}") from None
     algorithm(cfg.algorithm, cfg.algorithm_options)
     check_dataset_spec(cfg.data.dataset)
 
 
 _PROBE_ROWS = 2000
+
+
+def _where_k_and_f_come_from(cfg: Config, steps: list[PreAggregator], rows: int) -> str:
+    """What a rule's refusal of its k and f cannot say: the f that attack.count set, and the k that
+    attack.count's updates or a pre-aggregator that groups the rows (bucketing) made."""
+    said = []
+    if assumed_attackers(cfg) is not None:
+        said.append(f"k is clients_per_round {cfg.clients_per_round} plus attack.count {cfg.attack.count}")
+        if "f" not in cfg.aggregator_options:
+            said[-1] += ", and f is attack.count where the options set none"
+    updates, weights = torch.zeros(rows, 1), torch.ones(rows)
+    try:
+        for step in steps:
+            updates, weights = step(updates, weights, torch.Generator())
+    except ConfigError:
+        return f" ({'; '.join(said)})" if said else ""  # a step's own refusal: it names its k
+    if len(updates) != rows:
+        made = f"{len(updates)} row{'s' * (len(updates) != 1)}"
+        said.append(f"the pre-aggregators make {made} of the {rows} updates for the rule")
+    return f" ({'; '.join(said)})" if said else ""
 
 
 @dataclass

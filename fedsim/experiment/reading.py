@@ -19,9 +19,12 @@ from .config import KEYS, Config
 
 def where(origin: str, key: str, from_overrides: dict[str, str]) -> str:
     """Where a key's value came from: ``--set key`` or ``keyword key``, as its user spelled it
-    (also when that gave one of its sub-keys, such as aggregator_options.beta; see
-    apply_overrides), or ``FILE: key``."""
-    spelled = from_overrides.get(key) or next((s for k, s in from_overrides.items() if k.startswith(key + ".")), None)
+    (also when that gave one of its sub-keys, such as aggregator_options.beta, or the whole of which
+    it is a part, such as pre_aggregators for pre_aggregators.nnm; see apply_overrides), or
+    ``FILE: key``."""
+    spelled = from_overrides.get(key) or next(
+        (s for k, s in from_overrides.items() if k.startswith(key + ".") or key.startswith(k + ".")), None
+    )
     return f"{spelled} {key}" if spelled else f"{origin}: {key}"
 
 

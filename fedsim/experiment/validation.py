@@ -19,6 +19,7 @@ from ..core.sections import sections, unused
 from ..core.yamlfile import experiment_file, read_yaml
 from ..fl.aggregation import AGGREGATORS
 from ..fl.attacks import make_attack
+from ..fl.attacks.omniscient import Mimic
 from ..fl.compression import feeds_back
 from ..fl.privacy import RULES, Privacy
 from ..fl.system import System
@@ -231,7 +232,8 @@ def _value(cfg: Config, key: str) -> Any:
 
 
 def _attack_warning(cfg: Config) -> str | None:
-    """A line for a run in which half the clients or more are Byzantine: no rule withstands that."""
+    """A line for a run in which half the clients or more are Byzantine (no rule withstands that), or
+    none (a fraction too small for the federation)."""
     if cfg.attack.type == "none":
         return None
     if cfg.attack.count is not None:
@@ -241,6 +243,8 @@ def _attack_warning(cfg: Config) -> str | None:
         n = cfg.data.num_clients
         f = cfg.attack.members(n)
         setting, where = f"attack.fraction is {cfg.attack.fraction:g}", f"of the {n} clients"
+        if f == 0:
+            return f"{setting}: round({cfg.attack.fraction:g} x {n}) = 0 {where} are Byzantine; no client attacks"
     if 2 * f < n:
         return None
     return f"{setting}: {f} {where} are Byzantine, half or more, which no aggregation rule withstands"
@@ -250,11 +254,19 @@ def check_attack(cfg: Config) -> None:
     """The Byzantine clients of ``attack.count``, outside the federation, hold no data and have no
     client id: refuse what needs either (an attack that rewrites their own update gets the honest
     mean instead, as ByzFL's Byzantine clients do)."""
-    if cfg.attack.type == "none" or cfg.attack.count is None:
+    if cfg.attack.type == "none":
         return
-    checks = Checks()
+    attack, checks = make_attack(cfg.attack), Checks()
+    if isinstance(attack, Mimic) and attack.target is not None and attack.target >= cfg.clients_per_round:
+        checks.fail(
+            "attack.options",
+            f"target {attack.target} is past the honest updates of a round, {cfg.clients_per_round} at most "
+            f"(clients_per_round); choose 0 to {cfg.clients_per_round - 1}, or null",
+        )
+    if cfg.attack.count is None:
+        return
     name = components.describe(cfg.attack.type)
-    if make_attack(cfg.attack).relabels:
+    if attack.relabels:
         checks.fail(
             "attack.count",
             f"attack {name} changes the labels an attacker trains on, and the Byzantine clients of attack.count "

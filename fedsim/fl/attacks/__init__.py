@@ -44,7 +44,8 @@ def _no_attack(key: str, attack: Any, config: Any) -> str | None:
 
 
 def _not_scaled(key: str, attack: Any, config: Any) -> str | None:
-    return None if attack.type in ("sign_flip", "scale") else f"attack.type {attack.type} does not use it"
+    takes = "scale" in inspect.signature(attack_class(attack.type)).parameters
+    return None if takes else f"attack.type {attack.type} does not use it"
 
 
 def _counted(key: str, attack: Any, config: Any) -> str | None:
@@ -85,6 +86,8 @@ class AttackConfig:
             checks.fail(
                 "fraction", f"attack.type is {self.type} but fraction is 0; set a fraction in (0, 1) or a count"
             )
+        if "scale" in self.options and self.scale != 1.0:
+            checks.fail("scale", "set attack.scale or attack.options.scale, not both")
         make_attack(self)  # its options, checked now
 
     def members(self, num_clients: int) -> int:

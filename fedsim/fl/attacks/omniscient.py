@@ -178,7 +178,8 @@ class Mimic(Attack):
     that the rule over-weights that client's data. ``target`` null: the honest update that lies
     farthest from their mean along their principal direction (the top eigenvector of their
     covariance, which the paper estimates over its first rounds; here from the round itself);
-    ``target: i``: the i-th honest update of the round, as ByzFL's ``epsilon``."""
+    ``target: i``: the i-th honest update of the round, as ByzFL's ``epsilon`` (the last in a round
+    with fewer, where some sampled clients are attackers; a target past clients_per_round is refused)."""
 
     def __init__(self, target: int | None = None):
         self.target = OPTIONS.count("target", target, 0, optional=True)
