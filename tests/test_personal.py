@@ -132,6 +132,58 @@ def test_fedrep_trains_the_head_with_the_body_frozen_then_the_body_with_the_head
         check(row, heads[k])
 
 
+def steps_taken(run_dir):
+    """Each client's steps in each round, from clients.csv: {(round, class held): steps}."""
+    return {(r["round"], COUNTS.index(r["samples"])): r["steps"] for r in fedsim.load_run(run_dir).client_records}
+
+
+def test_under_local_steps_ditto_trains_the_global_model_for_local_steps_and_the_personal_one_for_its_own(tmp_path):
+    """local.steps caps the global model's steps, as under any algorithm, and personal_steps the
+    personal model's: with local.steps 2 and personal_steps 4 the clients of 2, 3 and 6 steps an
+    epoch take 2, 3 and 4 personal steps and 2 global ones. Before, the personal model spent the
+    whole budget of local.steps and the global model took no step."""
+    lam = 0.5
+    options = {"lam": lam, "personal_steps": 4}
+    run = tiny_run(tmp_path / "run", "ditto", rounds=2, clients_per_round=2, algorithm_options=options, steps=2)
+    x, personal, expected = initial_weights(), {}, {}
+    for rnd, active in enumerate(run.trained, start=1):
+        for k in active:
+            start, anchor = personal.get(k, x), x
+            personal[k] = sgd(start, k, min(STEPS[k], 4), term=lambda v, anchor=anchor: lam * (v - anchor))
+            expected[rnd, k] = min(STEPS[k], 4) + 2
+        x = fedavg(x, {k: sgd(x, k, 2) for k in active})
+    assert not torch.equal(run.state["global"].double(), initial_weights())
+    check(run.state["global"], x)
+    for k in set(run.trained[0]) | set(run.trained[1]):
+        check(rows(run, "personal")[k], personal[k])
+    assert steps_taken(tmp_path / "run") == expected
+
+
+def test_under_local_steps_fedrep_trains_the_body_for_local_steps_and_the_head_for_head_steps(tmp_path):
+    """head_steps caps the head's phase (here 3 of its 2 epochs' 4, 6 and 12 steps) and local.steps
+    the body's (2 of 2, 3 and 6): both phases train, and the server averages bodies that moved."""
+    options = {"personal_layers": ["bias"], "head_epochs": 2, "head_steps": 3}
+    run = tiny_run(tmp_path / "run", "fedrep", rounds=2, clients_per_round=2, algorithm_options=options, steps=2)
+    head = torch.zeros_like(initial_weights())
+    head[WEIGHT:] = 1
+    x, heads = initial_weights(), {}
+    for active in run.trained:
+        models = {}
+        for k in active:
+            start = x.clone()
+            start[WEIGHT:] = heads.get(k, x[WEIGHT:])
+            w = sgd(sgd(start, k, 3, mask=head), k, 2, mask=1 - head)
+            heads[k] = w[WEIGHT:].clone()
+            w[WEIGHT:] = x[WEIGHT:]
+            models[k] = w
+        x = fedavg(x, models)
+    assert not torch.equal(run.state["global"][:WEIGHT].double(), initial_weights()[:WEIGHT])
+    check(run.state["global"], x)
+    for k in set(run.trained[0]) | set(run.trained[1]):
+        check(rows(run, "head")[k], heads[k])
+    assert set(steps_taken(tmp_path / "run").values()) == {5}
+
+
 TINY = {
     "name": "personal",
     "seed": 1,
@@ -151,6 +203,18 @@ TINY = {
     },
     "local": {"epochs": 1, "batch_size": 32, "lr": 0.05},
 }
+
+
+@pytest.mark.parametrize("algorithm", ["ditto", "fedrep"])
+def test_local_steps_alone_caps_each_phase_and_every_client_sends_a_trained_model(tmp_path, algorithm):
+    """local.steps 2 and no cap of the personal phase's own: 2 steps a phase, 4 a client, and every
+    update moved with a finite loss (the defect: 2 personal steps, 0 global, update_norm 0, loss nan)."""
+    cfg = {**TINY, "algorithm": algorithm, "rounds": 2, "local": {**TINY["local"], "steps": 2}}
+    history = fedsim.run(cfg, out=tmp_path / "run", quiet=True)
+    records = history.client_records
+    assert len(records) == 6 and all(r["steps"] == 4 for r in records)
+    assert all(r["update_norm"] > 0 and math.isfinite(r["train_loss"]) for r in records)
+    assert all(math.isfinite(loss) for loss in history.train_loss)
 
 
 def test_the_bound_on_the_clients_state_is_refused_naming_the_key(tmp_path):
@@ -185,6 +249,14 @@ def test_the_bound_on_the_clients_state_is_refused_naming_the_key(tmp_path):
             "config: algorithm_options: head_epochs must be an integer >= 1, got 0",
         ),
         (
+            {"algorithm": "ditto", "algorithm_options": {"personal_steps": 0}},
+            "config: algorithm_options: personal_steps must be an integer >= 1 (or null), got 0",
+        ),
+        (
+            {"algorithm": "fedrep", "algorithm_options": {"head_steps": 1.5}},
+            "config: algorithm_options: head_steps must be an integer >= 1 (or null), got 1.5",
+        ),
+        (
             {"algorithm": "fedper", "algorithm_options": {"personal_layers": ["fc4"]}},
             "config: algorithm_options: personal_layers names 'fc4', which is no layer of the model "
             "(did you mean 'fc3'?); its layers: fc1, fc2, fc3",
@@ -211,11 +283,14 @@ def checkpoint(path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["ditto", "fedrep", "fedproto"])
-def test_personal_runs_are_the_same_bits_for_any_workers_and_after_a_resume(tmp_path, algorithm):
+@pytest.mark.parametrize(
+    "algorithm, local",
+    [("ditto", {}), ("fedrep", {}), ("fedproto", {}), ("ditto", {"steps": 3}), ("fedrep", {"steps": 3})],
+)
+def test_personal_runs_are_the_same_bits_for_any_workers_and_after_a_resume(tmp_path, algorithm, local):
     """Each client's own state and the personal scores: workers 0 and 2, and 2 rounds then a resume
-    to 3, give the same bits; clients left out of a round keep their rows."""
-    cfg = {**TINY, "algorithm": algorithm}
+    to 3, give the same bits, with local.steps too; clients left out of a round keep their rows."""
+    cfg = {**TINY, "algorithm": algorithm, "local": {**TINY["local"], **local}}
     zero = fedsim.run(cfg, out=tmp_path / "w0", quiet=True)
     two = fedsim.run(cfg, out=tmp_path / "w2", quiet=True, workers=2)
     fedsim.run(cfg, out=tmp_path / "resumed", quiet=True, rounds=2)

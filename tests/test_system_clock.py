@@ -19,8 +19,9 @@ BATCH = 2
 EPOCH_STEPS = {n: math.ceil(n / BATCH) for n in COUNTS}  # samples -> steps of one epoch
 
 
-def run(tmp_path, algorithm, system, *, rounds=2, clients_per_round=3, **options):
-    """The tiny problem under ``algorithm`` (its options) and the ``system:`` section; the recorder."""
+def run(tmp_path, algorithm, system, *, rounds=2, clients_per_round=3, steps=None, name=None, **options):
+    """The tiny problem under ``algorithm`` (its options), local.steps ``steps`` and the ``system:``
+    section, written under ``name`` (None: the algorithm's); the recorder."""
     samples = tiny_samples()
     labels = torch.repeat_interleave(torch.arange(CLASSES), torch.tensor(COUNTS))
     cfg = {
@@ -33,13 +34,13 @@ def run(tmp_path, algorithm, system, *, rounds=2, clients_per_round=3, **options
         "algorithm": algorithm,
         "algorithm_options": options,
         "data": {"partition": "label_k", "classes_per_client": 1, "num_clients": 3},
-        "local": {"epochs": 1, "batch_size": BATCH, "lr": 0.1},
+        "local": {"epochs": 1, "batch_size": BATCH, "lr": 0.1, "steps": steps},
         "system": system,
     }
     recorder = Recorder()
     fedsim.run(
         cfg,
-        out=tmp_path / algorithm,
+        out=tmp_path / (name or algorithm),
         quiet=True,
         callbacks=[recorder],
         model=tiny_linear,
@@ -100,3 +101,23 @@ def test_a_fedrep_straggler_spends_one_budget_on_head_and_body(tmp_path):
         assert {n: (c["steps"], c["dropped"]) for n, c in two.items()} == {3: (6, 0), 6: (7, 0), 11: (0, "straggler")}
         assert fedrep.rows[rnd - 1]["stragglers"] == 2
         assert max(c["steps"] for c in two.values()) <= 7
+
+
+def test_under_local_steps_a_ditto_straggler_spends_its_budget_on_both_capped_models(tmp_path):
+    """local.steps 2, personal_steps 3: the clients of 2, 3 and 6 steps an epoch work 2 + 2, 3 + 2
+    and 3 + 2 steps. Deadline 4 (1 s a step): the 3-sample client is in time; the two others are
+    late and send a global model of 1 step. Deadline 3: the 3-sample client sends 1 global step;
+    the others' 3 steps end with their personal models, so they are dropped, not sent untrained."""
+    options = {"personal_steps": 3}
+    free = run(tmp_path, "ditto", {}, rounds=1, steps=2, name="free", **options)
+    assert {n: c["steps"] for n, c in by_samples(free, 1).items()} == {3: 4, 6: 5, 11: 5}
+    late = run(tmp_path, "ditto", {"deadline": 4, "stragglers": "partial"}, rounds=1, steps=2, name="4", **options)
+    assert {n: (c["steps"], c["dropped"]) for n, c in by_samples(late, 1).items()} == {3: (4, 0), 6: (4, 0), 11: (4, 0)}
+    assert late.rows[0]["stragglers"] == 2 and all(c["update_norm"] > 0 for c in late.clients)
+    later = run(tmp_path, "ditto", {"deadline": 3, "stragglers": "partial"}, rounds=1, steps=2, name="3", **options)
+    assert {n: (c["steps"], c["dropped"]) for n, c in by_samples(later, 1).items()} == {
+        3: (3, 0),
+        6: (0, "straggler"),
+        11: (0, "straggler"),
+    }
+    assert later.rows[0]["dropped_clients"] == 2

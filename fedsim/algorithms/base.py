@@ -178,6 +178,13 @@ class Algorithm:
         algorithm that trains in several phases declares them here."""
         return (int(epochs),)
 
+    def phase_steps(self, steps: int | None) -> tuple[int | None, ...]:
+        """The most steps of each phase of ``phase_epochs``, given local.steps (None: no cap, the
+        phase's epochs): local.steps caps each phase on its own, so that an earlier phase never
+        spends the steps of the one whose weights the client sends; an algorithm overrides this to
+        give a phase a cap of its own. The clock and the workers both read this."""
+        return (steps,) * len(self.phase_epochs(1))
+
     def start_client(self, clients: Clients) -> Any:
         """Before the first step. What is returned comes back as ``local`` in the two methods
         below (a correction to add at every step, say)."""

@@ -26,18 +26,21 @@ class Ditto(Algorithm):
     the paper). Its personal model v_k takes ``personal_epochs`` epochs (None: local.epochs) of
     SGD on its loss plus lam/2 ||v_k - w||^2, that is steps v_k -= lr (grad + lam (v_k - w));
     then its copy of w takes local.epochs of plain local SGD, which the server aggregates as
-    FedAvg does. Both see the same minibatches (the client's stream). v_k starts as the global
-    model of the round the client is first sampled in, stays on the client, and is what
+    FedAvg does. Both see the same minibatches (the client's stream). Step caps count per model:
+    local.steps caps the global model's steps, as under any algorithm, and ``personal_steps``
+    (None: local.steps) the personal model's (the paper's s local iterations). v_k starts as the
+    global model of the round the client is first sampled in, stays on the client, and is what
     ``eval_per_client`` scores; batch-norm statistics, not trained, are the global model's.
     ``lam = 0`` trains v_k as a purely local model. Both phases count on the simulated clock and
-    in clients.csv's steps (see ``phase_epochs``).
+    in clients.csv's steps (see ``phase_epochs`` and ``phase_steps``).
     """
 
     personal_state = ("personal",)
 
-    def __init__(self, lam: float = 0.1, personal_epochs: int | None = None):
+    def __init__(self, lam: float = 0.1, personal_epochs: int | None = None, personal_steps: int | None = None):
         self.lam = _CHECKS.non_negative("lam", lam)
         self.personal_epochs = _CHECKS.count("personal_epochs", personal_epochs, 1, optional=True)
+        self.personal_steps = _CHECKS.count("personal_steps", personal_steps, 1, optional=True)
 
     def client_state(self, num_params: int) -> dict[str, tuple[int, ...]]:
         return {"personal": (num_params,)}
@@ -57,6 +60,9 @@ class Ditto(Algorithm):
 
     def phase_epochs(self, epochs: int) -> tuple[int, ...]:
         return (int(epochs) if self.personal_epochs is None else self.personal_epochs, int(epochs))
+
+    def phase_steps(self, steps: int | None) -> tuple[int | None, ...]:
+        return (steps if self.personal_steps is None else self.personal_steps, steps)
 
     def start_client(self, clients: Clients) -> SimpleNamespace:
         return SimpleNamespace(personal=clients.state["personal"][0], trained=None)

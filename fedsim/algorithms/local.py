@@ -43,7 +43,8 @@ class LocalConfig:
     epochs: int = option(1, "local epochs per round")
     steps: int | None = option(
         None,
-        "the most local steps a client takes in a round (FlowerTune's `max_steps`); the simulated clock "
+        "the most local steps a client takes in a round (FlowerTune's `max_steps`), in each phase of a "
+        "two-phase algorithm (Ditto, FedRep: see [Personal models](personal-models.md)); the simulated clock "
         "charges these; `null`: all",
     )
     batch_size: int = option(64, "local batch size")

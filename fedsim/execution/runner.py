@@ -111,14 +111,19 @@ class ClientRunner:
         self, indices: torch.Tensor, start: torch.Tensor, seed: int, limit: int | None, **options: Any
     ) -> Trained:
         """One client's training on the process trainer, however many phases (``fit`` calls) the
-        algorithm runs: a partial straggler's ``limit`` is one budget for all of them, spent in the
-        order they run (a phase gets what the phases before it left), and the steps reported are
-        those of every phase, as the simulated clock charges them (fl/system.py)."""
+        algorithm runs: each phase takes at most its own cap (``Algorithm.phase_steps``: under
+        local.steps a first phase must not spend the steps of the phase whose weights are sent), a
+        partial straggler's ``limit`` is one budget for all of them, spent in the order they run (a
+        phase gets what the phases before it left), and the steps reported are those of every
+        phase, as the simulated clock charges them (fl/system.py)."""
         taken: list[torch.Tensor] = []
+        caps = self.algorithm.phase_steps(self.config.local.steps)
 
         def fit(start, **phase):
             left = None if limit is None else limit - sum(int(steps.item()) for steps in taken)
-            trained = self.trainer.train(indices, start, seed, max_steps=left, **options, **phase)
+            cap = caps[len(taken)] if len(taken) < len(caps) else None
+            most = min((m for m in (left, cap) if m is not None), default=None)
+            trained = self.trainer.train(indices, start, seed, max_steps=most, **options, **phase)
             taken.append(trained.steps)
             return trained
 

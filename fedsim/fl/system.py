@@ -7,8 +7,8 @@ are late, in FLGo's vocabulary (Wang et al., FLGo's ``flgo.simulator``):
                   work is lost
 * responsiveness  a client's local work takes ``steps x step_seconds / speed`` simulated seconds,
                   ``steps`` summed over the algorithm's phases (``Algorithm.phase_epochs``: Ditto's
-                  two models, FedRep's head then body); past the round's ``deadline`` it is a
-                  straggler
+                  two models, FedRep's head then body), each at most its cap (``phase_steps``:
+                  local.steps, or a phase's own); past the round's ``deadline`` it is a straggler
 * completeness    stragglers are dropped (``stragglers: drop``), or report the steps they finished
                   in time (``stragglers: partial``): floor(deadline x speed / step_seconds) of them,
                   one budget spent on the phases in the order they run; one whose budget ends
@@ -82,16 +82,18 @@ def _ids(values) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
 
 
-def _phase_epochs(cfg: Any) -> tuple[int, ...]:
-    """The epochs of each local phase of ``cfg``'s algorithm (``Algorithm.phase_epochs``): the
-    instance given, or the class registered or named by import path, built with its options."""
+def _phases(cfg: Any) -> tuple[tuple[int, ...], tuple[int | None, ...]]:
+    """The epochs and the most steps of each local phase of ``cfg``'s algorithm
+    (``Algorithm.phase_epochs``, ``Algorithm.phase_steps``): the instance given, or the class
+    registered or named by import path, built with its options."""
     spec, options = getattr(cfg, "algorithm", "fedavg"), dict(getattr(cfg, "algorithm_options", None) or {})
     if isinstance(spec, str):
         spec = load_attr("algorithm", spec) if is_import_path(spec) else ALGORITHMS.get(spec)
     algorithm = spec(**options) if isinstance(spec, type) else spec
+    steps = getattr(cfg.local, "steps", None)
     if not isinstance(algorithm, Algorithm):
-        return (int(cfg.local.epochs),)
-    return algorithm.phase_epochs(cfg.local.epochs)
+        return (int(cfg.local.epochs),), (steps,)
+    return algorithm.phase_epochs(cfg.local.epochs), algorithm.phase_steps(steps)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -163,6 +165,7 @@ class System:
         batch_size: int = 64,
         phases: Sequence[int] | None = None,
         max_steps: int | None = None,
+        phase_steps: Sequence[int | None] | None = None,
     ):
         self.spec = parse_system(section, client_sampling, sampling_candidates)
         self.max_steps = max_steps  # local.steps: the most steps a client takes in a round; None: its epochs
@@ -173,21 +176,27 @@ class System:
         self.phases = (self.epochs,) if phases is None else tuple(int(e) for e in phases)
         if not self.phases or min(self.phases) < 1:
             raise ValueError(f"phases must be epochs >= 1, one per phase, got {phases}")
+        # the most steps of each phase (Algorithm.phase_steps); by default local.steps caps each
+        self.caps = (max_steps,) * len(self.phases) if phase_steps is None else tuple(phase_steps)
+        if len(self.caps) != len(self.phases):
+            raise ValueError(f"phase_steps must hold one cap per phase, got {phase_steps} for {len(self.phases)}")
         self._cache: tuple = (None, None, None)
         self._everyone = np.arange(0)  # every client's id, kept for rounds where all are online
 
     @classmethod
     def from_config(cls, cfg: Any) -> System:
         """From a Config: ``cfg.system``, ``cfg.client_sampling``, ``cfg.sampling_candidates`` (each
-        optional) and ``cfg.local.epochs``, ``cfg.local.batch_size``."""
+        optional) and ``cfg.local.epochs``, ``cfg.local.batch_size``, ``cfg.local.steps``."""
+        phases, caps = _phases(cfg)
         return cls(
             getattr(cfg, "system", None),
             client_sampling=getattr(cfg, "client_sampling", "uniform"),
             sampling_candidates=getattr(cfg, "sampling_candidates", None),
             epochs=cfg.local.epochs,
             batch_size=cfg.local.batch_size,
-            phases=_phase_epochs(cfg),
+            phases=phases,
             max_steps=getattr(cfg.local, "steps", None),
+            phase_steps=caps,
         )
 
     @staticmethod
@@ -221,12 +230,15 @@ class System:
 
     # ----------------------------------------------------------------- per-client constants
 
-    def local_steps(self, sizes: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Each client's full work: the steps of all its phases, ``local_steps(sizes, epochs,
-        batch_size)`` summed over the phases' epochs (one phase of local.epochs for most algorithms),
-        at most ``local.steps``."""
-        steps = local_steps(sizes, sum(self.phases), self.batch_size)
-        return steps if self.max_steps is None else np.minimum(steps, self.max_steps)
+    def local_steps(self, sizes: Sequence[int] | np.ndarray, phases: int | None = None) -> np.ndarray:
+        """Each client's full work: the steps of its first ``phases`` phases (None: all), each
+        ``local_steps(sizes, epochs, batch_size)`` of its epochs, at most its cap (one phase of
+        local.epochs at most local.steps for most algorithms)."""
+        steps = np.zeros(len(sizes), dtype=np.int64)
+        for epochs, cap in list(zip(self.phases, self.caps))[:phases]:
+            phase = local_steps(sizes, epochs, self.batch_size)
+            steps += phase if cap is None else np.minimum(phase, cap)
+        return steps
 
     def _constants(self, seed: int, num_clients: int) -> tuple[np.ndarray, np.ndarray]:
         if self._cache[0] != (seed, num_clients):
@@ -337,8 +349,8 @@ class System:
         late = ~out & (steps > budget) if budget is not None else np.zeros(len(sampled), dtype=bool)
         lost = out | (late & self._nothing_sent(budget, np.asarray(sizes, dtype=np.int64)[sampled]))
         reports = ~lost
-        # a late client stops at its budget; under local.steps every client at its work, capped
-        capped = [int(n) if self.max_steps is not None else None for n in steps]
+        # a late client stops at its budget; under a step cap every client at its work, capped
+        capped = [int(n) if any(c is not None for c in self.caps) else None for n in steps]
         limits = tuple(int(budget[i]) if late[i] else capped[i] for i in np.flatnonzero(reports))
         simulated = self._waited(late, seconds[reports])
         return RoundPlan(
@@ -370,7 +382,7 @@ class System:
         sends is that phase's weights; with one phase, a budget of no step)."""
         if self.spec.stragglers != "partial" or budget is None:
             return True
-        return budget <= local_steps(sizes, sum(self.phases[:-1]), self.batch_size)
+        return budget <= self.local_steps(sizes, len(self.phases) - 1)
 
     def _waited(self, late: np.ndarray, reporting_seconds: np.ndarray) -> float:
         """The round's simulated seconds: the deadline when someone is late, else the slowest
