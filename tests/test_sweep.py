@@ -160,14 +160,12 @@ def test_every_combination_is_checked_whole_before_the_first_run(config_file, fa
     )
     with pytest.raises(FedsimError) as info:  # the data holds fewer samples than the second run's limit
         sweep(config_file, ["data.limit=200,100000000"], out=tmp_path / "out")
-    assert str(info.value).startswith(
-        "sweep run small-data.limit=100000000: --set data.limit: 100000000 is more than the "
-    )
+    assert str(info.value).startswith("--grid data.limit=100000000: 100000000 is more than the ")
     with pytest.raises(ConfigError) as info:  # a model for 3 x 32 x 32 images, on 1 x 28 x 28
         sweep(config_file, ["model=mnist_cnn,test_sweep:for_colour_images"], out=tmp_path / "out")
     assert str(info.value).startswith(
-        "sweep run small-model=test_sweep_for_colour_images: --set model: "
-        "test_sweep:for_colour_images fails on a batch of inputs of shape (1, 28, 28)"
+        "--grid model=test_sweep:for_colour_images: test_sweep:for_colour_images fails on a batch of inputs of "
+        "shape (1, 28, 28)"
     )
     assert [cfg.name for cfg in checked] == [
         "small-data.limit=200",
@@ -848,3 +846,122 @@ def test_a_warning_or_hint_is_said_once_per_sweep_not_once_per_run(tmp_path, cap
         for size in (30, 40):
             logger.info(f"--set eval_subset={size} scores ...", extra={"once": "eval_subset hint"})
     assert [r.getMessage() for r in caplog.records] == ["--set eval_subset=30 scores ..."]
+
+
+NAMED_RULE = {"rule": {"tm": {"aggregator": "trimmed_mean"}, "gm": {"aggregator": "geometric_median"}}}
+
+
+@pytest.mark.parametrize(
+    "file_grid, grid, words",
+    [
+        (NAMED_RULE, ["aggregator=median"], "axes rule and aggregator both set aggregator,"),
+        (
+            {**NAMED_RULE, "opts": {"x": {"aggregator": "median", "aggregator_options": {}}}},
+            [],
+            "axes rule and opts both set aggregator,",
+        ),
+        ({}, ["data.alpha=0.1", "data={alpha: 1, gamma: 0}"], "axes data.alpha and data both set data.alpha,"),
+        ({}, ["data=null", "data.gamma=0"], "axes data and data.gamma both set data.gamma,"),
+        (
+            {},
+            ["aggregator_options={beta: 0.1}", "aggregator_options.beta=0.2"],
+            "axes aggregator_options and aggregator_options.beta both set aggregator_options.beta,",
+        ),
+    ],
+)
+def test_axes_that_set_the_same_key_are_refused_naming_both_and_the_key(config_file, file_grid, grid, words):
+    # a run would keep one axis's value and be named (and tabled, and pivoted) by the other's too
+    if file_grid:
+        config_file.write_text(
+            config_file.read_text() + yaml.safe_dump({"sweep": {"grid": file_grid}}, sort_keys=False)
+        )
+    with pytest.raises(ConfigError) as info:
+        plan(config_file, grid)
+    assert str(info.value).startswith(f"--grid: {words} so a run would keep only one of their values")
+    assert "\n" not in str(info.value)
+
+
+def test_axes_that_set_different_keys_of_a_section_or_of_a_rule_go_together(config_file):
+    runs = plan(config_file, ["data={alpha: 0.5}", "data.gamma=0,1"])
+    assert [(run.config.data.alpha, run.config.data.gamma) for run in runs] == [(0.5, 0), (0.5, 1)]
+    config_file.write_text(config_file.read_text() + yaml.safe_dump({"sweep": {"grid": NAMED_RULE}}, sort_keys=False))
+    runs = plan(config_file, ["aggregator_options={}"], seeds=[0])  # aggregator is not a section of aggregator_options
+    assert [run.config.aggregator for run in runs] == ["trimmed_mean", "geometric_median"]
+
+
+@pytest.mark.parametrize(
+    "overrides, grid, seeds, message",
+    [
+        (["aggregator=median"], ["aggregator=mean,krum"], None, "--set aggregator: the grid's axis aggregator sets it"),
+        (["data={alpha: 1}"], ["data.alpha=0.1,0.5"], None, "--set data.alpha: the grid's axis data.alpha sets it"),
+        (["seed=4"], ["aggregator=mean"], [0, 1], "--set seed: --seeds gives every run its seed in its place"),
+    ],
+)
+def test_a_set_that_the_grid_replaces_is_said(config_file, caplog, overrides, grid, seeds, message):
+    runs = plan(config_file, grid, [*overrides, "local.lr=0.2"], seeds=seeds)
+    assert [r.message for r in caplog.records] == [message + (" in every run, in its place" if seeds is None else "")]
+    assert {run.config.local.lr for run in runs} == {0.2} and len(runs) == 2
+
+
+def test_a_named_axis_that_sets_the_seed_is_refused_beside_seeds(config_file):
+    config_file.write_text(config_file.read_text() + "sweep: {grid: {start: {a: {seed: 1}, b: {seed: 2}}}}\n")
+    with pytest.raises(ConfigError, match=r"^--seeds and the axis start both give seeds"):
+        plan(config_file, [], seeds=[0])
+
+
+def test_every_error_in_checking_a_grid_point_names_the_grid_values_it_came_from(config_file):
+    raw = yaml.safe_load(config_file.read_text())
+    config_file.write_text(
+        yaml.safe_dump({**raw, "aggregator": "trimmed_mean", "attack": {"type": "sign_flip", "count": 1}})
+    )
+    # a value that is bad only beside the file's: the whole point, then the error as the file names it
+    with pytest.raises(ConfigError) as info:
+        plan(config_file, ["attack.count=1,20", "local.lr=0.1"])
+    assert str(info.value).startswith(
+        f"--grid attack.count=20 --grid local.lr=0.1: {config_file}: aggregator_options: f = 20 is too large"
+    )
+    with pytest.raises(ConfigError) as info:
+        plan(config_file, ["attack.fraction=0.25"])
+    assert str(info.value).startswith(f"--grid attack.fraction=0.25: {config_file}: attack.count: set fraction")
+    # a key inside the grid's value, and a key that a named axis's value sets
+    with pytest.raises(ConfigError, match=r"^--grid pre_aggregators=\[foo\] \(pre_aggregators.foo\): unknown pre-agg"):
+        plan(config_file, ["pre_aggregators=[nnm],[foo]"])
+    named = {"rule": {"tm": {"aggregator": "trimmed_mean"}, "gm": {"aggregator_options": {"eps": -1}}}}
+    config_file.write_text(config_file.read_text() + yaml.safe_dump({"sweep": {"grid": named}}))
+    with pytest.raises(ConfigError, match=r"^--grid rule=gm \(aggregator_options\): eps must be a number > 0"):
+        plan(config_file, [], ["aggregator=geometric_median"])
+
+
+def test_a_file_axis_holds_list_values_as_grid_does(config_file):
+    values = [[{"arc": {"f": 1}}], [{"nnm": {"f": 1}}], ["nnm"], ["arc"]]
+    raw = yaml.safe_load(config_file.read_text())
+    config_file.write_text(yaml.safe_dump({**raw, "sweep": {"grid": {"pre_aggregators": values}}}))
+    runs = plan(config_file, [])
+    assert [run.point for run in runs] == [
+        [("pre_aggregators", text)] for text in ("[{arc: {f: 1}}]", "[{nnm: {f: 1}}]", "[nnm]", "[arc]")
+    ]
+    assert [run.config.pre_aggregators for run in runs] == values
+    # as the command line gives them
+    assert [run.config.pre_aggregators for run in plan(config_file, ["pre_aggregators=[nnm],[arc]"])] == values[2:]
+
+
+@pytest.mark.slow
+def test_a_sweep_of_a_file_s_list_valued_axis_runs_each_value(tmp_path):
+    values = [[{"arc": {"f": 1}}], [{"nnm": {"f": 1}}], ["nnm"], ["arc"]]
+    cfg = {
+        "name": "pre",
+        "rounds": 1,
+        "workers": 0,
+        "clients_per_round": 4,
+        "data": {"dataset": "synthetic", "num_clients": 4, "limit": 400},
+        "aggregator": "median",
+        "attack": {"type": "sign_flip", "count": 1},
+        "sweep": {"grid": {"pre_aggregators": values}},
+    }
+    (tmp_path / "pre.yaml").write_text(yaml.safe_dump(cfg))
+    runs = sweep(tmp_path / "pre.yaml", [], out=tmp_path / "out", quiet=True, log=lambda text: None)
+    written = sorted(path.parent.name for path in (tmp_path / "out").glob("*/config.yaml"))
+    assert len(runs) == len(written) == 4
+    assert [
+        yaml.safe_load((tmp_path / "out" / run.label / "config.yaml").read_text())["pre_aggregators"] for run in runs
+    ] == values

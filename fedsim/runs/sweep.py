@@ -20,8 +20,10 @@ language models' runs also reports the final and best (lowest) test perplexity.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -29,13 +31,16 @@ from pathlib import Path
 
 from ..core.errors import ConfigError, FedsimError, write_error
 from ..core.files import atomic_write_text
-from ..experiment.config import Config
+from ..core.overrides import apply_overrides
+from ..experiment.config import SECTIONS, Config
 from ..experiment.validation import load_config
 from ..results.history import check_target, load_run
 from ..results.rundir import safe_dir_name
 from .sweepdir import SWEEP_FILE, identity, left_to_do, placement, sweep_root
-from .sweepgrid import grid_axes
+from .sweepgrid import grid_axes, overlap, set_keys
 from .sweepruns import SweepRun, _printable, _row, format_pivot, format_table, write_csv, write_pivot, write_table
+
+logger = logging.getLogger("fedsim")
 
 
 def parse_seeds(seeds: str | Iterable[int]) -> list[int]:
@@ -78,12 +83,17 @@ def plan(
             "give at least one --grid KEY=V1,V2,... or --seeds S1,S2,..., e.g. --grid aggregator=fedavg,median "
             "or --seeds 0,1,2 (or a sweep section in the experiment file)"
         )
-    if seeds is not None and any(key == "seed" for key, _ in axes):
+    seeded = next((key for key, values in axes if any(overlap("seed", k) for k in set_keys(values))), None)
+    if seeds is not None and seeded is not None:
+        other = "--grid seed=..." if seeded == "seed" else f"the axis {seeded}"
         raise ConfigError(
-            "--seeds and --grid seed=... both give seeds; use --seeds to repeat every "
-            "configuration under each seed, or --grid seed=... to sweep the seed as a setting"
+            f"--seeds and {other} both give seeds; use --seeds to repeat every configuration under each seed, "
+            "or --grid seed=... to sweep the seed as a setting"
         )
-    name = load_config(config, list(overrides)).name
+    _warn_lost_overrides(axes, seeds, list(overrides))
+    base = load_config(config, list(overrides))
+    keys = {(key, text): set_keys([(text, settings)]) for key, values in axes for text, settings in values}
+    name, blame = base.name, Blame(keys, base.origin[0])
     runs, seen = [], {}
     for values in itertools.product(*(choices for _, choices in axes)):
         point = [(key, text) for (key, _), (text, _) in zip(axes, values)]
@@ -94,7 +104,7 @@ def plan(
             try:
                 cfg = load_config(config, [*overrides, *sets, *repeat])
             except ConfigError as e:
-                raise _as_given(e, point, seed) from None
+                raise blame(e, point, seed) from None
             same = seen.setdefault(repr(cfg.to_dict()), point)  # 0.1 and 0.10 are one value
             if same is not point:
                 raise ConfigError(
@@ -102,24 +112,54 @@ def plan(
                 )
             cfg.name = configuration
             label = configuration if seed is None else run_label(name, [*point, ("seed", str(seed))])
-            runs.append(SweepRun(label, point, cfg, seed=seed, configuration=configuration))
+            runs.append(SweepRun(label, point, cfg, seed=seed, configuration=configuration, blame=blame))
     labels = [run.label for run in runs]
     if len(set(labels)) < len(labels):
         raise ConfigError("--grid: two grid points give the same run name; make the values distinct")
     return runs
 
 
-def _as_given(error: ConfigError, point: list[tuple[str, str]], seed: int | None) -> ConfigError:
-    """An error about a grid value (or a seed of --seeds) names it as the user gave it: ``--grid
-    key=value`` (``--seeds``), not ``--set key``."""
-    named = str(error).removeprefix("--set ").partition(":")[0]
-    flags = {key: f"--grid {key}={value}" for key, value in point} | (
-        {"seed": f"--seeds {seed}"} if seed is not None else {}
-    )
-    key = next((key for key in flags if key == named or key.startswith(named + ".")), None)
-    if not str(error).startswith("--set ") or key is None:
-        return error
-    return ConfigError(f"{flags[key]}{'' if key == named else f' ({named})'}{str(error)[len('--set ') + len(named) :]}")
+def _warn_lost_overrides(axes: list, seeds: list[int] | None, overrides: list[str]) -> None:
+    """A ``--set`` of a key that an axis (or ``--seeds``) sets is replaced in every run, the point
+    being applied after the overrides: said once, since it may be there only to make the file's
+    configuration whole (a privacy section that needs its noise_multiplier)."""
+    given = apply_overrides({}, overrides, sections=SECTIONS)
+    swept = [(key, set_keys(values)) for key, values in axes] + ([("--seeds", {"seed"})] if seeds is not None else [])
+    for key in sorted(given):
+        axis = next((axis for axis, keys in swept if any(overlap(key, k) for k in keys)), None)
+        if axis == "--seeds":
+            logger.warning(f"--set {key}: --seeds gives every run its seed in its place")
+        elif axis is not None:
+            logger.warning(f"--set {key}: the grid's axis {axis} sets it in every run, in its place")
+
+
+@dataclass
+class Blame:
+    """Names an error found in checking a grid point by the grid values it came from, as the
+    user gave them, since the run's overrides say ``--set`` of keys the user never set: a key
+    that one axis (or --seeds) sets is named by that axis's value, ``--grid key=value`` (``--grid
+    rule=gm (aggregator_options)`` where the key differs), and any other error by the whole
+    point, ``--grid attack.count=20 --grid data.gamma=0: byzfl.yaml: aggregator_options: ...``."""
+
+    keys: dict[tuple[str, str], set[str]]  # the keys each value of each axis sets
+    origin: str  # the configuration's file (or "config"), as errors name it
+
+    def __call__(self, error: FedsimError, point: list[tuple[str, str]], seed: int | None) -> FedsimError:
+        text = str(error)
+        source = "--set " if text.startswith("--set ") else f"{self.origin}: "
+        named, colon, rest = text.removeprefix(source).partition(":")
+        flags = [(f"--grid {key}={value}", key, self.keys.get((key, value)) or {key}) for key, value in point]
+        if seed is not None:
+            flags.append((f"--seeds {seed}", "seed", {"seed"}))
+        blamed = [(flag, key) for flag, key, keys in flags if any(overlap(named, k) for k in keys)]
+        if text.startswith(source) and colon and " " not in named and len(blamed) == 1:
+            flag, key = blamed[0]
+            given = f"{flag}{'' if key == named else f' ({named})'}{colon}{rest}"
+        else:  # no one value makes the error (several do, or one with the file's): the whole point
+            given = f"{' '.join(flag for flag, _, _ in flags[: len(point)] or flags)}: {text}"
+        renamed = copy.copy(error)  # its class and attributes (a DataError's missing) kept
+        renamed.args = (given,)
+        return renamed
 
 
 def _spelled(point: list[tuple[str, str]]) -> str:
@@ -176,7 +216,7 @@ def prepare(
             try:
                 check_run(run.config, datasets)
             except FedsimError as e:
-                raise type(e)(f"sweep run {run.label}: {e}") from None
+                raise run.blame(e, run.point, run.seed) from None
     repeats = list(dict.fromkeys(run.seed for run in runs)) if runs and runs[0].seed is not None else None
     return Sweep(runs, root, repeats, target, named=out is not None, pivot=pivoted)
 

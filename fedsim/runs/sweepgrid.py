@@ -13,8 +13,9 @@ sweep:
 
 A named axis sets several keys at once (a rule with its own options); its runs are named by the
 value's name (``rule=geometric_median``). ``--grid`` adds axes, replaces the file's axis of the same
-key, or picks values of a named axis by name; ``--seeds`` replaces the file's seeds. ``fedsim run``
-runs the file's configuration without its grid.
+key, or picks values of a named axis by name; ``--seeds`` replaces the file's seeds. Two axes that
+set the same key are refused: the later one would override the other's value, and the run would
+still be named by both. ``fedsim run`` runs the file's configuration without its grid.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+import yaml
+
 from ..core.errors import ConfigError, shown
-from ..core.overrides import parse_grid
+from ..core.overrides import apply_overrides, parse_grid
 from ..core.yamlfile import experiment_file, read_yaml
+from ..experiment.config import SECTIONS
 
 # (key or axis name, [(value as named in the run's name, the "key=value" overrides it sets)])
 Axis = tuple[str, list[tuple[str, list[str]]]]
@@ -62,7 +66,41 @@ def grid_axes(source: Any, grid: list[str]) -> tuple[list[Axis], Any]:
             chosen = [(text, [f"{key}={text}"]) for text in texts]
         position = next((i for i, (k, _) in enumerate(axes) if k == key), len(axes))
         axes[position : position + 1] = [(key, chosen)]
+    refuse_overlaps(axes)
     return axes, section.get("seeds")
+
+
+def set_keys(values: list[tuple[str, list[str]]]) -> set[str]:
+    """The dotted keys that values of an axis set, a section's mapping (``data: {gamma: 0}``) as
+    the keys it sets, as the run's configuration is built (apply_overrides)."""
+    keys = set()
+    for _, settings in values:
+        try:
+            keys |= set(apply_overrides({}, settings, sections=SECTIONS))
+        except ConfigError:
+            pass  # a value that cannot be read is refused, named, when its grid point is loaded
+    return keys
+
+
+def overlap(key: str, other: str) -> bool:
+    """Whether setting one key changes the other: the same key, or a key and one inside it."""
+    return key == other or key.startswith(other + ".") or other.startswith(key + ".")
+
+
+def refuse_overlaps(axes: list[Axis]) -> None:
+    """Two axes that set the same key: every run would keep only the later axis's value while
+    its name says both, so a table or pivot row would hold runs of another value."""
+    seen: list[tuple[str, str]] = []  # (axis, key it sets)
+    for axis in axes:
+        keys = sorted(set_keys(axis[1]))
+        for key in keys:
+            for other, known in seen:
+                if overlap(key, known):
+                    raise ConfigError(
+                        f"--grid: axes {other} and {axis[0]} both set {max(key, known, key=len)}, so a run would "
+                        f"keep only one of their values; set each key on one axis"
+                    )
+        seen += [(axis[0], key) for key in keys]
 
 
 def _file_axis(where: str, key: object, values: object) -> Axis:
@@ -71,7 +109,7 @@ def _file_axis(where: str, key: object, values: object) -> Axis:
     place = f"{where}: sweep.grid.{key}"
     if not isinstance(key, str) or not key:
         raise ConfigError(f"{where}: sweep.grid: each axis is named by a key, got {shown(key)}")
-    if isinstance(values, list) and values and not any(isinstance(v, (dict, list)) for v in values):
+    if isinstance(values, list) and values:  # any values, lists included, as --grid gives them
         return key, [(_text(v), [f"{key}={json.dumps(v)}"]) for v in values]
     if isinstance(values, dict) and values and all(isinstance(v, dict) and v for v in values.values()):
         return key, [
@@ -100,4 +138,6 @@ def _text(value: object) -> str:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, (list, dict)):  # [{arc: {f: 1}}], not Python's [{'arc': {'f': 1}}]
+        return yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip()
     return str(value)

@@ -8,9 +8,11 @@ from __future__ import annotations
 import csv
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.errors import FedsimError
 from ..core.files import write_atomically
 from ..experiment.config import Config
 from ..results.history import History, format_rounds_to_target, mean_and_sd, rounds_to_target, target_stats
@@ -26,6 +28,7 @@ class SweepRun:
     seed: int | None = None  # the repeat's seed under --seeds, else None
     configuration: str = ""  # the grid point's label, which the seeds of a point share as their name
     todo: str = "start"  # what is left to do of it: start, resume (an interrupted run) or finished
+    blame: Callable[[FedsimError, list, int | None], FedsimError] | None = None  # names its errors by the grid
 
     def __post_init__(self):
         self.configuration = self.configuration or self.label
