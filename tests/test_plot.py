@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -49,7 +50,7 @@ def test_overlaid_runs_one_line_each_labelled_by_name(tmp_path):
     assert ax.get_title().splitlines() == [
         "Test accuracy per round",
         "mnist (iid, 10 clients), model mnist_cnn, aggregator varies,",
-        "algorithm fedavg",
+        "algorithm fedavg; data.alpha varies",
     ]
     assert [line.get_color() for line in ax.lines] == list(PALETTE[:3])  # Okabe-Ito, colour-blind safe
 
@@ -426,3 +427,105 @@ def test_a_clustered_runs_clusters_are_drawn_and_other_runs_say_they_have_none(t
     assert all(axis.get_ylabel() != "clusters (dashed)" for axis in accuracy_figure(plain).axes)
     with pytest.raises(FedsimError, match="has no clusters values to plot; a run of a clustered algorithm"):
         plot_runs([plain], metric="clusters")
+
+
+def ended(path, status, rounds):
+    (path / "summary.json").write_text(json.dumps({"status": status, "rounds": rounds}))
+    return path
+
+
+def test_a_seed_stopped_by_stop_at_accuracy_is_held_at_its_last_accuracy(tmp_path, caplog):
+    stop = {"stop_at_accuracy": 0.5, "rounds": 3}
+    curves = {0: (0.26, 0.45, 0.64), 1: (0.30, 0.51), 2: (0.30, 0.44, 0.52)}  # seed 1 stops at round 2
+    paths = [write_run(tmp_path / f"s{s}", seed=s, accuracies=a, settings=stop) for s, a in curves.items()]
+    cut = ended(write_run(tmp_path / "int", seed=3, accuracies=(0.13,), settings=stop), "interrupted", 1)
+    fig = plot_runs([*paths, cut])
+    (line,) = fig.axes[0].lines
+    assert list(line.get_xdata()) == [1, 2, 3]
+    # round 3 counts seed 1's 51 % of round 2: its model did not change after it stopped
+    expected = [(26 + 30 + 30) / 3, (45 + 51 + 44) / 3, (64 + 51 + 52) / 3]
+    assert list(line.get_ydata()) == pytest.approx(expected)
+    low, high = band_limits(bands(fig.axes[0])[0])
+    assert (low[-1], high[-1]) == pytest.approx((51.0, 64.0))
+    assert legend_texts(fig) == [
+        "run",
+        "min–max over 3 seeds; a seed stopped early (stop_at_accuracy) held at its last value",
+    ]
+    assert f"left out as unfinished, beside the runs that finished: {cut} (interrupted at round 1 of 3)" in (
+        caplog.messages
+    )
+    # on the seconds axis a stopped seed spends no more time: round 3 is the mean of the two that ran it
+    seconds = plot_runs(paths, x="seconds").axes[0].lines[0]
+    assert list(seconds.get_ydata())[-1] == pytest.approx((64 + 52) / 2)
+    assert list(seconds.get_xdata())[-1] == pytest.approx((1.5 * 3 + 0 + 1.5 * 3 + 2) / 2)  # elapsed 1.5 r + seed
+
+
+def test_unfinished_runs_alone_are_drawn_and_marked(tmp_path):
+    cut = ended(write_run(tmp_path / "int", name="cut", accuracies=(0.13,), settings={"rounds": 3}), "interrupted", 1)
+    alone = plot_runs(cut)
+    assert alone.axes[0].get_title().splitlines()[0] == "cut (interrupted at round 1 of 3)"
+    other = ended(write_run(tmp_path / "int2", name="cut2", accuracies=(0.1, 0.2)), "interrupted", 2)
+    assert legend_texts(plot_runs([cut, other])) == [
+        "cut (interrupted at round 1 of 3)",
+        "cut2 (interrupted at round 2 of 10)",
+    ]
+
+
+def test_labels_that_would_read_alike_get_the_keys_that_tell_them_apart(tmp_path):
+    specs = []
+    for attack, fraction in (("none", 0.0), ("sign_flip", 0.2)):
+        for rule, optimizer in (("fedavg", "none"), ("fedavg", "fedadam"), ("median", "none")):
+            settings = {
+                "aggregator": rule,
+                "server_optimizer": optimizer,
+                "attack.type": attack,
+                "attack.fraction": fraction,
+            }
+            specs.append({"name": "nb", "accuracies": (0.2, 0.4), "settings": settings})
+    fig = plot_runs(runs(tmp_path, specs), label="aggregator")
+    texts = legend_texts(fig)
+    assert len(texts) == len(fig.axes[0].lines) == 6 == len(set(texts))
+    assert len({line.get_color() for line in fig.axes[0].lines}) == 6
+    assert "fedavg (attack.fraction=0.2, server_optimizer=fedadam)" in texts
+    assert "median (attack.fraction=0)" in texts  # only the key that splits the medians
+
+
+def test_a_run_scored_in_one_round_has_whole_round_ticks(tmp_path):
+    specs = [{"name": n, "accuracies": (0.1,), "settings": {"aggregator": n}} for n in ("median", "krum")]
+    fig = plot_runs(runs(tmp_path, specs), label="aggregator")
+    fig.canvas.draw()
+    ticks = [t for t in fig.axes[0].get_xticks() if fig.axes[0].get_xlim()[0] <= t <= fig.axes[0].get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+
+
+def test_files_beside_runs_are_skipped_and_a_sweep_folder_gets_its_pattern(tmp_path, caplog):
+    three_runs(tmp_path)
+    (tmp_path / "runs.csv").write_text("run\n")
+    fig = plot_runs([tmp_path / "run0", tmp_path / "run1", tmp_path / "runs.csv"])  # as the shell expands run*
+    assert legend_texts(fig) == ["fedavg", "median"]
+    assert f"left out, not run directories: {tmp_path / 'runs.csv'} (a file)" in caplog.messages
+    with pytest.raises(FedsimError, match=r"runs.csv: not a run directory \(a file\)$"):
+        plot_runs(tmp_path / "runs.csv")
+    with pytest.raises(
+        FedsimError,
+        match=rf"^{tmp_path}: not a run directory \(no metrics.csv; it holds run "
+        rf'directories, give "{tmp_path}/\*" for them\)$',
+    ):
+        plot_runs(tmp_path)
+    with pytest.raises(FedsimError, match=r"^aggregatr: not a config key of run 'fedavg' \(did you mean 'aggregator'"):
+        plot_runs(tmp_path / "run*", label="aggregatr")
+    with pytest.raises(
+        FedsimError, match=r"^attack.typ: .*\(did you mean 'attack.type'\?\); its keys: attack.count, attack.fraction"
+    ):
+        plot_runs(tmp_path / "run*", facet="attack.typ")
+
+
+def test_the_title_says_which_keys_outside_the_description_vary(tmp_path):
+    specs = [
+        {"name": "sw", "seed": seed, "settings": {"aggregator": rule, "attack.type": attack}}
+        for rule in ("fedavg", "median")
+        for attack in ("none", "sign_flip")
+        for seed in (0, 1)
+    ]
+    title = " ".join(plot_runs(runs(tmp_path, specs), label="aggregator").axes[0].get_title().splitlines())
+    assert "aggregator varies, algorithm fedavg; attack.type varies" in title

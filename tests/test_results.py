@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import math
 
 import pytest
@@ -251,8 +252,94 @@ def test_two_runs_with_the_same_seed_count_as_one(tmp_path, caplog):
     (row,) = results_table([fedsim.load_run(p) for p in (first, again, other)])
     assert row["runs"] == 2 and row["final_accuracy_std"] == pytest.approx(math.sqrt(0.005))  # 0.7, 0.8
     assert (
-        f"{first} and {again} ran the same experiment with seed 0; counting it once, as the latter" in caplog.messages
+        f"{first} and {again} ran the same experiment with seed 0; counting it once, as {again} (the later of the two)"
+        in caplog.messages
     )
+
+
+def with_status(path, status, rounds):
+    """A run directory's summary.json saying how it ended and after how many rounds."""
+    (path / "summary.json").write_text(json.dumps({"status": status, "rounds": rounds}))
+    return path
+
+
+def test_a_finished_run_counts_over_an_unfinished_copy_of_its_seed(tmp_path, caplog):
+    three = {"rounds": 3}
+    done = write_run(tmp_path / "a", seed=0, accuracies=(0.3, 0.5, 0.7), settings=three)
+    copy = with_status(write_run(tmp_path / "z_int", seed=0, accuracies=(0.3,), settings=three), "interrupted", 1)
+    (group,) = group_repeats([fedsim.load_run(done), fedsim.load_run(copy)])
+    assert [h.run_dir for h in group] == [done]
+    assert (
+        f"{done} and {copy} ran the same experiment with seed 0; counting it once, as {done} (finished; the "
+        f"other was interrupted at round 1 of 3)" in caplog.messages
+    )
+    # two unfinished copies: the one that got further
+    further = write_run(tmp_path / "y_int", seed=0, accuracies=(0.3, 0.5), settings=three)
+    further = with_status(further, "interrupted", 2)
+    (group,) = group_repeats([fedsim.load_run(further), fedsim.load_run(copy)])
+    assert [h.run_dir for h in group] == [further]
+    assert (
+        f"counting it once, as {further} (it has more rounds, 2 against 1; the other was interrupted"
+        in (caplog.messages[-1])
+    )
+
+
+def test_an_interrupted_run_is_left_out_beside_finished_ones_and_marked_when_alone(tmp_path, caplog):
+    # stop_at_accuracy 0.5: seed 1 stops at round 2, the others run their 3 rounds
+    stop = {"stop_at_accuracy": 0.5, "rounds": 3}
+    finals = {0: (0.3, 0.45, 0.64), 1: (0.3, 0.51), 2: (0.3, 0.44, 0.52)}
+    done = [write_run(tmp_path / f"s{seed}", seed=seed, accuracies=acc, settings=stop) for seed, acc in finals.items()]
+    cut = with_status(write_run(tmp_path / "int", seed=3, accuracies=(0.13,), settings=stop), "interrupted", 1)
+    (row,) = results_table([fedsim.load_run(p) for p in [*done, cut]])
+    assert f"left out as unfinished, beside the runs that finished: {cut} (interrupted at round 1 of 3)" in (
+        caplog.messages
+    )
+    assert row["runs"] == 3 and row["final_accuracy"] == pytest.approx((0.64 + 0.51 + 0.52) / 3)
+    assert (row["reached"], row["rounds_to_target"]) == (3, pytest.approx((3 + 2 + 3) / 3))
+    assert (row["rounds_min"], row["rounds"], row["unfinished"]) == (2, 3, None)
+    assert "| 2–3 |" in str(results_table([fedsim.load_run(p) for p in done]))
+    # only the interrupted run: its figures, marked as such
+    (alone,) = results_table([fedsim.load_run(cut)])
+    assert alone["final_accuracy"] == pytest.approx(0.13) and alone["unfinished"] == "interrupted at round 1 of 3"
+    assert "| 1 (interrupted at round 1 of 3) |" in str(results_table([fedsim.load_run(cut)]))
+    assert [h.run_dir for h in fedsim.load_runs(tmp_path / "int")] == [cut]
+
+
+def test_results_table_adds_the_keys_that_tell_its_rows_apart(tmp_path):
+    runs = []
+    for rule in ("fedavg", "median"):
+        for attack in ("none", "sign_flip"):
+            for seed in (0, 1):
+                accuracies = (0.2, 0.4 + 0.1 * seed + 0.05 * (rule == "median") - 0.2 * (attack != "none"))
+                path = write_run(
+                    tmp_path / f"{rule}-{attack}-{seed}",
+                    seed=seed,
+                    accuracies=accuracies,
+                    settings={"aggregator": rule, "attack.type": attack, "attack.fraction": 0.2},
+                )
+                runs.append(fedsim.load_run(path))
+    table = results_table(runs, keys="aggregator")  # a string is one key
+    assert table.columns[:2] == ["aggregator", "attack.type"]
+    cells = [(row["aggregator"], row["attack.type"], row["runs"]) for row in table]
+    assert cells == [(r, a, 2) for r in ("fedavg", "median") for a in ("none", "sign_flip")]
+    # fedavg under sign_flip: seeds 0 and 1 end at 0.2 and 0.3
+    assert table[1]["final_accuracy"] == pytest.approx((0.2 + 0.3) / 2)
+    assert "| fedavg | sign\\_flip | 2 | 25.0 ± 7.1 |" in str(table)
+
+
+def test_results_table_refuses_what_it_cannot_table(tmp_path):
+    run = fedsim.load_run(write_run(tmp_path / "run", accuracies=(0.5,)))
+    with pytest.raises(FedsimError, match=r"^results_table: no runs given; pass History objects"):
+        results_table([])
+    with pytest.raises(
+        FedsimError,
+        match=r"^aggregatr: not a config key of run 'run' \(did you mean 'aggregator'\?\); its keys: .*data\.\*, ",
+    ):
+        results_table([run], keys="aggregatr")
+    with pytest.raises(
+        FedsimError, match=r"^data.alpah: .* \(did you mean 'data.alpha'\?\); its keys: data.alpha, data.augment, "
+    ):
+        results_table([run], keys=("data.alpah",))
 
 
 def test_an_empty_accuracy_cannot_break_the_spread():

@@ -52,13 +52,38 @@ def fake_runs(monkeypatch):
     def start_run(cfg, out=None, overwrite=False, quiet=False, pools=None):
         calls.append((cfg, out))
         rows = [
-            dict.fromkeys(COLUMNS, 0) | {"round": r, "test_accuracy": acc, "seconds": s, "test_perplexity": None}
-            for r, acc, s in [(1, 0.5, 9.0), (2, cfg.seed / 10, 2.0)]
+            dict.fromkeys(COLUMNS, 0)
+            | {"round": r, "test_accuracy": acc, "seconds": s, "elapsed_seconds": e, "test_perplexity": None}
+            for r, acc, s, e in [(1, 0.5, 9.0, 9.0), (2, cfg.seed / 10, 2.0, 11.0)]
         ]
         return History(rows, cfg.to_dict(), out)
 
     replace_engine(monkeypatch, start_run)
     return calls
+
+
+def timed_rows(rounds: dict[int, tuple[float, float]]) -> list[dict]:
+    """metrics.csv rows of the evaluated rounds: round -> (its own seconds, elapsed seconds at its end)."""
+    return [
+        dict.fromkeys(COLUMNS, 0) | {"round": r, "seconds": s, "elapsed_seconds": e} for r, (s, e) in rounds.items()
+    ]
+
+
+def test_seconds_per_round_counts_the_rounds_eval_every_skips():
+    from fedsim.runs.sweepruns import seconds_per_round
+
+    # eval_every 5 over 10 rounds: rows 5 and 10; rounds 6..10 took 24.0 - 9.0 = 15 s in all, 3 s each,
+    # though the scored rounds alone took 4 s (training and evaluation)
+    assert seconds_per_round(History(timed_rows({5: (4.0, 9.0), 10: (4.0, 24.0)}))) == pytest.approx(3.0)
+    # every round scored: all but the first (start-up), as the rows' own seconds give it
+    every = {1: (5.0, 5.5), 2: (2.0, 7.5), 3: (3.0, 10.5)}
+    assert seconds_per_round(History(timed_rows(every))) == pytest.approx((2.0 + 3.0) / 2)
+    # one round scored, the last of 3 (eval_every past the rounds): its elapsed less start-up, over 3 rounds
+    once = History(timed_rows({3: (2.5, 7.0)}), summary={"startup_seconds": 1.0})
+    assert seconds_per_round(once) == pytest.approx((7.0 - 1.0) / 3)
+    # a run of an older version, without elapsed seconds: its scored rounds' own, the first left out
+    old = [row | {"elapsed_seconds": None} for row in timed_rows(every)]
+    assert seconds_per_round(History(old)) == pytest.approx(2.5)
 
 
 def test_a_bad_grid_value_is_named_as_the_grid_gave_it(tmp_path):
@@ -414,7 +439,13 @@ def curve_runs(monkeypatch):
     def start_run(cfg, out=None, overwrite=False, quiet=False, pools=None):
         rows = [
             dict.fromkeys(COLUMNS, 0)
-            | {"round": r, "test_accuracy": acc, "seconds": 1.0 + cfg.seed, "test_perplexity": None}
+            | {
+                "round": r,
+                "test_accuracy": acc,
+                "seconds": 1.0 + cfg.seed,
+                "elapsed_seconds": r * (1.0 + cfg.seed),
+                "test_perplexity": None,
+            }
             for r, acc in enumerate(CURVES[cfg.aggregator, cfg.seed], start=1)
         ]
         return History(rows, cfg.to_dict(), out)

@@ -14,7 +14,7 @@ from pathlib import Path
 from statistics import fmean, stdev
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import ConfigError, FedsimError, cut
+from ..core.errors import ConfigError, FedsimError, cut, did_you_mean
 from ..core.yamlfile import parse_yaml
 from .keys import RUN_SPECIFIC_KEYS, flatten_config
 from .rundir import COLUMNS, read_client_accuracy, read_clients, read_mapping, read_metrics
@@ -95,12 +95,36 @@ class History:
         """The value of a config key, dotted for sections (``"data.alpha"``)."""
         if key == "name":
             return self.name
-        value = self.config
+        value, known = self.config, ""
         for part in key.split("."):
             if not isinstance(value, dict) or part not in value:
-                raise FedsimError(f"{key}: not a config key of run {self.name!r}")
-            value = value[part]
+                # the keys at the level where it went wrong: a section's own, or the top level's
+                level = value if isinstance(value, dict) else {}
+                keys = [f"{known}{k}" + (".*" if isinstance(v, dict) and v else "") for k, v in level.items()]
+                allowed = (
+                    f"; its keys: {', '.join(keys)}"
+                    if keys
+                    else f"; {known[:-1]} is not a section"
+                    if known
+                    else "; it has no config"
+                )
+                raise FedsimError(
+                    f"{key}: not a config key of run {self.name!r}{did_you_mean(key, _dotted(self.config))}{allowed}"
+                )
+            value, known = value[part], f"{known}{part}."
         return value
+
+    @property
+    def unfinished(self) -> str | None:
+        """How a run that did not finish ended, as its summary.json says ("interrupted at round 2 of
+        10", "failed at round 2 of 10"); None for a finished run (one stopped by stop_at_accuracy
+        included) and for a run without a status (an older version's, or one still running)."""
+        status = self.summary.get("status")
+        if status not in ("interrupted", "failed"):
+            return None
+        done = self.summary.get("rounds") or (self.rows[-1]["round"] if self.rows else 0)
+        planned = self.config.get("rounds")
+        return f"{status} at round {done}" + (f" of {planned}" if planned else "")
 
     @property
     def final_accuracy(self) -> float:
@@ -165,18 +189,28 @@ class History:
 def load_run(run_dir: str | os.PathLike) -> History:
     """The metrics, config and summary of a run directory (finished or not)."""
     path = Path(run_dir)
-    if not path.is_dir():
+    if not path.exists():
         raise FedsimError(f"{path}: no such run directory")
     if not (path / "metrics.csv").is_file():
-        raise FedsimError(f"{path}: not a run directory (no metrics.csv)")
+        raise FedsimError(f"{path}: not a run directory ({not_a_run(path)})")
     config = read_mapping(path / "config.yaml", _yaml_mapping)
     summary = read_mapping(path / "summary.json", json.loads)
     return History(read_metrics(path / "metrics.csv"), config, path, summary)
 
 
+def not_a_run(path: Path) -> str:
+    """Why ``path`` is not a run directory, and where it holds runs (a sweep's), the pattern for them."""
+    if not path.is_dir():
+        return "a file"
+    if any(path.glob("*/metrics.csv")):
+        return f'no metrics.csv; it holds run directories, give "{path / "*"}" for them'
+    return "no metrics.csv"
+
+
 def load_runs(pattern: str | os.PathLike) -> list[History]:
     """Every run directory matching a glob pattern, e.g. ``runs/compare-*``, sorted by path; runs
-    that failed or have no evaluated round yet are left out, with a warning each."""
+    that failed or have no evaluated round yet are left out, with a warning each, and so are runs
+    that were interrupted, unless every run that matches was (see ``finished``)."""
     paths = sorted(p for p in glob.glob(str(pattern), recursive=True) if (Path(p) / "metrics.csv").is_file())
     if not paths:
         raise FedsimError(f"{pattern}: no run directory (with a metrics.csv) matches")
@@ -188,7 +222,11 @@ def load_runs(pattern: str | os.PathLike) -> list[History]:
 
 def finished(histories: Iterable[History]) -> list[History]:
     """The runs that have results: a run that failed, or has no evaluated round yet, is left out
-    with a warning naming it (and, for a failed one, why it failed)."""
+    with a warning naming it (and, for a failed one, why it failed). A run that was interrupted is
+    left out too where some run finished, all of them in one warning: its last round is no final
+    figure, and pooled with finished seeds it would pull their mean back to where it stopped. Where
+    none finished, the interrupted runs are kept: what they got to is all there is, and tables and
+    plots mark them (``History.unfinished``)."""
     kept = []
     for history in histories:
         where = history.run_dir or history.name
@@ -199,6 +237,11 @@ def finished(histories: Iterable[History]) -> list[History]:
             logger.warning(f"{where}: left out; it has no evaluated round")
         else:
             kept.append(history)
+    stopped = [h for h in kept if h.unfinished]
+    if stopped and len(stopped) < len(kept):
+        named = ", ".join(f"{h.run_dir or h.name} ({h.unfinished})" for h in stopped)
+        logger.warning(f"left out as unfinished, beside the runs that finished: {named}")
+        kept = [h for h in kept if not h.unfinished]
     return kept
 
 
@@ -219,17 +262,60 @@ def group_repeats(histories: Iterable[History], distinguish: Iterable[str] = ())
 def _one_per_seed(group: list[History]) -> list[History]:
     """A group's runs, one per seed: a run of an experiment under a seed it already ran under is
     a copy, not another repeat (pooling the two would report a spread of 0 over "two seeds").
-    The later one in the group is kept, with a warning naming both."""
+    The one kept is the finished one over an unfinished copy, then the one with more rounds, then
+    the later in the group; a warning names both and why."""
     by_seed: dict = {}
     for history in group:
         seed = history.config.get("seed")
         if seed in by_seed:
+            kept, why = _better_copy(by_seed[seed], history)
+            other = history if kept is by_seed[seed] else by_seed[seed]
             logger.warning(
                 f"{by_seed[seed].run_dir or by_seed[seed].name} and {history.run_dir or history.name} ran "
-                f"the same experiment with seed {seed}; counting it once, as the latter"
+                f"the same experiment with seed {seed}; counting it once, as {kept.run_dir or kept.name} ({why}"
+                f"{f'; the other was {other.unfinished}' if other.unfinished else ''})"
             )
+            history = kept
         by_seed[seed] = history
     return list(by_seed.values())
+
+
+def _better_copy(first: History, later: History) -> tuple[History, str]:
+    """Of two runs of one experiment under one seed, the one to count, and why."""
+    if bool(first.unfinished) != bool(later.unfinished):
+        return (later, "finished") if first.unfinished else (first, "finished")
+    rounds = [h.rows[-1]["round"] if h.rows else 0 for h in (first, later)]
+    if rounds[0] != rounds[1]:
+        kept = first if rounds[0] > rounds[1] else later
+        return kept, f"it has more rounds, {max(rounds)} against {min(rounds)}"
+    return later, "the later of the two"
+
+
+def telling_apart(histories: list[History], keys: Iterable[str] = ()) -> list[str]:
+    """The fewest config keys (dotted), beyond ``keys``, whose values tell the experiments of
+    ``histories`` apart: each time the key that splits them into the most kinds, on a tie one that
+    some run set on top of its file (summary.json's overrides: a sweep's grid), then the first in
+    order. Run-specific keys (seed, workers, ...) are no candidates: repeats differ in them."""
+    keys = list(keys)
+    flat = [dict(flatten_config(h.config)) for h in histories]
+    varying = set().union(*flat) - RUN_SPECIFIC_KEYS - set(keys)
+    candidates = sorted(k for k in varying if len({repr(f.get(k)) for f in flat}) > 1)
+    overridden = {k for h in histories for k in h.summary.get("overrides") or {}}
+
+    def kinds(using: list[str]) -> int:
+        return len({tuple(repr(f.get(k)) for k in [*keys, *using]) for f in flat})
+
+    chosen: list[str] = []
+    experiments = kinds(candidates)
+    while kinds(chosen) < experiments:
+        best = max(candidates, key=lambda k: (kinds([*chosen, k]), k in overridden))
+        chosen.append(best)
+        candidates.remove(best)
+    return chosen
+
+
+def _dotted(config: dict) -> list[str]:
+    return [key for key, _ in flatten_config(config)]
 
 
 def _experiment_key(config: dict, distinguish: set) -> tuple:
@@ -238,12 +324,34 @@ def _experiment_key(config: dict, distinguish: set) -> tuple:
     )
 
 
-def describe_run(config: dict, overrides: dict | None = None, aggregation: str | None = None) -> str:
+# the config keys describe_run names whatever they are set to; a title says a key outside them varies on its own
+DESCRIBED_KEYS = frozenset(
+    {
+        "data.dataset",
+        "data.partition",
+        "data.num_clients",
+        "model",
+        "aggregator",
+        "server_optimizer",
+        "algorithm",
+        "mode",
+        "asynchronous.method",
+        "lora.rank",
+        "lora.method",
+        "lora.client_ranks",
+    }
+)
+
+
+def describe_run(
+    config: dict, overrides: dict | None = None, aggregation: str | None = None, varying: Iterable[str] = ()
+) -> str:
     """What a run computed, in one line: dataset and split, model (and its LoRA adapters),
     aggregation rule and server optimizer, algorithm (as config.yaml names them), then the keys
     set on top of its experiment (``overrides``, as summary.json keeps them), as many whole ones as
     fit. ``aggregation``: what takes the place of the rule where the algorithm replaces it or
-    changes its weights (summary.json's ``aggregation``, Algorithm.aggregation)."""
+    changes its weights (summary.json's ``aggregation``, Algorithm.aggregation). ``varying``: keys
+    that differ among the runs described (a sweep's), said to vary before the keys set alike."""
     data = config.get("data") or {}
     rule = config.get("aggregator")
     replaced = aggregation is not None and aggregation != rule
@@ -268,6 +376,9 @@ def describe_run(config: dict, overrides: dict | None = None, aggregation: str |
         f"{data.get('dataset')} ({data.get('partition')}, {data.get('num_clients')} clients), "
         f"model {config.get('model')}{adapters}, {server}, algorithm {config.get('algorithm')}"
     )
+    varying = list(varying)
+    if varying:
+        text += f"; {_whole(varying, 80)} {'vary' if len(varying) > 1 else 'varies'}"
     if overrides:
         text += "; with " + _whole([cut(f"{key}={_plain(value)}", 60) for key, value in overrides.items()], 120)
     return text

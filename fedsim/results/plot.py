@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import glob
+import logging
 import math
 import os
 from collections.abc import Iterable
@@ -24,12 +25,24 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
 
 from ..core.errors import FedsimError, write_error
 from ..core.files import write_atomically
-from .history import History, describe_run, finished, group_repeats, load_run, load_runs
+from .history import (
+    DESCRIBED_KEYS,
+    History,
+    describe_run,
+    finished,
+    group_repeats,
+    load_run,
+    load_runs,
+    not_a_run,
+    telling_apart,
+)
 from .keys import RUN_SPECIFIC_KEYS, defining, flatten_config
 from .rundir import COLUMNS, check_output_path
 
 # Okabe & Ito's palette, which stays distinct under the common colour-vision deficiencies;
 # yellow comes last because it is faint on white.
+logger = logging.getLogger("fedsim")
+
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#000000", "#F0E442")
 LINESTYLES = ("-", "--", ":", "-.")  # after the eight colours, lines differ by dash too
 WIDTHS = {"single": 3.5, "double": 7.0}  # inches: one and two columns of a two-column paper
@@ -105,7 +118,7 @@ def plot_runs(
         lines.append(list(zip(inside, _labels(inside, label))))
     names = list(dict.fromkeys(name for panel in lines for _, name in panel))
     repeated = [g for panel in lines for g, _ in panel]
-    legend = _legend_texts(repeated, names, band, spread)
+    legend = _legend_texts(repeated, names, band, spread, _ends(repeated, x))
     columns = _legend_columns(legend, inches)
     shading = _shading(max(len(panel) for panel in lines))
     with matplotlib.rc_context(_style(inches)):
@@ -200,7 +213,8 @@ def _label_axes(axes, metrics: list[str], x: str, spread: bool, tokens: bool, yl
             side.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     axes[-1].set_xlabel(X_AXES[x])
     if x == "round":
-        axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
+        # min_n_ticks=1: a run evaluated in one or two rounds still gets whole rounds, not 2.85 ... 3.15
+        axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10], min_n_ticks=1))
 
 
 def _exp(loss):
@@ -240,14 +254,19 @@ def as_histories(runs: History | str | os.PathLike | Iterable[History | str | os
     several, runs that failed or have no evaluated round are left out with a warning."""
     if isinstance(runs, (str, Path, History)):
         runs = [runs]
-    histories = []
+    runs = list(runs)
+    histories, skipped = [], []
     for run in runs:
         if isinstance(run, History):
             histories.append(run)
         elif not Path(run).exists() and glob.has_magic(str(run)):
             histories.extend(load_runs(run))
+        elif len(runs) > 1 and Path(run).exists() and not (Path(run) / "metrics.csv").is_file():
+            skipped.append(f"{run} ({not_a_run(Path(run))})")
         else:
             histories.append(load_run(run))
+    if skipped:  # the shell's expansion of a pattern also gives the files beside the runs (a sweep's runs.csv)
+        logger.warning(f"left out, not run directories: {', '.join(skipped)}")
     if not histories:
         raise FedsimError("no runs to plot")
     if len(histories) == 1:  # a run on its own is drawn as far as it got, whatever became of it
@@ -354,7 +373,7 @@ def _draw(ax, group: list[History], column: str, x: str, band: str, style: dict,
         if band == "minmax":
             low, high = [scale * min(v) for v in runs], [scale * max(v) for v in runs]
         else:
-            spread = [scale * stdev(v) for v in runs]
+            spread = [scale * stdev(v) if len(v) > 1 else 0.0 for v in runs]
             low, high = [m - s for m, s in zip(means, spread)], [m + s for m, s in zip(means, spread)]
         ax.fill_between(xs, low, high, color=style["color"], alpha=shading, linewidth=0)
     return line
@@ -382,16 +401,35 @@ def _draw_spread(ax, group: list[History], x: str, style: dict, name: str):
 
 
 def _aligned(group: list[History], column: str, x: str) -> tuple[list, list[list[float]]]:
-    """The rounds every run of the group evaluated, the x value of each (rounds, or the
-    mean of the runs' elapsed seconds, epsilons or megabytes sent) and the runs' values of
-    ``column`` there."""
+    """The rounds to draw of a group, the x value of each (rounds, or the mean of the runs' elapsed
+    seconds, epsilons or megabytes sent) and the runs' values of ``column`` there.
+
+    A round is drawn where every run evaluated it or had ended before it (different eval_every
+    schedules leave out the rounds that not all evaluated). Past a run's end, on the round axis, a
+    finished run (one stopped by stop_at_accuracy) counts with its last row: its model no longer
+    changes. An unfinished run, or any run on another x axis (it spent no more time, privacy or
+    bytes), is not counted there: those rounds are the mean of the runs that reached them (see _ends)."""
     by_round = [{row["round"]: row for row in h.rows} for h in group]
-    rounds = sorted(set.intersection(*(set(r) for r in by_round)))
-    values = [[runs[r][column] for runs in by_round] for r in rounds]
+    ends = [max(rows) for rows in by_round]
+    rounds = sorted(r for r in set().union(*by_round) if all(r in rows or r > end for rows, end in zip(by_round, ends)))
+    held = [x == "round" and not h.unfinished for h in group]
+    at = [[rows.get(r, rows[end]) for rows, end, h in zip(by_round, ends, held) if r in rows or h] for r in rounds]
+    values = [[row[column] for row in rows] for rows in at]
     if x == "round":
         return rounds, values
     key, scale = _X_COLUMNS.get(x, x), _X_SCALES.get(x, 1)
-    return [scale * fmean([runs[r][key] for runs in by_round]) for r in rounds], values
+    return [scale * fmean([row[key] for row in rows]) for rows in at], values
+
+
+def _ends(groups: list[list[History]], x: str) -> str:
+    """What the legend says where runs of one line ended at different rounds (see _aligned): held
+    at their last value, or left out of the rounds they did not reach; "" where they ended alike."""
+    apart = [g for g in groups if len({h.rows[-1]["round"] for h in g}) > 1]
+    if not apart:
+        return ""
+    if x == "round" and not any(h.unfinished for g in apart for h in g):
+        return "a seed stopped early (stop_at_accuracy) held at its last value"
+    return "past a seed's last round, the mean of the seeds that got there"
 
 
 def _check_has(histories: list[History], columns) -> None:
@@ -413,17 +451,20 @@ def _check_has(histories: list[History], columns) -> None:
 
 def _labels(groups: list[list[History]], key: str | None) -> list[str]:
     """The legend text of each group: its run name or the value of ``key``; where two groups
-    would read the same, the config keys that tell them apart are added."""
+    would read the same, the config keys that tell them apart are added (see telling_apart). A line
+    of runs that did not finish says so, "(interrupted at round 1 of 3)"."""
     labels = [_format(group[0].name if key is None else group[0].config_value(key)) for group in groups]
     for text in {t for t in labels if labels.count(t) > 1}:
         alike = [i for i, t in enumerate(labels) if t == text]
-        configs = [dict(flatten_config(groups[i][0].config)) for i in alike]
-        differing = sorted(
-            k for k in set().union(*configs) - RUN_SPECIFIC_KEYS if len({repr(c.get(k)) for c in configs}) > 1
-        )
-        for i, config in zip(alike, configs):
-            if differing:
-                labels[i] += " (" + ", ".join(f"{k}={_format(config.get(k))}" for k in differing[:2]) + ")"
+        keys = telling_apart([groups[i][0] for i in alike])
+        for i in alike:
+            config = dict(flatten_config(groups[i][0].config))
+            if keys:
+                labels[i] += " (" + ", ".join(f"{k}={_format(config.get(k))}" for k in keys) + ")"
+    for i, group in enumerate(groups):
+        ended = list(dict.fromkeys(h.unfinished for h in group if h.unfinished))
+        if ended:
+            labels[i] += f" ({'; '.join(ended)})"
     return labels
 
 
@@ -431,9 +472,12 @@ def _format(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _legend_texts(groups: list[list[History]], names: list[str], band: str, spread: bool = False) -> list[str]:
+def _legend_texts(
+    groups: list[list[History]], names: list[str], band: str, spread: bool = False, ends: str = ""
+) -> list[str]:
     """The legend's entries, below the axes where they hide no curve: one per line and one
-    for the bands; none for a single run. ``spread`` always names its band and dashes."""
+    for the bands (with ``ends``, how seeds that ended apart are drawn, see _ends); none for a
+    single run. ``spread`` always names its band and dashes."""
     if spread:
         return [*names, "± 1 s.d. over clients", "10th percentile of clients"]
     repeated = [len(g) for g in groups if len(g) > 1]
@@ -442,7 +486,7 @@ def _legend_texts(groups: list[list[History]], names: list[str], band: str, spre
     if not repeated:
         return names
     seeds = f"{repeated[0]} seeds" if len(set(repeated)) == 1 else "seeds"
-    return [*names, f"{BANDS[band]} over {seeds}"]
+    return [*names, f"{BANDS[band]} over {seeds}" + (f"; {ends}" if ends else "")]
 
 
 def _legend_columns(texts: list[str], inches: float) -> int:
@@ -480,6 +524,9 @@ def _default_title(histories: list[History], metric: str, x: str, tokens: bool =
             "simulated_seconds": f"{what} over simulated time",
         }[x]
     )
+    ended = list(dict.fromkeys(h.unfinished for h in histories if h.unfinished))
+    if len(ended) == len(histories) == 1:  # a run on its own has no legend to say it
+        first += f" ({ended[0]})"
     shared = _shared_description([h for h in histories if h.config])
     return "\n".join([first, *_wrapped(shared, 60, TITLE_LINES)]) if shared else first
 
@@ -509,7 +556,11 @@ def _shared_description(histories: list[History]) -> str | None:
         if key != "seed" and key not in varying and all(o.get(key, value) == value and key in o for o in overrides)
     }
     aggregations = {h.summary.get("aggregation") for h in histories}
-    return describe_run(config, common, aggregations.pop() if len(aggregations) == 1 else None)
+    # the keys that vary which describe_run does not name (a sweep's attack.type) are said to vary
+    others = sorted(varying - DESCRIBED_KEYS - RUN_SPECIFIC_KEYS)
+    # an options section empty in some runs is a key of its own there: its keys say what varies
+    others = [k for k in others if not any(o.startswith(f"{k}.") for o in others)]
+    return describe_run(config, common, aggregations.pop() if len(aggregations) == 1 else None, others)
 
 
 TITLE_LINES = 3  # the lines of a title's description: the axes keep most of the figure's height

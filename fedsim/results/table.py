@@ -9,7 +9,17 @@ import re
 from collections.abc import Iterable, Sequence
 from statistics import fmean
 
-from .history import History, check_target, finished, format_rounds_to_target, group_repeats, mean_and_sd, target_stats
+from ..core.errors import FedsimError
+from .history import (
+    History,
+    check_target,
+    finished,
+    format_rounds_to_target,
+    group_repeats,
+    mean_and_sd,
+    target_stats,
+    telling_apart,
+)
 
 # summary.json's figures a table reports where some run has them: (key, the table's title, format);
 # a figure without a title goes to sweep.csv only
@@ -134,6 +144,9 @@ def _text(row: dict, column: str) -> str:
         return "–" if value is None else f"{value:,} samples"
     if column == "rounds_to_target":
         return "–" if row["target"] is None else format_rounds_to_target(row)
+    if column == "rounds":
+        rounds = f"{row['rounds_min']}–{value}" if row["rounds_min"] != value else str(value)
+        return f"{rounds} ({row['unfinished']})" if row["unfinished"] else rounds
     if column == "wall_seconds":
         return f"{value:.1f}"
     if column in _FORMATS:
@@ -142,12 +155,17 @@ def _text(row: dict, column: str) -> str:
 
 
 def results_table(
-    histories: Iterable[History], keys: Sequence[str] = ("name",), target: float | None = None
+    histories: Iterable[History], keys: str | Sequence[str] = ("name",), target: float | None = None
 ) -> ResultsTable:
     """One row per experiment (repeats over seeds pooled; runs that failed or have no evaluated
-    round left out, with a warning): the ``keys``' config values, the
+    round left out, with a warning, and so are interrupted runs beside finished ones, see
+    ``finished``): the ``keys``' config values (a string is one key; where they leave two rows
+    alike, the keys that tell them apart are added, see ``telling_apart``), the
     number of runs, final accuracy (mean and sample standard deviation over the runs), best
-    accuracy, rounds and wall seconds (means). Accuracies are fractions; the markdown shows %.
+    accuracy, rounds (the last evaluated round; ``rounds_min`` to ``rounds`` where the runs stopped
+    apart, as stop_at_accuracy stops them; ``unfinished`` says how a table of only unfinished runs
+    ended, "interrupted at round 1 of 3") and wall seconds (mean). Accuracies are fractions; the
+    markdown shows %.
     The final and best figures and the rounds to a target come from the rounds scored on the set
     the last round was, the whole test set: where some run scored rounds before the last on
     eval_subset's samples, those are left out and a column says how many samples that set holds.
@@ -164,7 +182,18 @@ def results_table(
     columns are there when some row has a target.
     """
     check_target(target)
-    groups = group_repeats(finished(histories), distinguish=keys)
+    keys = (keys,) if isinstance(keys, str) else tuple(keys)
+    histories = list(histories)
+    if not histories:
+        raise FedsimError("results_table: no runs given; pass History objects, e.g. fedsim.load_runs('runs/*')")
+    kept = finished(histories)
+    if not kept:
+        raise FedsimError("results_table: every run given failed or has no evaluated round")
+    groups = group_repeats(kept, distinguish=keys)
+    for key in keys:  # an unknown key named before anything else, with the run's keys
+        _key_value(groups[0][0], key)
+    # where the keys asked for leave two rows alike, the keys that tell them apart are added
+    keys = (*keys, *telling_apart([group[0] for group in groups], keys))
     every = [h for group in groups for h in group]
     tokens = any(h.tokens for h in every)
     privacy = any(epsilon(h) is not None for h in every)
@@ -190,7 +219,10 @@ def results_table(
                 "rounds_to_target": stats["rounds_to_target"],
                 "rounds_to_target_std": stats["rounds_to_target_std"],
                 "reached": stats["reached"],
-                "rounds": group[0].rows[-1]["round"] if group[0].rows else 0,
+                # runs stopped by stop_at_accuracy end early: the table gives the range
+                "rounds": max(h.rows[-1]["round"] for h in group),
+                "rounds_min": min(h.rows[-1]["round"] for h in group),
+                "unfinished": ", ".join(dict.fromkeys(h.unfinished for h in group if h.unfinished)) or None,
                 "wall_seconds": fmean([h.summary.get("wall_seconds") or _last(h, "elapsed_seconds") for h in group]),
             }
         )

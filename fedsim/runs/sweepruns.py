@@ -45,11 +45,24 @@ def _mean_figure(histories: list[History], key: str) -> float | None:
 
 
 def seconds_per_round(history: History) -> float:
-    """Mean seconds of the evaluated rounds, leaving out the first (it includes worker start-up) and
-    a fine-tuning run's round 0 (its base scored, nothing trained)."""
-    trained = [row["seconds"] for row in history.rows if row["round"] > 0]
-    seconds = trained[1:] or trained
-    return sum(seconds) / len(seconds) if seconds else math.nan
+    """Mean seconds of every round run after the first evaluated one (the first includes worker
+    start-up; a fine-tuning run's round 0 scores its base and trains nothing): the elapsed seconds
+    between the first and the last evaluated round over the rounds between them, so that the rounds
+    eval_every skips count, and the rounds scored are not the only ones timed. A run evaluated in a
+    single round: its elapsed seconds less the start-up (summary.json's startup_seconds) over its
+    rounds; without those figures (an older version's run), the evaluated rounds' own seconds."""
+    trained = [row for row in history.rows if row["round"] > 0]
+    if not trained:
+        return math.nan
+    first, last = trained[0], trained[-1]
+    if first["elapsed_seconds"] is not None and last["elapsed_seconds"] is not None:
+        if last["round"] > first["round"]:
+            return (last["elapsed_seconds"] - first["elapsed_seconds"]) / (last["round"] - first["round"])
+        startup = history.summary.get("startup_seconds")
+        if isinstance(startup, (int, float)) and history.summary.get("resumed_at_round") is None:
+            return (last["elapsed_seconds"] - startup) / last["round"]
+    seconds = [row["seconds"] for row in trained[1:]] or [first["seconds"]]
+    return sum(seconds) / len(seconds)
 
 
 def configurations(runs: list[SweepRun]) -> list[list[SweepRun]]:
