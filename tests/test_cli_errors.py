@@ -146,7 +146,7 @@ CASES = [
         "inf mu",
         yaml.safe_dump(GOOD),
         ["--set", "algorithm=fedprox", "--set", "algorithm_options.mu=.inf"],
-        ["--set algorithm_options: mu must be a number > 0 in float32's normal range", "got inf"],
+        ["--set algorithm_options: mu must be 0 or a number > 0 in float32's normal range", "got inf"],
     ),
     (
         "negative alpha",
@@ -497,6 +497,18 @@ CASES = [
         yaml.safe_dump(GOOD),
         ["--set", "pre_aggregators=[nnm, foo]"],
         ["fedsim: error: --set pre_aggregators.foo: unknown pre-aggregator 'foo'"],
+    ),
+    (
+        "an attack on the weights of an algorithm that sends none",
+        with_change("attack", {"type": "sign_flip", "fraction": 0.5}),
+        ["--set", "algorithm=fedproto"],
+        ["exp.yaml: attack.type: algorithm fedproto exchanges no weights, so attack sign_flip"],
+    ),
+    (
+        "compression of an algorithm that sends no weights",
+        with_change("compression", {"type": "topk", "ratio": 0.1}),
+        ["--set", "algorithm=fedproto"],
+        ["exp.yaml: compression.type: algorithm fedproto exchanges no weights, so there is no update to compress"],
     ),
     # where the k and f a rule refuses come from
     (

@@ -391,6 +391,31 @@ def test_load_model_gives_the_trained_module(tmp_path):
     assert accuracy == pytest.approx(history.final_accuracy, abs=1e-6)  # what the run measured
 
 
+@pytest.mark.parametrize(
+    "algorithm, said",
+    [
+        ("fedavg", None),
+        ("ditto", "this is the global model; the clients of algorithm ditto use models of their own"),
+        ("fedproto", "algorithm fedproto exchanges no weights, so its global model never trained"),
+    ],
+)
+def test_load_model_says_whose_model_it_gives_for_a_run_of_personal_models(tmp_path, caplog, algorithm, said):
+    cfg = {
+        "rounds": 1,
+        "workers": 0,
+        "clients_per_round": 2,
+        "model": "mnist_2nn",
+        "algorithm": algorithm,
+        "data": {"dataset": "synthetic", "num_clients": 2, "limit": 200},
+    }
+    history = fedsim.run(cfg, out=tmp_path / "run", quiet=True)
+    caplog.clear()
+    fedsim.load_model(history.run_dir)
+    warnings = [r.message for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == (said is not None)
+    assert said is None or (warnings[0].startswith(f"{history.run_dir}: {said}") and "checkpoint.pt" in warnings[0])
+
+
 def test_results_table_gives_a_language_models_loss_and_perplexity_and_each_features_figure():
     import math
 

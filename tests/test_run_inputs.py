@@ -289,5 +289,10 @@ def test_the_final_line_gives_each_features_figure():
         "final test accuracy 0.9123 (the global model on the test set, never trained: no weights are exchanged; best "
         "0.9201), personal accuracy 0.5274 (the mean of 100 clients' own models on their own test splits; best 0.5312)"
     )
+    unscored = {**base, "global_model_trained": False}  # no eval_per_client: the global model alone
+    assert final_line(unscored, "runs/r").startswith(
+        "final test accuracy 0.9123 (the global model, never trained: no weights are exchanged; eval_per_client: "
+        "true scores the clients' own models) after round 30"
+    )
     uncompressed = {**base, "megabytes_sent": 3.5, "compression_ratio": 1.0, "clients_lost": 0}
     assert final_line(uncompressed, "runs/r") == final_line(base, "runs/r")  # nothing to compare, nothing lost

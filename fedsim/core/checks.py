@@ -96,7 +96,13 @@ class Checks:
 
     def non_negative(self, key: str, value: object) -> float:
         """0, or a positive number as above."""
-        return 0.0 if is_number(value) and value == 0 else self.positive(key, value)
+        if is_number(value) and (value == 0 or FLOAT32.tiny <= value <= FLOAT32.max):
+            return float(value)
+        self.fail(
+            key,
+            f"must be 0 or a number > 0 in float32's normal range [{FLOAT32.tiny:.3g}, {FLOAT32.max:.3g}], "
+            f"got {value!r}",
+        )
 
     def count(self, key: str, value: object, low: int, optional: bool = False) -> int | None:
         if value is None and optional:

@@ -18,7 +18,7 @@ from ..core.registry import is_import_path
 from ..core.sections import sections, unused
 from ..core.yamlfile import experiment_file, read_yaml
 from ..fl.aggregation import AGGREGATORS
-from ..fl.attacks import make_attack
+from ..fl.attacks import Attack, make_attack
 from ..fl.attacks.omniscient import Mimic
 from ..fl.compression import feeds_back
 from ..fl.privacy import RULES, Privacy
@@ -104,7 +104,29 @@ def validate(cfg: Config) -> None:
         check_async(cfg, checks)
     System.check_config(cfg)
     check_attack(cfg)
+    check_weightless(cfg, algorithm, checks)
     check_privacy(cfg)  # after the components it is combined with are known to be valid
+
+
+def check_weightless(cfg: Config, algorithm: Algorithm, checks: Checks) -> None:
+    """An algorithm whose clients send no weights (``exchanges_weights``: FedProto's prototypes)
+    leaves nothing for what rewrites or compresses the weight updates: such a run would report an
+    attack or a compression that changed nothing."""
+    if algorithm.exchanges_weights:
+        return
+    name = components.describe(cfg.algorithm)
+    attack = make_attack(cfg.attack)
+    if type(attack).rewrite is not Attack.rewrite:
+        checks.fail(
+            "attack.type",
+            f"algorithm {name} exchanges no weights, so attack {components.describe(cfg.attack.type)}, which "
+            f"rewrites weight updates, would change nothing; use an attack that relabels (label_flip)",
+        )
+    if cfg.compression.type != "none":
+        checks.fail(
+            "compression.type",
+            f"algorithm {name} exchanges no weights, so there is no update to compress; use compression.type: none",
+        )
 
 
 def check_hogwild(cfg: Config, checks: Checks) -> None:

@@ -171,6 +171,11 @@ def final_line(summary: dict, run_dir: str | os.PathLike) -> str:
         )
     else:
         final = f"final test accuracy {summary['final_test_accuracy']:.4f}"
+    if summary.get("global_model_trained") is False and summary.get("final_personal_accuracy") is None:
+        final += (
+            " (the global model, never trained: no weights are exchanged; eval_per_client: true scores the "
+            "clients' own models)"
+        )
     if summary.get("final_personal_accuracy") is not None:  # which model each figure scores, on which set
         untrained = summary.get("personal_untrained_clients")
         untouched = ", never trained: no weights are exchanged" if summary.get("global_model_trained") is False else ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,8 @@ from ..experiment.config import Config
 from ..models.lora import LoraConfig
 from ..results.history import load_run
 from ..results.rundir import RunDirectory
+
+logger = logging.getLogger("fedsim")
 
 
 def load_model(
@@ -71,4 +74,26 @@ def load_model(
         rebuilt = components.algorithm(algorithm, config.get("algorithm_options") or {})
         rebuilt.bind(flat.module)
         rebuilt.resume(server)
+    _say_whose_model(path, history.summary, algorithm, config.get("algorithm_options") or {})
     return flat.module.eval()
+
+
+def _say_whose_model(path: Path, summary: dict, algorithm: object, options: dict) -> None:
+    """A run whose clients keep models of their own: the global model returned is not what its
+    personal accuracy measured, and under an algorithm that exchanges no weights it never trained."""
+    name = components.describe(algorithm)
+    personal = summary.get("client_eval_model") == "personal" or (
+        isinstance(algorithm, str)
+        and not algorithm.startswith("__main__:")
+        and components.algorithm(algorithm, options).has_personal_model
+    )
+    if summary.get("global_model_trained") is False:
+        logger.warning(
+            f"{path}: algorithm {name} exchanges no weights, so its global model never trained: this is "
+            f"the model it started from; its clients' own models are in checkpoint.pt"
+        )
+    elif personal:
+        logger.warning(
+            f"{path}: this is the global model; the clients of algorithm {name} use models of their own, "
+            f"which eval_per_client scores as its personal accuracy (in checkpoint.pt)"
+        )
