@@ -382,3 +382,24 @@ def test_fedbn_refuses_a_model_without_batch_norm_before_training(tmp_path):
     cfg = fedsim.load_config(fedbn_config("fedbn", model="mnist_cnn"))
     with pytest.raises(ConfigError, match="this model has no batch norm, so fedbn would be fedavg"):
         check_run(cfg)
+
+
+@pytest.mark.parametrize(
+    "algorithm, why", [("fedavg", None), ("ditto", "they use models of their own"), ("fedproto", "it never trains")]
+)
+def test_power_of_choice_under_personal_models_is_warned_before_the_run(algorithm, why):
+    from fedsim.experiment.validation import unused_settings
+
+    cfg = fedsim.load_config(
+        {
+            "algorithm": algorithm,
+            "client_sampling": "power_of_choice",
+            "sampling_candidates": 4,
+            "clients_per_round": 2,
+            "eval_per_client": True,
+            "data": {"num_clients": 4, "test_partition": True},
+        }
+    )
+    said = [line for line in unused_settings(cfg) if "power_of_choice" in line]
+    assert len(said) == (why is not None)
+    assert why is None or f"clients of algorithm {algorithm} do not train with ({why}" in said[0]

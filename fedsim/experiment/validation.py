@@ -223,7 +223,12 @@ def unused_settings(cfg: Config) -> list[str]:
     """Keys set to other than their default that this run does not read (each section's options
     say when theirs are not: core/sections.unused), for the run to warn of; and a rule other than
     the one the algorithm's paper fixes, and personal models that nothing scores."""
-    warnings = [components.aggregator_warning(cfg), components.personal_warning(cfg), _attack_warning(cfg)]
+    warnings = [
+        components.aggregator_warning(cfg),
+        components.personal_warning(cfg),
+        _attack_warning(cfg),
+        _choice_warning(cfg),
+    ]
     lines = unused(cfg)
     return lines + _unread_by_the_algorithm(cfg, lines) + [w for w in warnings if w]
 
@@ -251,6 +256,25 @@ def _value(cfg: Config, key: str) -> Any:
     for part in key.split("."):
         value = getattr(value, part)
     return value
+
+
+def _choice_warning(cfg: Config) -> str | None:
+    """A line for power_of_choice under an algorithm whose clients do not use the global model it
+    ranks them by (their own models; FedProto's global model never trains)."""
+    if cfg.client_sampling != "power_of_choice":
+        return None
+    algorithm = components.algorithm(cfg.algorithm, cfg.algorithm_options)
+    if algorithm.exchanges_weights and not algorithm.has_personal_model:
+        return None
+    why = (
+        "it never trains: no weights are exchanged"
+        if not algorithm.exchanges_weights
+        else "they use models of their own"
+    )
+    return (
+        f"client_sampling power_of_choice ranks the candidates by their loss under the global model, which the "
+        f"clients of algorithm {components.describe(cfg.algorithm)} do not train with ({why})"
+    )
 
 
 def _attack_warning(cfg: Config) -> str | None:
