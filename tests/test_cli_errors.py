@@ -510,6 +510,12 @@ CASES = [
         ["--set", "algorithm=fedproto"],
         ["exp.yaml: compression.type: algorithm fedproto exchanges no weights, so there is no update to compress"],
     ),
+    (
+        "a key missing from a section given on the command line",
+        yaml.safe_dump(GOOD),
+        ["--set", "privacy.clip=1.0", "--set", "privacy.noise_multiplier=1.0"],
+        ["fedsim: error: --set privacy.delta: is required when privacy is on"],
+    ),
     # where the k and f a rule refuses come from
     (
         "attack.count past krum's f",

@@ -51,6 +51,7 @@ def load_config(
         origin = str(source)
         raw = read_yaml(experiment_file(source))
     raw.pop("sweep", None)  # the grid fedsim sweep runs (runs/sweepgrid.py); a run is the configuration
+    sections_given = {key for key, value in raw.items() if value is not None}  # by the source, before overrides
     from_overrides = {**earlier, **apply_overrides(raw, overrides or {}, origin, SECTIONS)}
     rule_named = raw.get("aggregator") is not None
     if not rule_named:  # no aggregator, or null: the one the algorithm's paper fixes
@@ -62,7 +63,13 @@ def load_config(
         validate(cfg)
     except ConfigError as e:  # the message starts with the key it is about
         key, _, message = str(e).partition(": ")
-        raise ConfigError(f"{where(origin, key, from_overrides)}: {message}") from None
+        place = where(origin, key, from_overrides)
+        section = key.partition(".")[0]
+        # a key left unset in a section that only the overrides gave (privacy.delta beside --set privacy.clip)
+        given = next((how for k, how in from_overrides.items() if k.partition(".")[0] == section), None)
+        if place.startswith(f"{origin}:") and "." in key and section not in sections_given and given:
+            place = f"{given} {key}"
+        raise ConfigError(f"{place}: {message}") from None
     cfg.origin = (origin, from_overrides)  # for errors found later (see config.locate), and overrides_of
     return cfg
 
