@@ -242,7 +242,7 @@ def test_the_bound_on_the_clients_state_is_refused_naming_the_key(tmp_path):
         ),
         (
             {"algorithm": "ditto", "algorithm_options": {"lam": -1}},
-            "config: algorithm_options: lam must be a number > 0",
+            "config: algorithm_options: lam must be 0 or a number > 0",
         ),
         (
             {"algorithm": "fedrep", "algorithm_options": {"head_epochs": 0}},

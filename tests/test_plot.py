@@ -291,7 +291,23 @@ def test_spread_draws_the_clients_mean_a_deviation_band_and_the_tenth_percentile
     edges = band.get_paths()[0].vertices[:, 1]  # mean ± s.d., kept within 0 and 100 %
     assert min(edges) == pytest.approx(15.0) and max(edges) == pytest.approx(100.0)
     assert legend_texts(fig) == ["per_client", "± 1 s.d. over clients", "10th percentile of clients"]
-    assert ax.get_ylabel() == "client accuracy (%)"
+    assert ax.get_ylabel() == "accuracy on each client's own test split (%)"
+
+
+def test_spread_names_the_model_each_runs_clients_were_scored_with(tmp_path):
+    for name, model, means in (("fedavg", "global", (0.11, 0.46)), ("ditto", "personal", (0.28, 0.58))):
+        path = with_columns(
+            write_run(tmp_path / name, name=name, accuracies=(0.12, 0.45)),
+            client_accuracy_mean=means,
+            client_accuracy_std=(0.1, 0.1),
+            client_accuracy_p10=(0.05, 0.2),
+        )
+        summary = json.loads((path / "summary.json").read_text())
+        (path / "summary.json").write_text(json.dumps({**summary, "client_eval_model": model}))
+    fig = plot_runs([tmp_path / "fedavg", tmp_path / "ditto"], spread=True)
+    assert legend_texts(fig)[:2] == ["fedavg (global model)", "ditto (own models)"]
+    means = [list(line.get_ydata()) for line in fig.axes[0].lines if line.get_linestyle() == "-"]
+    assert means == [pytest.approx([11.0, 46.0]), pytest.approx([28.0, 58.0])]
 
 
 def test_spread_and_epsilon_need_runs_that_have_them(tmp_path):

@@ -421,25 +421,26 @@ def test_results_table_gives_a_language_models_loss_and_perplexity_and_each_feat
 
     def lm(name: str, seed: int, loss: float, personal: float | None = None) -> History:
         rows = [{"round": 1, "test_accuracy": 0.3, "test_loss": loss, "test_perplexity": math.exp(loss)}]
-        summary = {"wall_seconds": 9.0, **({"final_personal_accuracy": personal} if personal is not None else {})}
+        rows[0]["client_accuracy_mean"] = personal
+        summary = {"wall_seconds": 9.0, **({"client_eval_model": "personal"} if personal is not None else {})}
         return History(rows, {"name": name, "seed": seed, "lora": {"rank": 8}}, None, summary)
 
     table = results_table([lm("fedit", 0, 2.4), lm("fedit", 1, 2.2), lm("fedsa", 0, 2.5, personal=0.31)])
     assert table.columns == [
         "name", "runs", "final_test_loss", "final_test_perplexity", "final_accuracy", "best_accuracy",
-        "final_personal_accuracy", "rounds", "wall_seconds",
+        "final_client_accuracy", "best_client_accuracy", "rounds", "wall_seconds",
     ]  # fmt: skip
     fedit, fedsa = table
     assert fedit["final_test_loss"] == pytest.approx(2.3)
     assert fedit["final_test_perplexity"] == pytest.approx((math.exp(2.4) + math.exp(2.2)) / 2)
-    assert fedit["final_personal_accuracy"] is None and fedsa["final_personal_accuracy"] == 0.31
+    assert fedit["final_client_accuracy"] is None and fedsa["final_client_accuracy"] == 0.31
     lines = table.markdown().splitlines()
     assert lines[0] == (
         "| name | runs | final test loss | final ppl | final tok. acc. (%) | best tok. acc. (%) "
-        "| final personal acc. (%) | rounds | wall (s) |"
+        "| final personal acc. (%) | best personal acc. (%) | rounds | wall (s) |"
     )
-    assert lines[2] == "| fedit | 2 | 2.3000 | 10.02 | 30.0 ± 0.0 | 30.0 | – | 1 | 9.0 |"
-    assert lines[3] == "| fedsa | 1 | 2.5000 | 12.18 | 30.0 | 30.0 | 31.0 | 1 | 9.0 |"
+    assert lines[2] == "| fedit | 2 | 2.3000 | 10.02 | 30.0 ± 0.0 | 30.0 | – | – | 1 | 9.0 |"
+    assert lines[3] == "| fedsa | 1 | 2.5000 | 12.18 | 30.0 | 30.0 | 31.0 | 31.0 | 1 | 9.0 |"
     # privacy: the epsilon spent, where some run has a privacy section
     private = History(
         [{"round": 1, "test_accuracy": 0.9, "test_loss": 0.3, "epsilon": 1.5}],
@@ -451,3 +452,45 @@ def test_results_table_gives_a_language_models_loss_and_perplexity_and_each_feat
     table = results_table([private, plain])
     assert "epsilon" in table.columns and "final_test_loss" not in table.columns
     assert [row["epsilon"] for row in table] == [1.5, None]
+
+
+def test_results_table_scores_fedavg_and_personal_models_on_the_clients_own_splits(tmp_path):
+    """FedAvg's clients scored with the global model and Ditto's and FedProto's with their own
+    share one column, read from metrics.csv's client_accuracy_mean; a global model that never
+    trained (FedProto's) is marked."""
+
+    def run(algorithm: str, seed: int, test: tuple, clients: tuple, model: str) -> History:
+        rows = [
+            {"round": r, "test_accuracy": t, "test_loss": 1.0, "client_accuracy_mean": c}
+            for r, (t, c) in enumerate(zip(test, clients), start=1)
+        ]
+        summary = {"wall_seconds": 2.0, "client_eval_model": model}
+        if algorithm == "fedproto":
+            summary["global_model_trained"] = False
+        return History(
+            rows, {"name": "b", "algorithm": algorithm, "seed": seed}, tmp_path / f"{algorithm}{seed}", summary
+        )
+
+    fedavg = [run("fedavg", s, (0.12, 0.45), (0.11, 0.46 + s / 100), "global") for s in (0, 1)]
+    ditto = run("ditto", 0, (0.12, 0.45), (0.28, 0.58), "personal")
+    fedproto = run("fedproto", 0, (0.07, 0.07), (0.47, 0.54), "personal")
+    table = results_table([*fedavg, ditto, fedproto], keys="algorithm")
+    assert table.columns == [
+        "algorithm", "runs", "final_accuracy", "best_accuracy", "final_client_accuracy", "best_client_accuracy",
+        "clients_use", "rounds", "wall_seconds",
+    ]  # fmt: skip
+    first, second, third = table
+    assert first["final_client_accuracy"] == pytest.approx((0.46 + 0.47) / 2)
+    assert first["best_client_accuracy"] == pytest.approx((0.46 + 0.47) / 2)
+    assert (first["clients_use"], second["clients_use"], third["clients_use"]) == ("global", "personal", "personal")
+    lines = table.markdown().splitlines()
+    assert lines[0] == (
+        "| algorithm | runs | final global acc. (%) | best global acc. (%) | final client acc. (%) "
+        "| best client acc. (%) | clients use | rounds | wall (s) |"
+    )
+    assert lines[2] == "| fedavg | 2 | 45.0 ± 0.0 | 45.0 | 46.5 | 46.5 | global | 2 | 2.0 |"
+    assert lines[3] == "| ditto | 1 | 45.0 | 45.0 | 58.0 | 58.0 | personal | 2 | 2.0 |"
+    assert lines[4] == "| fedproto | 1 | 7.0 (never trained) | 7.0 (never trained) | 54.0 | 54.0 | personal | 2 | 2.0 |"
+    # a run of FedAvg alone with eval_per_client: still which model its clients used
+    alone = results_table(fedavg[:1], keys="algorithm").markdown().splitlines()
+    assert alone[2] == "| fedavg | 45.0 | 45.0 | 46.0 | 46.0 | global | 2 | 2.0 |"

@@ -996,3 +996,83 @@ def test_a_sweep_of_a_file_s_list_valued_axis_runs_each_value(tmp_path):
     assert [
         yaml.safe_load((tmp_path / "out" / run.label / "config.yaml").read_text())["pre_aggregators"] for run in runs
     ] == values
+
+
+# what the fake engine below returns per algorithm: the global model's final test accuracy, the mean
+# accuracy on the clients' own test splits per round, and the model those splits were scored with
+CLIENT_SCORES = {
+    "fedavg": (0.45, (0.11, 0.46), "global"),
+    "ditto": (0.45, (0.28, 0.58), "personal"),
+    "fedproto": (0.07, (0.47, 0.54), "personal"),  # its global model never trains
+}
+
+
+def test_fedavg_and_personal_runs_share_the_client_accuracy_column_and_pivot(config_file, monkeypatch, tmp_path):
+    def start_run(cfg, out=None, overwrite=False, quiet=False, pools=None):
+        test, clients, model = CLIENT_SCORES[cfg.algorithm]
+        lr = cfg.local.lr
+        rows = [
+            dict.fromkeys(COLUMNS, 0)
+            | {"round": r, "test_accuracy": test + lr, "seconds": 1.0, "test_perplexity": None}
+            | {"client_accuracy_mean": mean + lr}
+            for r, mean in zip((1, 2), clients)
+        ]
+        summary = {
+            "client_eval_model": model,
+            **({"global_model_trained": False} if cfg.algorithm == "fedproto" else {}),
+        }
+        return History(rows, cfg.to_dict(), out, summary)
+
+    replace_engine(monkeypatch, start_run)
+    lines = []
+    grid = ["algorithm=fedavg,ditto,fedproto", "local.lr=0.01,0.02"]
+    sweep(config_file, grid, out=tmp_path / "out", log=lines.append, pivot="algorithm,local.lr")
+    table = [line.split() for line in lines[-3].splitlines()]
+    assert table[0] == [
+        "run", "final", "global", "acc", "best", "global", "acc", "final", "client", "acc", "best", "client", "acc",
+        "clients", "use", "s/round",
+    ]  # fmt: skip
+    # FedAvg's clients scored with the global model, beside Ditto's and FedProto's own models
+    assert table[1][:6] == ["small-algorithm=fedavg-local.lr=0.01", "0.4600", "0.4600", "0.4700", "0.4700", "global"]
+    assert table[3][1:6] == ["0.4600", "0.4600", "0.5900", "0.5900", "personal"]
+    # FedProto's global model is the initial one: its accuracy is no result of the run
+    assert table[5][1:9] == ["0.0800", "(never", "trained)", "0.0800", "(never", "trained)", "0.5500", "0.5500"]
+    with open(tmp_path / "out" / "sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["final_client_accuracy"]) for r in rows] == pytest.approx([0.47, 0.48, 0.59, 0.60, 0.55, 0.56])
+    assert [r["client_eval_model"] for r in rows] == ["global"] * 2 + ["personal"] * 4
+    assert float(rows[0]["best_client_accuracy"]) == pytest.approx(0.47)
+    assert [r["global_model_trained"] for r in rows] == ["True"] * 4 + ["False"] * 2
+
+    client, test = (block.splitlines() for block in lines[-2].split("\n\n"))
+    assert client[0] == (
+        "final client accuracy (each client's model on its own test split: the global one or its own, as marked)"
+    )
+    assert client[1].split() == ["algorithm", "\\", "local.lr", "0.01", "0.02", "worst"]
+    assert client[2].split() == ["fedavg", "0.4700", "(global)", "0.4800", "(global)", "0.4700", "(global)"]
+    assert client[4].split() == ["fedproto", "0.5500", "(personal)", "0.5600", "(personal)", "0.5500", "(personal)"]
+    assert test[0] == "final test accuracy (the global model on the whole test set)"
+    assert test[2].split() == ["fedavg", "0.4600", "0.4700", "0.4600"]
+    assert test[4].split()[-3:] == ["0.0800", "(never", "trained)"]
+    with open(tmp_path / "out" / "pivot.csv") as f:
+        pivot = list(csv.DictReader(f))
+    assert [(r["figure"], r["algorithm"]) for r in pivot] == [
+        (figure, algorithm)
+        for figure in ("final_client_accuracy", "final_test_accuracy")
+        for algorithm in ("fedavg", "ditto", "fedproto")
+    ]
+    assert float(pivot[1]["0.02"]) == pytest.approx(0.60) and float(pivot[1]["worst"]) == pytest.approx(0.59)
+    assert [r["never_trained"] for r in pivot] == ["", "", "", "", "", "0.01 0.02"]
+
+
+def test_a_sweep_whose_every_client_score_is_personal_names_it_so(config_file, monkeypatch, tmp_path):
+    def start_run(cfg, out=None, overwrite=False, quiet=False, pools=None):
+        row = dict.fromkeys(COLUMNS, 0) | {"round": 1, "test_accuracy": 0.4, "seconds": 1.0, "test_perplexity": None}
+        return History([row | {"client_accuracy_mean": 0.6}], cfg.to_dict(), out, {"client_eval_model": "personal"})
+
+    replace_engine(monkeypatch, start_run)
+    lines = []
+    sweep(config_file, ["algorithm=ditto,fedper"], out=tmp_path / "out", log=lines.append)
+    table = [line.split() for line in lines[-2].splitlines()]
+    assert table[0][7:13] == ["final", "personal", "acc", "best", "personal", "acc"] and "use" not in table[0]
+    assert table[1][1:5] == ["0.4000", "0.4000", "0.6000", "0.6000"]

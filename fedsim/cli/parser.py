@@ -133,8 +133,9 @@ def _add_plot_parser(sub) -> None:
     plot.add_argument(
         "--spread",
         action="store_true",
-        help="the global model's accuracy on the clients' own test splits (eval_per_client): "
-        "mean over clients, ± 1 s.d. band, 10th percentile dashed",
+        help="each client's accuracy on its own test split (eval_per_client) with the model it uses: "
+        "the global model (FedAvg), or its own (personal algorithms: ditto, fedper, fedproto, ifca, ...), "
+        "as the legend marks; mean over clients, ± 1 s.d. band, 10th percentile dashed",
     )
     plot.add_argument(
         "--band",
@@ -183,8 +184,9 @@ def _add_sweep_parser(sub) -> None:
     swp.add_argument(
         "--pivot",
         metavar="ROW,COLUMN",
-        help="also print the final test accuracy with one grid key's values down and another's across, "
-        "e.g. --pivot aggregator,attack.type, with each row's worst; written to pivot.csv",
+        help="also print the final test accuracy (with eval_per_client, the clients' accuracy on their own "
+        "test splits first) with one grid key's values down and another's across, e.g. --pivot "
+        "aggregator,attack.type, with each row's worst; written to pivot.csv",
     )
     swp.add_argument(
         "--out",

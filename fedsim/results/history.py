@@ -69,8 +69,9 @@ class History:
 
     @property
     def client_accuracy(self) -> list[dict]:
-        """The global model's accuracy on each client's test split, one dict (round, client,
-        samples, accuracy) per client per evaluated round; [] for a run without eval_per_client.
+        """Each client's accuracy on its own test split with the model it uses (``model``: global or
+        personal), one dict (round, client, samples, accuracy, ...) per client per evaluated round;
+        [] for a run without eval_per_client.
         Read from client_accuracy.csv when first asked for."""
         if self._client_accuracy is None:
             path = self.run_dir / "client_accuracy.csv" if self.run_dir else None
@@ -166,6 +167,37 @@ class History:
             (r["test_perplexity"] for r in scored_alike(self.rows) if r.get("test_perplexity") is not None),
             default=None,
         )
+
+    @property
+    def client_eval_model(self) -> str | None:
+        """The model each client was scored with on its own test split (eval_per_client): "global"
+        (FedAvg and every algorithm without a model of the client's own) or "personal", as
+        summary.json says, or client_accuracy.csv while the run has no summary yet; None for a run
+        that did not score its clients (or an older version's that did not say which)."""
+        if self.final_client_accuracy is None:
+            return None
+        model = self.summary.get("client_eval_model")
+        return model or next((row["model"] for row in self.client_accuracy if row.get("model")), None)
+
+    @property
+    def final_client_accuracy(self) -> float | None:
+        """The last evaluated round's mean accuracy over the clients' own test splits
+        (``client_accuracy_mean``; see client_eval_model for the model); None without eval_per_client."""
+        means = [r["client_accuracy_mean"] for r in self.rows if r.get("client_accuracy_mean") is not None]
+        return means[-1] if means else None
+
+    @property
+    def best_client_accuracy(self) -> float | None:
+        """The highest mean accuracy over the clients' own test splits; None without eval_per_client."""
+        return max(
+            (r["client_accuracy_mean"] for r in self.rows if r.get("client_accuracy_mean") is not None), default=None
+        )
+
+    @property
+    def global_model_trained(self) -> bool:
+        """False where the global model never trains (FedProto's clients exchange no weights), so
+        that its test accuracy is the initial model's, as summary.json says."""
+        return self.summary.get("global_model_trained") is not False
 
     @property
     def personal_accuracy(self) -> list[float] | None:

@@ -59,6 +59,8 @@ _X_COLUMNS = {"seconds": "elapsed_seconds", "bytes": "cumulative_bytes", "simula
 _X_SCALES = {"bytes": 1e-6}  # the bytes axis reads in MB
 METRICS = tuple(c for c in COLUMNS if c != "round")
 SPREAD = ("client_accuracy_mean", "client_accuracy_std", "client_accuracy_p10")  # what spread=True draws
+# spread=True's y axis: each client is scored with the model it uses, which the legend names per line
+SPREAD_AXIS = "accuracy on each client's own test split (%)"
 _HAS = {
     "epsilon": "a run with a privacy section has it",
     "cumulative_bytes": "every run counts them except in mode: hogwild, where nothing travels",
@@ -97,10 +99,12 @@ def plot_runs(
     test loss below (language models' runs drawn by loss: of token accuracy). ``width``:
     ``"single"`` (3.5 in), ``"double"`` (7 in) or inches.
 
-    ``spread``: draw how the global model fares on each client's own test split (runs with
-    eval_per_client): the mean over the clients as the line, ± one standard deviation over the
-    clients as a band, and their 10th percentile (the worst tenth) dashed; runs that differ only
-    in seed are averaged.
+    ``spread``: draw each client's accuracy on its own test split with the model it uses (runs with
+    eval_per_client): the global model for FedAvg and every algorithm without a model of the
+    client's own, the client's own model for a personal algorithm (Ditto, FedPer, FedProto, IFCA,
+    ...), which the legend says beside each line's name; the mean over the clients as the line, ±
+    one standard deviation over the clients as a band, and their 10th percentile (the worst tenth)
+    dashed; runs that differ only in seed are averaged.
 
     ``facet``: a config key (e.g. ``"attack.type"``): one panel per value, side by side (three to a
     row), sharing the y axis; a line keeps its colour in every panel. The bands grow lighter as more
@@ -115,7 +119,10 @@ def plot_runs(
     lines = []
     for _, members in panels:
         inside = [g for g in groups if any(g[0] is m for m in members)]
-        lines.append(list(zip(inside, _labels(inside, label))))
+        labels = _labels(inside, label)
+        if spread:  # a FedAvg line and a personal one scored different models on the same splits
+            labels = [text + _scored_with(group) for group, text in zip(inside, labels)]
+        lines.append(list(zip(inside, labels)))
     names = list(dict.fromkeys(name for panel in lines for _, name in panel))
     repeated = [g for panel in lines for g, _ in panel]
     legend = _legend_texts(repeated, names, band, spread, _ends(repeated, x))
@@ -199,7 +206,7 @@ def _add_legend(
 def _label_axes(axes, metrics: list[str], x: str, spread: bool, tokens: bool, ylabels: bool = True) -> None:
     for ax, column in zip(axes, metrics):
         if ylabels:
-            ax.set_ylabel("client accuracy (%)" if spread and column == SPREAD[0] else _axis_label(column, tokens))
+            ax.set_ylabel(SPREAD_AXIS if spread and column == SPREAD[0] else _axis_label(column, tokens))
         ax.grid(True, alpha=0.3, linewidth=0.6)
         if column == "clusters":
             ax.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -377,6 +384,12 @@ def _draw(ax, group: list[History], column: str, x: str, band: str, style: dict,
             low, high = [m - s for m, s in zip(means, spread)], [m + s for m, s in zip(means, spread)]
         ax.fill_between(xs, low, high, color=style["color"], alpha=shading, linewidth=0)
     return line
+
+
+def _scored_with(group: list[History]) -> str:
+    """What the legend adds to a spread line's name: the model its clients were scored with."""
+    model = group[0].client_eval_model
+    return {"global": " (global model)", "personal": " (own models)"}.get(model, "")
 
 
 def _draw_spread(ax, group: list[History], x: str, style: dict, name: str):

@@ -1,6 +1,6 @@
 """Runs side by side: ``fedsim.results_table``, one row per experiment, and the figures of the
-features a run had on (privacy spent, bytes sent, staleness, personal models' accuracy) that this
-table and a sweep's show where some run has them."""
+features a run had on (privacy spent, bytes sent, staleness, the accuracy on the clients' own test
+splits) that this table and a sweep's show where some run has them."""
 
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ from .history import (
 )
 
 # summary.json's figures a table reports where some run has them: (key, the table's title, format);
-# a figure without a title goes to sweep.csv only
+# a figure without a title goes to sweep.csv only. The personal models' accuracy is shown as every
+# run's accuracy on the clients' own test splits (client_scores), FedAvg's included.
 FIGURES = (
-    ("final_personal_accuracy", "final personal acc", ".4f"),
-    ("best_personal_accuracy", "best personal acc", ".4f"),
+    ("final_personal_accuracy", None, ".4f"),
+    ("best_personal_accuracy", None, ".4f"),
     ("personal_untrained_clients", None, "g"),
     ("megabytes_sent", "MB sent", ".3g"),
     ("compression_ratio", "ratio", ".3g"),
@@ -34,8 +35,8 @@ FIGURES = (
     ("staleness_max", None, "g"),
     ("clients_lost", "lost", "g"),
 )
-# the personal models' accuracies, in percent beside the global model's in a results table
-PERSONAL = ("final_personal_accuracy", "best_personal_accuracy")
+# the mean accuracy on the clients' own test splits (eval_per_client), in percent beside the global model's
+CLIENT = ("final_client_accuracy", "best_client_accuracy")
 # every run that sends anything has these: they are columns only where some run compresses
 TRAFFIC = ("megabytes_sent", "compression_ratio")
 
@@ -55,6 +56,24 @@ def shown_figures(histories: list[History], compressed: bool | None = None) -> l
         for f in FIGURES
         if (compressed or f[0] not in TRAFFIC) and any(figure(h, f[0]) is not None for h in histories)
     ]
+
+
+def client_scores(histories: Iterable[History]) -> str | None:
+    """How tables name the runs' mean accuracy on the clients' own test splits: None where no run
+    scored its clients (eval_per_client); "personal" where each run that did scored the clients'
+    own models; else "client", beside a column ``clients use`` saying which model each run's
+    clients were scored with (global for FedAvg), so that FedAvg's row and the personal
+    algorithms' compare on the same test data."""
+    models = {h.client_eval_model for h in histories} - {None}
+    if not models:
+        return None
+    return "personal" if models == {"personal"} else "client"
+
+
+def untrained_note(histories: Iterable[History]) -> str:
+    """What a global model's accuracy cell says where that model never trained (FedProto's): its
+    accuracy is the initial model's, no result of the run."""
+    return "" if all(h.global_model_trained for h in histories) else " (never trained)"
 
 
 def epsilon(history: History) -> float | None:
@@ -84,7 +103,7 @@ class ResultsTable(list):
         headers = [_header(c, self) for c in columns]
         lines = [
             "| " + " | ".join(headers) + " |",
-            "|" + "|".join("---:" if c in _HEADERS else "---" for c in columns) + "|",
+            "|" + "|".join("---:" if c in _HEADERS and c != "clients_use" else "---" for c in columns) + "|",
         ]
         for row in self:
             lines.append("| " + " | ".join(_cell(row, c) for c in columns) + " |")
@@ -101,7 +120,10 @@ _HEADERS = {
     "best_accuracy": "best acc. (%)",
     "test_samples": "scored on",  # where some run scored rounds on eval_subset: the set of final, best and target
     "epsilon": "epsilon",
-    **{key: title + (". (%)" if key in PERSONAL else "") for key, title, _ in FIGURES if title},
+    "final_client_accuracy": "final client acc. (%)",
+    "best_client_accuracy": "best client acc. (%)",
+    "clients_use": "clients use",
+    **{key: title for key, title, _ in FIGURES if title},
     "target": "target (%)",
     "rounds_to_target": "rounds to target",
     "rounds": "rounds",
@@ -117,8 +139,10 @@ def _header(column: str, rows) -> str:
             return f"rounds to {_percent(targets.pop())} %"
     if column in ("final_accuracy", "best_accuracy") and "final_test_perplexity" in rows.columns:
         return _HEADERS[column].replace("acc.", "tok. acc.")  # a language model's accuracy is its tokens'
-    if column in ("final_accuracy", "best_accuracy") and "final_personal_accuracy" in rows.columns:
-        return _HEADERS[column].replace("acc.", "global acc.")  # beside the clients' own models'
+    if column in ("final_accuracy", "best_accuracy") and "final_client_accuracy" in rows.columns:
+        return _HEADERS[column].replace("acc.", "global acc.")  # beside the accuracy on the clients' splits
+    if column in CLIENT and "clients_use" not in rows.columns:  # every run scored its clients' own models
+        return _HEADERS[column].replace("client", "personal")
     return _HEADERS.get(column, column)
 
 
@@ -135,9 +159,13 @@ def _text(row: dict, column: str) -> str:
     value = row[column]
     if column == "final_accuracy":
         spread = f" ± {100 * row['final_accuracy_std']:.1f}" if row["runs"] > 1 else ""
-        return f"{100 * value:.1f}{spread}"
-    if column == "best_accuracy" or column in PERSONAL:
+        return f"{100 * value:.1f}{spread}{row['untrained']}"
+    if column == "best_accuracy":
+        return f"{100 * value:.1f}{row['untrained']}"
+    if column in CLIENT:
         return "–" if value is None else f"{100 * value:.1f}"
+    if column == "clients_use":
+        return value or "–"
     if column == "target":
         return "–" if value is None else _percent(value)
     if column == "test_samples":
@@ -171,8 +199,10 @@ def results_table(
     eval_subset's samples, those are left out and a column says how many samples that set holds.
     Where some run is a language model's, its final test loss and perplexity come first (means),
     and the accuracies are token accuracies; where some run had a feature on, its figure (the
-    epsilon spent, the personal models' accuracy, MB sent, staleness, clients lost: means, empty
-    for a run without it).
+    epsilon spent, MB sent, staleness, clients lost: means, empty for a run without it). Where some
+    run scored its clients (eval_per_client), the final and best mean accuracy on the clients' own
+    test splits, named as ``client_scores`` says (``clients_use``: which model, global or
+    personal). A global model that never trained (FedProto's) has its accuracy marked so.
 
     Rounds to a test accuracy: ``target`` (a fraction), or where it is None each experiment's
     ``stop_at_accuracy``. A run reaches it in the first evaluated round whose test accuracy is at
@@ -212,6 +242,10 @@ def results_table(
                 "final_accuracy": final,
                 "final_accuracy_std": final_sd,
                 "best_accuracy": fmean([h.best_accuracy for h in group]),
+                "untrained": untrained_note(group),
+                "final_client_accuracy": mean_of(h.final_client_accuracy for h in group),
+                "best_client_accuracy": mean_of(h.best_client_accuracy for h in group),
+                "clients_use": group[0].client_eval_model,
                 "test_samples": group[0].scored_on,
                 "epsilon": mean_of(epsilon(h) for h in group),
                 **{key: mean_of(figure(h, key) for h in group) for key, _ in figures},
@@ -230,6 +264,9 @@ def results_table(
     shown = {"final_test_loss": tokens, "final_test_perplexity": tokens, "epsilon": privacy}
     shown["test_samples"] = any(h.scored_apart for h in every)
     shown |= {key: key in titled for key, _, _ in FIGURES}
+    scores = client_scores(every)
+    shown |= {"final_client_accuracy": bool(scores), "best_client_accuracy": bool(scores)}
+    shown["clients_use"] = scores == "client"
     columns = [*keys, *(c for c in _HEADERS if shown.get(c, True))]
     targets = {row["target"] for row in rows}
     if targets == {None}:  # nobody asked for rounds to a target

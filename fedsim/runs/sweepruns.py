@@ -16,7 +16,7 @@ from ..core.errors import FedsimError
 from ..core.files import write_atomically
 from ..experiment.config import Config
 from ..results.history import History, format_rounds_to_target, mean_and_sd, rounds_to_target, target_stats
-from ..results.table import epsilon, figure, mean_of, shown_figures
+from ..results.table import client_scores, epsilon, figure, mean_of, shown_figures, untrained_note
 
 
 @dataclass
@@ -55,7 +55,7 @@ def seconds_per_round(history: History) -> float:
     if not trained:
         return math.nan
     first, last = trained[0], trained[-1]
-    if first["elapsed_seconds"] is not None and last["elapsed_seconds"] is not None:
+    if first.get("elapsed_seconds") is not None and last.get("elapsed_seconds") is not None:
         if last["round"] > first["round"]:
             return (last["elapsed_seconds"] - first["elapsed_seconds"]) / (last["round"] - first["round"])
         startup = history.summary.get("startup_seconds")
@@ -89,6 +89,27 @@ def _samples(count: int | None) -> str:
     return "–" if count is None else f"{count:,} samples"
 
 
+def _client_scores(runs: list[SweepRun]) -> str | None:
+    """How the sweep names its runs' accuracy on the clients' own test splits (see client_scores)."""
+    return client_scores(run.history for run in runs)
+
+
+def _client_columns(histories: list[History], runs: list[SweepRun]) -> dict:
+    """sweep.csv's accuracy on the clients' own test splits, every run's that scored its clients
+    (FedAvg's with the global model, a personal algorithm's with the clients' own models; means over
+    seeds), and which model that was; and where some run's global model never trained, which."""
+    columns = {}
+    if _client_scores(runs):
+        columns |= {
+            "final_client_accuracy": _blank(mean_of(h.final_client_accuracy for h in histories)),
+            "best_client_accuracy": _blank(mean_of(h.best_client_accuracy for h in histories)),
+            "client_eval_model": _blank(histories[0].client_eval_model),
+        }
+    if not all(run.history.global_model_trained for run in runs):
+        columns["global_model_trained"] = all(h.global_model_trained for h in histories)
+    return columns
+
+
 def _repeated(runs: list[SweepRun]) -> bool:
     return any(run.seed is not None for run in runs)
 
@@ -110,6 +131,7 @@ def _row(run: SweepRun, target: float | None, runs: list[SweepRun]) -> dict:
         **({"seed": run.seed} if run.seed is not None else {}),
         "final_test_accuracy": h.final_accuracy,
         "best_test_accuracy": h.best_accuracy,
+        **_client_columns([h], runs),
         **(
             {"final_test_perplexity": h.final_perplexity, "best_test_perplexity": h.best_perplexity}
             if _tokens(runs)
@@ -145,6 +167,7 @@ def _group_row(group: list[SweepRun], target: float | None, runs: list[SweepRun]
         "final_test_accuracy_std": _blank(final_sd if n > 1 else None),
         "best_test_accuracy": best,
         "best_test_accuracy_std": _blank(best_sd if n > 1 else None),
+        **_client_columns(histories, runs),
         **({"test_samples": _blank(histories[0].scored_on)} if _scored_apart(runs) else {}),
         **(_perplexity_columns(histories) if _tokens(runs) else {}),
         "seconds_per_round": round(mean_and_sd(seconds_per_round(h) for h in histories)[0], 4),
@@ -211,9 +234,12 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 def format_table(runs: list[SweepRun], target: float | None = None) -> str:
     """A fixed-width table: run, final and best test accuracy (where every run is a language
-    model's: final and best test perplexity first, then token accuracy), the epsilon spent (runs with a
-    privacy section), the FIGURES of summary.json some run has (the personal models' final mean
-    accuracy, megabytes sent and compression ratio, mean staleness, clients lost), rounds to the
+    model's: final and best test perplexity first, then token accuracy; a global model that never
+    trained marked so), where some run scored its clients (eval_per_client) the final and best mean
+    accuracy on their own test splits and, where not every such run scored personal models, the
+    model its clients used (see client_scores), the epsilon spent (runs with a
+    privacy section), the FIGURES of summary.json some run has (megabytes sent and compression
+    ratio, mean staleness, clients lost), rounds to the
     target (where one is set), seconds per round. Under --seeds, one row per configuration: its
     number of seeds, then mean ± sample standard deviation over them (a figure: its mean), and the
     rounds to the target as ``mean ± sd (reached/seeds)`` over the seeds that reached it."""
@@ -228,10 +254,17 @@ def format_table(runs: list[SweepRun], target: float | None = None) -> str:
     if tokens:  # a language model is judged by its perplexity first
         for title, value in (("final ppl", lambda h: h.final_perplexity), ("best ppl", lambda h: h.best_perplexity)):
             columns.append((title, [_accuracy([value(run.history) for run in g], ".2f") for g in groups]))
-    personal = any(key == "final_personal_accuracy" for key, _, _ in _figures(runs))
-    named = "tok acc" if tokens else "global acc" if personal else "acc"  # beside the clients' own models
+    scores = _client_scores(runs)
+    named = "tok acc" if tokens else "global acc" if scores else "acc"  # beside the accuracy on the clients' splits
     for title, value in (("final", lambda h: h.final_accuracy), ("best", lambda h: h.best_accuracy)):
-        columns.append((f"{title} {named}", [_accuracy([value(run.history) for run in g]) for g in groups]))
+        cells = [_accuracy([value(run.history) for run in g]) + untrained_note(r.history for r in g) for g in groups]
+        columns.append((f"{title} {named}", cells))
+    if scores:
+        for title, value in (("final", "final_client_accuracy"), ("best", "best_client_accuracy")):
+            values = [[getattr(run.history, value) for run in g] for g in groups]
+            columns.append((f"{title} {scores} acc", ["–" if None in v else _accuracy(v) for v in values]))
+        if scores == "client":  # which model each run's clients were scored with
+            columns.append(("clients use", [g[0].history.client_eval_model or "–" for g in groups]))
     if _scored_apart(runs):  # the set the figures before come from, where some rounds were scored on eval_subset's
         columns.append(("scored on", [_samples(g[0].history.scored_on) for g in groups]))
     if _with_epsilon(runs):
@@ -285,45 +318,112 @@ def _accuracy(values: list[float], spec: str = ".4f") -> str:
 
 
 def pivot_blocks(runs: list[SweepRun], down: str, across: str) -> list[tuple[list[tuple[str, str]], dict]]:
-    """The sweep's final test accuracy with the values of the grid key ``down`` as rows and those of
-    ``across`` as columns: one block per combination of the other grid keys (``[(key, value)]``,
-    in the sweep's order), each ``{row value: {column value: [final accuracy of each seed]}}``."""
+    """The sweep's runs with the values of the grid key ``down`` as rows and those of ``across`` as
+    columns: one block per combination of the other grid keys (``[(key, value)]``, in the sweep's
+    order), each ``{row value: {column value: [the History of each seed]}}``."""
     blocks: dict[tuple, dict] = {}
     for run in runs:
         point = dict(run.point)
         others = tuple((key, value) for key, value in run.point if key not in (down, across))
         cells = blocks.setdefault(others, {})
-        cells.setdefault(point[down], {}).setdefault(point[across], []).append(run.history.final_accuracy)
+        cells.setdefault(point[down], {}).setdefault(point[across], []).append(run.history)
     return [(list(others), cells) for others, cells in blocks.items()]
 
 
+def pivot_figures(runs: list[SweepRun]) -> list[tuple[str, str, str | None, Callable]]:
+    """What the pivot shows, each as (pivot.csv's name, title, what it scores, a History's value):
+    the final test accuracy, the global model's on the whole test set; where some run scored its
+    clients (eval_per_client), first the final mean accuracy on the clients' own test splits, on
+    which FedAvg's global model and the personal algorithms' own models compare on the same data."""
+    scores = _client_scores(runs)
+    test = ("final_test_accuracy", "final test accuracy", None, lambda h: h.final_accuracy)
+    if not scores:
+        return [test]
+    scored = {
+        "personal": "each client's own model on its own test split",
+        "client": "each client's model on its own test split: the global one or its own, as marked",
+    }[scores]
+    return [
+        ("final_client_accuracy", f"final {scores} accuracy", scored, lambda h: h.final_client_accuracy),
+        (*test[:2], "the global model on the whole test set", test[3]),
+    ]
+
+
+def _pivot_row(cells: dict, columns: list[str], value: Callable) -> dict:
+    """A pivot row's cells: column value -> (mean over its seeds, their Histories), where it has one."""
+    row = {}
+    for column in columns:
+        values = [value(h) for h in cells.get(column, [])]
+        if values and None not in values:
+            row[column] = (mean_and_sd(values)[0], cells[column])
+    return row
+
+
+def _pivot_note(name: str, histories: list[History], scores: str | None) -> str:
+    """What a pivot cell says besides its figure: a global model that never trained; under mixed
+    client scoring, which model the clients were scored with."""
+    if name == "final_test_accuracy":
+        return untrained_note(histories)
+    return f" ({histories[0].client_eval_model})" if scores == "client" and histories[0].client_eval_model else ""
+
+
 def format_pivot(runs: list[SweepRun], down: str, across: str) -> str:
-    """``pivot_blocks`` as fixed-width tables, a configuration's cell its mean ± sample standard
-    deviation over seeds, with a last column ``worst``: the lowest mean of the row (ByzFL's
-    heatmaps give each cell the worst accuracy over the attacks)."""
+    """``pivot_blocks`` as fixed-width tables, one set per figure of ``pivot_figures``, a
+    configuration's cell its mean ± sample standard deviation over seeds, with a last column
+    ``worst``: the lowest mean of the row (ByzFL's heatmaps give each cell the worst accuracy over
+    the attacks)."""
     out = []
-    for others, cells in pivot_blocks(runs, down, across):
-        columns = list(dict.fromkeys(column for row in cells.values() for column in row))
-        header = [f"{down} \\ {across}", *columns, "worst"]
-        table = [header]
-        for row, values in cells.items():
-            means = [mean_and_sd(values[c])[0] for c in columns if c in values]
-            table.append([row, *(_accuracy(values[c]) if c in values else "–" for c in columns), f"{min(means):.4f}"])
-        title = f"final test accuracy, {', '.join(f'{k}={v}' for k, v in others)}" if others else "final test accuracy"
-        out.append("\n".join([title, *_aligned(table)]))
+    scores = _client_scores(runs)
+    blocks = pivot_blocks(runs, down, across)
+    for name, title, scored, value in pivot_figures(runs):
+        for others, cells in blocks:
+            columns = list(dict.fromkeys(column for row in cells.values() for column in row))
+            table = [[f"{down} \\ {across}", *columns, "worst"]]
+            for row, values in cells.items():
+                means = _pivot_row(values, columns, value)
+                texts = [
+                    _accuracy([value(h) for h in means[c][1]]) + _pivot_note(name, means[c][1], scores)
+                    if c in means
+                    else "–"
+                    for c in columns
+                ]
+                worst = min(means.values(), key=lambda cell: cell[0], default=None)
+                texts.append("–" if worst is None else f"{worst[0]:.4f}" + _pivot_note(name, worst[1], scores))
+                table.append([row, *texts])
+            where = f", {', '.join(f'{k}={v}' for k, v in others)}" if others else ""
+            out.append("\n".join([f"{title}{where}" + (f" ({scored})" if scored else ""), *_aligned(table)]))
     return "\n\n".join(out)
 
 
 def write_pivot(runs: list[SweepRun], down: str, across: str, path: Path) -> None:
     """pivot.csv: one row per row of every pivot block, the other grid keys first, each column
-    value's mean final accuracy over seeds (empty where not run yet), then ``worst``."""
+    value's mean over seeds (empty where not run yet), then ``worst``. Where the sweep scored its
+    clients, a first column ``figure`` says which of ``pivot_figures`` a row holds; where some
+    run's global model never trained, ``never_trained`` lists the column values whose global model
+    (a final_test_accuracy row's figure) did not."""
     rows = []
+    figures = pivot_figures(runs)
+    untrained = not all(run.history.global_model_trained for run in runs)
     blocks = pivot_blocks(runs, down, across)
     columns = list(dict.fromkeys(c for _, cells in blocks for row in cells.values() for c in row))
-    for others, cells in blocks:
-        for row, values in cells.items():
-            means = {c: mean_and_sd(values[c])[0] for c in columns if c in values}
-            rows.append(
-                {**dict(others), down: row, **{c: _blank(means.get(c)) for c in columns}, "worst": min(means.values())}
-            )
+    for name, _, _, value in figures:
+        for others, cells in blocks:
+            for row, values in cells.items():
+                means = _pivot_row(values, columns, value)
+                rows.append(
+                    {
+                        **({"figure": name} if len(figures) > 1 else {}),
+                        **dict(others),
+                        down: row,
+                        **{c: _blank(means[c][0] if c in means else None) for c in columns},
+                        "worst": _blank(min((m for m, _ in means.values()), default=None)),
+                        **({"never_trained": _never_trained(name, means)} if untrained else {}),
+                    }
+                )
     write_csv(path, rows)
+
+
+def _never_trained(name: str, means: dict) -> str:
+    if name != "final_test_accuracy":
+        return ""
+    return " ".join(c for c, (_, histories) in means.items() if not all(h.global_model_trained for h in histories))
