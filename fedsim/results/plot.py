@@ -39,10 +39,10 @@ from .history import (
 from .keys import RUN_SPECIFIC_KEYS, defining, flatten_config
 from .rundir import COLUMNS, check_output_path
 
-# Okabe & Ito's palette, which stays distinct under the common colour-vision deficiencies;
-# yellow comes last because it is faint on white.
 logger = logging.getLogger("fedsim")
 
+# Okabe & Ito's palette, which stays distinct under the common colour-vision deficiencies;
+# yellow comes last because it is faint on white.
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#000000", "#F0E442")
 LINESTYLES = ("-", "--", ":", "-.")  # after the eight colours, lines differ by dash too
 WIDTHS = {"single": 3.5, "double": 7.0}  # inches: one and two columns of a two-column paper
