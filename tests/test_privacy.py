@@ -234,6 +234,14 @@ def test_adaptive_clipping_needs_count_noise_above_half_the_noise_multiplier():
     message = refused(config(clip=C, noise_multiplier=1.0, delta=1e-5, target_quantile=0.5, count_noise=0.4))
     assert message.startswith("privacy.count_noise: must be > noise_multiplier / 2 (0.5)"), message
     assert Privacy(C, 1.0, 1e-5, 100, 1000, target_quantile=0.5).count_noise == 5.0  # K / 20
+    # a default that fails names the key that turned adaptive clipping on, and the one to set
+    few = config(clip=C, noise_multiplier=1.0, delta=1e-5, target_quantile=0.5)
+    few.clients_per_round = 10
+    message = refused(few)
+    assert message.startswith(
+        "privacy.target_quantile: adaptive clipping needs privacy.count_noise > noise_multiplier / 2 (0.5)"
+    ), message
+    assert message.endswith("its default, clients_per_round / 20, is 0.5: set privacy.count_noise")
 
 
 # ----------------------------------------------------------------------------- accounting

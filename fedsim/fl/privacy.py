@@ -212,6 +212,7 @@ class Privacy:
         self.count_noise = (
             self.clients_per_round / 20 if count_noise is None else _CHECKS.positive("count_noise", count_noise)
         )
+        self._count_noise_given = count_noise is not None
         self.update_noise = self.noise_multiplier  # z_u: what the updates get (all of z without adaptive clipping)
         self.state: dict[str, torch.Tensor] = {}
         if target_quantile is not None:
@@ -227,11 +228,18 @@ class Privacy:
         self.target_quantile = float(target_quantile)
         if self.noise_multiplier > 0:
             if not 2 * self.count_noise > self.noise_multiplier:
+                bound = f"> noise_multiplier / 2 ({self.noise_multiplier / 2:g})"
+                if self._count_noise_given:
+                    _CHECKS.fail(
+                        "count_noise",
+                        f"must be {bound} for adaptive clipping to leave noise for the updates, "
+                        f"got {self.count_noise:g}",
+                    )
+                # the default failed: name the key that turned adaptive clipping on, whoever set it
                 _CHECKS.fail(
-                    "count_noise",
-                    f"must be > noise_multiplier / 2 ({self.noise_multiplier / 2:g}) for "
-                    f"adaptive clipping to leave noise for the updates, got "
-                    f"{self.count_noise:g} (the default is clients_per_round / 20)",
+                    "target_quantile",
+                    f"adaptive clipping needs privacy.count_noise {bound} to leave noise for the updates; its "
+                    f"default, clients_per_round / 20, is {self.count_noise:g}: set privacy.count_noise",
                 )
             z, s = self.noise_multiplier, self.count_noise  # z_u = (z^-2 - (2 s)^-2)^(-1/2), without z^-2
             self.update_noise = z * (1 - (z / (2 * s)) ** 2) ** -0.5  # which overflows for a tiny z
