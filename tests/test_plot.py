@@ -306,6 +306,7 @@ def test_spread_names_the_model_each_runs_clients_were_scored_with(tmp_path):
         (path / "summary.json").write_text(json.dumps({**summary, "client_eval_model": model}))
     fig = plot_runs([tmp_path / "fedavg", tmp_path / "ditto"], spread=True)
     assert legend_texts(fig)[:2] == ["fedavg (global model)", "ditto (own models)"]
+    assert fig.axes[0].get_title().splitlines()[0] == "Accuracy on each client's own test split per round"
     means = [list(line.get_ydata()) for line in fig.axes[0].lines if line.get_linestyle() == "-"]
     assert means == [pytest.approx([11.0, 46.0]), pytest.approx([28.0, 58.0])]
 

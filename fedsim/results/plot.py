@@ -525,7 +525,7 @@ def _default_title(histories: list[History], metric: str, x: str, tokens: bool =
     split, model, rule, algorithm and the keys set on top of the experiment, see describe_run):
     where the runs differ (a sweep), what they share, the keys in which they differ said to vary."""
     names = {h.name for h in histories}
-    what = _axis_label(metric, tokens).split(" (")[0].capitalize()
+    what = (SPREAD_AXIS if metric == SPREAD[0] else _axis_label(metric, tokens)).split(" (")[0].capitalize()
     first = (
         names.pop()
         if len(names) == 1
