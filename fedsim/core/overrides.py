@@ -14,6 +14,12 @@ from .errors import ConfigError, cut, shown
 from .yamlfile import RefusedYAML, parse_yaml
 
 
+def overlap(key: str, other: str) -> bool:
+    """Whether setting one dotted key changes the other: the same key, or a key and one inside its
+    mapping (aggregator_options and aggregator_options.beta)."""
+    return key == other or key.startswith(other + ".") or other.startswith(key + ".")
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """'local.lr=0.1' -> ('local.lr', 0.1); the value is read as YAML (text that is not YAML
     stays text)."""

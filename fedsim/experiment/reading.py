@@ -13,6 +13,7 @@ import typing
 from typing import Any
 
 from ..core.errors import ConfigError, FedsimError, cut, shown
+from ..core.overrides import overlap
 from ..core.sections import section_type
 from .config import KEYS, Config
 
@@ -22,9 +23,7 @@ def where(origin: str, key: str, from_overrides: dict[str, str]) -> str:
     (also when that gave one of its sub-keys, such as aggregator_options.beta, or the whole of which
     it is a part, such as pre_aggregators for pre_aggregators.nnm; see apply_overrides), or
     ``FILE: key``."""
-    spelled = from_overrides.get(key) or next(
-        (s for k, s in from_overrides.items() if k.startswith(key + ".") or key.startswith(k + ".")), None
-    )
+    spelled = from_overrides.get(key) or next((s for k, s in from_overrides.items() if overlap(k, key)), None)
     return f"{spelled} {key}" if spelled else f"{origin}: {key}"
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from ..core.errors import ConfigError, FedsimError, UnguardedScript, explain_resource_error
+from ..core.overrides import overlap
 from ..execution.distributed import Ranks, RankStopped
 from ..execution.pool import PoolKeeper
 from ..execution.processes import UNGUARDED_SCRIPT, in_worker_start, start_fork_server, worker_imports
@@ -217,7 +218,7 @@ def _resumable(path: Path, overrides: list[str] | dict | None) -> set[str]:
     fixed = set(spelled) - RESUMABLE_KEYS - set(components.KEYS)
     if fixed:
         # both with the components given again (a class of the user's script is recorded by name only)
-        again = {key: _value(given, key) for key in spelled if key in components.KEYS}
+        again = {key: value for key, value in flatten_config(given) if key in components.KEYS}
         before = dict(flatten_config(load_config(path / "config.yaml", again).to_dict()))
         after = dict(flatten_config(load_config(path / "config.yaml", overrides).to_dict()))
         changed = sorted(
@@ -234,16 +235,10 @@ def _resumable(path: Path, overrides: list[str] | dict | None) -> set[str]:
     return set(spelled)
 
 
-def _value(nested: dict, key: str) -> Any:
-    for part in key.split("."):
-        nested = nested[part]
-    return nested
-
-
 def _part_of(key: str, keys) -> bool:
     """Whether ``key`` is one of ``keys``, a part of one's mapping, or the mapping one is part of
     (mapping values are flattened: aggregator_options.beta, system.speed.lognormal)."""
-    return any(r == key or r.startswith(key + ".") or key.startswith(r + ".") for r in keys)
+    return any(overlap(key, r) for r in keys)
 
 
 def _check_same_run(path: Path, state: dict, cfg: Config, asked=frozenset()) -> None:

@@ -31,13 +31,13 @@ from pathlib import Path
 
 from ..core.errors import ConfigError, FedsimError, write_error
 from ..core.files import atomic_write_text
-from ..core.overrides import apply_overrides
-from ..experiment.config import SECTIONS, Config
+from ..core.overrides import overlap
+from ..experiment.config import Config
 from ..experiment.validation import load_config
 from ..results.history import check_target, load_run
 from ..results.rundir import safe_dir_name
 from .sweepdir import SWEEP_FILE, identity, left_to_do, placement, sweep_root
-from .sweepgrid import grid_axes, overlap, set_keys
+from .sweepgrid import grid_axes, set_keys
 from .sweepruns import SweepRun, _printable, _row, format_pivot, format_table, write_csv, write_pivot, write_table
 
 logger = logging.getLogger("fedsim")
@@ -123,7 +123,7 @@ def _warn_lost_overrides(axes: list, seeds: list[int] | None, overrides: list[st
     """A ``--set`` of a key that an axis (or ``--seeds``) sets is replaced in every run, the point
     being applied after the overrides: said once, since it may be there only to make the file's
     configuration whole (a privacy section that needs its noise_multiplier)."""
-    given = apply_overrides({}, overrides, sections=SECTIONS)
+    given = set_keys([("--set", overrides)])
     swept = [(key, set_keys(values)) for key, values in axes] + ([("--seeds", {"seed"})] if seeds is not None else [])
     for key in sorted(given):
         axis = next((axis for axis, keys in swept if any(overlap(key, k) for k in keys)), None)

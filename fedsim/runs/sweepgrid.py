@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from ..core.errors import ConfigError, shown
-from ..core.overrides import apply_overrides, parse_grid
+from ..core.overrides import apply_overrides, overlap, parse_grid
 from ..core.yamlfile import experiment_file, read_yaml
 from ..experiment.config import SECTIONS
 
@@ -80,11 +80,6 @@ def set_keys(values: list[tuple[str, list[str]]]) -> set[str]:
         except ConfigError:
             pass  # a value that cannot be read is refused, named, when its grid point is loaded
     return keys
-
-
-def overlap(key: str, other: str) -> bool:
-    """Whether setting one key changes the other: the same key, or a key and one inside it."""
-    return key == other or key.startswith(other + ".") or other.startswith(key + ".")
 
 
 def refuse_overlaps(axes: list[Axis]) -> None:
