@@ -104,6 +104,26 @@ def test_fedper_keeps_each_clients_head_and_averages_the_body(tmp_path):
         check(row, heads[k])
 
 
+def fedrep_reference(run, head_steps, body_steps) -> tuple[torch.Tensor, dict]:
+    """FedRep in float64 over the run's rounds: each sampled client k trains its head (the bias)
+    ``head_steps(k)`` steps from the global body, then the body ``body_steps(k)`` steps; the server
+    averages the bodies. The global weights and each client's head."""
+    head = torch.zeros_like(initial_weights())
+    head[WEIGHT:] = 1
+    x, heads = initial_weights(), {}
+    for active in run.trained:
+        models = {}
+        for k in active:
+            start = x.clone()
+            start[WEIGHT:] = heads.get(k, x[WEIGHT:])
+            w = sgd(sgd(start, k, head_steps(k), mask=head), k, body_steps(k), mask=1 - head)
+            heads[k] = w[WEIGHT:].clone()
+            w[WEIGHT:] = x[WEIGHT:]
+            models[k] = w
+        x = fedavg(x, models)
+    return x, heads
+
+
 def test_fedrep_trains_the_head_with_the_body_frozen_then_the_body_with_the_head_frozen(tmp_path):
     """Collins et al. 2021, Algorithm 1: head_epochs of the head alone, then local.epochs of the body
     alone; the server averages the bodies (here by the fedavg rule)."""
@@ -114,19 +134,7 @@ def test_fedrep_trains_the_head_with_the_body_frozen_then_the_body_with_the_head
         clients_per_round=2,
         algorithm_options={"personal_layers": ["bias"], "head_epochs": 2},
     )
-    head = torch.zeros_like(initial_weights())
-    head[WEIGHT:] = 1
-    x, heads = initial_weights(), {}
-    for active in run.trained:
-        models = {}
-        for k in active:
-            start = x.clone()
-            start[WEIGHT:] = heads.get(k, x[WEIGHT:])
-            w = sgd(sgd(start, k, 2 * STEPS[k], mask=head), k, STEPS[k], mask=1 - head)
-            heads[k] = w[WEIGHT:].clone()
-            w[WEIGHT:] = x[WEIGHT:]
-            models[k] = w
-        x = fedavg(x, models)
+    x, heads = fedrep_reference(run, head_steps=lambda k: 2 * STEPS[k], body_steps=lambda k: STEPS[k])
     check(run.state["global"], x)
     for k, row in enumerate(rows(run, "head")):
         check(row, heads[k])
@@ -164,19 +172,7 @@ def test_under_local_steps_fedrep_trains_the_body_for_local_steps_and_the_head_f
     the body's (2 of 2, 3 and 6): both phases train, and the server averages bodies that moved."""
     options = {"personal_layers": ["bias"], "head_epochs": 2, "head_steps": 3}
     run = tiny_run(tmp_path / "run", "fedrep", rounds=2, clients_per_round=2, algorithm_options=options, steps=2)
-    head = torch.zeros_like(initial_weights())
-    head[WEIGHT:] = 1
-    x, heads = initial_weights(), {}
-    for active in run.trained:
-        models = {}
-        for k in active:
-            start = x.clone()
-            start[WEIGHT:] = heads.get(k, x[WEIGHT:])
-            w = sgd(sgd(start, k, 3, mask=head), k, 2, mask=1 - head)
-            heads[k] = w[WEIGHT:].clone()
-            w[WEIGHT:] = x[WEIGHT:]
-            models[k] = w
-        x = fedavg(x, models)
+    x, heads = fedrep_reference(run, head_steps=lambda k: 3, body_steps=lambda k: 2)
     assert not torch.equal(run.state["global"][:WEIGHT].double(), initial_weights()[:WEIGHT])
     check(run.state["global"], x)
     for k in set(run.trained[0]) | set(run.trained[1]):

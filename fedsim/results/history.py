@@ -183,15 +183,16 @@ class History:
     def final_client_accuracy(self) -> float | None:
         """The last evaluated round's mean accuracy over the clients' own test splits
         (``client_accuracy_mean``; see client_eval_model for the model); None without eval_per_client."""
-        means = [r["client_accuracy_mean"] for r in self.rows if r.get("client_accuracy_mean") is not None]
+        means = self._client_means()
         return means[-1] if means else None
 
     @property
     def best_client_accuracy(self) -> float | None:
         """The highest mean accuracy over the clients' own test splits; None without eval_per_client."""
-        return max(
-            (r["client_accuracy_mean"] for r in self.rows if r.get("client_accuracy_mean") is not None), default=None
-        )
+        return max(self._client_means(), default=None)
+
+    def _client_means(self) -> list[float]:
+        return [r["client_accuracy_mean"] for r in self.rows if r.get("client_accuracy_mean") is not None]
 
     @property
     def global_model_trained(self) -> bool:
