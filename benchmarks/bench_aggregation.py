@@ -16,8 +16,12 @@ are timed in turns, ``--repeats`` times each after a warm-up, on ``--threads`` t
 the table gives the medians, their ratio and the largest difference between the two aggregates.
 ``--keep-freed-memory`` sets glibc to keep freed blocks for reuse, as fedsim does in a run's
 processes (execution/resources.py), for both sides: a ByzFL run's process does not.
+fedsim's side is timed as a long run goes, with its sorting network compiled (the trimmed mean's
+sort; ``fedsim.fl.aggregation.compiled_network``); ``--uncompiled`` times it as a run's first
+seconds go.
 ``--sort`` also times fedsim's sort of k rows (``sorted_rows``: a sorting network on a CPU up to
-128 rows, which the trimmed mean and the median use) against ``torch.sort`` along the rows.
+128 rows, which the trimmed mean and the median use), uncompiled and compiled, against
+``torch.sort`` along the rows.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ def parse_args(argv=None):
         action="store_true",
         help="glibc keeps freed blocks for reuse, as a fedsim run's processes do (both sides, one process)",
     )
+    parser.add_argument(
+        "--uncompiled", action="store_true", help="fedsim's sorting network uncompiled, as in a run's first seconds"
+    )
     parser.add_argument("--sort", default="", help="also time the sort alone of these numbers of rows, comma-separated")
     parser.add_argument("--output", help="results JSON (default benchmarks/results/bench_aggregation-cpu-<time>.json)")
     return parser.parse_args(argv)
@@ -92,6 +99,8 @@ def measure(rows: int, rule: str, args) -> dict:
     f = rows - HONEST
     updates = torch.randn(rows, args.values, generator=torch.Generator().manual_seed(rows)) * 0.005
     fedsim_side, byzfl_side = pipelines(rule, f)
+    if rule == "trimmed_mean" and not args.uncompiled:
+        compile_network(rows, args.values)
     ours, theirs = fedsim_side(updates), byzfl_side(updates)  # the warm-up, and the aggregates compared
     times = harness.in_turns(
         {"fedsim": lambda: fedsim_side(updates), "byzfl": lambda: byzfl_side(updates)}, args.repeats
@@ -111,24 +120,47 @@ def measure(rows: int, rule: str, args) -> dict:
 
 SORT_COLUMNS = [
     ("rows", "rows", "d"),
-    ("sorted_rows ms", "network_ms", ".1f"),
+    ("network ms", "network_ms", ".1f"),
+    ("compiled ms", "compiled_ms", ".1f"),
     ("torch.sort ms", "torch_ms", ".1f"),
-    ("torch.sort / sorted_rows", "ratio", ".2f"),
+    ("torch.sort / network", "ratio", ".2f"),
+    ("network / compiled", "compiled_ratio", ".2f"),
 ]
 
 
+def compile_network(rows: int, values: int) -> None:
+    """Compile fedsim's sorting network of ``rows`` rows, as a long run does, or stop."""
+    from fedsim.fl.aggregation import compiled_network
+
+    if compiled_network(rows, torch.zeros(rows, values)) is None:
+        raise SystemExit(f"bench_aggregation: the sorting network of {rows} rows could not be compiled")
+
+
 def measure_sort(rows: int, args) -> dict:
-    """fedsim's sort of ``rows`` rows against torch.sort, in turns; the two must agree exactly."""
-    from fedsim.fl.aggregation import sorted_rows
+    """fedsim's sort of ``rows`` rows by its network, uncompiled (a run's first seconds) and compiled
+    (up to 32 rows, as a run compiles it), against torch.sort, in turns; they must agree exactly."""
+    from fedsim.fl.aggregation import _COMPILED_ROWS, compiled_network, network_sorted
 
     values = torch.randn(rows, args.values, generator=torch.Generator().manual_seed(rows))
-    if not torch.equal(sorted_rows(values), values.sort(dim=0).values):
-        raise AssertionError(f"sorted_rows and torch.sort differ on {rows} rows")
-    times = harness.in_turns(
-        {"network": lambda: sorted_rows(values), "torch": lambda: values.sort(dim=0).values}, args.repeats
-    )
-    network_ms, torch_ms = (1e3 * statistics.median(times[name]) for name in ("network", "torch"))
-    return {"rows": rows, "network_ms": network_ms, "torch_ms": torch_ms, "ratio": torch_ms / network_ms}
+    sides = {"network": lambda: network_sorted(values), "torch": lambda: values.sort(dim=0).values}
+    if rows <= _COMPILED_ROWS:
+        compile_network(rows, args.values)
+        sides["compiled"] = lambda: compiled_network(rows, values)
+    expected = sides["torch"]()
+    for name, side in sides.items():
+        if not torch.equal(side(), expected):
+            raise AssertionError(f"{name} and torch.sort differ on {rows} rows")
+    times = harness.in_turns(sides, args.repeats)
+    ms = {name: 1e3 * statistics.median(times[name]) for name in sides}
+    compiled_ms = ms.get("compiled", float("nan"))
+    return {
+        "rows": rows,
+        "network_ms": ms["network"],
+        "compiled_ms": compiled_ms,
+        "torch_ms": ms["torch"],
+        "ratio": ms["torch"] / ms["network"],
+        "compiled_ratio": ms["network"] / compiled_ms,
+    }
 
 
 def main(argv=None) -> int:

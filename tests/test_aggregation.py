@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 from fractions import Fraction
@@ -854,6 +855,50 @@ def test_the_sorting_network_sorts_every_column_of_zeros_and_ones():
         bits = ((columns[None, :] >> torch.arange(k)[:, None]) & 1).float()
         assert torch.equal(aggregation.sorted_rows(bits), bits.sort(dim=0).values), k
     assert len(aggregation.sorting_network(14)) == 53  # where odd-even transposition takes 91
+
+
+@pytest.fixture
+def fresh_networks(monkeypatch):
+    """No network compiled yet and no eager sorting counted in this process."""
+    monkeypatch.setattr(aggregation, "_compiled", {})
+    monkeypatch.setattr(aggregation, "_eager_seconds", collections.defaultdict(float))
+
+
+@pytest.mark.slow
+def test_a_compiled_network_gives_the_eager_networks_bits(fresh_networks, monkeypatch):
+    """Past its budget of eager sorting, a process sorts by the compiled network: the same bits as
+    the eager one, ties, signed zeros, infinities and NaN (which both spread) included."""
+    g = torch.Generator().manual_seed(5)
+    values = torch.randint(-3, 4, (5, 3 * aggregation._NETWORK_COLUMNS + 7), generator=g).float()
+    values[:, :40] = 0.0
+    values[::2, :40] = -0.0
+    values[1, 50:60], values[2, 55:70], values[3, 65:80] = float("nan"), float("inf"), float("-inf")
+    eager = aggregation.sorted_rows(values)
+    assert aggregation._compiled == {}  # one short sort compiles nothing
+    monkeypatch.setattr(aggregation, "_COMPILE_AFTER_S", 0.0)
+    compiled = aggregation.sorted_rows(values)
+    assert aggregation._compiled[5] is not None
+    assert torch.equal(compiled.view(torch.int32), eager.view(torch.int32))
+    narrower = aggregation.sorted_rows(values[:, 1:])  # another width, the same compiled network
+    assert torch.equal(narrower.view(torch.int32), eager[:, 1:].contiguous().view(torch.int32))
+
+
+def test_a_network_that_cannot_be_compiled_is_said_once_and_sorts_uncompiled(fresh_networks, monkeypatch, caplog):
+    def no_compiler(function, **options):
+        def fails(*args):
+            raise RuntimeError("no C++ compiler\nthe rest of a long message")
+
+        return fails
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    monkeypatch.setattr(aggregation, "_COMPILE_AFTER_S", 0.0)
+    values = torch.randn(4, aggregation._NETWORK_COLUMNS)
+    for _ in range(3):
+        assert torch.equal(aggregation.sorted_rows(values), values.sort(dim=0).values)
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "the sorting network of 4 rows could not be compiled (RuntimeError: no C++ compiler); it runs uncompiled"
+    )
 
 
 def ref_dnc(u, f, iterations, b, c, seed):
