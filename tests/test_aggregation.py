@@ -883,12 +883,13 @@ def test_a_compiled_network_gives_the_eager_networks_bits(fresh_networks, monkey
     assert torch.equal(narrower.view(torch.int32), eager[:, 1:].contiguous().view(torch.int32))
 
 
-def test_a_network_that_cannot_be_compiled_is_said_once_and_sorts_uncompiled(fresh_networks, monkeypatch, caplog):
+@pytest.mark.parametrize("when", ["compile", "first call"])
+def test_a_network_that_cannot_be_compiled_is_said_once_and_sorts_uncompiled(fresh_networks, monkeypatch, caplog, when):
     def no_compiler(function, **options):
         def fails(*args):
             raise RuntimeError("no C++ compiler\nthe rest of a long message")
 
-        return fails
+        return fails() if when == "compile" else fails
 
     monkeypatch.setattr(torch, "compile", no_compiler)
     monkeypatch.setattr(aggregation, "_COMPILE_AFTER_S", 0.0)

@@ -275,11 +275,11 @@ def compiled_network(k: int, values: torch.Tensor) -> torch.Tensor | None:
     included), and a run gives the same results whenever it compiles or whether it can."""
     if k not in _compiled:
         sort = network_of(k)
-        # compiled in this process: inductor's pool of compiling processes would outlive a killed run
-        compiled = torch.compile(lambda stack: torch.stack(sort(stack)), dynamic=True, options={"compile_threads": 1})
         try:
+            # compiled in this process: inductor's pool of compiling processes would outlive a killed run
+            compiled = torch.compile(lambda rows: torch.stack(sort(rows)), dynamic=True, options={"compile_threads": 1})
             ordered = compiled(values.contiguous())
-        except Exception as error:  # no C++ compiler, or a torch that cannot compile here
+        except Exception as error:  # no C++ compiler, or a Python or torch that cannot compile here
             reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
             logger.warning(f"the sorting network of {k} rows could not be compiled ({reason}); it runs uncompiled")
             _compiled[k] = None
