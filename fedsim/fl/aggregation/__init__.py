@@ -275,6 +275,10 @@ def compiled_network(k: int, values: torch.Tensor) -> torch.Tensor | None:
     included), and a run gives the same results whenever it compiles or whether it can."""
     if k not in _compiled:
         sort = network_of(k)
+        # torch's C++ builder would print "No CUDA runtime is found" into the run's output: not for a CPU kernel
+        cuda_note = logging.getLogger("torch.utils.cpp_extension")
+        level = cuda_note.level
+        cuda_note.setLevel(logging.ERROR)
         try:
             # compiled in this process: inductor's pool of compiling processes would outlive a killed run
             compiled = torch.compile(lambda rows: torch.stack(sort(rows)), dynamic=True, options={"compile_threads": 1})
@@ -284,6 +288,8 @@ def compiled_network(k: int, values: torch.Tensor) -> torch.Tensor | None:
             logger.warning(f"the sorting network of {k} rows could not be compiled ({reason}); it runs uncompiled")
             _compiled[k] = None
             return None
+        finally:
+            cuda_note.setLevel(level)
         _compiled[k] = compiled
         return ordered
     compiled = _compiled[k]
