@@ -321,7 +321,9 @@ def tiny_run(
     holder = {COUNTS.index(r["samples"]): r["client"] for r in records}
     assert sorted(holder) == [0, 1, 2]
     trained = [sorted(COUNTS.index(r["samples"]) for r in records if r["round"] == rnd) for rnd in range(1, rounds + 1)]
-    return types.SimpleNamespace(state=checkpoint(out), trained=trained, holder=[holder[c] for c in range(CLASSES)])
+    return types.SimpleNamespace(
+        state=checkpoint(out), trained=trained, holder=[holder[c] for c in range(CLASSES)], rows=history.rows
+    )
 
 
 @pytest.fixture(scope="module")

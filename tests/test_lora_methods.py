@@ -61,7 +61,13 @@ def named(model: FlatModel, weights: torch.Tensor) -> dict[str, torch.Tensor]:
 def config_of(**changes) -> SimpleNamespace:
     lora = LoraConfig(rank=3, alpha=6.0, client_ranks=changes.pop("client_ranks", [1, 2, 3, 2]))
     defaults = dict(
-        lora=lora, data=SimpleNamespace(num_clients=4), seed=5, aggregator=None, pre_aggregators=[], privacy=None
+        lora=lora,
+        data=SimpleNamespace(num_clients=4),
+        seed=5,
+        aggregator=None,
+        pre_aggregators=[],
+        privacy=None,
+        compression=SimpleNamespace(type="none"),
     )
     return SimpleNamespace(**{**defaults, "server_optimizer": "none", **changes})
 
@@ -323,6 +329,7 @@ def test_flora_merges_the_stacked_adapters_into_the_base_exactly_and_keeps_b_at_
         ({"aggregator": "median"}, "aggregator: median is not applied"),
         ({"pre_aggregators": ["nnm"]}, "pre_aggregators: they are not applied"),
         ({"server_optimizer": "fedadam"}, "server_optimizer: fedadam is not applied"),
+        ({"compression": {"type": "topk"}}, "compression.type: topk would part them"),
     ],
 )
 def test_flora_refuses_what_it_does_not_apply_in_one_line(tmp_path, changes, words):
@@ -332,10 +339,11 @@ def test_flora_refuses_what_it_does_not_apply_in_one_line(tmp_path, changes, wor
         fedsim.run(cfg, out=tmp_path / "run", quiet=True)
 
 
-def test_hetlora_and_flora_need_adapters_whose_a_and_b_both_train(tmp_path):
+@pytest.mark.parametrize("lora", [{"method": "ffa"}, {"rank": 0, "client_ranks": None}])
+def test_hetlora_and_flora_need_adapters_whose_a_and_b_both_train(tmp_path, lora):
     root, _ = play_root(tmp_path)
     for algorithm in ("hetlora", "flora"):
-        cfg = lora_config(root, algorithm, algorithm=algorithm, lora={"method": "ffa"})
+        cfg = lora_config(root, algorithm, algorithm=algorithm, lora=lora)
         with pytest.raises(ConfigError, match=rf"^config: algorithm: {algorithm} trains LoRA adapters, A and B both"):
             fedsim.run(cfg, out=tmp_path / "run", quiet=True)
 

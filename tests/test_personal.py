@@ -102,6 +102,8 @@ def test_fedper_keeps_each_clients_head_and_averages_the_body(tmp_path):
     check(run.state["global"], x)
     for k, row in enumerate(rows(run, "head")):
         check(row, heads[k])
+    # the head travels neither way: each of the 2 clients a round gets and sends the 15 float32 weights of the body
+    assert [(row["bytes_down"], row["bytes_up"]) for row in run.rows if row["round"]] == [(2 * 4 * WEIGHT,) * 2] * 2
 
 
 def fedrep_reference(run, head_steps, body_steps) -> tuple[torch.Tensor, dict]:

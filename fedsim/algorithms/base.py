@@ -105,6 +105,11 @@ class Algorithm:
     # after the columns every run has (a client's LoRA rank, say)
     recorded_reports: tuple[str, ...] = ()
 
+    def kept_locally(self) -> torch.Tensor | None:
+        """[m] bool over the first m of the flat weights: those each client keeps to itself and that
+        travel neither way (FedPer's head), left out of the traffic counted; None: there are none."""
+        return None
+
     def setup(self, config: Any) -> None:
         """Called once in the server and once in every worker with the run's Config, before any
         other method: the place to read settings such as ``config.local.momentum``."""

@@ -74,6 +74,9 @@ class FedPer(Algorithm):
                 f"model to share; name fewer layers (or parameters, such as a layer's bias)",
             )
 
+    def kept_locally(self) -> torch.Tensor | None:
+        return self.head
+
     def mask(self, like: torch.Tensor) -> torch.Tensor:
         return self.head.to(like.device)
 

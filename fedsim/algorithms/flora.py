@@ -55,6 +55,8 @@ class FLoRA(Algorithm):
             (bool(config.pre_aggregators), "pre_aggregators: they are not applied"),
             (config.privacy is not None, "privacy: DP-FedAvg's clipping and noise are not applied"),
             (config.server_optimizer != "none", f"server_optimizer: {config.server_optimizer} is not applied"),
+            # stacking multiplies each client's own B and A; a compressed update keeps neither whole
+            (config.compression.type != "none", f"compression.type: {config.compression.type} would part them"),
             # each rank builds its own base, which only the first rank's server would merge into
             (os.environ.get("WORLD_SIZE", "1").strip() != "1", "several ranks hold a base each"),
         ]

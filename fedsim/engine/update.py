@@ -122,20 +122,23 @@ class AggregateUpdates:
         self._memory: Memory | None = None  # what the rule leaves of the round's update, kept with the round
 
     def message_bytes(self) -> tuple[int, int]:
-        """Bytes each client receives (the global weights, and the server state its algorithm reads)
-        and sends (its update, compressed or whole, and its reports but the personal states it keeps);
-        float32 unless compressed. Only the trainable parameters' part of an update is compressed:
-        buffers travel whole."""
+        """Bytes each client receives (the global weights but the part it keeps to itself, and the
+        server state its algorithm reads) and sends (its update, compressed or whole, and its reports
+        but the personal states it keeps); float32 unless compressed. Only the trainable parameters'
+        part of an update is compressed, the whole of it as the compressor is given it (zero where
+        the client keeps its own): buffers travel whole."""
         state, n = self.state, self.state.model.num_params
         length, size = len(state.model), state.model.flat.element_size()
-        weights = length if self.algorithm.exchanges_weights else 0
+        kept = self.algorithm.kept_locally()
+        kept_trained, kept_buffers = (0, 0) if kept is None else (int(kept[:n].sum()), int(kept[n:].sum()))
+        weights = length - kept_trained - kept_buffers if self.algorithm.exchanges_weights else 0
         down = size * (weights + sum(state.server_state[name].numel() for name in self.algorithm.sent_to_clients))
         if not weights:
             update = 0
         elif self.compression:
-            update = self.compression.compressor.message_bytes(n) + size * (length - n)
+            update = self.compression.compressor.message_bytes(n) + size * (length - n - kept_buffers)
         else:
-            update = size * length
+            update = size * weights
         reports = sum(
             r[0].numel() * r.element_size()
             for name, r in self.buffers.reports.items()

@@ -308,11 +308,11 @@ def adapters(module: nn.Module, method: str) -> list[Adapter]:
         starts[name] = offset
         offset += p.numel()
     shapes, found = {name: p.shape for name, p in trained}, []
-    for name, (fan_out, _) in shapes.items():
+    for name, shape in shapes.items():
         layer, _, rest = name.partition(".lora_B.")  # rest: "<adapter name>.weight"
         a_name = f"{layer}.lora_A.{rest}"
         if rest and a_name in shapes:
-            rank, fan_in = shapes[a_name]
+            (fan_out, _), (rank, fan_in) = shape, shapes[a_name]
             scaling = float(module.get_submodule(layer).scaling[rest.rpartition(".")[0]])
             found.append(Adapter(layer, starts[a_name], starts[name], rank, fan_in, fan_out, scaling))
     if not found or 2 * len(found) != len(trained):
