@@ -19,7 +19,7 @@ from test_text_data import play_root  # a generated play folder in the layout of
 import fedsim
 from fedsim.algorithms.fedprox import FedProx
 from fedsim.algorithms.local import LocalTrainer
-from fedsim.core.errors import ConfigError
+from fedsim.core.errors import ConfigError, FedsimError
 from fedsim.core.flat import FlatModel
 from fedsim.data.datasets import load_dataset
 from fedsim.data.tensors import IGNORE_INDEX
@@ -588,6 +588,23 @@ def test_load_model_of_a_lora_run_from_initial_weights_scores_its_final_test_los
     data = load_dataset("shakespeare_text", root, sequence_length=16)
     with torch.no_grad():
         assert evaluate(model, data.test_x, data.test_y, 2000)[1] == history.test_loss[-1]
+
+
+@pytest.mark.slow
+def test_a_lora_run_is_not_resumed_or_loaded_on_another_base_than_it_started_from(tmp_path):
+    root, _ = play_root(tmp_path)
+    base = lora_run(tmp_path, root, "base", lora={"rank": 0}, rounds=1)
+    tuned = lora_run(tmp_path, root, "tuned", initial_weights=str(base.run_dir))
+    assert fedsim.resume(tuned.run_dir, rounds=3, quiet=True).round[-1] == 3  # the same base: resumed
+    saved = Path(base.run_dir) / "checkpoint.pt"
+    state = torch.load(saved, weights_only=True)
+    state["global"] += 0.01  # the base run continued, say, or another run in its place
+    torch.save(state, saved)
+    words = rf"the run trained on another frozen base than initial_weights {base.run_dir} gives now"
+    with pytest.raises(FedsimError, match=words):
+        fedsim.resume(tuned.run_dir, rounds=4, quiet=True)
+    with pytest.raises(FedsimError, match=words):
+        fedsim.load_model(tuned.run_dir)
 
 
 # ----------------------------------------------------------------------------- 7. token-level scoring

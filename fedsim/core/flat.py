@@ -15,6 +15,8 @@ checkpointed.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.nn as nn
 
@@ -101,6 +103,18 @@ class FlatModel:
             if offset < self.num_params:
                 t.grad = self.grad[offset : offset + n].view_as(t)
             offset += n
+
+    def base_digest(self) -> str | None:
+        """A fingerprint of the frozen base's values (blake2b of its bytes), None without a base: a
+        resumed run checks by it that it trains on the base it started from."""
+        if not self.base:
+            return None
+        digest = hashlib.blake2b(digest_size=16)
+        for name in sorted(self.base):
+            digest.update(name.encode())
+            for chunk in self.base[name].detach().view(torch.uint8).split(1 << 26):  # 64 MiB on the host at a time
+                digest.update(chunk.cpu().numpy())
+        return digest.hexdigest()
 
     @staticmethod
     def _place_base(

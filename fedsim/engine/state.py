@@ -44,6 +44,7 @@ class GlobalState:
         clients: ClientStates,
         description: str,
         privacy_state: dict[str, torch.Tensor] | None = None,
+        base_source: str = "the model",
     ):
         n, device = model.num_params, model.flat.device
         self.model, self.server_optimizer, self.description = model, server_optimizer, description
@@ -62,6 +63,8 @@ class GlobalState:
         algorithm.start_server(self.server_state, model)
         self.algorithm_rows = tuple(algorithm.client_state(n))  # the names of the algorithm's rows in clients
         self.saved_round = 0  # the round of the last state saved (or resumed from); 0: none
+        # the frozen base (LoRA's) as built, before any round merges into it (FLoRA), and what gave it
+        self.base_digest, self.base_source = model.base_digest(), base_source
 
     def step(self, delta: torch.Tensor) -> None:
         """Move the global model by ``delta``, the round's aggregated update: the server
@@ -107,6 +110,7 @@ class GlobalState:
             "simulated_time": self.simulated_time,
             **({"schedule": self.schedule.state_dict()} if self.schedule is not None else {}),
             "torch_rng": torch.get_rng_state(),
+            **({"base_digest": self.base_digest} if self.base_digest else {}),
         }
 
     def load_state_dict(self, state: dict, source: Path) -> None:
@@ -161,6 +165,12 @@ class GlobalState:
                 raise FedsimError(
                     f"{source}: {key} holds NaN or Inf; the checkpoint is damaged and cannot be resumed from"
                 )
+        started_on = state.get("base_digest")  # a checkpoint of an earlier version did not hold it
+        if started_on is not None and started_on != self.base_digest:
+            raise FedsimError(
+                f"{source}: the run trained on another frozen base than {self.base_source} gives now; "
+                f"give it the base the run started from"
+            )
         if (self.schedule is not None) != ("schedule" in state):
             has = "lacks" if self.schedule is not None else "holds"
             raise FedsimError(

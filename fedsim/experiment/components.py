@@ -153,6 +153,15 @@ def run_model(cfg: Config, input_shape: tuple[int, ...], num_classes: int) -> to
     return apply_lora(module, cfg.lora, describe(cfg.model)) if cfg.lora.enabled else module
 
 
+def base_source(cfg: Config) -> str:
+    """What gives a run its frozen base (LoRA's), for a message: ``initial_weights`` (a relative path
+    with where it leads from here), else the model."""
+    if cfg.initial_weights is None:
+        return f"model {describe(cfg.model)}"
+    path = Path(cfg.initial_weights).expanduser()
+    return f"initial_weights {cfg.initial_weights}" + ("" if path.is_absolute() else f" (here {path.resolve()})")
+
+
 def load_weights(module: torch.nn.Module, source: str, model_name: str) -> None:
     """Put the global model of a run (its directory, or its checkpoint.pt) into ``module``: a
     model trained by one run, fine-tuned by another (with LoRA adapters, say)."""

@@ -158,7 +158,15 @@ class Session:
         optimizer = make_server_optimizer(cfg, model.num_params, device)
         described = f"{components.describe(cfg.model)}, {names['algorithm']}, {names['server_optimizer']}"
         privacy_state = privacy.state if privacy else None
-        self.state = GlobalState(model, optimizer, algorithm, clients, described, privacy_state=privacy_state)
+        self.state = GlobalState(
+            model,
+            optimizer,
+            algorithm,
+            clients,
+            described,
+            privacy_state=privacy_state,
+            base_source=components.base_source(cfg),
+        )
         self.buffers = RoundBuffers.allocate(
             cfg, self.state, data, federation.parts, data_device, algorithm, cfg.mode != "hogwild", self.workers
         )
