@@ -53,6 +53,9 @@ def test_metrics_do_not_depend_on_the_number_of_workers(small_config, tmp_path):
     for column in ("test_accuracy", "test_loss", "train_loss"):
         assert getattr(one, column) == getattr(two, column) == getattr(none, column), column  # bit-identical on CPU
     assert none.summary["workers"] == 0 and child_pids() == []
+    # no worker process: no worker's memory, the server's own figures alone
+    assert none.summary["worker_peak_memory_mb"] == [] and none.summary.get("worker_pss_mb", []) == []
+    assert len(two.summary["worker_peak_memory_mb"]) == 2
 
 
 def trained_on_threads(threads: int):

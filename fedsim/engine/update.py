@@ -84,6 +84,13 @@ def stop_on_nonfinite(
         )
 
 
+def kept_counts(algorithm: Algorithm, n: int) -> tuple[int, int]:
+    """How many of the n trainable weights, and of the buffers, each client keeps to itself
+    (``Algorithm.kept_locally``): they travel neither way."""
+    kept = algorithm.kept_locally()
+    return (0, 0) if kept is None else (int(kept[:n].sum()), int(kept[n:].sum()))
+
+
 def warn_dropped(rnd: int, clients: list[int]) -> None:
     """The warning of ``on_nonfinite: drop`` for the non-finite updates a round left out."""
     if clients:
@@ -129,8 +136,7 @@ class AggregateUpdates:
         the client keeps its own): buffers travel whole."""
         state, n = self.state, self.state.model.num_params
         length, size = len(state.model), state.model.flat.element_size()
-        kept = self.algorithm.kept_locally()
-        kept_trained, kept_buffers = (0, 0) if kept is None else (int(kept[:n].sum()), int(kept[n:].sum()))
+        kept_trained, kept_buffers = kept_counts(self.algorithm, n)
         weights = length - kept_trained - kept_buffers if self.algorithm.exchanges_weights else 0
         down = size * (weights + sum(state.server_state[name].numel() for name in self.algorithm.sent_to_clients))
         if not weights:

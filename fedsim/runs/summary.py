@@ -13,6 +13,7 @@ import torch
 from ..core.errors import FedsimError, exception_text
 from ..core.flat import base_bytes
 from ..engine.state import GlobalState
+from ..engine.update import kept_counts
 from ..execution.resources import cpu_name, load_average, peak_memory_mb
 from ..experiment.components import describe
 from ..experiment.config import Config
@@ -163,7 +164,11 @@ def update_bytes(state: GlobalState, compression: Compression | None) -> tuple[i
     if not compression:
         return None
     length, n, size = len(state.model), state.model.num_params, state.model.flat.element_size()
-    return size * length, compression.compressor.message_bytes(n) + size * (length - n)
+    kept_trained, kept_buffers = kept_counts(state.algorithm, n)
+    return (
+        size * (length - kept_trained - kept_buffers),
+        compression.compressor.message_bytes(n) + size * (length - n - kept_buffers),
+    )
 
 
 def where_it_ran(
@@ -180,6 +185,8 @@ def where_it_ran(
     one moment (after the first round and at the end of the run, whichever sum was higher), and
     that sum; and the frozen base's size."""
     megabytes = lambda sizes: [round(b / 2**20, 1) for b in sizes]  # noqa: E731
+    if not workers:  # the clients trained in the server's own process, whose figures these are
+        worker_peak_memory, worker_pss = [], []
     return {
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
