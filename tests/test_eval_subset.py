@@ -165,6 +165,18 @@ def test_best_figures_and_rounds_to_target_compare_only_rounds_scored_on_the_who
     whole = History([{**row, "test_samples": 216} for row in rows], {"name": "all"}, summary={"wall_seconds": 1.0})
     assert whole.best_accuracy == 0.2177 and not whole.scored_apart
     assert "scored on" not in results_table([whole]).markdown()  # every round on one set: nothing to say
+    # round 0, a fine-tuning run's base, is scored but trained nothing: no best figure, no round to a target
+    base = {"round": 0, "test_accuracy": 0.3, "test_loss": 2.4, "test_perplexity": 11.3, "test_samples": 216}
+    tuned = [base, *whole.rows[2:]]
+    summary = outcome(tuned, target=0.16)
+    assert (summary["best_test_accuracy"], summary["best_test_perplexity"], summary["rounds_to_target"]) == (
+        0.1888,
+        24.5,
+        4,
+    )
+    fine_tuned = History(tuned, {"name": "tuned"}, summary={"wall_seconds": 1.0})
+    assert fine_tuned.best_accuracy == 0.1888 and rounds_to_target(fine_tuned, 0.16) == 4
+    assert not fine_tuned.scored_apart
     # a sweep's table and sweep.csv likewise
     from fedsim.runs.sweepruns import SweepRun, _row, format_table
 

@@ -133,14 +133,14 @@ class History:
 
     @property
     def best_accuracy(self) -> float:
-        """The highest test accuracy of the rounds scored on the set the last round was (see
+        """The highest test accuracy of the rounds trained scored on the set the last round was (see
         ``scored_alike``): a round scored on eval_subset's samples is not weighed against the whole set."""
         return max((row["test_accuracy"] for row in scored_alike(self.rows)), default=math.nan)
 
     @property
     def scored_apart(self) -> bool:
         """Whether some evaluated round was scored on another set than the last (eval_subset's)."""
-        return len(scored_alike(self.rows)) < len(self.rows)
+        return len(scored_alike(self.rows)) < sum(row["round"] > 0 for row in self.rows)
 
     @property
     def scored_on(self) -> int | None:
@@ -441,13 +441,15 @@ def _plain(value) -> str:
 
 
 def scored_alike(rows: list[dict]) -> list[dict]:
-    """The rows scored on the set the last one was (``test_samples``): with eval_subset, the rounds
-    before the last are scored on a subset and the last on the whole test set, and a best figure or
-    a round to a target that mixed the two would weigh a few samples' score against all of them."""
+    """The rows of the rounds trained scored on the set the last one was (``test_samples``): with
+    eval_subset, the rounds before the last are scored on a subset and the last on the whole test
+    set, and a best figure or a round to a target that mixed the two would weigh a few samples'
+    score against all of them. Round 0, the score of a fine-tuning run's base (``initial_weights``),
+    is no figure of the run's training: it is left out too."""
     if not rows:
         return []
     last = rows[-1].get("test_samples")
-    return [row for row in rows if row.get("test_samples") == last]
+    return [row for row in rows if row["round"] > 0 and row.get("test_samples") == last]
 
 
 def rounds_to_target(history: History, target: float) -> int | None:
