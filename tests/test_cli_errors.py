@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -722,3 +723,29 @@ def test_the_fork_server_imports_what_any_run_of_the_command_needs(tmp_path):
     assert imports((), "lora={rank: 2}") == ["peft"]
     cfg = load_config({**GOOD, "model": "char_transformer", "lora": {"rank": 2, "target_modules": "qkv"}})
     assert worker_imports(cfg.to_dict()) == ["peft"]  # a run's own decision, from its loaded config
+
+
+def test_a_ctrl_c_while_the_compiled_libraries_import_is_held_until_they_are_whole(tmp_path, monkeypatch):
+    """A KeyboardInterrupt raised inside a C extension's initialisation can be cleared there and the
+    module left half made; the command imports them with the signal held, and raises it after."""
+    from argparse import Namespace
+
+    from fedsim.cli import commands
+
+    (tmp_path / "lm.yaml").write_text(yaml.safe_dump({**GOOD, "lora": {"rank": 2}}))
+    imported = []
+
+    def import_module(name):
+        if not imported:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C as the first one begins
+            time.sleep(0.05)  # the handler runs here, between two bytecodes
+        imported.append(name)
+
+    monkeypatch.setattr(commands.importlib, "import_module", import_module)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            commands._import_whole(Namespace(config=str(tmp_path / "lm.yaml"), set=[]))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert imported == ["numpy", "torch", "peft"]

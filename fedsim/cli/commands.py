@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import importlib
 import shlex
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 from ..core.errors import FedsimError
 from ..core.overrides import apply_overrides, parse_grid
 from ..core.yamlfile import experiment_file, read_yaml, shipped_experiments
-from ..execution.interrupts import Terminated, install_handlers
+from ..execution.interrupts import Terminated, install_handlers, shielded
 from ..execution.processes import start_fork_server, worker_imports
 from ..results.rundir import refuse_if_in_use
 
@@ -30,6 +31,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise FedsimError("--nodes, --node-rank and --rendezvous go with --ranks (the ranks of each machine)")
     if args.resume or args.out:
         refuse_if_in_use(args.resume or args.out)
+    _import_whole(args)
     _start_fork_server(args)
     from ..execution.distributed import Ranks
     from ..execution.rendezvous import launched
@@ -45,6 +47,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise
     finally:
         ranks.close(ending)
+
+
+def _import_whole(args) -> None:
+    """Import the compiled libraries of this command's runs (numpy, torch, a language model's) with
+    the stop signals held. A KeyboardInterrupt raised while a C extension initialises itself can be
+    cleared there, leaving the module half made (numpy without ``logical_or``) and the run going on
+    with it; held, a Ctrl-C then is delivered once they are whole, and stops the command in one line."""
+    names = ["numpy", "torch", *sorted({name for config in _planned_configs(args) for name in worker_imports(config)})]
+    with shielded():
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # the run that needs it says so in its own words
+                pass
 
 
 def _start_fork_server(args) -> None:
@@ -300,6 +316,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    _import_whole(args)
     _start_fork_server(args)
     from ..execution.pool import kill_all_pools
     from ..runs.sweep import prepare
