@@ -51,6 +51,20 @@ def test_off_prints_every_line_as_it_comes():
     )
 
 
+def test_a_round_with_no_training_says_why_it_has_no_train_loss():
+    lines = []
+    log = RoundLog(write=lines.append)
+    log.round_end(row(0, train_loss=float("nan")), 2)  # an initial_weights run's base
+    log.round_end(row(1, train_loss=float("nan"), clients=0, unavailable=4), 2)  # everyone offline
+    log.round_end(row(2, unavailable=3), 2)
+    assert lines == [
+        "round 0/2  test acc 0.5000  test loss 1.0000  before training  2.00 s",
+        "round 1/2  test acc 0.5000  test loss 1.0000  train loss    -    2.00 s  unavailable 4"
+        "  no client's work counted",
+        "round 2/2  test acc 0.5000  test loss 1.0000  train loss 1.2000  2.00 s  unavailable 3",
+    ]
+
+
 def test_a_function_may_take_the_lines():
     lines = []
     log = RoundLog(write=lines.append)

@@ -145,6 +145,8 @@ def _metrics(row: dict, personal: bool = False, tokens: bool = False) -> str:
         acc += f"  personal {named} " + _cell(row.get("client_accuracy_mean"))
     loss = _cell(row["test_loss"])
     extra = f"  dropped {row['dropped_clients']}" if row["dropped_clients"] else ""
+    if row.get("unavailable"):  # sampled while offline (system.availability)
+        extra += f"  unavailable {row['unavailable']}"
     if row.get("epsilon") is not None:  # privacy spent so far (DP-FedAvg)
         extra += f"  eps {row['epsilon']:.3g}"
     scoring = row.get("eval_seconds") or 0.0
@@ -154,7 +156,12 @@ def _metrics(row: dict, personal: bool = False, tokens: bool = False) -> str:
     if scoring > SCORING_SHOWN * row["seconds"]:
         scored = row.get("test_samples")
         took += f" ({scoring:.2f} s scoring" + (f" {scored:,} test samples)" if scored else ")")
-    rest = f"train loss {row['train_loss']:.4f}  {took}{extra}"
+    if row["round"] == 0:  # the model an initial_weights run starts from, scored before any training
+        rest = f"before training  {took}"
+    elif math.isnan(row["train_loss"]):
+        rest = f"train loss {_cell(row['train_loss'])}  {took}{extra}  no client's work counted"
+    else:
+        rest = f"train loss {row['train_loss']:.4f}  {took}{extra}"
     if tokens:  # a language model is judged by its loss and perplexity first
         return f"test loss {loss}  ppl {_cell(row.get('test_perplexity'), '.2f')}  tok acc {acc}  {rest}"
     return f"test acc {acc}  test loss {loss}  {rest}"
