@@ -596,6 +596,8 @@ def test_a_lora_run_is_not_resumed_or_loaded_on_another_base_than_it_started_fro
     base = lora_run(tmp_path, root, "base", lora={"rank": 0}, rounds=1)
     tuned = lora_run(tmp_path, root, "tuned", initial_weights=str(base.run_dir))
     assert fedsim.resume(tuned.run_dir, rounds=3, quiet=True).round[-1] == 3  # the same base: resumed
+    with pytest.raises(ConfigError, match=r"initial_weights: .* holds [\d,]+ weights, the LoRA adapters of a run"):
+        lora_run(tmp_path, root, "again", initial_weights=str(tuned.run_dir))  # not a whole model
     saved = Path(base.run_dir) / "checkpoint.pt"
     state = torch.load(saved, weights_only=True)
     state["global"] += 0.01  # the base run continued, say, or another run in its place

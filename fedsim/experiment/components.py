@@ -168,7 +168,8 @@ def load_weights(module: torch.nn.Module, source: str, model_name: str) -> None:
     path = Path(source).expanduser()
     path = path / "checkpoint.pt" if path.is_dir() else path
     try:
-        weights = read_checkpoint(path)["global"]
+        state = read_checkpoint(path)
+        weights = state["global"]
     except FileNotFoundError:
         raise ConfigError(
             f"initial_weights: {path} does not exist; give a run directory or its checkpoint.pt"
@@ -178,6 +179,11 @@ def load_weights(module: torch.nn.Module, source: str, model_name: str) -> None:
     flat = FlatModel(module, "cpu")
     if weights.shape != flat.flat.shape:
         got = f"{weights.numel():,} weights"
+        if "base_digest" in state:  # what a run with a frozen base keeps: the weights it trained alone
+            raise ConfigError(
+                f"initial_weights: {path} holds {got}, the LoRA adapters of a run that fine-tuned a base, not a "
+                f"whole model of {len(flat):,}; give the run whose model that base was (its own initial_weights)"
+            )
         raise ConfigError(
             f"initial_weights: {path} holds {got} where model {model_name} has {len(flat):,}; "
             f"it is another model's checkpoint"
