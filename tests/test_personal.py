@@ -357,6 +357,10 @@ def test_fedbn_keeps_each_clients_batch_norm_and_averages_the_rest(tmp_path):
     torch.testing.assert_close(head, theirs[mask], rtol=0, atol=4 * U32 * float(theirs[mask].abs().max()))
     assert not torch.equal(head, fresh)  # trained: the running statistics moved
     assert fedbn.rows[-1]["test_accuracy"] != fedavg_run.rows[-1]["test_accuracy"]
+    # the BN layers, running statistics included, travel neither way: 4 bytes a value of the rest, each way
+    shared = 4 * int((~mask).sum())
+    assert [(r["bytes_down"], r["bytes_up"]) for r in fedbn.rows] == [(shared, shared)] * len(fedbn.rows)
+    assert fedavg_run.rows[-1]["bytes_up"] == 4 * len(mask)
 
 
 @pytest.mark.slow
