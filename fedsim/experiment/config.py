@@ -170,7 +170,9 @@ class Config:
         None,
         "a run directory (or its `checkpoint.pt`) whose global model this run starts from, before LoRA adapters "
         "are placed on it: a model trained by one run, fine-tuned by another. The run scores it, on the whole "
-        "test set, as round 0 of `metrics.csv`",
+        "test set, as round 0 of `metrics.csv`, which the best figures and the round to a target leave out: they "
+        "are the rounds trained. A LoRA run's checkpoint holds a fingerprint of its base, and a resume or "
+        "`load_model` on another base is refused",
     )
     algorithm: Any = option(
         "fedavg",
