@@ -175,6 +175,21 @@ def test_resume_continues_exactly(tmp_path):
         assert getattr(resumed, column) == getattr(full, column), column  # bit-identical on CPU
 
 
+@pytest.mark.slow
+def test_a_resumed_run_ends_with_the_servers_random_stream_of_the_uninterrupted_one(tmp_path):
+    """Where no client trains (every one offline here), nothing else moves the server's global
+    generator: a resumed run must end with the stream its checkpoint restored, although with
+    workers: 0 it builds the model it trains clients with after the restore."""
+    cfg = {**BASE, "workers": 0, "system": {"availability": 0.01}}
+    fedsim.run(cfg, out=tmp_path / "full", quiet=True, rounds=4)
+    fedsim.run(cfg, out=tmp_path / "part", quiet=True, rounds=2)
+    fedsim.resume(tmp_path / "part", quiet=True, rounds=4)
+    streams = [
+        torch.load(tmp_path / run / "checkpoint.pt", weights_only=False)["torch_rng"] for run in ("full", "part")
+    ]
+    assert torch.equal(*streams)
+
+
 def test_a_server_killed_mid_run_resumes_to_the_uninterrupted_metrics(tmp_path):
     full = fedsim.run(BASE, out=tmp_path / "full", quiet=True, rounds=6)
     tag = uuid.uuid4().hex

@@ -371,7 +371,10 @@ class InlinePool(Executor):
         self.busy_seconds, self.peak_memory, self.pss_memory, self.server_pss = [0.0], [0], [0], 0
 
     def start(self, buffers: RoundBuffers) -> None:
-        self.buffers, self.runner = buffers, self.runner_type(self.config, buffers, self.device)
+        # building the runner's model draws from the global generator: the server's own stream, which a
+        # resumed run has restored by now, and which a worker process would leave alone
+        with torch.random.fork_rng(devices=[]):
+            self.buffers, self.runner = buffers, self.runner_type(self.config, buffers, self.device)
 
     def train(
         self, rnd: int, clients: torch.Tensor, start_from: torch.Tensor, groups: list[list[int]] | None = None
