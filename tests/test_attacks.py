@@ -700,3 +700,15 @@ def test_attack_scale_is_read_by_an_attack_of_ones_own_that_takes_it():
 
     assert unused_settings(loaded(Scaled)) == [] and make_attack(loaded(Scaled).attack).scale == 3
     assert unused_settings(loaded("alie")) == ["attack.scale is 3.0 but attack.type alie does not use it"]
+
+
+def test_a_round_whose_every_update_overflows_after_an_attack_blew_up_the_model_says_so(small_config, tmp_path):
+    """Scaled by 3e38, the attackers' updates pass the plain mean: the global CNN's weights reach about
+    1e35, its next updates overflow, and the run stops naming the attack, not the learning rate."""
+    attack = {"type": "scale", "count": 2, "scale": 3e38}
+    words = r"the global model's weights reach [\d.]+e\+3\d, blown up by an earlier round's aggregate \(attack scale"
+    with pytest.raises(fedsim.core.errors.NonFiniteError, match=words) as stopped:
+        attack_run(
+            small_config, tmp_path, "blown", 0, rounds=2, attack=attack, data={**small_config["data"], "limit": 400}
+        )
+    assert "local.lr" not in str(stopped.value)

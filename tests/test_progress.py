@@ -65,6 +65,17 @@ def test_a_round_with_no_training_says_why_it_has_no_train_loss():
     ]
 
 
+def test_a_round_scored_nan_shows_nan_where_an_unscored_one_shows_a_dash():
+    lines = []
+    log = RoundLog(write=lines.append)
+    log.round_end(row(1, test_loss=float("nan"), test_samples=200), 2)  # scored: the model gave NaN
+    log.round_end(row(2, accuracy=float("nan"), test_loss=float("nan")), 2)  # not evaluated
+    assert lines == [
+        "round 1/2  test acc 0.5000  test loss nan  train loss 1.2000  2.00 s",
+        "round 2/2  test acc    -    test loss    -    train loss 1.2000  2.00 s",
+    ]
+
+
 def test_a_function_may_take_the_lines():
     lines = []
     log = RoundLog(write=lines.append)

@@ -84,6 +84,11 @@ def stop_on_nonfinite(
         )
 
 
+# a weight past this, the square root of float32's largest, makes a model's products overflow: no
+# learning rate sets one there, an aggregate does
+_BLOWN_UP = 1.8e19
+
+
 def kept_counts(algorithm: Algorithm, n: int) -> tuple[int, int]:
     """How many of the n trainable weights, and of the buffers, each client keeps to itself
     (``Algorithm.kept_locally``): they travel neither way."""
@@ -165,9 +170,9 @@ class AggregateUpdates:
             self.compression.compress(updates[:, : self.state.model.num_params], clients.tolist(), finite, rnd)
         keep = finite.nonzero().flatten()
         bad = clients[(~finite).cpu()].tolist()
-        advice = self._privacy_advice()
         if bad:  # the round's clients trained at once, from one model: all non-finite is as many in a row
             in_a_row = 0 if len(keep) else len(bad)
+            advice = self._advice() if not len(keep) else []
             stop_on_nonfinite(cfg, self.state, rnd, bad[0], in_a_row, k, f"every client's update ({k}) is", *advice)
         warn_dropped(rnd, bad)
         norms, stats = row_norms(updates), b.stats[:k].cpu()
@@ -330,8 +335,19 @@ class AggregateUpdates:
             return equivariant(aggregate)
         return expanding(aggregate) if is_expanding(rule) else aggregate
 
-    def _privacy_advice(self) -> list[str]:
-        """Where adaptive clipping has moved the clip, and the noise with it, the key to blame too."""
+    def _advice(self) -> list[str]:
+        """What to change when every update of a round is non-finite, where local.lr is not all to
+        blame: a global model that earlier rounds blew up (an attack the rule let through), or a clip
+        that adaptive clipping has moved, and the noise with it."""
+        largest = float(self.state.model.flat.abs().max())
+        if largest > _BLOWN_UP:
+            names = self.names
+            attack = (
+                f" (attack {names['attack']}, which {names['aggregator']} let through)"
+                if names["attack"] != "none"
+                else ""
+            )
+            return [f"the global model's weights reach {largest:.3g}, blown up by an earlier round's aggregate{attack}"]
         if not self.privacy or self.privacy.current_clip == self.privacy.clip:
             return []
         moved = f"{self.privacy.clip:g} to {self.privacy.current_clip:.3g}"

@@ -140,10 +140,11 @@ SCORING_SHOWN = 0.25  # the share of a round's time from which the round line na
 
 def _metrics(row: dict, personal: bool = False, tokens: bool = False) -> str:
     named = "tok acc" if tokens else "acc"
-    acc = _cell(row["test_accuracy"])
+    scored = row.get("test_samples") is not None  # evaluated: a NaN there is the model's, shown as nan
+    acc = _cell(row["test_accuracy"], scored=scored)
     if personal:  # beside the global model's: the mean over the clients' own models and test splits
         acc += f"  personal {named} " + _cell(row.get("client_accuracy_mean"))
-    loss = _cell(row["test_loss"])
+    loss = _cell(row["test_loss"], scored=scored)
     extra = f"  dropped {row['dropped_clients']}" if row["dropped_clients"] else ""
     if row.get("unavailable"):  # sampled while offline (system.availability)
         extra += f"  unavailable {row['unavailable']}"
@@ -163,7 +164,7 @@ def _metrics(row: dict, personal: bool = False, tokens: bool = False) -> str:
     else:
         rest = f"train loss {row['train_loss']:.4f}  {took}{extra}"
     if tokens:  # a language model is judged by its loss and perplexity first
-        return f"test loss {loss}  ppl {_cell(row.get('test_perplexity'), '.2f')}  tok acc {acc}  {rest}"
+        return f"test loss {loss}  ppl {_cell(row.get('test_perplexity'), '.2f', scored)}  tok acc {acc}  {rest}"
     return f"test acc {acc}  test loss {loss}  {rest}"
 
 
@@ -206,9 +207,10 @@ def final_line(summary: dict, run_dir: str | os.PathLike) -> str:
     return f"{final} after round {summary['rounds']} ({summary['wall_seconds']:.1f} s){said}; results in {run_dir}"
 
 
-def _cell(value: float | None, spec: str = ".4f") -> str:
-    """A figure of the line, or a dash where the round has none (not evaluated)."""
-    return "   -  " if value is None or math.isnan(value) else format(value, spec)
+def _cell(value: float | None, spec: str = ".4f", scored: bool = False) -> str:
+    """A figure of the line, or a dash where the round has none (not evaluated); a NaN the round
+    ``scored`` (a model gone non-finite) is shown as nan."""
+    return "   -  " if value is None or (math.isnan(value) and not scored) else format(value, spec)
 
 
 class _ToRoundLog(logging.Handler):
