@@ -337,21 +337,21 @@ class AggregateUpdates:
 
     def _advice(self) -> list[str]:
         """What to change when every update of a round is non-finite, where local.lr is not all to
-        blame: a global model that earlier rounds blew up (an attack the rule let through), or a clip
-        that adaptive clipping has moved, and the noise with it."""
+        blame: a clip that adaptive clipping has moved, and the noise with it, or a global model that
+        earlier rounds blew up (an attack the rule let through)."""
+        if self.privacy and self.privacy.current_clip != self.privacy.clip:
+            moved = f"{self.privacy.clip:g} to {self.privacy.current_clip:.3g}"
+            return [
+                f"lower local.lr or privacy.clip_learning_rate (adaptive clipping has moved privacy.clip from {moved})"
+            ]
         largest = float(self.state.model.flat.abs().max())
-        if largest > _BLOWN_UP:
-            names = self.names
-            attack = (
-                f" (attack {names['attack']}, which {names['aggregator']} let through)"
-                if names["attack"] != "none"
-                else ""
-            )
-            return [f"the global model's weights reach {largest:.3g}, blown up by an earlier round's aggregate{attack}"]
-        if not self.privacy or self.privacy.current_clip == self.privacy.clip:
+        if largest <= _BLOWN_UP:
             return []
-        moved = f"{self.privacy.clip:g} to {self.privacy.current_clip:.3g}"
-        return [f"lower local.lr or privacy.clip_learning_rate (adaptive clipping has moved privacy.clip from {moved})"]
+        names = self.names
+        attack = (
+            f" (attack {names['attack']}, which {names['aggregator']} let through)" if names["attack"] != "none" else ""
+        )
+        return [f"the global model's weights reach {largest:.3g}, blown up by an earlier round's aggregate{attack}"]
 
     def update(self, rnd: int, round_: Round) -> None:
         """The new global model; a non-finite one is never kept. The global state can become
