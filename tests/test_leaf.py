@@ -178,6 +178,14 @@ def test_femnist_refuses_a_file_without_leafs_keys(tmp_path):
     )
 
 
+def test_a_leaf_split_without_users_is_refused_in_one_line_naming_its_file(tmp_path):
+    write_leaf(tmp_path, "femnist", "test", femnist_files()["test"])
+    [path] = write_leaf(tmp_path, "femnist", "train", [{}])
+    with pytest.raises(DataError) as info:
+        load_dataset("femnist", tmp_path)
+    assert str(info.value) == f"{path}: no users; a LEAF split holds at least one user with samples"
+
+
 @pytest.mark.parametrize("dataset", ["femnist", "shakespeare"])
 def test_missing_leaf_files_say_where_they_were_looked_for_and_how_to_make_them(tmp_path, dataset):
     for only in ([], ["train"]):

@@ -238,6 +238,7 @@ def test_quantity_skews_sizes_but_keeps_labels_iid():
         ("label_k", {"classes_per_client": 0}, "classes_per_client"),
         ("quantity", {"quantity_skew": "zipf"}, "quantity_skew"),
         ("quantity", {"sigma": -0.5}, "sigma"),
+        ("quantity", {"sigma": 1000.0}, "sigma"),  # exp(1000 z) overflows: no share left to split by
         ("quantity", {"quantity_skew": "dirichlet", "alpha": 0.0}, "alpha"),
         ("gamma_similarity", {"gamma": 1.5}, "gamma"),
         ("gamma_similarity", {"gamma": "half"}, "gamma"),
@@ -270,6 +271,8 @@ def test_options_for_reads_each_method_keys_from_the_data_config():
     assert options_for("label_k", data) == {"classes_per_client": 5}
     assert options_for("quantity", data) == {"quantity_skew": "dirichlet", "sigma": 2.0, "alpha": 0.2}
     assert options_for("iid", data) == {}
+    # in name order, so that partition.json is the same bytes for the same split
+    assert list(options_for("dirichlet", data)) == ["alpha", "balanced", "min_samples"]
     assert {"iid", "contiguous", "dirichlet", "shards", "label_k", "quantity"} <= set(PARTITIONS.names())
 
 

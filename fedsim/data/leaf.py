@@ -107,6 +107,9 @@ def read_split(files: list[Path], convert: Callable[[Path, str, list, list], tup
                     f"{path}: user {user!r} is also in {where[user].name}; LEAF writes each user once a split"
                 )
             found[user], where[user] = convert(path, user, x, y), path
+    if not found:
+        named = files[0] if len(files) == 1 else f"{files[0].parent} ({len(files)} files)"
+        raise DataError(f"{named}: no users; a LEAF split holds at least one user with samples")
     return found
 
 

@@ -139,7 +139,9 @@ def columns_needed(method: str) -> set[str]:
 
 def options_for(method: str, data_config: Any) -> dict:
     """The ``data.*`` values that a partition method takes, read from a DataConfig."""
-    return {name: getattr(data_config, name) for name in partition_options(method) if hasattr(data_config, name)}
+    return {
+        name: getattr(data_config, name) for name in sorted(partition_options(method)) if hasattr(data_config, name)
+    }
 
 
 def samples_of(clients: np.ndarray, kept: np.ndarray) -> Parts:
@@ -426,6 +428,8 @@ def quantity(
         if not (isinstance(sigma, numbers.Real) and math.isfinite(sigma) and sigma >= 0):
             raise _invalid("sigma", "a finite number >= 0", sigma)
         weights = rng.lognormal(0.0, sigma, num_clients)
+        if not math.isfinite(weights.sum()):  # exp(sigma z) past float64's largest for some draw z
+            raise _invalid("sigma", f"small enough that the {num_clients} lognormal shares stay finite", sigma)
     elif quantity_skew == "dirichlet":
         _check_positive("alpha", alpha)
         weights = rng.dirichlet(np.full(num_clients, alpha))
