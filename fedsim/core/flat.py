@@ -20,6 +20,20 @@ import hashlib
 import torch
 import torch.nn as nn
 
+from .errors import FedsimError
+
+
+def check_same_base(checkpoint: dict, built: str | None, source: object, base_source: str) -> None:
+    """Refuse to go on from a ``checkpoint`` (read from ``source``) that trained on another frozen base
+    than the one built now (``built``: its ``FlatModel.base_digest``, taken before any round merges
+    into it), which ``base_source`` gave. A checkpoint of an earlier version holds no fingerprint."""
+    started_on = checkpoint.get("base_digest")
+    if started_on is not None and started_on != built:
+        raise FedsimError(
+            f"{source}: the run trained on another frozen base than {base_source} gives now; "
+            f"give it the base the run started from"
+        )
+
 
 def _frozen(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of the frozen parameters and then the buffers, each tensor once, in module order."""

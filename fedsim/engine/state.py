@@ -13,7 +13,7 @@ import torch
 
 from ..core.checks import is_integer
 from ..core.errors import FedsimError
-from ..core.flat import FlatModel
+from ..core.flat import FlatModel, check_same_base
 from ..fl.client_state import ClientStates
 from ..results.keys import flatten_config
 
@@ -165,12 +165,7 @@ class GlobalState:
                 raise FedsimError(
                     f"{source}: {key} holds NaN or Inf; the checkpoint is damaged and cannot be resumed from"
                 )
-        started_on = state.get("base_digest")  # a checkpoint of an earlier version did not hold it
-        if started_on is not None and started_on != self.base_digest:
-            raise FedsimError(
-                f"{source}: the run trained on another frozen base than {self.base_source} gives now; "
-                f"give it the base the run started from"
-            )
+        check_same_base(state, self.base_digest, source, self.base_source)
         if (self.schedule is not None) != ("schedule" in state):
             has = "lacks" if self.schedule is not None else "holds"
             raise FedsimError(

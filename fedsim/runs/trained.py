@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..core.errors import FedsimError
-from ..core.flat import FlatModel
+from ..core.flat import FlatModel, check_same_base
 from ..core.streams import model_seed
 from ..experiment import components
 from ..experiment.config import Config
@@ -66,12 +66,7 @@ def load_model(
             f"{path}: checkpoint.pt holds {state['global'].numel():,} weights where the model "
             f"{components.describe(spec)} has {len(flat):,}; it is not this model's checkpoint"
         )
-    started_on = state.get("base_digest")  # a checkpoint of an earlier version did not hold it
-    if started_on is not None and started_on != flat.base_digest():
-        raise FedsimError(
-            f"{path}: the run trained on another frozen base than {components.base_source(built)} gives now; "
-            f"give it the base the run started from"
-        )
+    check_same_base(state, flat.base_digest(), path, components.base_source(built))
     flat.flat.copy_(state["global"])
     server = state.get("algorithm", {}).get("server") or {}
     algorithm = config.get("algorithm") or "fedavg"
