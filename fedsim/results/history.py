@@ -116,6 +116,11 @@ class History:
         return value
 
     @property
+    def last_round(self) -> int:
+        """The last evaluated round in metrics.csv (0 where there is none yet)."""
+        return self.rows[-1]["round"] if self.rows else 0
+
+    @property
     def unfinished(self) -> str | None:
         """How a run that did not finish ended, as its summary.json says ("interrupted at round 2 of
         10", "failed at round 2 of 10"); None for a finished run (one stopped by stop_at_accuracy
@@ -123,7 +128,7 @@ class History:
         status = self.summary.get("status")
         if status not in ("interrupted", "failed"):
             return None
-        done = self.summary.get("rounds") or (self.rows[-1]["round"] if self.rows else 0)
+        done = self.summary.get("rounds") or self.last_round
         planned = self.config.get("rounds")
         return f"{status} at round {done}" + (f" of {planned}" if planned else "")
 
@@ -317,7 +322,7 @@ def _better_copy(first: History, later: History) -> tuple[History, str]:
     """Of two runs of one experiment under one seed, the one to count, and why."""
     if bool(first.unfinished) != bool(later.unfinished):
         return (later, "finished") if first.unfinished else (first, "finished")
-    rounds = [h.rows[-1]["round"] if h.rows else 0 for h in (first, later)]
+    rounds = [first.last_round, later.last_round]
     if rounds[0] != rounds[1]:
         kept = first if rounds[0] > rounds[1] else later
         return kept, f"it has more rounds, {max(rounds)} against {min(rounds)}"

@@ -437,7 +437,7 @@ def _aligned(group: list[History], column: str, x: str) -> tuple[list, list[list
 def _ends(groups: list[list[History]], x: str) -> str:
     """What the legend says where runs of one line ended at different rounds (see _aligned): held
     at their last value, or left out of the rounds they did not reach; "" where they ended alike."""
-    apart = [g for g in groups if len({h.rows[-1]["round"] for h in g}) > 1]
+    apart = [g for g in groups if len({h.last_round for h in g}) > 1]
     if not apart:
         return ""
     if x == "round" and not any(h.unfinished for g in apart for h in g):

@@ -254,8 +254,8 @@ def results_table(
                 "rounds_to_target_std": stats["rounds_to_target_std"],
                 "reached": stats["reached"],
                 # runs stopped by stop_at_accuracy end early: the table gives the range
-                "rounds": max(h.rows[-1]["round"] for h in group),
-                "rounds_min": min(h.rows[-1]["round"] for h in group),
+                "rounds": max(h.last_round for h in group),
+                "rounds_min": min(h.last_round for h in group),
                 "unfinished": ", ".join(dict.fromkeys(h.unfinished for h in group if h.unfinished)) or None,
                 "wall_seconds": fmean([h.summary.get("wall_seconds") or _last(h, "elapsed_seconds") for h in group]),
             }

@@ -139,7 +139,7 @@ def _row(run: SweepRun, target: float | None, runs: list[SweepRun]) -> dict:
         ),
         **({"test_samples": _blank(h.scored_on)} if _scored_apart(runs) else {}),
         "seconds_per_round": round(seconds_per_round(h), 4),
-        "rounds": h.rows[-1]["round"] if h.rows else 0,
+        "rounds": h.last_round,
     }
     if _with_epsilon(runs):
         row["epsilon"] = _blank(epsilon(h))
