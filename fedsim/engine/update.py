@@ -89,11 +89,18 @@ def stop_on_nonfinite(
 _BLOWN_UP = 1.8e19
 
 
-def kept_counts(algorithm: Algorithm, n: int) -> tuple[int, int]:
-    """How many of the n trainable weights, and of the buffers, each client keeps to itself
-    (``Algorithm.kept_locally``): they travel neither way."""
-    kept = algorithm.kept_locally()
-    return (0, 0) if kept is None else (int(kept[:n].sum()), int(kept[n:].sum()))
+def update_sizes(state: GlobalState, compression: Compression | None) -> tuple[int, int]:
+    """A client's update in bytes, whole and as it is sent. The layers a client keeps to itself
+    (``Algorithm.kept_locally``) travel neither way; only the trainable parameters' part is
+    compressed, the whole of it as the compressor is given it (zero where the client keeps its own);
+    buffers travel whole; float32 unless compressed."""
+    n, length, size = state.model.num_params, len(state.model), state.model.flat.element_size()
+    kept = state.algorithm.kept_locally()
+    kept_trained, kept_buffers = (0, 0) if kept is None else (int(kept[:n].sum()), int(kept[n:].sum()))
+    whole = size * (length - kept_trained - kept_buffers)
+    if not compression:
+        return whole, whole
+    return whole, compression.compressor.message_bytes(n) + size * (length - n - kept_buffers)
 
 
 def warn_dropped(rnd: int, clients: list[int]) -> None:
@@ -135,27 +142,18 @@ class AggregateUpdates:
 
     def message_bytes(self) -> tuple[int, int]:
         """Bytes each client receives (the global weights but the part it keeps to itself, and the
-        server state its algorithm reads) and sends (its update, compressed or whole, and its reports
-        but the personal states it keeps); float32 unless compressed. Only the trainable parameters'
-        part of an update is compressed, the whole of it as the compressor is given it (zero where
-        the client keeps its own): buffers travel whole."""
-        state, n = self.state, self.state.model.num_params
-        length, size = len(state.model), state.model.flat.element_size()
-        kept_trained, kept_buffers = kept_counts(self.algorithm, n)
-        weights = length - kept_trained - kept_buffers if self.algorithm.exchanges_weights else 0
-        down = size * (weights + sum(state.server_state[name].numel() for name in self.algorithm.sent_to_clients))
-        if not weights:
-            update = 0
-        elif self.compression:
-            update = self.compression.compressor.message_bytes(n) + size * (length - n - kept_buffers)
-        else:
-            update = size * weights
+        server state its algorithm reads, float32) and sends (its update as ``update_sizes`` counts
+        it, and its reports but the personal states it keeps)."""
+        state, exchanges = self.state, self.algorithm.exchanges_weights
+        whole, sent = update_sizes(state, self.compression) if exchanges else (0, 0)
+        read = sum(state.server_state[name].numel() for name in self.algorithm.sent_to_clients)
+        down = whole + state.model.flat.element_size() * read
         reports = sum(
             r[0].numel() * r.element_size()
             for name, r in self.buffers.reports.items()
             if name not in self.algorithm.personal_state
         )
-        return down, update + reports
+        return down, sent + reports
 
     def collect(self, rnd: int, clients: torch.Tensor) -> tuple[Round, list[ClientRecord]]:
         """The round's updates as the server's update sees them, and one record per client."""

@@ -13,7 +13,7 @@ import torch
 from ..core.errors import FedsimError, exception_text
 from ..core.flat import base_bytes
 from ..engine.state import GlobalState
-from ..engine.update import kept_counts
+from ..engine.update import update_sizes
 from ..execution.resources import cpu_name, load_average, peak_memory_mb
 from ..experiment.components import describe
 from ..experiment.config import Config
@@ -159,16 +159,9 @@ def feature_figures(cfg: Config, rows: list[dict], client_rows: list[dict], upda
 
 
 def update_bytes(state: GlobalState, compression: Compression | None) -> tuple[int, int] | None:
-    """An update's bytes whole and as compression sends it (only the trainable parameters are
-    compressed; buffers travel whole), as engine/update.py counts them; None without compression."""
-    if not compression:
-        return None
-    length, n, size = len(state.model), state.model.num_params, state.model.flat.element_size()
-    kept_trained, kept_buffers = kept_counts(state.algorithm, n)
-    return (
-        size * (length - kept_trained - kept_buffers),
-        compression.compressor.message_bytes(n) + size * (length - n - kept_buffers),
-    )
+    """An update's bytes whole and as compression sends it, as engine/update.py counts them
+    (``update_sizes``); None without compression."""
+    return update_sizes(state, compression) if compression else None
 
 
 def where_it_ran(
