@@ -183,11 +183,16 @@ def two_coarse_labels(splits, meta):
     coarse[0] = (coarse[0] + 1) % 20  # fine label of test sample 0 now under a second superclass
 
 
+def no_images(splits, meta):
+    splits["test"].update(data=splits["test"]["data"][:0], fine_labels=[], coarse_labels=[])
+
+
 MALFORMED = [
     ("no coarse labels", "train", break_entry("train", "coarse_labels", None), "no 'coarse_labels' entry"),
     ("no coarse names", "meta", break_entry("meta", "coarse_label_names", None), "no 'coarse_label_names' entry"),
     ("short rows", "train", break_entry("train", "data", lambda d: d[:, :3000]), "uint8 [N, 3072]"),
     ("float pixels", "test", break_entry("test", "data", lambda d: d.astype(np.float64)), "float64"),
+    ("no images", "test", no_images, "holds no images"),
     (
         "fine label 100",
         "train",

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim.core.errors import DataError
+from fedsim.core.errors import ConfigError, DataError
 from fedsim.data import DATASETS, load_dataset
 from fedsim.experiment.federation import load_federation
 from fedsim.experiment.validation import load_config
@@ -112,6 +112,18 @@ def test_natural_partition_gives_each_writer_its_own_samples_and_its_own_test_sa
     assert sorted(federation.parts.indices.tolist()) == list(range(22))
 
 
+def test_a_limit_that_keeps_too_few_writers_is_named_in_the_refusal(femnist_root):
+    root, _ = femnist_root
+    config = natural_config(root, 3)
+    config.data.limit = 8  # the first 8 training samples: f0002_09's 4 and f0007_33's 4
+    with pytest.raises(ConfigError) as info:
+        load_federation(config)
+    assert str(info.value) == (
+        "data.num_clients: 3 clients asked for, but the data has 2 clients of its own (data.partition: natural); "
+        "use at most 2, in the first 8 training samples that data.limit keeps"
+    )
+
+
 def kept_writers(federation):
     kept = []
     for part in federation.parts:
@@ -145,10 +157,11 @@ def break_rows(users, writer):
         (lambda users: users["f0002_09"]["y"].__setitem__(2, 3.0), "label 3.0 is not a class number 0..61"),
         (lambda users: users["f0002_09"].update(x=[], y=[]), "user 'f0002_09' has no samples"),
         (lambda users: users["f0002_09"]["x"][0].__setitem__(5, 255), "pixel values span 0 .. 255"),
+        (lambda users: users["f0002_09"]["x"][1].__setitem__(5, float("nan")), "image 1 holds nan, no grey level"),
         (lambda users: users.update(f0042_17=users.pop("f0002_09")), "user 'f0042_17' is also in all_data_0"),
     ],
     ids=["not-json", "x-y-lengths", "row-length", "label-62", "label-minus-1", "label-float", "no-samples",
-         "pixels-255", "user-twice"],
+         "pixels-255", "pixel-nan", "user-twice"],
 )  # fmt: skip
 def test_femnist_refuses_a_malformed_file_in_one_line_naming_it(tmp_path, damage, message):
     files = femnist_files()

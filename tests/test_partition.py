@@ -242,6 +242,13 @@ def test_quantity_skews_sizes_but_keeps_labels_iid():
         ("quantity", {"quantity_skew": "dirichlet", "alpha": 0.0}, "alpha"),
         ("gamma_similarity", {"gamma": 1.5}, "gamma"),
         ("gamma_similarity", {"gamma": "half"}, "gamma"),
+        # a bool is no number here, though Python counts True as 1
+        ("dirichlet", {"alpha": True}, "alpha"),
+        ("dirichlet", {"min_samples": True}, "min_samples"),
+        ("shards", {"shards_per_client": True}, "shards_per_client"),
+        ("label_k", {"classes_per_client": True}, "classes_per_client"),
+        ("quantity", {"sigma": True}, "sigma"),
+        ("gamma_similarity", {"gamma": True}, "gamma"),
     ],
 )
 def test_invalid_options_are_refused_in_one_line_naming_the_key(method, options, key):
@@ -249,6 +256,12 @@ def test_invalid_options_are_refused_in_one_line_naming_the_key(method, options,
         partition(EVEN, method, 10, seed=0, **options)
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"data.{key}: ")
+
+
+@pytest.mark.parametrize("num_clients", [0, -1, 2.5, True, "10"])
+def test_a_number_of_clients_that_is_no_positive_integer_is_refused_in_one_line(num_clients):
+    with pytest.raises(ConfigError, match=r"^data\.num_clients: must be an integer >= 1, got [^\n]*$"):
+        partition(EVEN, "iid", num_clients, seed=0)
 
 
 def test_more_clients_than_samples_is_refused():

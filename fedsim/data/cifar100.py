@@ -83,6 +83,10 @@ def _read_split(path: Path, fine_classes: int, coarse_classes: int) -> tuple[np.
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
         got = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
         raise DataError(f"{path}: expected 'data' of uint8 [N, 3072] (rows of 32x32 red, green, blue); got {got}")
+    if not len(data):
+        raise DataError(
+            f"{path}: holds no images ('data' is uint8 [0, 3072]); CIFAR-100's train has 50,000, its test 10,000"
+        )
     labels = []
     for key, classes in (("fine_labels", fine_classes), ("coarse_labels", coarse_classes)):
         try:

@@ -71,7 +71,12 @@ def load_federation(cfg: Config, datasets: dict | None = None) -> Federation:
         if datasets is not None:
             datasets[key] = data
     options = options_for(d.partition, d)
-    parts = split(data.train_y, d.partition, d.num_clients, cfg.seed, data.columns(), **options)
+    try:
+        parts = split(data.train_y, d.partition, d.num_clients, cfg.seed, data.columns(), **options)
+    except ConfigError as error:
+        if d.limit is None or d.partition != "natural" or not str(error).startswith("data.num_clients"):
+            raise
+        raise ConfigError(f"{error}, in the first {d.limit:,} training samples that data.limit keeps") from None
     if d.partition != "natural":
         federation = Federation(data, parts)
     else:
