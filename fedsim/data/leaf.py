@@ -169,10 +169,11 @@ def _femnist_user(path: Path, user: str, rows: list, labels: list) -> tuple[np.n
                 got = f"{len(row)} values" if isinstance(row, list) else f"a {type(row).__name__}"
                 raise DataError(f"{path}: user {user!r}: image {i} is {got}, not {pixels} (28 x 28 pixels)")
         raise DataError(f"{path}: user {user!r}: the images hold values that are not numbers")
-    if not np.isfinite(x).all():
-        image = int(np.flatnonzero(~np.isfinite(x).all(axis=1))[0])
+    finite = np.isfinite(x)
+    if not finite.all():
+        image = int(np.argmin(finite.all(axis=1)))
         raise DataError(
-            f"{path}: user {user!r}: image {image} holds {x[image][~np.isfinite(x[image])][0]:g}, no grey level; "
+            f"{path}: user {user!r}: image {image} holds {x[image][~finite[image]][0]:g}, no grey level; "
             f"LEAF's are scaled to 0..1"
         )
     low, high = float(x.min()), float(x.max())
