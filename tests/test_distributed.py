@@ -113,7 +113,10 @@ def test_two_ranks_give_the_metrics_of_one_process(tmp_path, launcher):
 def test_a_robust_rule_and_scaffold_across_ranks_equal_one_process(tmp_path, changes):
     config = write_config(tmp_path, workers=0, **changes)  # in-process training on each rank: same numbers
     single = fedsim.run(config, out=tmp_path / "single", quiet=True).run_dir
-    same_results(single, ranked_run(tmp_path, config))
+    ranked = ranked_run(tmp_path, config)
+    same_results(single, ranked)
+    ranks = json.loads((ranked / "summary.json").read_text())["ranks"]
+    assert [r["worker_peak_memory_mb"] for r in ranks] == [[], []]  # no worker: the rank's server trained
 
 
 def test_two_machines_on_loopback_give_the_same_metrics(tmp_path):

@@ -90,7 +90,10 @@ class RanksExecutor(Wrapper):
             "host": socket.gethostname(),
             "device": str(self.device),
             "server_peak_memory_mb": peak_memory_mb(self.device),
-            "worker_peak_memory_mb": [round(b / 2**20, 1) for b in self.inner.peak_memory],
+            # workers: 0 trains in the rank's own process, whose figure is the server's
+            "worker_peak_memory_mb": [round(b / 2**20, 1) for b in self.inner.peak_memory]
+            if self.config.workers
+            else [],
         }
         self.inner.close()
         if isinstance(ended_by, (KeyboardInterrupt, Terminated)):
