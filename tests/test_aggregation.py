@@ -775,17 +775,50 @@ def test_pre_aggregators_compose_in_order_and_draw_the_same_buckets_each_call():
 @pytest.mark.parametrize(
     "spec,message",
     [
-        ("nmm", "pre_aggregators.nmm: unknown pre-aggregator 'nmm' (did you mean 'nnm'?)"),
+        ("nmm", "pre_aggregators: unknown pre-aggregator 'nmm' (did you mean 'nnm'?)"),
         ({"nnm": {"g": 1}}, "pre_aggregators: nnm takes no option 'g'; it takes: f"),
-        ({"clipping": 2.0}, "pre_aggregators: each entry is a name or {name: {option: value}}"),
-        ({"clipping": {"max_norm": -1}}, "pre_aggregators: max_norm must be"),
-        ({"bucketing": {"s": 0}}, "pre_aggregators: s must be an integer >= 1"),
+        ({"clipping": 2.0}, "pre_aggregators: each entry is a name, an import path (pkg.module:name) or a function"),
+        ({"clipping": {"max_norm": -1}}, "pre_aggregators: clipping's max_norm must be"),
+        ({"bucketing": {"s": 0}}, "pre_aggregators: bucketing's s must be an integer >= 1"),
     ],
 )
 def test_a_bad_pre_aggregator_is_refused_in_one_line(spec, message):
     with pytest.raises(ConfigError) as refused:
         pre_aggregator(spec)
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+def test_a_pre_aggregator_of_ones_own_gets_its_options_and_is_checked_in_one_line():
+    from fedsim.core.errors import UserCodeError
+    from fedsim.experiment.components import pre_aggregator as entry_of_a_run
+
+    def pairs(updates, weights, generator, scale=1.0):
+        """Each two neighbouring rows replaced by their mean, times ``scale``."""
+        rows = scale * (updates[0::2] + updates[1::2]) / 2
+        return rows, weights[0::2] + weights[1::2]
+
+    u, w = spread_stack()[:10], torch.arange(10.0)
+    rows, counts = entry_of_a_run({pairs: {"scale": 2.0}}, None, "pre_aggregators[0]")(u, w, torch.Generator())
+    assert torch.equal(rows, u[0::2] + u[1::2]) and torch.equal(counts, w[0::2] + w[1::2])
+    aggregation.equivariant(pairs)  # the mark carries over to the entry the run builds
+    assert aggregation.is_equivariant(entry_of_a_run(pairs, None, "pre_aggregators[0]"))
+
+    def broken(updates, weights, generator):
+        return updates[:, :2], weights
+
+    def raising(updates, weights, generator):
+        raise ValueError("no")
+
+    label = f"pre_aggregators[1] ({__name__}:test_a_pre_aggregator_of_ones_own_gets_its_options_and_is_checked"
+    for step, says in (
+        (broken, "_in_one_line.<locals>.broken) returned (shape (10, 2) torch.float32 on cpu, shape (10,) "),
+        (raising, "_in_one_line.<locals>.raising) failed on 10 updates of 60 values (ValueError: no)"),
+    ):
+        with pytest.raises(UserCodeError) as refused:
+            entry_of_a_run(step, None, "pre_aggregators[1]")(u, w, torch.Generator())
+        assert str(refused.value).startswith(label + says) and "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match=r"^pre_aggregators\[2\]: .*takes \(updates, weights\); a pre-agg"):
+        entry_of_a_run(lambda updates, weights: (updates, weights), None, "pre_aggregators[2]")
 
 
 def test_trimmed_mean_with_f_drops_exactly_f_at_each_end():
@@ -1056,25 +1089,28 @@ def test_a_run_with_a_rule_that_remembers_resumes_exactly(tmp_path, rule):
 
 
 @pytest.mark.slow
-def test_a_rule_of_ones_own_with_a_memory_keeps_it_with_its_options(tmp_path):
+def test_a_rule_of_ones_own_with_a_memory_keeps_it_with_its_options_and_resumes_exactly(tmp_path):
     from support import BASE
 
     import fedsim.aggregation
 
     def momentum(updates, weights, beta=0.5, memory=None):
         """The mean, averaged with the last round's by an exponential moving average."""
-        kept = memory.kept["average"] if memory else torch.zeros_like(updates[0])
-        average = beta * kept + (1 - beta) * updates.mean(dim=0)
-        if memory:
-            memory.new["average"] = average
+        average = beta * memory.kept["average"] + (1 - beta) * updates.mean(dim=0)
+        memory.new["average"] = average
         return average.clone()
 
     rule = fedsim.aggregation.remembering(momentum, lambda weights: {"average": torch.zeros_like(weights)})
+    # called alone, outside a run, it starts from what it remembers before the first round
+    torch.testing.assert_close(rule(torch.ones(2, 3), torch.ones(2), beta=0.75), torch.full((3,), 0.25))
     cfg = dict(BASE, workers=0, aggregator=rule, aggregator_options={"beta": 0.9})
-    run = fedsim.run(cfg, out=tmp_path / "run", quiet=True, rounds=2)
+    full = fedsim.run(cfg, out=tmp_path / "full", quiet=True, rounds=3)
+    fedsim.run(cfg, out=tmp_path / "run", quiet=True, rounds=2)
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["aggregator"]["average"]
-    plain = fedsim.run(dict(cfg, aggregator="mean", aggregator_options={}), out=tmp_path / "mean", quiet=True, rounds=2)
-    assert saved.abs().sum() > 0 and run.test_loss != plain.test_loss
+    resumed = fedsim.resume(tmp_path / "run", quiet=True, rounds=3, aggregator=rule)
+    assert (resumed.test_loss, resumed.test_accuracy) == (full.test_loss, full.test_accuracy)
+    plain = fedsim.run(dict(cfg, aggregator="mean", aggregator_options={}), out=tmp_path / "mean", quiet=True, rounds=3)
+    assert saved.abs().sum() > 0 and full.test_loss != plain.test_loss
 
 
 # ----------------------------------------------------------------------------- rotations

@@ -497,7 +497,7 @@ CASES = [
         "unknown pre-aggregator given on the command line",
         yaml.safe_dump(GOOD),
         ["--set", "pre_aggregators=[nnm, foo]"],
-        ["fedsim: error: --set pre_aggregators.foo: unknown pre-aggregator 'foo'"],
+        ["fedsim: error: --set pre_aggregators[1]: unknown pre-aggregator 'foo'"],
     ),
     (
         "an attack on the weights of an algorithm that sends none",

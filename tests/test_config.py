@@ -215,3 +215,27 @@ def test_a_section_set_as_a_mapping_keeps_its_other_keys():
     # an option mapping is one key, set whole
     rule = {"aggregator": "multi_krum", "aggregator_options": {"f": 1, "m": 2}}
     assert load_config(rule, ["aggregator_options={f: 2}"]).aggregator_options == {"f": 2}
+
+
+def test_a_wrapped_rule_is_named_by_the_module_attribute_that_holds_it(tmp_path, monkeypatch):
+    """remembering (as functools.wraps) gives its wrapper the function's name, under which the
+    module holds the unwrapped function: config.yaml must name what imports the rule again."""
+    import importlib
+
+    from fedsim.experiment.config import describe
+
+    (tmp_path / "my_rules_for_naming.py").write_text(
+        "import torch\n"
+        "import fedsim.aggregation\n\n\n"
+        "def _momentum(updates, weights, beta=0.5, memory=None):\n"
+        "    memory.new['m'] = beta * memory.kept['m'] + (1 - beta) * updates.mean(dim=0)\n"
+        "    return memory.new['m'].clone()\n\n\n"
+        "momentum = fedsim.aggregation.remembering(_momentum, lambda w: {'m': torch.zeros_like(w)})\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("my_rules_for_naming")
+    assert describe(module.momentum) == "my_rules_for_naming:momentum"
+    assert describe(module._momentum) == "my_rules_for_naming:_momentum"
+    config = load_config({"aggregator": module.momentum, "aggregator_options": {"beta": 0.9}})  # probed: no memory
+    assert describe(config.aggregator) == "my_rules_for_naming:momentum"
+    assert load_config({"aggregator": "my_rules_for_naming:momentum"}).aggregator == "my_rules_for_naming:momentum"

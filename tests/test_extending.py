@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import math
@@ -57,6 +58,12 @@ def test_a_model_rule_algorithm_and_dataset_from_a_scripts_main_run_in_the_worke
             scale = (bound / updates.norm(dim=1)).clamp(max=1.0)
             return (scale[:, None] * updates).mean(dim=0)
 
+        pre_calls = []
+
+        def scaled(updates, weights, generator, factor=0.5):  # a pre-aggregator
+            pre_calls.append(tuple(updates.shape))
+            return factor * updates, weights
+
         class ServerStep(fedsim.Algorithm):  # FedAvg with a server step size
             def __init__(self, step):
                 self.step = step
@@ -71,11 +78,13 @@ def test_a_model_rule_algorithm_and_dataset_from_a_scripts_main_run_in_the_worke
             cfg = {"name": "mine", "seed": 1, "device": "cpu", "rounds": 3, "workers": 2, "clients_per_round": 4,
                    "data": {"num_clients": 4}, "local": {"lr": 0.1, "batch_size": 32}, "checkpoint_every": 1}
             out = sys.argv[1]
+            steps = [{scaled: {"factor": 1.0}}]
             first = fedsim.run(cfg, out=out, quiet=True, rounds=2, model=Net, aggregator=clipped_mean,
-                               algorithm=ServerStep(1.0), dataset=data)
+                               algorithm=ServerStep(1.0), dataset=data, pre_aggregators=steps)
+            # the pre-aggregator's name in config.yaml finds it in this __main__ again
             resumed = fedsim.resume(out, quiet=True, rounds=3, model=Net, aggregator=clipped_mean,
                                     algorithm=ServerStep(1.0), dataset=data)
-            print(json.dumps({"accuracy": resumed.test_accuracy, "calls": calls,
+            print(json.dumps({"accuracy": resumed.test_accuracy, "calls": calls, "pre_calls": pre_calls,
                               "params": len(torch.load(out + "/checkpoint.pt", weights_only=True)["global"])}))
     """)
     )
@@ -86,11 +95,12 @@ def test_a_model_rule_algorithm_and_dataset_from_a_scripts_main_run_in_the_worke
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["params"] == 7850  # the workers trained Net
     # a probe on 3 values when each run is validated, then every round's 4 updates of 7,850 weights
-    assert result["calls"] == [[4, 3], [4, 7850], [4, 7850], [4, 3], [4, 7850]]
+    assert result["calls"] == result["pre_calls"] == [[4, 3], [4, 7850], [4, 7850], [4, 3], [4, 7850]]
     assert len(result["accuracy"]) == 3 and result["accuracy"][-1] > 0.3, result  # chance is 0.1
     config = (tmp_path / "run" / "config.yaml").read_text()
     assert "model: __main__:Net" in config and "aggregator: __main__:clipped_mean" in config
     assert "algorithm: __main__:ServerStep(step=1.0)" in config and "dataset: my data" in config
+    assert "pre_aggregators:\n- __main__:scaled:\n    factor: 1.0\n" in config
 
 
 @pytest.mark.slow
@@ -127,6 +137,9 @@ def test_components_named_by_import_path_are_imported_in_every_process(tmp_path)
         def median(updates, weights):
             return updates.median(dim=0).values
 
+        def nothing_moves(updates, weights, generator, factor=1.0):
+            return factor * updates, weights
+
         def wrong_shape(input_shape, num_classes):
             return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 3))
     """)
@@ -145,6 +158,7 @@ def test_components_named_by_import_path_are_imported_in_every_process(tmp_path)
                 **TINY,
                 "model": "mynets:build",
                 "aggregator": "mynets:median",
+                "pre_aggregators": [{"mynets:nothing_moves": {"factor": 0.0}}],
                 "workers": 2,
                 "data": {"dataset": "tensors.npz", "num_clients": 3},
             }
@@ -161,6 +175,9 @@ def test_components_named_by_import_path_are_imported_in_every_process(tmp_path)
     )
     assert done.returncode == 0, done.stderr
     assert len(torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["global"]) == 784 * 32 + 32 + 330
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        losses = [row["test_loss"] for row in csv.DictReader(f)]
+    assert len(losses) == 2 and len(set(losses)) == 1  # every update scaled to 0: the model never moves
 
     done = subprocess.run(
         [

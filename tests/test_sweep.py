@@ -955,7 +955,7 @@ def test_every_error_in_checking_a_grid_point_names_the_grid_values_it_came_from
         plan(config_file, ["attack.fraction=0.25"])
     assert str(info.value).startswith(f"--grid attack.fraction=0.25: {config_file}: attack.count: set fraction")
     # a key inside the grid's value, and a key that a named axis's value sets
-    with pytest.raises(ConfigError, match=r"^--grid pre_aggregators=\[foo\] \(pre_aggregators.foo\): unknown pre-agg"):
+    with pytest.raises(ConfigError, match=r"^--grid pre_aggregators=\[foo\] \(pre_aggregators\[0\]\): unknown pre-agg"):
         plan(config_file, ["pre_aggregators=[nnm],[foo]"])
     named = {"rule": {"tm": {"aggregator": "trimmed_mean"}, "gm": {"aggregator_options": {"eps": -1}}}}
     config_file.write_text(config_file.read_text() + yaml.safe_dump({"sweep": {"grid": named}}))

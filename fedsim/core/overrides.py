@@ -16,8 +16,13 @@ from .yamlfile import RefusedYAML, parse_yaml
 
 def overlap(key: str, other: str) -> bool:
     """Whether setting one dotted key changes the other: the same key, or a key and one inside its
-    mapping (aggregator_options and aggregator_options.beta)."""
-    return key == other or key.startswith(other + ".") or other.startswith(key + ".")
+    mapping or list (aggregator_options and aggregator_options.beta, pre_aggregators and
+    pre_aggregators[1])."""
+    return key == other or _inside(key, other) or _inside(other, key)
+
+
+def _inside(key: str, whole: str) -> bool:
+    return key.startswith((whole + ".", whole + "["))
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -1,13 +1,15 @@
-"""The parts of a run a user can bring: a model, an aggregation rule, an algorithm, a dataset.
+"""The parts of a run a user can bring: a model, an aggregation rule and pre-aggregators, an
+algorithm, a dataset.
 
-Each config key (``model``, ``aggregator``, ``algorithm``, ``data.dataset``) takes a name
-fedsim registers, an import path ``pkg.module:attr`` (imported in every process that needs
-it), or, from Python, the object itself:
+Each config key (``model``, ``aggregator``, ``algorithm``, ``data.dataset``, and each entry of
+``pre_aggregators``) takes a name fedsim registers, an import path ``pkg.module:attr``
+(imported in every process that needs it), or, from Python, the object itself:
 
-    model        a function or nn.Module class: no arguments, or (input_shape, num_classes)
-    aggregator   a function (updates [k, P], weights [k], **aggregator_options) -> [P]
-    algorithm    an Algorithm instance, or a subclass built with algorithm_options
-    data.dataset a Dataset (fedsim.data.from_tensors), or a .pt / .npz file of its tensors
+    model            a function or nn.Module class: no arguments, or (input_shape, num_classes)
+    aggregator       a function (updates [k, P], weights [k], **aggregator_options) -> [P]
+    pre_aggregators  functions (updates, weights, generator, **options) -> (updates [k', P], weights [k'])
+    algorithm        an Algorithm instance, or a subclass built with algorithm_options
+    data.dataset     a Dataset (fedsim.data.from_tensors), or a .pt / .npz file of its tensors
 
 Objects reach the worker processes by value, serialized with cloudpickle, so a function or
 class defined in a notebook cell or a script's ``__main__`` works there too. Whatever cannot
@@ -45,7 +47,7 @@ from ..models import language as language_models
 from ..models import lora
 from ..models.lora import apply_lora
 from ..models.zoo import MODELS
-from .config import Config, describe
+from .config import Config, describe, plain
 
 KEYS = ("model", "aggregator", "algorithm", "data.dataset", "attack.type")
 SHIPPED = ("model", "algorithm", "attack.type")  # what the workers use
@@ -261,7 +263,22 @@ def server_rule(cfg: Config) -> tuple[Rule, list[PreAggregator]]:
     """The run's rule and its pre-aggregators, ``f`` filled from ``attack.count`` where unset."""
     attackers = assumed_attackers(cfg)
     rule = aggregator(cfg.aggregator, cfg.aggregator_options, attackers)
-    return rule, [preaggregation.pre_aggregator(spec, attackers) for spec in cfg.pre_aggregators]
+    return rule, [
+        pre_aggregator(spec, attackers, f"pre_aggregators[{i}]") for i, spec in enumerate(cfg.pre_aggregators)
+    ]
+
+
+def pre_aggregator(spec: Any, attackers: int | None, key: str) -> PreAggregator:
+    """One entry of ``pre_aggregators`` (``key``): a registered one, whose ``f`` is ``attackers``
+    where its options leave it unset, or a function of one's own (``preaggregation.own_step``)."""
+    name, options = preaggregation.entry(spec, key)
+    if isinstance(name, str) and not is_import_path(name):
+        return preaggregation.pre_aggregator(spec, attackers, key)
+    step = _resolve(key, name, PRE_AGGREGATORS)
+    if not callable(step):
+        raise ConfigError(f"{key}: {describe(name)} is a {type(step).__name__}, not a function")
+    _takes(step, (3,), key, "a pre-aggregator takes (updates, weights, generator, **options)")
+    return preaggregation.own_step(step, options, f"{key} ({describe(name)})")
 
 
 def probe_aggregator(spec: Any, rule: Rule, k: int) -> None:
@@ -392,11 +409,13 @@ class Shipped:
 
 def for_workers(cfg: Config) -> Config:
     """A copy of ``cfg`` that the worker processes can unpickle: the model, algorithm and attack
-    they need travel by value; the aggregator and dataset, which they do not use, by name only."""
+    they need travel by value; the aggregator, pre-aggregators and dataset, which they do not use,
+    by name only."""
     import cloudpickle
 
     shipped = copy.copy(cfg)
     shipped.data, shipped.attack = copy.copy(cfg.data), copy.copy(cfg.attack)
+    shipped.pre_aggregators = plain(cfg.pre_aggregators)  # by name, as the aggregator: the server's alone
     for key in KEYS:
         value = get(cfg, key)
         if isinstance(value, str) and value.startswith("__main__:") and key in SHIPPED:

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import inspect
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,8 +192,9 @@ class Config:
     )
     aggregator_options: dict = option(doc="the rule's options", factory=dict)
     pre_aggregators: list = option(
-        doc="pre-aggregators applied in order before the rule, each a name or `{name: {option: value}}` (see "
-        "[Pre-aggregation](algorithms.md#pre-aggregation)): `clipping`, `nnm`, `bucketing`, `arc`",
+        doc="pre-aggregators applied in order before the rule, each a name or an import path, alone or as "
+        "`{name: {option: value}}` (see [Pre-aggregation](algorithms.md#pre-aggregation)): `clipping`, `nnm`, "
+        "`bucketing`, `arc`",
         factory=list,
     )
     server_optimizer: str = option("none", "`none`, `fedavgm`, `fedadagrad`, `fedadam`, `fedyogi`")
@@ -313,19 +315,22 @@ class Config:
 
     def to_dict(self) -> dict:
         """Plain values only: a component given as an object is named by ``describe``."""
-
-        def plain(value):
-            if is_section(value):
-                return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-            if isinstance(value, dict):
-                return {k: plain(v) for k, v in value.items()}
-            if isinstance(value, list):
-                return [plain(v) for v in value]
-            if value is None or isinstance(value, (str, int, float, bool)):
-                return value
-            return describe(value)
-
         return plain(self)
+
+
+def plain(value: Any) -> Any:
+    """``value`` (a section, or what a key holds) in plain values: a component given as an object,
+    also as the key of a mapping (``pre_aggregators: [{my_step: {option: value}}]``), is named by
+    ``describe``."""
+    if is_section(value):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return describe(value)
 
 
 def key_table() -> str:
@@ -405,8 +410,22 @@ def describe(value: object) -> str:
     if isinstance(value, Dataset):
         return value.name
     target = value if inspect.isroutine(value) or inspect.isclass(value) else type(value)
-    where = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__name__)}"
+    where = f"{getattr(target, '__module__', '?')}:{_name_in_module(target)}"
     return where if target is value else f"{where}({_arguments(value)})"
+
+
+def _name_in_module(target: object) -> str:
+    """The name ``target`` is imported by from its module: its qualified name, or, where a wrapper
+    took its function's name (``fedsim.aggregation.remembering``, ``functools.wraps``), the name of
+    the module's attribute that holds it."""
+    name = getattr(target, "__qualname__", type(target).__name__)
+    module = sys.modules.get(getattr(target, "__module__", None) or "")
+    found = module
+    for part in name.split("."):
+        found = getattr(found, part, None)
+    if module is None or found is target:
+        return name
+    return next((attr for attr, held in vars(module).items() if held is target), name)
 
 
 def _arguments(obj) -> str:

@@ -88,9 +88,15 @@ class Memory:
 def remembering(rule: Rule, start: Callable[[torch.Tensor], dict[str, torch.Tensor]]) -> Rule:
     """``rule``, which takes a ``memory`` keyword (a ``Memory``), marked with what it remembers
     before the first round: ``start(global_weights)``, a dict of tensors on their device. Called
-    without a memory (alone, or by config validation's probe), the rule starts from it."""
-    rule.start_memory = start
-    return rule
+    without a memory (alone, or by config validation's probe), it is given a fresh one, started
+    from ``start`` of the first update; a run passes the memory its last round left."""
+
+    @functools.wraps(rule)
+    def remembered(updates, weights, memory=None, **options):
+        return rule(updates, weights, memory=Memory(start(updates[0])) if memory is None else memory, **options)
+
+    remembered.start_memory = start
+    return remembered
 
 
 def remembers(rule: Rule) -> bool:

@@ -12,11 +12,6 @@ from ...core.clustering import two_clusters
 from . import AGGREGATORS, OPTIONS, Memory, Rule, combine, equivariant, mean_of, middle, remembering, tolerating
 
 
-def _memory(rule: Rule, memory: Memory | None, like: torch.Tensor) -> Memory:
-    """The call's memory, or a fresh one for a call outside a run (what the rule starts from)."""
-    return memory if memory is not None else Memory(rule.start_memory(like))
-
-
 @AGGREGATORS.register(
     "centered_clipping",
     "the last aggregate moved by the mean of each update's difference from it, clipped to norm tau, "
@@ -34,8 +29,7 @@ def centered_clipping(tau: float = 100.0, iterations: int = 1) -> Rule:
     tau = OPTIONS.positive("tau", tau)
     OPTIONS.count("iterations", iterations, 1)
 
-    def rule(updates, weights, memory=None):
-        memory = _memory(rule, memory, updates[0])
+    def rule(updates, weights, memory: Memory):
         k = updates.shape[0]
         centre = memory.kept["centre"]
         for _ in range(iterations):
@@ -86,8 +80,7 @@ def clipped_clustering(max_tau: float = 1e5, linkage: str = "average", agg: str 
     OPTIONS.one_of("linkage", linkage, ("average", "single"))
     OPTIONS.one_of("agg", agg, ("mean", "median"))
 
-    def rule(updates, weights, memory=None):
-        memory = _memory(rule, memory, updates[0])
+    def rule(updates, weights, memory: Memory):
         norms = row_norms(updates)
         seen = torch.cat([memory.kept["norms"], norms])
         memory.new["norms"] = seen

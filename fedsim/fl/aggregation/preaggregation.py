@@ -2,7 +2,8 @@
 before any rule (``pre_aggregators: [clipping, nnm]`` then ``aggregator: trimmed_mean``).
 
 Each is registered as a factory of its options returning ``(updates [k, P], weights [k],
-generator) -> (updates [k', P], weights [k'])``; only bucketing draws from the generator (the
+generator) -> (updates [k', P], weights [k'])``; one of one's own is such a function taking its
+options as keywords (``own_step``); only bucketing draws from the generator (the
 round's own stream, so that the buckets are the same whatever the number of workers). None
 writes into the stack it is given: the algorithm's server update may read the updates again.
 """
@@ -15,7 +16,8 @@ from collections.abc import Callable
 import torch
 
 from ...core.checks import Checks, refuse_unknown
-from ...core.errors import ConfigError
+from ...core.errors import ConfigError, UserCodeError, cut, user_code
+from ...core.registry import registered
 from . import (
     PRE_AGGREGATORS,
     Memory,
@@ -139,27 +141,65 @@ def arc(f: int | None = None) -> PreAggregator:
     return equivariant(step)
 
 
-def pre_aggregator(spec: object, f: int | None = None) -> PreAggregator:
-    """One entry of ``pre_aggregators``: a name, or ``{name: {option: value}}``; ``f``, the run's
-    number of Byzantine clients, fills an ``f`` the options leave unset."""
-    if isinstance(spec, str):
-        name, options = spec, {}
-    elif isinstance(spec, dict) and len(spec) == 1:
+def entry(spec: object, key: str) -> tuple[object, dict]:
+    """An entry of ``pre_aggregators`` as (what it names, its options): a name, an import path or,
+    from Python, a function, alone or as ``{that: {option: value}}``."""
+    if isinstance(spec, dict) and len(spec) == 1:
         ((name, options),) = spec.items()
         options = {} if options is None else options  # `- nnm:` in YAML
     else:
-        name, options = None, None
-    if not isinstance(options, dict):
+        name, options = spec, {}
+    if not (isinstance(name, str) or callable(name)) or not isinstance(options, dict):
         raise ConfigError(
-            f"pre_aggregators: each entry is a name or {{name: {{option: value}}}}, got {spec!r}; "
-            f"choose from: {', '.join(PRE_AGGREGATORS.names())}"
+            f"{key}: each entry is a name, an import path (pkg.module:name) or a function, alone or as "
+            f"{{name: {{option: value}}}}, got {cut(repr(spec))}; the names: {', '.join(PRE_AGGREGATORS.names())}"
         )
-    Checks("pre_aggregators").choice(name, name, PRE_AGGREGATORS)
+    return name, options
+
+
+def pre_aggregator(spec: object, f: int | None = None, key: str = "pre_aggregators") -> PreAggregator:
+    """A registered pre-aggregator, ``name`` or ``{name: {option: value}}``; ``f``, the run's number
+    of Byzantine clients, fills an ``f`` the options leave unset. ``key`` names the entry in errors."""
+    name, options = entry(spec, key)
+    registered(key, PRE_AGGREGATORS, name)
     if f is not None:
         options = with_assumed_attackers(name, options, f, PRE_AGGREGATORS)
     factory = PRE_AGGREGATORS.get(name)
-    refuse_unknown("pre_aggregators", name, options, list(inspect.signature(factory).parameters))
-    return factory(**options)
+    refuse_unknown(key, name, options, list(inspect.signature(factory).parameters))
+    try:
+        return factory(**options)
+    except ConfigError as refused:  # OPTIONS' "pre_aggregators: f must be ...", said of this entry
+        raise ConfigError(f"{key}: {name}'s {str(refused).removeprefix(f'{OPTIONS.section}: ')}") from None
+
+
+def own_step(step: Callable, options: dict, label: str) -> PreAggregator:
+    """A pre-aggregator of one's own, ``step(updates, weights, generator, **options)``, with its
+    options bound; what it raises, or returns other than a stack of the updates' length, dtype and
+    device with one weight a row, is said in one line naming it (``label``)."""
+
+    def checked(updates, weights, generator):
+        with user_code(f"{label} failed on {len(updates)} updates of {updates.shape[1]} values"):
+            out = step(updates, weights, generator, **options)
+        rows, counts = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+        if (
+            isinstance(rows, torch.Tensor)
+            and isinstance(counts, torch.Tensor)
+            and rows.ndim == 2
+            and len(rows) >= 1
+            and (rows.shape[1], rows.dtype, rows.device) == (updates.shape[1], updates.dtype, updates.device)
+            and tuple(counts.shape) == (len(rows),)
+        ):
+            return rows, counts
+        got = ", ".join(
+            f"shape {tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            for t in (out if isinstance(out, tuple) else (out,))
+        )
+        raise UserCodeError(
+            f"{label} returned ({got}) for {len(updates)} updates of {updates.shape[1]} values; expected "
+            f"(updates [k', {updates.shape[1]}] {updates.dtype} on {updates.device}, weights [k']), k' >= 1"
+        )
+
+    return equivariant(checked) if is_equivariant(step) else checked
 
 
 def pre_aggregated(
