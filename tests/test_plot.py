@@ -66,7 +66,7 @@ def test_label_from_a_config_key_dotted_or_not(tmp_path):
         "0.1",
         "0.5 (aggregator=krum)",
     ]
-    with pytest.raises(FedsimError, match="data.nope: not a config key"):
+    with pytest.raises(FedsimError, match="^label data.nope: not a config key"):
         plot_runs(histories, label="data.nope")
 
 
@@ -404,7 +404,7 @@ def test_facets_wrap_at_three_numbers_in_order_and_bands_lighten_with_many_lines
     assert len(fig.axes) == 6  # two rows of three, the last two places empty
     assert len(shown[0].lines) == 8
     assert bands(shown[0])[0].get_alpha() == pytest.approx(0.1)  # 0.2 for up to four lines, then 0.2 * 4 / lines
-    with pytest.raises(FedsimError, match="data.nope: not a config key"):
+    with pytest.raises(FedsimError, match="^facet data.nope: not a config key"):
         plot_runs(runs(tmp_path / "x", specs[:2]), facet="data.nope")
 
 
@@ -529,10 +529,10 @@ def test_files_beside_runs_are_skipped_and_a_sweep_folder_gets_its_pattern(tmp_p
         rf'directories, give "{tmp_path}/\*" for them\)$',
     ):
         plot_runs(tmp_path)
-    with pytest.raises(FedsimError, match=r"^aggregatr: not a config key of run 'fedavg' \(did you mean 'aggregator'"):
+    with pytest.raises(FedsimError, match=r"^label aggregatr: not a config key of run 'fedavg' \(did you mean 'agg"):
         plot_runs(tmp_path / "run*", label="aggregatr")
     with pytest.raises(
-        FedsimError, match=r"^attack.typ: .*\(did you mean 'attack.type'\?\); its keys: attack.count, attack.fraction"
+        FedsimError, match=r"^facet attack.typ: .*\(did you mean 'attack.type'\?\); its keys: attack.count, attack.fra"
     ):
         plot_runs(tmp_path / "run*", facet="attack.typ")
 

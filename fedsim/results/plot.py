@@ -112,6 +112,12 @@ def plot_runs(
     """
     histories = as_histories(runs)
     metrics, inches, tokens = _checked_options(histories, metric, x, band, spread, width, loss)
+    for option, key in (("label", label), ("facet", facet)):
+        for history in histories if key is not None else ():
+            try:
+                history.config_value(key)
+            except FedsimError as unknown:  # "KEY: not a config key of run ...", said of the option
+                raise FedsimError(f"{option} {unknown}") from None
     distinguish = ("name",) if label is None else (label,)
     panels = _facets(histories, facet)
     groups = group_repeats(histories, (*distinguish, *([facet] if facet else [])))
