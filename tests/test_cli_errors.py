@@ -512,6 +512,19 @@ CASES = [
         ["exp.yaml: compression.type: algorithm fedproto exchanges no weights, so there is no update to compress"],
     ),
     (
+        "a rule for an algorithm that sends no weights",
+        yaml.safe_dump(GOOD),
+        ["--set", "algorithm=fedproto", "--set", "aggregator=median"],
+        ["fedsim: error: --set aggregator: algorithm fedproto exchanges no weights, so there is no weight update to "
+         "aggregate; use aggregator: fedavg"],
+    ),
+    (
+        "a server optimizer for an algorithm that sends no weights",
+        yaml.safe_dump(GOOD),
+        ["--set", "algorithm=fedproto", "--set", "server_optimizer=fedadam"],
+        ["fedsim: error: --set server_optimizer: algorithm fedproto exchanges no weights"],
+    ),
+    (
         "a key missing from a section given on the command line",
         yaml.safe_dump(GOOD),
         ["--set", "privacy.clip=1.0", "--set", "privacy.noise_multiplier=1.0"],

@@ -117,11 +117,21 @@ def validate(cfg: Config) -> None:
 
 def check_weightless(cfg: Config, algorithm: Algorithm, checks: Checks) -> None:
     """An algorithm whose clients send no weights (``exchanges_weights``: FedProto's prototypes)
-    leaves nothing for what rewrites or compresses the weight updates: such a run would report an
-    attack or a compression that changed nothing."""
+    leaves nothing for what rewrites, compresses or aggregates the weight updates: such a run would
+    report an attack, a compression or a rule that changed nothing."""
     if algorithm.exchanges_weights:
         return
     name = components.describe(cfg.algorithm)
+    unused = [
+        ("aggregator", components.describe(cfg.aggregator) != "fedavg", "aggregator: fedavg"),
+        ("pre_aggregators", bool(cfg.pre_aggregators), "no pre_aggregators"),
+        ("server_optimizer", cfg.server_optimizer != "none", "server_optimizer: none"),
+    ]
+    for key, given, allowed in unused:
+        if given:
+            checks.fail(
+                key, f"algorithm {name} exchanges no weights, so there is no weight update to aggregate; use {allowed}"
+            )
     attack = make_attack(cfg.attack)
     if type(attack).rewrite is not Attack.rewrite:
         checks.fail(
