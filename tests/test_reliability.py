@@ -238,6 +238,10 @@ def test_resume_refuses_changes_that_would_split_the_run(tmp_path):
     code, _, err, _, _ = run_cli(["run", "--resume", str(tmp_path / "run"), "--set", "local.lr=0.5"])
     assert code == 2
     assert_one_line_error(err, "--set local.lr: cannot change when resuming")
+    # a change the run's other keys refuse as well is named as a change first
+    code, _, err, _, _ = run_cli(["run", "--resume", str(tmp_path / "run"), "--set", "local.lr=-1"])
+    assert code == 2
+    assert_one_line_error(err, "--set local.lr: cannot change when resuming")
 
 
 def test_resume_refuses_to_replan_a_cosine_schedule(tmp_path):
