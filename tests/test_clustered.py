@@ -298,6 +298,9 @@ def test_cfl_before_any_split_is_fedavg_number_for_number(tmp_path):
     fedavg = tiny_run(tmp_path / "fedavg", "fedavg", rounds=2)
     cfl = tiny_run(tmp_path / "cfl", "cfl", rounds=2)  # start_round 20: one cluster throughout
     assert torch.equal(fedavg.state["global"], cfl.state["global"])
+    # and its traffic: the server, which assigns the clusters, is not sent a client's back
+    traffic = ("bytes_down", "bytes_up")
+    assert [[r[k] for k in traffic] for r in cfl.rows] == [[r[k] for k in traffic] for r in fedavg.rows]
 
 
 # ----------------------------------------------------------------------------- planted clusters

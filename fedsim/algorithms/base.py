@@ -104,6 +104,9 @@ class Algorithm:
     # reports, each of shape (1,) and a whole number, that clients.csv records in a column of that name
     # after the columns every run has (a client's LoRA rank, say)
     recorded_reports: tuple[str, ...] = ()
+    # reports the server knows already, having set them itself (CFL's cluster): recorded, but no
+    # traffic, as a deployment's client would not send them
+    echoed_reports: tuple[str, ...] = ()
 
     def kept_locally(self) -> torch.Tensor | None:
         """[m] bool over the first m of the flat weights: those each client keeps to itself and that

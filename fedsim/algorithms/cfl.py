@@ -45,6 +45,8 @@ class CFL(Clustered):
     number: the paper has every client in every round, where this never happens.
     """
 
+    echoed_reports = ("cluster",)  # the server assigns a client's cluster
+
     def __init__(
         self,
         eps1: float = 0.4,

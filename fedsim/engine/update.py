@@ -143,7 +143,7 @@ class AggregateUpdates:
     def message_bytes(self) -> tuple[int, int]:
         """Bytes each client receives (the global weights but the part it keeps to itself, and the
         server state its algorithm reads, float32) and sends (its update as ``update_sizes`` counts
-        it, and its reports but the personal states it keeps)."""
+        it, and its reports but the personal states it keeps and those the server set)."""
         state, exchanges = self.state, self.algorithm.exchanges_weights
         whole, sent = update_sizes(state, self.compression) if exchanges else (0, 0)
         read = sum(state.server_state[name].numel() for name in self.algorithm.sent_to_clients)
@@ -151,7 +151,7 @@ class AggregateUpdates:
         reports = sum(
             r[0].numel() * r.element_size()
             for name, r in self.buffers.reports.items()
-            if name not in self.algorithm.personal_state
+            if name not in (*self.algorithm.personal_state, *self.algorithm.echoed_reports)
         )
         return down, sent + reports
 
