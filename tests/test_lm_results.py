@@ -65,10 +65,10 @@ def write_run_dir(path, name="lm", tokens=True, losses=LOSSES, accuracies=TOKEN_
 # ----------------------------------------------------------------------------- the round line
 
 
-def lines_of(rows, personal=False) -> list[str]:
+def lines_of(rows, per_client="") -> list[str]:
     lines = []
     log = RoundLog(write=lines.append)
-    log.personal = personal
+    log.per_client = per_client
     for row in rows:
         log.round_end(row, 10)
     return lines
@@ -88,15 +88,19 @@ def test_an_unevaluated_round_of_a_token_run_reads_like_its_evaluated_ones():
 
 def test_personal_models_of_a_token_run_are_named_by_token_accuracy():
     row = round_row(1, math.log(20.0), 0.3, tokens=True, client_accuracy_mean=0.35)
-    (line,) = lines_of([row], personal=True)
+    (line,) = lines_of([row], per_client="personal")
     assert "ppl 20.00  tok acc 0.3000  personal tok acc 0.3500  train loss" in line
 
 
 def test_a_classification_line_is_as_it_was():
     row = round_row(2, 0.75, 0.875, tokens=False, client_accuracy_mean=0.5)
     assert lines_of([row]) == ["round  2/10  test acc 0.8750  test loss 0.7500  train loss 1.0000  1.50 s"]
-    assert lines_of([row], personal=True) == [
+    assert lines_of([row], per_client="personal") == [
         "round  2/10  test acc 0.8750  personal acc 0.5000  test loss 0.7500  train loss 1.0000  1.50 s"
+    ]
+    # eval_per_client scoring the global model (FedAvg): the mean over the clients' own test splits
+    assert lines_of([row], per_client="client") == [
+        "round  2/10  test acc 0.8750  client acc 0.5000  test loss 0.7500  train loss 1.0000  1.50 s"
     ]
 
 

@@ -30,8 +30,10 @@ class RoundLog:
     ``progress``: True shows the updating display, False prints every line, None shows it when
     the stream is a terminal. ``quiet``: print nothing but warnings. ``stream``: where to write;
     by default ``sys.stdout`` as it is at each call (Jupyter gives every cell its own).
-    ``write``: a function that takes each line instead (no display). ``personal``: the run scores
-    personal models, so each line also shows their mean accuracy (``personal acc``). ``tokens``: a
+    ``write``: a function that takes each line instead (no display). ``per_client``: the run scores
+    each client on its own test split (eval_per_client), so each line also shows the mean of those
+    accuracies, called ``personal acc`` where they score personal models, else ``client acc``
+    (the global model's); "" for neither. ``tokens``: a
     token-level run (a language model), whose lines lead with test loss and perplexity (``ppl``)
     and call its accuracy token accuracy (``tok acc``); set by the first row that has a
     ``test_perplexity``, and kept, so that the rounds left unevaluated read alike.
@@ -52,7 +54,7 @@ class RoundLog:
         self._clock = clock
         self._shown = 0  # characters of the progress line on screen; 0: no line open
         self._first = None  # (time, round) of the first round line, to measure the pace
-        self.personal = False
+        self.per_client = ""
         self.tokens = False
 
     @property
@@ -79,7 +81,7 @@ class RoundLog:
         self.tokens = self.tokens or row.get("test_perplexity") is not None
         if self.quiet:
             return
-        metrics = _metrics(row, self.personal, self.tokens)
+        metrics = _metrics(row, self.per_client, self.tokens)
         if not self.enabled():
             self(f"round {row['round']:>{len(str(rounds))}}/{rounds}  {metrics}")
             return
@@ -138,12 +140,12 @@ class RoundLog:
 SCORING_SHOWN = 0.25  # the share of a round's time from which the round line names the scoring's
 
 
-def _metrics(row: dict, personal: bool = False, tokens: bool = False) -> str:
+def _metrics(row: dict, per_client: str = "", tokens: bool = False) -> str:
     named = "tok acc" if tokens else "acc"
     scored = row.get("test_samples") is not None  # evaluated: a NaN there is the model's, shown as nan
     acc = _cell(row["test_accuracy"], scored=scored)
-    if personal:  # beside the global model's: the mean over the clients' own models and test splits
-        acc += f"  personal {named} " + _cell(row.get("client_accuracy_mean"))
+    if per_client:  # beside the test set's: the mean over the clients' own test splits
+        acc += f"  {per_client} {named} " + _cell(row.get("client_accuracy_mean"))
     loss = _cell(row["test_loss"], scored=scored)
     extra = f"  dropped {row['dropped_clients']}" if row["dropped_clients"] else ""
     if row.get("unavailable"):  # sampled while offline (system.availability)

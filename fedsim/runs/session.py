@@ -259,7 +259,8 @@ class Session:
         for message in [*notes, feature_header(self.cfg, update_bytes(self.state, self.compression))]:
             if message:
                 logger.info(message)
-        self.log.personal = bool(self.client_eval) and self.state.algorithm.has_personal_model
+        if self.client_eval:
+            self.log.per_client = "personal" if self.state.algorithm.has_personal_model else "client"
         self.log.tokens = self.engine.test[1].ndim == 2  # a language model's run: loss and perplexity first
 
     def _start(self) -> None:
