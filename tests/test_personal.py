@@ -265,6 +265,10 @@ def test_the_bound_on_the_clients_state_is_refused_naming_the_key(tmp_path):
             "the model to share",
         ),
         (
+            {"algorithm": "fedper", "algorithm_options": {"personal_layers": ["fc3", "fc3"]}},
+            "config: algorithm_options: personal_layers names 'fc3' twice; name each layer once",
+        ),
+        (
             {"algorithm": "fedper", "algorithm_options": {"head": "fc3"}},
             "algorithm_options: fedper takes no option 'head'",
         ),

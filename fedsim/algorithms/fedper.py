@@ -44,6 +44,9 @@ class FedPer(Algorithm):
                 "personal_layers",
                 f"must be a list of layer names (or null: the model's last layer), got {personal_layers!r}",
             )
+        twice = [name for i, name in enumerate(personal_layers or ()) if name in personal_layers[:i]]
+        if twice:
+            CHECKS.fail("personal_layers", f"names {twice[0]!r} twice; name each layer once")
         self.personal_layers = personal_layers
         self.head: torch.Tensor | None = None  # [n] bool: the personal coordinates of the trainable weights
 
