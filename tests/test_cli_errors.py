@@ -515,8 +515,10 @@ CASES = [
         "a rule for an algorithm that sends no weights",
         yaml.safe_dump(GOOD),
         ["--set", "algorithm=fedproto", "--set", "aggregator=median"],
-        ["fedsim: error: --set aggregator: algorithm fedproto exchanges no weights, so there is no weight update to "
-         "aggregate; use aggregator: fedavg"],
+        [
+            "fedsim: error: --set aggregator: algorithm fedproto exchanges no weights, so there is no weight update to "
+            "aggregate; use aggregator: fedavg"
+        ],
     ),
     (
         "a server optimizer for an algorithm that sends no weights",
@@ -536,7 +538,9 @@ CASES = [
         with_change("attack", {"type": "ipm", "count": 2}),
         ["--set", "aggregator=krum"],
         [
-            "exp.yaml: aggregator_options: f = 2 is too large for k = 4 clients per round: Krum needs k > 2f + 2",
+            # options nobody set, refused for the rule the --set chose: said of that --set
+            "fedsim: error: --set aggregator: aggregator_options: f = 2 is too large for k = 4 clients per round: "
+            "Krum needs k > 2f + 2",
             "(k is clients_per_round 2 plus attack.count 2, and f is attack.count where the options set none)",
         ],
     ),

@@ -69,9 +69,16 @@ def load_config(
         given = next((how for k, how in from_overrides.items() if k.partition(".")[0] == section), None)
         if place.startswith(f"{origin}:") and "." in key and section not in sections_given and given:
             place = f"{given} {key}"
+        # options nobody gave, refused for the component an override chose: said of that override
+        owner = _OPTIONS_OF.get(key)
+        if place.startswith(f"{origin}:") and section not in sections_given and owner in from_overrides:
+            place = f"{where(origin, owner, from_overrides)}: {key}"
         raise ConfigError(f"{place}: {message}") from None
     cfg.origin = (origin, from_overrides)  # for errors found later (see config.locate), and overrides_of
     return cfg
+
+
+_OPTIONS_OF = {"aggregator_options": "aggregator", "algorithm_options": "algorithm", "model_options": "model"}
 
 
 def _nested_copy(value: Any) -> Any:
