@@ -109,18 +109,21 @@ def cells(args) -> dict:
 def heatmap(curves: dict) -> list[dict]:
     """ByzFL's cell figure from ``{(rule, gamma, f, attack): [curve per seed]}``, with how much of
     the cell ran: its attacks, and the fewest seeds of any of them (a cell of a grid cut short
-    may lack some)."""
+    may lack some); ``by_attack``, each attack's own figure (the rules x attacks table)."""
     worst: dict = {}
     for (rule, gamma, f, attack), per_seed in curves.items():
         length = min(len(c) for c in per_seed)
         mean = [sum(c[i] for c in per_seed) / len(per_seed) for i in range(length)]
         best = max(mean)
         key = (rule, gamma, f)
-        cell = worst.setdefault(key, {"accuracy": best, "worst_attack": attack, "attacks": 0, "seeds": len(per_seed)})
+        cell = worst.setdefault(
+            key, {"accuracy": best, "worst_attack": attack, "attacks": 0, "seeds": len(per_seed), "by_attack": {}}
+        )
         if best < cell["accuracy"]:
             cell.update(accuracy=best, worst_attack=attack)
         cell["attacks"] += 1
         cell["seeds"] = min(cell["seeds"], len(per_seed))
+        cell["by_attack"][attack] = best
     return [
         {"rule": rule, "gamma": gamma, "f": f, **cell}
         for (rule, gamma, f), cell in sorted(worst.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2]))
@@ -304,6 +307,16 @@ def sweep_cells(folders: list[Path], steps: int | None = None) -> dict:
     return {"cells": heatmap(curves), "runs": runs, "unfinished_runs": unfinished}
 
 
+def attack_table(cells: list[dict]) -> str:
+    """The rules x attacks table: one row per cell (rule, gamma, f), one column per attack (ByzFL's
+    in its order, then any other)."""
+    ran = {a for cell in cells for a in cell["by_attack"]}
+    attacks = [a for a in ATTACKS if a in ran] + sorted(ran - set(ATTACKS))
+    columns = [("rule", "rule", ""), ("gamma", "gamma", ".2f"), ("f", "f", "d")]
+    columns += [(attack, attack, ".4f") for attack in attacks]
+    return harness.format_table(columns, [{**cell, **cell["by_attack"]} for cell in cells])
+
+
 def write_heatmaps(sides: dict, folder: Path) -> list[Path]:
     """One heatmap per tool and rule, as ByzFL draws its own: gamma down, f across, each cell the
     worst attack's accuracy (``{tool}_{rule}_heatmap.png``)."""
@@ -341,8 +354,14 @@ def main(argv=None) -> int:
         print(harness.format_table(COLUMNS, [{"tool": "fedsim", **cell} for cell in side["cells"]]))
         if side["unfinished_runs"]:
             print(f"fedsim: {side['unfinished_runs']} runs did not finish and are left out of the cells")
+        print("\neach attack's figure: the best evaluation of its seeds' mean curve")
+        print(attack_table(side["cells"]))
         for path in write_heatmaps({"fedsim": side}, Path(args.heatmaps)) if args.heatmaps else []:
             print(f"wrote {path}")
+        path = harness.write_results(
+            "bench_byzfl", args, harness.machine_info(), "cpu", [], {"sides": {"fedsim": side}}
+        )
+        print(f"\nwrote {path}")
         return 0
     grid = cells(args)
     data_root = args.data_root or os.environ.get("FEDSIM_DATA")

@@ -33,6 +33,10 @@ def test_a_cell_is_the_worst_attacks_best_of_the_seeds_mean_curve(bench_byzfl):
     assert (hard["attacks"], hard["seeds"]) == (3, 1)  # the cell lacks seeds: it says so
     assert (cells[(0.0, 1)]["accuracy"], cells[(0.0, 1)]["attacks"]) == (0.3, 1)
     assert list(cells) == [(0.33, 4), (0.0, 1)]  # gamma down, as ByzFL's heatmaps
+    assert hard["by_attack"] == pytest.approx({"sign_flip": 0.75, "optimal_ipm": 0.75, "optimal_alie": 0.7})
+    table = bench_byzfl.attack_table(list(cells.values())).splitlines()
+    assert table[0].split() == ["rule", "gamma", "f", "sign_flip", "optimal_ipm", "optimal_alie"]  # ByzFL's order
+    assert table[2].split() == ["trimmed_mean", "0.33", "4", "0.7500", "0.7500", "0.7000"]
 
 
 def test_commands_run_n_at_a_time_and_stop_at_the_budget(bench_byzfl, tmp_path):
