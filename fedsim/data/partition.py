@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import numbers
 import operator
 from collections.abc import Sequence
 from fractions import Fraction
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.checks import refuse_unknown
+from ..core.checks import is_integer, is_number, refuse_unknown
 from ..core.errors import ConfigError
 from ..core.registry import Registry
 from ..core.streams import partition_rng, test_split_rng
@@ -115,7 +114,7 @@ def split(
             f"data.partition: {method} splits by class labels; text data has none: use natural or iid "
             f"(or {', '.join(sorted(WITHOUT_LABELS - {'natural', 'iid'}))})"
         )
-    if not _integer(num_clients) or num_clients < 1:
+    if not is_integer(num_clients) or num_clients < 1:
         raise _invalid("num_clients", "an integer >= 1", num_clients)
     if num_clients > len(labels):
         raise ConfigError(f"data.num_clients: {num_clients} clients but only {len(labels)} samples")
@@ -200,18 +199,8 @@ def _invalid(key: str, allowed: str, got) -> ConfigError:
     return ConfigError(f"data.{key}: must be {allowed}, got {got!r}")
 
 
-def _real(value) -> bool:
-    """A number, but not a bool (which Python counts as one)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _integer(value) -> bool:
-    """An integer, but not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _check_positive(key: str, value) -> None:
-    if not (_real(value) and math.isfinite(value) and value > 0):
+    if not (is_number(value) and value > 0):
         raise _invalid(key, "a finite number > 0", value)
 
 
@@ -291,7 +280,7 @@ def gamma_similarity(
     others, sorted by label (then by position), are cut into equal consecutive parts; each client
     gets one part of each. Each cut gives its first clients the one sample more, so sizes differ by
     at most two, as ByzFL's do."""
-    if not _real(gamma) or not 0 <= gamma <= 1:
+    if not is_number(gamma) or not 0 <= gamma <= 1:
         raise _invalid("gamma", "a number in [0, 1]", gamma)
     order = rng.permutation(len(labels))
     similar = int(Fraction(str(gamma)) * len(labels))
@@ -330,7 +319,7 @@ def dirichlet(
     10 samples per client (``min_samples: 10``); it truncates the cumulative share bounds where
     fedsim rounds them (counts within one sample of share x class size either way)."""
     _check_positive("alpha", alpha)
-    if not _integer(min_samples) or not 0 <= min_samples * num_clients <= len(labels):
+    if not is_integer(min_samples) or not 0 <= min_samples * num_clients <= len(labels):
         raise _invalid(
             "min_samples",
             f"an integer from 0 to {len(labels) // num_clients} ({len(labels)} samples over {num_clients} clients)",
@@ -377,7 +366,7 @@ def _capped_counts(rng, alpha, class_sizes, num_clients: int, cap: float) -> np.
 def shards(
     labels: np.ndarray, num_clients: int, rng: np.random.Generator, shards_per_client: int = 2
 ) -> list[np.ndarray]:
-    if not _integer(shards_per_client) or shards_per_client < 1:
+    if not is_integer(shards_per_client) or shards_per_client < 1:
         raise _invalid("shards_per_client", "an integer >= 1", shards_per_client)
     num_shards = num_clients * shards_per_client
     if len(labels) % num_shards:
@@ -408,7 +397,7 @@ def label_k(
     class nobody drew are left out."""
     num_classes = len(np.unique(labels))
     k = classes_per_client
-    if not _integer(k) or not 1 <= k <= num_classes:
+    if not is_integer(k) or not 1 <= k <= num_classes:
         raise _invalid("classes_per_client", f"an integer from 1 to the {num_classes} classes of the data", k)
     clients = np.arange(num_clients)
     first = rng.permutation(num_classes)[clients % num_classes]
@@ -438,7 +427,7 @@ def quantity(
     alpha: float = 0.5,
 ) -> list[np.ndarray]:
     if quantity_skew == "lognormal":
-        if not (_real(sigma) and math.isfinite(sigma) and sigma >= 0):
+        if not (is_number(sigma) and sigma >= 0):
             raise _invalid("sigma", "a finite number >= 0", sigma)
         weights = rng.lognormal(0.0, sigma, num_clients)
         if not math.isfinite(weights.sum()):  # exp(sigma z) past float64's largest for some draw z
