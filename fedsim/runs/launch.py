@@ -220,12 +220,11 @@ def _resumable(path: Path, overrides: list[str] | dict | None) -> set[str]:
         # both with the components given again (a class of the user's script is recorded by name only)
         again = {key: value for key, value in flatten_config(given) if key in components.KEYS}
         before = dict(flatten_config(load_config(path / "config.yaml", again).to_dict()))
+        broken = None
         try:
             after = dict(flatten_config(load_config(path / "config.yaml", overrides).to_dict()))
-        except ConfigError:  # a change that breaks the run's config is, first, a change a resume refuses
-            after = {**before, **dict(flatten_config(given))}
-            if not any(_part_of(key, fixed) and before.get(key) != value for key, value in after.items()):
-                raise
+        except ConfigError as error:  # a change that breaks the run's config is, first, a change a resume refuses
+            after, broken = {**before, **dict(flatten_config(given))}, error
         changed = sorted(
             key
             for key in set(before) | set(after)
@@ -237,6 +236,8 @@ def _resumable(path: Path, overrides: list[str] | dict | None) -> set[str]:
                 f"{spelled[asked]} {changed[0]}: cannot change when resuming (the rounds before and after "
                 f"would not be one run); allowed: {', '.join(sorted(RESUMABLE_KEYS))}"
             )
+        if broken:
+            raise broken
     return set(spelled)
 
 
