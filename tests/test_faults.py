@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from support import assert_one_line_error, run_cli, start, tagged_processes, wait_for_round
+from support import TESTS_DIR, assert_one_line_error, run_cli, start, tagged_processes, wait_for_round
 
 import fedsim
 from fedsim.cli import main
@@ -676,8 +676,20 @@ def test_ctrl_c_while_the_workers_import_torch_is_one_line(tmp_path):
     time.sleep(0.2)  # the fork server is importing torch for the workers now, and so is the command
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to every process of the group
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
+    assert proc.returncode == 130, err
     assert len(err.strip().splitlines()) == 1 and err.startswith("fedsim: interrupted"), err
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_caught_in_code_made_from_source_text_still_exits_130(tmp_path):
+    # a Ctrl-C landing while a dataclass or namedtuple makes its methods (exec of source text):
+    # CPython remembers it even once handled, and under `python -m` would end the process by SIGINT
+    (tmp_path / "interrupting.py").write_text('exec("raise KeyboardInterrupt", {})\n')
+    config = write_config(tmp_path, model="interrupting:Net", workers=0)
+    code, _, err, _, _ = run_cli(
+        ["run", str(config), "--out", str(tmp_path / "run")], PYTHONPATH=f"{tmp_path}{os.pathsep}{TESTS_DIR}"
+    )
+    assert code == 130 and err == "fedsim: interrupted\n", (code, err)
 
 
 @pytest.mark.slow

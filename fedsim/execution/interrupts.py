@@ -84,9 +84,19 @@ def install_handlers(kill_workers: Callable[[], object]) -> None:
 
 
 def exiting() -> None:
-    """The command has its exit status; from here on a signal changes nothing."""
+    """The command has its exit status; from here on a signal changes nothing, and neither does a
+    KeyboardInterrupt the command caught and handled."""
     global _exiting
     _exiting = True
+    _forget_caught_interrupts()
+
+
+def _forget_caught_interrupts() -> None:
+    """Under ``python -m``, CPython ends the process by SIGINT instead of with its exit status when
+    a KeyboardInterrupt once ended code run from source text (``exec`` of a string, as dataclasses
+    and namedtuples make their methods), even one caught and handled since: a Ctrl-C that lands
+    there while a run starts. Each such run forgets that as it begins, so an empty one forgets it."""
+    exec("", {})
 
 
 def _ignore_stop_signals() -> None:
