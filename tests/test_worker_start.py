@@ -8,6 +8,7 @@ runner) raises, exits or hangs. The server calls ``setup`` too, and there it doe
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 import time
@@ -20,6 +21,7 @@ from support import assert_one_line_error, run_cli, shm_entries, shm_left_behind
 from fedsim.algorithms.fedavg import FedAvg
 from fedsim.core.errors import ConfigError
 from fedsim.execution.pool import NOT_RUNNING, WorkerPool
+from fedsim.execution.processes import start_fork_server
 from fedsim.execution.resources import quiet_resource_sharer, start_seconds
 
 pytestmark = pytest.mark.slow
@@ -133,3 +135,46 @@ def test_workers_not_started_are_each_named_with_their_last_stage():
         "worker 1 still starting its process (the fork server may still be importing torch); "
         "raise FEDSIM_WORKER_START_SECONDS if start-up is really this slow"
     )
+
+
+def _has_imported(name: str, report: str) -> None:
+    with open(report, "w") as file:
+        file.write(str(name in sys.modules))
+
+
+def _fork_server_pid():
+    return multiprocessing.forkserver._forkserver._forkserver_pid
+
+
+def test_a_fork_server_without_a_runs_imports_is_started_anew_with_them_where_no_worker_lives(tmp_path, monkeypatch):
+    """A notebook's CNN run, then a LoRA run: its workers fork from a server that imported peft,
+    instead of each importing it (here, two modules of this test's own, which nothing else imports)."""
+    for name in ("preloaded_first", "preloaded_second"):
+        (tmp_path / f"{name}.py").write_text("")
+    # where a fork server started anew finds them (python 3.11's ignores the sys.path it is given)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    context = multiprocessing.get_context("forkserver")
+
+    def imported_in_a_worker(name):
+        worker = context.Process(target=_has_imported, args=(name, str(tmp_path / name)))
+        worker.start()
+        worker.join(60)
+        return (tmp_path / name).read_text() == "True"
+
+    start_fork_server()
+    first = _fork_server_pid()
+    assert not imported_in_a_worker("preloaded_first")
+    start_fork_server(["preloaded_first"])
+    second = _fork_server_pid()
+    assert second != first and imported_in_a_worker("preloaded_first")
+    start_fork_server(["preloaded_first"])
+    start_fork_server()
+    assert _fork_server_pid() == second  # it has them: kept
+    alive = context.Process(target=time.sleep, args=(60,))
+    alive.start()
+    try:
+        start_fork_server(["preloaded_second"])  # restarting it would end the worker alive
+        assert _fork_server_pid() == second and alive.is_alive() and not imported_in_a_worker("preloaded_second")
+    finally:
+        alive.kill()
+        alive.join()

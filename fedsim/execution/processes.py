@@ -54,14 +54,31 @@ def worker_context(extra: list[str] | tuple[str, ...] = ()) -> multiprocessing.c
     return context
 
 
+# the fork server this process started (its pid), and what it imported beside PRELOAD
+_started: tuple[int | None, frozenset[str]] = (None, frozenset())
+
+
 def start_fork_server(extra: list[str] | tuple[str, ...] = ()) -> None:
     """Start the fork server, if it is not running, and return at once: it imports torch and
-    fedsim (and ``extra``) in its own process while this one goes on."""
-    if worker_context(extra).get_start_method() == "forkserver":
-        with born_ignoring_sigint():
-            multiprocessing.forkserver.ensure_running()
-        atexit.unregister(_stop_fork_server)
-        atexit.register(_stop_fork_server)
+    fedsim (and ``extra``) in its own process while this one goes on.
+
+    One that runs without some of ``extra`` (started for an earlier run of this process: a
+    notebook's CNN, then a LoRA run) is started anew with them, where no worker of it is alive:
+    otherwise every worker would import them itself, seconds each for peft and transformers."""
+    global _started
+    server = multiprocessing.forkserver._forkserver
+    running = getattr(server, "_forkserver_pid", None)
+    imported = _started[1] if running is not None and running == _started[0] else frozenset()
+    if worker_context(sorted(imported | set(extra))).get_start_method() != "forkserver":
+        return
+    if running is not None and not set(extra) <= imported and not multiprocessing.active_children():
+        server._stop()  # the workers are its children, and none is alive
+    with born_ignoring_sigint():
+        multiprocessing.forkserver.ensure_running()
+    if server._forkserver_pid != running:
+        _started = (server._forkserver_pid, imported | frozenset(extra))
+    atexit.unregister(_stop_fork_server)
+    atexit.register(_stop_fork_server)
 
 
 def _stop_fork_server() -> None:
