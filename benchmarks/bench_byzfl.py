@@ -49,6 +49,7 @@ ATTACKS = {
     "optimal_ipm": "Optimal_InnerProductManipulation",
     "optimal_alie": "Optimal_ALittleIsEnough",
 }
+RUN_MACHINE = ("device", "device_name", "cpus", "torch")  # what a run's summary says of its machine
 COLUMNS = [
     ("tool", "tool", ""),
     ("rule", "rule", ""),
@@ -303,8 +304,29 @@ def sweep_cells(folders: list[Path], steps: int | None = None) -> dict:
         curves.setdefault(key, []).append(list(history.test_accuracy))
         trained = history.summary["wall_seconds"] - history.summary["startup_seconds"]
         curve = list(history.test_accuracy)
-        runs.append(dict(zip(("rule", "gamma", "f", "attack"), key), seed=cfg["seed"], seconds=trained, accuracy=curve))
-    return {"cells": heatmap(curves), "runs": runs, "unfinished_runs": unfinished}
+        machine = {k: history.summary.get(k) for k in (*RUN_MACHINE, "load_average")}
+        run = dict(zip(("rule", "gamma", "f", "attack"), key), seed=cfg["seed"], seconds=trained, accuracy=curve)
+        runs.append({**run, "machine": machine})
+    return {"cells": heatmap(curves), "runs": runs, "unfinished_runs": unfinished, "ran_on": ran_on(runs)}
+
+
+def ran_on(runs: list[dict]) -> list[dict]:
+    """The machines the runs ran on, as their summaries record them, each with its number of runs
+    and the range of the load averages they ended at."""
+    machines: dict = {}
+    for run in runs:
+        machine = run["machine"]
+        entry = machines.setdefault(tuple(machine[k] for k in RUN_MACHINE), {"runs": 0, "loads": []})
+        entry["runs"] += 1
+        entry["loads"] += [machine["load_average"]] if machine["load_average"] is not None else []
+    return [
+        {**dict(zip(RUN_MACHINE, key)), "runs": e["runs"], "load_average": _range(e["loads"])}
+        for key, e in machines.items()
+    ]
+
+
+def _range(values: list[float]) -> list[float] | None:
+    return [min(values), max(values)] if values else None
 
 
 def attack_table(cells: list[dict]) -> str:
@@ -354,6 +376,13 @@ def main(argv=None) -> int:
         print(harness.format_table(COLUMNS, [{"tool": "fedsim", **cell} for cell in side["cells"]]))
         if side["unfinished_runs"]:
             print(f"fedsim: {side['unfinished_runs']} runs did not finish and are left out of the cells")
+        for machine in side["ran_on"]:
+            load = machine["load_average"]
+            print(
+                f"{machine['runs']} runs ran on {machine['device_name']} ({machine['device']}, "
+                f"a {machine['cpus']}-core machine), torch {machine['torch']}"
+                + (f", load average {load[0]:g} to {load[1]:g}" if load else "")
+            )
         print("\neach attack's figure: the best evaluation of its seeds' mean curve")
         print(attack_table(side["cells"]))
         for path in write_heatmaps({"fedsim": side}, Path(args.heatmaps)) if args.heatmaps else []:

@@ -68,3 +68,29 @@ def test_commands_at_once_are_bound_to_cores_of_their_own(bench_byzfl, tmp_path)
     bound = [set(map(int, m.read_text().split())) for m in marks]
     share = len(cores) // 2
     assert all(len(b) == share and b <= set(cores) for b in bound) and not bound[0] & bound[1]
+
+
+@pytest.mark.slow
+def test_the_table_of_sweeps_already_run_names_the_machine_they_ran_on(bench_byzfl, tmp_path, capsys):
+    """--from-sweep: the cells, the rules x attacks table and the JSON of a sweep of the experiment
+    file (two rounds on generated data here), with the machine the runs recorded, not this one."""
+    import json
+
+    from fedsim.runs.sweep import sweep
+
+    experiment = REPO / "experiments" / "robustness" / "byzfl.yaml"
+    overrides = ["rounds=2", "eval_every=1", "data.dataset=synthetic", "workers=0", "checkpoint_every=0"]
+    grid = ["rule=trimmed_mean", "attack.count=1", "data.gamma=0.33", "attack.type=sign_flip,optimal_ipm"]
+    sweep(str(experiment), grid, overrides, out=tmp_path / "sweep", quiet=True, seeds=[0])
+    output = tmp_path / "table.json"
+    assert bench_byzfl.main(["--from-sweep", str(tmp_path / "sweep"), "--output", str(output)]) == 0
+    printed = capsys.readouterr().out
+    (cell,) = json.loads(output.read_text())["sides"]["fedsim"]["cells"]
+    assert (cell["rule"], cell["gamma"], cell["f"], cell["attacks"], cell["seeds"]) == ("trimmed_mean", 0.33, 1, 2, 1)
+    assert cell["accuracy"] == min(cell["by_attack"].values())
+    (machine,) = json.loads(output.read_text())["sides"]["fedsim"]["ran_on"]
+    summary = json.loads(next((tmp_path / "sweep").glob("*/summary.json")).read_text())
+    assert machine["runs"] == 2 and machine["device_name"] == summary["device_name"]
+    assert machine["torch"] == summary["torch"] and machine["cpus"] == summary["cpus"]
+    assert f"2 runs ran on {summary['device_name']}" in printed
+    assert "sign_flip" in printed and "optimal_ipm" in printed
