@@ -71,8 +71,9 @@ def start_fork_server(extra: list[str] | tuple[str, ...] = ()) -> None:
     imported = _started[1] if running is not None and running == _started[0] else frozenset()
     if worker_context(sorted(imported | set(extra))).get_start_method() != "forkserver":
         return
-    if running is not None and not set(extra) <= imported and not multiprocessing.active_children():
-        server._stop()  # the workers are its children, and none is alive
+    stop = getattr(server, "_stop", None)  # multiprocessing's own, for its tests (3.8 on)
+    if running is not None and stop and not set(extra) <= imported and not multiprocessing.active_children():
+        stop()  # the workers are its children, and none is alive
     with born_ignoring_sigint():
         multiprocessing.forkserver.ensure_running()
     if server._forkserver_pid != running:
