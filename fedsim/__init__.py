@@ -34,6 +34,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
 _API = {
     "run": "runs.launch",
     "resume": "runs.launch",
+    "sweep": "runs.sweep",
     "load_config": "experiment.validation",
     "Config": "experiment.config",
     "History": "results.history",

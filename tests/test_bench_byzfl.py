@@ -76,12 +76,12 @@ def test_the_table_of_sweeps_already_run_names_the_machine_they_ran_on(bench_byz
     file (two rounds on generated data here), with the machine the runs recorded, not this one."""
     import json
 
-    from fedsim.runs.sweep import sweep
+    import fedsim
 
     experiment = REPO / "experiments" / "robustness" / "byzfl.yaml"
     overrides = ["rounds=2", "eval_every=1", "data.dataset=synthetic", "workers=0", "checkpoint_every=0"]
     grid = ["rule=trimmed_mean", "attack.count=1", "data.gamma=0.33", "attack.type=sign_flip,optimal_ipm"]
-    sweep(str(experiment), grid, overrides, out=tmp_path / "sweep", quiet=True, seeds=[0])
+    fedsim.sweep(str(experiment), grid, overrides, out=tmp_path / "sweep", quiet=True, seeds=[0])
     output = tmp_path / "table.json"
     assert bench_byzfl.main(["--from-sweep", str(tmp_path / "sweep"), "--output", str(output)]) == 0
     printed = capsys.readouterr().out

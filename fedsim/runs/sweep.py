@@ -179,7 +179,10 @@ def sweep(
     pivot: str | None = None,
 ) -> list[SweepRun]:
     """Run every grid point of ``config`` (under every seed of ``seeds``) into ``out`` (default
-    ``runs/<name>-sweep-<timestamp>``); return the runs with their histories and write
+    ``runs/<name>-sweep-<timestamp>``), as ``fedsim sweep`` does: ``grid`` and ``overrides`` as
+    its ``--grid`` and ``--set`` take them (``["aggregator=median,krum", "attack.count=1,2"]``,
+    ``["rounds=20"]``), ``seeds`` as ``--seeds`` (``"0,1,2"`` or a list). Return the runs with
+    their histories and write
     ``out/sweep.csv`` (with ``seeds``, one row per configuration, and ``out/runs.csv``, one per
     run). ``target``: report the rounds to this test accuracy (a fraction; the runs go on),
     instead of each configuration's ``stop_at_accuracy``. ``pivot``: ``"ROW,COLUMN"``, two grid
