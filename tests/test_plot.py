@@ -546,3 +546,23 @@ def test_the_title_says_which_keys_outside_the_description_vary(tmp_path):
     ]
     title = " ".join(plot_runs(runs(tmp_path, specs), label="aggregator").axes[0].get_title().splitlines())
     assert "aggregator varies, algorithm fedavg; attack.type varies" in title
+
+
+def test_runs_that_combine_their_updates_in_different_ways_say_the_aggregation_varies(tmp_path):
+    """FedAvg, IFCA and FedProto share the config's aggregator (fedavg), not what they do with it."""
+    histories = runs(
+        tmp_path,
+        [
+            {"name": "fedavg", "settings": {"algorithm": "fedavg"}},
+            {"name": "ifca", "settings": {"algorithm": "ifca"}},
+            {"name": "fedproto", "settings": {"algorithm": "fedproto"}},
+        ],
+    )
+    aggregations = ["fedavg", "fedavg within each of 4 clusters", "none: each client keeps its model; ..."]
+    for history, aggregation in zip(histories, aggregations):
+        history.summary["aggregation"] = aggregation
+    title = " ".join(plot_runs(histories).axes[0].get_title().splitlines())
+    assert "aggregation varies, algorithm varies" in title and "aggregator fedavg" not in title, title
+    histories[1].summary["aggregation"] = histories[2].summary["aggregation"] = "fedavg"
+    title = " ".join(plot_runs(histories).axes[0].get_title().splitlines())
+    assert "aggregator fedavg, algorithm varies" in title, title

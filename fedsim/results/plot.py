@@ -574,7 +574,11 @@ def _shared_description(histories: list[History]) -> str | None:
         for key, value in overrides[0].items()
         if key != "seed" and key not in varying and all(o.get(key, value) == value and key in o for o in overrides)
     }
+    # runs whose algorithms combine the updates each its own way (FedAvg's rule, IFCA's clusters,
+    # FedProto's prototypes) share no aggregation, though their configs may share the rule's key
     aggregations = {h.summary.get("aggregation") for h in histories}
+    if len(aggregations - {None}) > 1:
+        aggregations = {"varies"}
     # the keys that vary which describe_run does not name (a sweep's attack.type) are said to vary
     others = sorted(varying - DESCRIBED_KEYS - RUN_SPECIFIC_KEYS)
     # an options section empty in some runs is a key of its own there: its keys say what varies
