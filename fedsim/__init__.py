@@ -45,6 +45,7 @@ _API = {
     "plot_runs": "results.plot",
     "Algorithm": "algorithms",
     "Callback": "runs.callbacks",
+    "FedsimError": "core.errors",
 }
 # public modules as attributes, imported when first used: fedsim.aggregation.get(...), fedsim.callbacks.TensorBoard()
 _MODULES = {

@@ -104,21 +104,18 @@ def test_a_model_rule_algorithm_and_dataset_from_a_scripts_main_run_in_the_worke
 
 
 @pytest.mark.slow
-def test_a_script_without_the_main_guard_gets_one_line_naming_it(tmp_path):
+@pytest.mark.parametrize(
+    "call",
+    ["fedsim.run({config!r}, out='run', quiet=True)", "fedsim.sweep({config!r}, 'seed=1,2', out='sweep', quiet=True)"],
+)
+def test_a_script_without_the_main_guard_gets_one_line_naming_it(tmp_path, call):
     # every worker imports the script that started the run, and would run it again
     script = tmp_path / "unguarded.py"
-    script.write_text(
-        textwrap.dedent(f"""
-        import fedsim
-
-        fedsim.run({dict(TINY, workers=2)!r}, out="run", quiet=True)
-        print("the run returned")
-    """)
-    )
+    script.write_text(f"import fedsim\n\n{call.format(config=dict(TINY, workers=2))}\nprint('returned')\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert done.returncode == 1 and done.stdout == ""
+    assert done.returncode == 1 and "returned" not in done.stdout
     assert done.stderr.splitlines() == [
-        "fedsim: error: this script calls fedsim.run outside an `if __name__ == "
+        "fedsim: error: this script calls fedsim.run (or resume, or sweep) outside an `if __name__ == "
         '"__main__":` block, so every worker process, which imports the script, '
         "would start the run again; put the call under that guard"
     ]

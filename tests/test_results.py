@@ -245,6 +245,22 @@ def test_a_failed_or_empty_run_is_left_out_with_a_warning(tmp_path, caplog):
         fedsim.load_runs(tmp_path / "runs-[cd]")
 
 
+def test_a_table_takes_run_directories_patterns_and_a_sweep_s_runs_as_plots_do(tmp_path):
+    from types import SimpleNamespace
+
+    write_run(tmp_path / "sweep" / "runs-a", seed=0, accuracies=(0.5, 0.7))
+    write_run(tmp_path / "sweep" / "runs-b", seed=1, accuracies=(0.6, 0.9))
+    expected = results_table(fedsim.load_runs(tmp_path / "sweep" / "*"))
+    assert results_table(str(tmp_path / "sweep" / "*")) == expected
+    assert results_table([tmp_path / "sweep" / "runs-a", tmp_path / "sweep" / "runs-b"]) == expected
+    swept = [SimpleNamespace(history=h) for h in fedsim.load_runs(tmp_path / "sweep" / "*")]  # fedsim.sweep's runs
+    assert results_table(swept) == expected and fedsim.plot_runs(swept).axes
+    with pytest.raises(FedsimError, match=r'sweep: not a run directory .*give ".*/sweep/\*" for them'):
+        results_table(tmp_path / "sweep")
+    with pytest.raises(FedsimError, match="^no runs for the table: got int 3; give History objects, a sweep's runs"):
+        results_table([3])
+
+
 def test_two_runs_with_the_same_seed_count_as_one(tmp_path, caplog):
     first = write_run(tmp_path / "first", seed=0, accuracies=(0.5, 0.7))
     again = write_run(tmp_path / "again", seed=0, accuracies=(0.5, 0.7), settings={"workers": 4})

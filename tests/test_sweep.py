@@ -408,12 +408,75 @@ def test_seeds_repeat_every_point_under_one_name(config_file):
         ([], "0,x", "expected integers"),
         ([], "1,2,1", "listed twice"),
         ([], "0,-1", "seed"),  # the config's own check: seeds are >= 0
+        ([], 3, r"^--seeds: expected a list of integers or a string such as 0,1,2, got int 3$"),
+        ([], {0: 1}, "--seeds: expected a list of integers"),
+        ([], [0.5], r"^--seeds \[0.5\]: expected integers"),
     ],
 )
 def test_bad_seeds_are_refused_before_anything_runs(config_file, fake_runs, tmp_path, grid, seeds, words):
     with pytest.raises(ConfigError, match=words):
         sweep(config_file, grid, seeds=seeds, out=tmp_path / "out")
     assert fake_runs == [] and not (tmp_path / "out").exists()
+
+
+def test_numpy_seeds_are_seeds(config_file):
+    import numpy as np
+
+    assert [run.config.seed for run in plan(config_file, [], seeds=np.arange(2))] == [0, 1]
+
+
+def test_the_file_s_seeds_are_named_as_the_file_s(config_file):
+    config_file.write_text(config_file.read_text() + "sweep: {seeds: 3}\n")
+    with pytest.raises(ConfigError, match=rf"^{config_file}: sweep.seeds: expected a list of integers"):
+        plan(config_file, [])
+    config_file.write_text(config_file.read_text().replace("{seeds: 3}", "{seeds: [0.5]}"))
+    with pytest.raises(ConfigError, match=rf"^{config_file}: sweep.seeds \[0.5\]: expected integers"):
+        plan(config_file, [])
+
+
+@pytest.mark.parametrize(
+    "arguments, words",
+    [
+        (
+            {"grid": {"aggregator": ["mean"]}},
+            r"^grid: expected a list of strings such as \['aggregator=fedavg,median'\], got dict",
+        ),
+        ({"grid": None}, "^grid: expected a list of strings"),
+        ({"grid": [("aggregator", "mean")]}, "^grid: expected a list of strings"),
+        (
+            {"grid": ["aggregator=mean"], "overrides": {"rounds": 1}},
+            r"^overrides: expected a list of strings such as \['rounds=20'\], got dict",
+        ),
+        ({"grid": ["aggregator=mean"], "config": 5}, "^config: expected an experiment file, .*, got int 5$"),
+        ({"grid": ["aggregator=mean"], "config": None}, "^config: expected an experiment file"),
+    ],
+)
+def test_the_python_call_names_an_argument_of_a_wrong_type(config_file, fake_runs, tmp_path, arguments, words):
+    arguments = {"config": config_file, **arguments}
+    with pytest.raises(ConfigError, match=words):
+        sweep(arguments.pop("config"), out=tmp_path / "out", **arguments)
+    assert fake_runs == [] and not (tmp_path / "out").exists()
+
+
+def test_the_python_call_takes_one_string_as_one_flag_and_a_pivot_as_a_pair(config_file, fake_runs, tmp_path):
+    runs = sweep(config_file, "aggregator=mean,median", "local.lr=0.5", out=tmp_path / "one", log=lambda line: None)
+    assert [(run.config.aggregator, run.config.local.lr) for run in runs] == [("mean", 0.5), ("median", 0.5)]
+    grid = ["aggregator=mean,median", "local.momentum=0,0.5"]
+    sweep(config_file, grid, pivot=("aggregator", "local.momentum"), out=tmp_path / "two", log=lambda line: None)
+    assert (tmp_path / "two" / "pivot.csv").is_file()
+
+
+def test_overwrite_replaces_the_runs_and_tables_an_earlier_sweep_or_run_left(config_file, fake_runs, tmp_path):
+    out = tmp_path / "out"
+    sweep(config_file, ["aggregator=mean,median"], out=out, log=lambda line: None)
+    for run in ("small-aggregator=mean", "small-aggregator=median"):  # as the engine leaves them
+        (out / run).mkdir(exist_ok=True)
+        (out / run / "config.yaml").write_text("name: small\n")
+    (out / "notes.txt").write_text("mine")
+    (out / "metrics.csv").write_text("round\n")  # a run's own file, left there earlier
+    sweep(config_file, ["aggregator=trimmed_mean"], out=out, overwrite=True, log=lambda line: None)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "sweep.csv", "sweep.json"]  # runs: fake_runs'
+    assert "small-aggregator=mean" not in (out / "sweep.csv").read_text()
 
 
 def test_a_bad_target_is_refused(config_file, fake_runs, tmp_path):

@@ -70,9 +70,9 @@ class UnguardedScript(WorkerError):
 
     def __init__(self):
         super().__init__(
-            'this script calls fedsim.run outside an `if __name__ == "__main__":` block, so every '
-            "worker process, which imports the script, would start the run again; put the call "
-            "under that guard"
+            "this script calls fedsim.run (or resume, or sweep) outside an "
+            '`if __name__ == "__main__":` block, so every worker process, which imports the script, '
+            "would start the run again; put the call under that guard"
         )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from statistics import fmean, stdev
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import ConfigError, FedsimError, cut, did_you_mean
+from ..core.errors import ConfigError, FedsimError, cut, did_you_mean, shown
 from ..core.yamlfile import parse_yaml
 from .keys import RUN_SPECIFIC_KEYS, flatten_config
 from .rundir import COLUMNS, read_client_accuracy, read_clients, read_mapping, read_metrics
@@ -256,6 +256,44 @@ def load_runs(pattern: str | os.PathLike) -> list[History]:
     if not runs:
         raise FedsimError(f"{pattern}: every run directory that matches failed or has no evaluated round")
     return runs
+
+
+def as_histories(runs, purpose: str) -> list[History]:
+    """History objects from a mix of Histories, a sweep's runs (``fedsim.sweep``'s, their
+    ``history``), run directories and glob patterns, for ``purpose`` ("to plot", "for the table");
+    among several, runs that failed or have no evaluated round are left out with a warning."""
+    if isinstance(runs, (str, os.PathLike, History)) or isinstance(getattr(runs, "history", None), History):
+        runs = [runs]
+    runs = list(runs)
+    histories, skipped = [], []
+    for run in runs:
+        if isinstance(getattr(run, "history", None), History):
+            run = run.history
+        if isinstance(run, History):
+            histories.append(run)
+        elif not isinstance(run, (str, os.PathLike)):
+            raise FedsimError(
+                f"no runs {purpose}: got {shown(run)}; give History objects, a sweep's runs, run directories "
+                "or a pattern such as 'runs/sweep/*'"
+            )
+        elif not Path(run).exists() and glob.has_magic(str(run)):
+            histories.extend(load_runs(run))
+        elif len(runs) > 1 and Path(run).exists() and not (Path(run) / "metrics.csv").is_file():
+            skipped.append(f"{run} ({not_a_run(Path(run))})")
+        else:
+            histories.append(load_run(run))
+    if skipped:  # the shell's expansion of a pattern also gives the files beside the runs (a sweep's runs.csv)
+        logger.warning(f"left out, not run directories: {', '.join(skipped)}")
+    if not histories:
+        raise FedsimError(f"no runs {purpose}")
+    if len(histories) == 1:  # a run on its own is drawn as far as it got, whatever became of it
+        if not histories[0].rows:
+            raise FedsimError(f"{histories[0].run_dir or histories[0].name}: no evaluated rounds {purpose} yet")
+        return histories
+    kept = finished(histories)  # among several (a pattern, or the shell's expansion of one): those with results
+    if not kept:
+        raise FedsimError(f"no runs {purpose}: every run given failed or has no evaluated round")
+    return kept
 
 
 def finished(histories: Iterable[History]) -> list[History]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import glob
 import logging
 import math
 import os
@@ -25,17 +24,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
 
 from ..core.errors import FedsimError, write_error
 from ..core.files import write_atomically
-from .history import (
-    DESCRIBED_KEYS,
-    History,
-    describe_run,
-    finished,
-    group_repeats,
-    load_run,
-    load_runs,
-    not_a_run,
-    telling_apart,
-)
+from .history import DESCRIBED_KEYS, History, as_histories, describe_run, group_repeats, telling_apart
 from .keys import RUN_SPECIFIC_KEYS, defining, flatten_config
 from .rundir import COLUMNS, check_output_path
 
@@ -110,7 +99,7 @@ def plot_runs(
     row), sharing the y axis; a line keeps its colour in every panel. The bands grow lighter as more
     lines share a panel.
     """
-    histories = as_histories(runs)
+    histories = as_histories(runs, "to plot")
     metrics, inches, tokens = _checked_options(histories, metric, x, band, spread, width, loss)
     for option, key in (("label", label), ("facet", facet)):
         for history in histories if key is not None else ():
@@ -260,36 +249,6 @@ def _checked_options(
         raise FedsimError(f"width: {width!r} is not 'single', 'double' or a width from 0.5 to 50 inches")
     below = "test_accuracy" if tokens and metric in ("test_loss", "test_perplexity") else "test_loss"
     return [metric, below] if loss else [metric], inches, tokens
-
-
-def as_histories(runs: History | str | os.PathLike | Iterable[History | str | os.PathLike]) -> list[History]:
-    """History objects from a mix of Histories, run directories and glob patterns; among
-    several, runs that failed or have no evaluated round are left out with a warning."""
-    if isinstance(runs, (str, Path, History)):
-        runs = [runs]
-    runs = list(runs)
-    histories, skipped = [], []
-    for run in runs:
-        if isinstance(run, History):
-            histories.append(run)
-        elif not Path(run).exists() and glob.has_magic(str(run)):
-            histories.extend(load_runs(run))
-        elif len(runs) > 1 and Path(run).exists() and not (Path(run) / "metrics.csv").is_file():
-            skipped.append(f"{run} ({not_a_run(Path(run))})")
-        else:
-            histories.append(load_run(run))
-    if skipped:  # the shell's expansion of a pattern also gives the files beside the runs (a sweep's runs.csv)
-        logger.warning(f"left out, not run directories: {', '.join(skipped)}")
-    if not histories:
-        raise FedsimError("no runs to plot")
-    if len(histories) == 1:  # a run on its own is drawn as far as it got, whatever became of it
-        if not histories[0].rows:
-            raise FedsimError(f"{histories[0].run_dir or histories[0].name}: no evaluated rounds to plot yet")
-        return histories
-    kept = finished(histories)  # among several (a pattern, or the shell's expansion of one): those with results
-    if not kept:
-        raise FedsimError("no runs to plot: every run given failed or has no evaluated round")
-    return kept
 
 
 def save_figure(fig: Figure, path: str | os.PathLike, pdf: bool = False) -> list[Path]:

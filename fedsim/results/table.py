@@ -5,6 +5,7 @@ splits) that this table and a sweep's show where some run has them."""
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Iterable, Sequence
 from statistics import fmean
@@ -12,6 +13,7 @@ from statistics import fmean
 from ..core.errors import FedsimError
 from .history import (
     History,
+    as_histories,
     check_target,
     finished,
     format_rounds_to_target,
@@ -183,9 +185,10 @@ def _text(row: dict, column: str) -> str:
 
 
 def results_table(
-    histories: Iterable[History], keys: str | Sequence[str] = ("name",), target: float | None = None
+    histories: Iterable[History] | str | os.PathLike, keys: str | Sequence[str] = ("name",), target: float | None = None
 ) -> ResultsTable:
-    """One row per experiment (repeats over seeds pooled; runs that failed or have no evaluated
+    """One row per experiment of ``histories`` (History objects, a sweep's runs, run directories
+    or patterns such as ``"runs/sweep/*"``; repeats over seeds pooled; runs that failed or have no evaluated
     round left out, with a warning, and so are interrupted runs beside finished ones, see
     ``finished``): the ``keys``' config values (a string is one key; where they leave two rows
     alike, the keys that tell them apart are added, see ``telling_apart``), the
@@ -213,10 +216,10 @@ def results_table(
     """
     check_target(target)
     keys = (keys,) if isinstance(keys, str) else tuple(keys)
-    histories = list(histories)
+    histories = [histories] if isinstance(histories, (str, os.PathLike, History)) else list(histories)
     if not histories:
         raise FedsimError("results_table: no runs given; pass History objects, e.g. fedsim.load_runs('runs/*')")
-    kept = finished(histories)
+    kept = finished(as_histories(histories, "for the table"))
     if not kept:
         raise FedsimError("results_table: every run given failed or has no evaluated round")
     groups = group_repeats(kept, distinguish=keys)

@@ -48,7 +48,7 @@ def run(
     show the rounds as one updating line (None: only on a terminal); ``quiet``: print no
     per-round lines; ``callbacks``: observers of the run (see callbacks.py).
     """
-    _refuse_in_a_worker()
+    refuse_in_a_worker()
     cfg = load_config(config, _with_dataset_key(overrides))
     try:
         return start_run(cfg, out=out, overwrite=overwrite, quiet=quiet, progress=progress, callbacks=callbacks)
@@ -66,14 +66,14 @@ def resume(
 ) -> History:
     """Continue a run from its last checkpoint; ``rounds=N`` extends it. A component that was
     given as an object (defined in a notebook, say) is given again the same way."""
-    _refuse_in_a_worker()
+    refuse_in_a_worker()
     try:
         return resume_run(run_dir, _with_dataset_key(overrides), quiet=quiet, progress=progress, callbacks=callbacks)
     except UnguardedScript as e:
         raise SystemExit(f"fedsim: error: {e}") from None
 
 
-def _refuse_in_a_worker() -> None:
+def refuse_in_a_worker() -> None:
     """A worker starting up imports the script that started the run; if the script calls
     fedsim.run at its top level, the call comes here in the worker, which then ends at once and
     quietly, with a status that the server turns into one line naming the guard."""

@@ -24,40 +24,45 @@ import copy
 import itertools
 import json
 import logging
+import numbers
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import ConfigError, FedsimError, write_error
+from ..core.errors import ConfigError, FedsimError, UnguardedScript, plural, shown, write_error
 from ..core.files import atomic_write_text
 from ..core.overrides import overlap
 from ..experiment.config import Config
 from ..experiment.validation import load_config
 from ..results.history import check_target, load_run
 from ..results.rundir import safe_dir_name
-from .sweepdir import SWEEP_FILE, identity, left_to_do, placement, sweep_root
+from .sweepdir import SWEEP_FILE, TABLES, clear_for_overwrite, identity, left_to_do, placement, sweep_root
 from .sweepgrid import grid_axes, set_keys
 from .sweepruns import SweepRun, _printable, _row, format_pivot, format_table, write_csv, write_pivot, write_table
 
 logger = logging.getLogger("fedsim")
 
 
-def parse_seeds(seeds: str | Iterable[int]) -> list[int]:
-    """``"0,1,2"`` (or a list of integers) -> ``[0, 1, 2]``."""
+def parse_seeds(seeds: str | Iterable[int], source: str = "--seeds") -> list[int]:
+    """``"0,1,2"`` (or a list of integers) -> ``[0, 1, 2]``; ``source`` names them in an error
+    (``--seeds``, or the experiment file's ``sweep.seeds``)."""
     if isinstance(seeds, str):
         try:
             values = [int(text.strip()) for text in seeds.split(",")]
         except ValueError:
-            raise ConfigError(f"--seeds {seeds}: expected integers separated by commas, e.g. --seeds 0,1,2") from None
+            raise ConfigError(f"{source} {seeds}: expected integers separated by commas, e.g. 0,1,2") from None
     else:
+        if isinstance(seeds, (dict, set)) or not isinstance(seeds, Iterable):
+            raise ConfigError(f"{source}: expected a list of integers or a string such as 0,1,2, got {shown(seeds)}")
         values = list(seeds)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            raise ConfigError(f"--seeds {values}: expected integers, e.g. [0, 1, 2]")
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
+            raise ConfigError(f"{source} {values}: expected integers, e.g. [0, 1, 2]")
+        values = [int(v) for v in values]
     if not values:
-        raise ConfigError("--seeds: give at least one seed, e.g. --seeds 0,1,2")
+        raise ConfigError(f"{source}: give at least one seed, e.g. 0,1,2")
     if len(set(values)) < len(values):
-        raise ConfigError(f"--seeds {','.join(map(str, values))}: a seed is listed twice; list each once")
+        raise ConfigError(f"{source} {','.join(map(str, values))}: a seed is listed twice; list each once")
     return values
 
 
@@ -75,9 +80,11 @@ def plan(
     ``overrides``, then the point, then the seed. Without ``seeds`` a run is named after its
     point; with them the runs of a point share the point's name, and their directories end in
     ``-seed=S``."""
-    axes, file_seeds = grid_axes(config, grid)
-    seeds = seeds if seeds is not None else file_seeds
-    seeds = None if seeds is None else parse_seeds(seeds)
+    axes, file_seeds, where = grid_axes(config, grid)
+    if seeds is not None:
+        seeds = parse_seeds(seeds)
+    elif file_seeds is not None:
+        seeds = parse_seeds(file_seeds, f"{where}: sweep.seeds")
     if not axes and seeds is None:
         raise ConfigError(
             "give at least one --grid KEY=V1,V2,... or --seeds S1,S2,..., e.g. --grid aggregator=fedavg,median "
@@ -157,9 +164,14 @@ class Blame:
             given = f"{flag}{'' if key == named else f' ({named})'}{colon}{rest}"
         else:  # no one value makes the error (several do, or one with the file's): the whole point
             given = f"{' '.join(flag for flag, _, _ in flags[: len(point)] or flags)}: {text}"
-        renamed = copy.copy(error)  # its class and attributes (a DataError's missing) kept
-        renamed.args = (given,)
-        return renamed
+        return reworded(error, given)
+
+
+def reworded(error: FedsimError, text: str) -> FedsimError:
+    """``error`` saying ``text``: its class and attributes (a DataError's ``missing``) kept."""
+    renamed = copy.copy(error)
+    renamed.args = (text,)
+    return renamed
 
 
 def _spelled(point: list[tuple[str, str]]) -> str:
@@ -168,28 +180,52 @@ def _spelled(point: list[tuple[str, str]]) -> str:
 
 def sweep(
     config: str | os.PathLike | dict | Config,
-    grid: list[str],
-    overrides: list[str] = (),
+    grid: list[str] | str,
+    overrides: list[str] | str = (),
     out: str | os.PathLike | None = None,
     overwrite: bool = False,
     quiet: bool = False,
     log: Callable[[str], None] | None = None,
     seeds: str | Iterable[int] | None = None,
     target: float | None = None,
-    pivot: str | None = None,
+    pivot: str | tuple[str, str] | None = None,
 ) -> list[SweepRun]:
     """Run every grid point of ``config`` (under every seed of ``seeds``) into ``out`` (default
     ``runs/<name>-sweep-<timestamp>``), as ``fedsim sweep`` does: ``grid`` and ``overrides`` as
     its ``--grid`` and ``--set`` take them (``["aggregator=median,krum", "attack.count=1,2"]``,
-    ``["rounds=20"]``), ``seeds`` as ``--seeds`` (``"0,1,2"`` or a list). Return the runs with
-    their histories and write
+    ``["rounds=20"]``; one string is one of them), ``seeds`` as ``--seeds`` (``"0,1,2"`` or a
+    list). Return the runs, each with its ``history`` (``results_table`` and ``plot_runs`` take
+    them as they are), and write
     ``out/sweep.csv`` (with ``seeds``, one row per configuration, and ``out/runs.csv``, one per
     run). ``target``: report the rounds to this test accuracy (a fraction; the runs go on),
     instead of each configuration's ``stop_at_accuracy``. ``pivot``: ``"ROW,COLUMN"``, two grid
     keys (e.g. ``"aggregator,attack.type"``): also print the final accuracy with ROW's values down
     and COLUMN's across, and write it to ``out/pivot.csv``. The same sweep into the same ``out``
-    again continues it (see ``Sweep``)."""
-    return prepare(config, grid, overrides, out, overwrite, seeds, target, pivot).run(quiet, log)
+    again continues it (see ``Sweep``). A script that runs one with workers calls it under
+    ``if __name__ == "__main__":``, as it does ``fedsim.run``."""
+    from .launch import refuse_in_a_worker
+
+    refuse_in_a_worker()
+    if not isinstance(config, (str, os.PathLike, dict, Config)):
+        raise ConfigError(
+            f"config: expected an experiment file, a shipped experiment's name, a dict or a Config, got {shown(config)}"
+        )
+    grid, overrides = _texts("grid", grid, "aggregator=fedavg,median"), _texts("overrides", overrides, "rounds=20")
+    if isinstance(pivot, (list, tuple)):
+        pivot = ",".join(map(str, pivot))
+    try:
+        return prepare(config, grid, overrides, out, overwrite, seeds, target, pivot).run(quiet, log)
+    except UnguardedScript as e:
+        raise SystemExit(f"fedsim: error: {e}") from None  # one line: the script cannot work as it is
+
+
+def _texts(name: str, value: object, example: str) -> list[str]:
+    """``grid`` or ``overrides`` of the Python call: strings as the command line's flags take them."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ConfigError(f"{name}: expected a list of strings such as [{example!r}], got {shown(value)}")
 
 
 def prepare(
@@ -221,7 +257,7 @@ def prepare(
             except FedsimError as e:
                 raise run.blame(e, run.point, run.seed) from None
     repeats = list(dict.fromkeys(run.seed for run in runs)) if runs and runs[0].seed is not None else None
-    return Sweep(runs, root, repeats, target, named=out is not None, pivot=pivoted)
+    return Sweep(runs, root, repeats, target, named=out is not None, pivot=pivoted, replace=overwrite)
 
 
 def parse_pivot(pivot: str | None, keys: list[str]) -> tuple[str, str] | None:
@@ -254,6 +290,7 @@ class Sweep:
     target: float | None
     named: bool  # the directory was given (--out): the same command continues the sweep
     pivot: tuple[str, str] | None = None  # (row key, column key) of the pivot table, or None
+    replace: bool = False  # --overwrite: what an earlier sweep or run left in the directory goes first
 
     def run(self, quiet: bool = False, log: Callable[[str], None] | None = None) -> list[SweepRun]:
         from ..execution.pool import PoolKeeper
@@ -265,12 +302,14 @@ class Sweep:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise write_error(root, e) from None
+        if self.replace:
+            clear_for_overwrite(root)
         kept = [run for run in self.runs if run.todo == "finished"]
         resumes = any(run.todo == "resume" for run in self.runs)
         log(
             f"continuing the sweep in {root}: {len(kept)} of {n} runs finished"
             if kept or resumes
-            else f"sweep of {n} runs into {root}"
+            else f"sweep of {plural(n, 'run')} into {root}"
         )
         atomic_write_text(
             root / SWEEP_FILE,
@@ -291,8 +330,11 @@ class Sweep:
                         if run.todo == "resume"
                         else start_run(run.config, out=root / run.label, overwrite=True, quiet=quiet, pools=pools)
                     )
+                except UnguardedScript:
+                    raise  # the script's, not this run's
                 except FedsimError as e:
-                    raise type(e)(f"sweep run {run.label}: {e}") from None
+                    raise reworded(e, f"sweep run {run.label}: {e}") from None
+                run.todo = "finished"
                 self._write_tables()
         log(_printable(format_table(self.runs, self.target)))
         if self.pivot:
@@ -327,6 +369,3 @@ class Sweep:
             f"sweep interrupted; {finished} of {len(self.runs)} runs finished, tabled in "
             f"{' and '.join(str(self.root / name) for name in tables)}; {again} to continue it"
         )
-
-
-TABLES = ("sweep.csv", "runs.csv", "pivot.csv")

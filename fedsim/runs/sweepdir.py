@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import yaml
 
-from ..core.errors import FedsimError
+from ..core.errors import FedsimError, write_error
 from ..experiment.config import Config
 from ..experiment.validation import load_config
 from ..results.keys import PLACEMENT_KEYS, flatten_config
-from ..results.rundir import RunDirectory, read_mapping
+from ..results.rundir import RUN_FILES, RunDirectory, read_mapping
 
 SWEEP_FILE = "sweep.json"  # what each run of the sweep is, so that the same sweep continues it
+TABLES = ("sweep.csv", "runs.csv", "pivot.csv")  # the tables a sweep writes beside its runs
 
 
 def identity(cfg: Config) -> str:
@@ -65,3 +67,18 @@ def left_to_do(path: Path, cfg: Config) -> str:
     if summary.get("status") == "finished":
         return "finished"
     return "resume" if (path / "checkpoint.pt").is_file() else "start"
+
+
+def clear_for_overwrite(root: Path) -> None:
+    """What ``--overwrite`` replaces in ``root`` before a sweep starts there: an earlier sweep's
+    runs (those its sweep.json lists) and tables, or a run's own files; nothing else the folder
+    holds, so that nothing of theirs is read with the new sweep's runs (``fedsim plot root/*``)."""
+    recorded = read_mapping(root / SWEEP_FILE, json.loads).get("runs") if (root / SWEEP_FILE).is_file() else None
+    try:
+        for label in recorded if isinstance(recorded, dict) else {}:
+            if (root / label / "config.yaml").is_file() and (root / label).resolve().parent == root.resolve():
+                shutil.rmtree(root / label)
+        for name in (*TABLES, SWEEP_FILE, *RUN_FILES):
+            (root / name).unlink(missing_ok=True)
+    except OSError as e:
+        raise write_error(root, e) from None

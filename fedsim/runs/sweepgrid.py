@@ -51,9 +51,9 @@ def file_sweep(source: Any) -> tuple[str, dict]:
     return where, section
 
 
-def grid_axes(source: Any, grid: list[str]) -> tuple[list[Axis], Any]:
+def grid_axes(source: Any, grid: list[str]) -> tuple[list[Axis], Any, str]:
     """The sweep's axes, in order: the file's (a ``--grid`` of the same key in its place), then the
-    other ``--grid`` keys; and the file's seeds (None where it gives none)."""
+    other ``--grid`` keys; the file's seeds (None where it gives none), and the file's name."""
     where, section = file_sweep(source)
     in_file = section.get("grid") or {}
     if not isinstance(in_file, dict):
@@ -67,7 +67,7 @@ def grid_axes(source: Any, grid: list[str]) -> tuple[list[Axis], Any]:
         position = next((i for i, (k, _) in enumerate(axes) if k == key), len(axes))
         axes[position : position + 1] = [(key, chosen)]
     refuse_overlaps(axes)
-    return axes, section.get("seeds")
+    return axes, section.get("seeds"), where
 
 
 def set_keys(values: list[tuple[str, list[str]]]) -> set[str]:
