@@ -479,6 +479,19 @@ def test_overwrite_replaces_the_runs_and_tables_an_earlier_sweep_or_run_left(con
     assert "small-aggregator=mean" not in (out / "sweep.csv").read_text()
 
 
+def test_files_missing_whatever_the_point_are_the_sweep_s_not_a_grid_value_s(config_file, tmp_path):
+    from fedsim.core.errors import DataError
+    from fedsim.runs.sweep import prepare
+
+    nowhere = ["data.dataset=mnist", "data.download=false", f"data.root={tmp_path / 'nowhere'}"]
+    with pytest.raises(DataError) as info:
+        prepare(config_file, ["aggregator=mean,median"], nowhere, out=tmp_path / "out")
+    assert info.value.missing and str(info.value).startswith("--set data.root: no MNIST files")
+    with pytest.raises(DataError, match=r"^--grid data.dataset=mnist: "):  # the grid chose the data
+        prepare(config_file, ["data.dataset=mnist"], nowhere[1:], out=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_bad_target_is_refused(config_file, fake_runs, tmp_path):
     for target in (0, 1.5, float("nan")):
         with pytest.raises(ConfigError, match="--target"):

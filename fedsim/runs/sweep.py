@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import ConfigError, FedsimError, UnguardedScript, plural, shown, write_error
+from ..core.errors import ConfigError, DataError, FedsimError, UnguardedScript, plural, shown, write_error
 from ..core.files import atomic_write_text
 from ..core.overrides import overlap
 from ..experiment.config import Config
@@ -152,6 +152,9 @@ class Blame:
     origin: str  # the configuration's file (or "config"), as errors name it
 
     def __call__(self, error: FedsimError, point: list[tuple[str, str]], seed: int | None) -> FedsimError:
+        keys = set().union(*(self.keys.get(value) or {value[0]} for value in point))
+        if isinstance(error, DataError) and error.missing and not any(overlap("data", k) for k in keys):
+            return error  # files missing whatever the point: the sweep's data, not one of its values
         text = str(error)
         source = "--set " if text.startswith("--set ") else f"{self.origin}: "
         named, colon, rest = text.removeprefix(source).partition(":")
