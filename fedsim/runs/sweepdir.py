@@ -73,7 +73,10 @@ def clear_for_overwrite(root: Path) -> None:
     """What ``--overwrite`` replaces in ``root`` before a sweep starts there: an earlier sweep's
     runs (those its sweep.json lists) and tables, or a run's own files; nothing else the folder
     holds, so that nothing of theirs is read with the new sweep's runs (``fedsim plot root/*``)."""
-    recorded = read_mapping(root / SWEEP_FILE, json.loads).get("runs") if (root / SWEEP_FILE).is_file() else None
+    try:
+        recorded = read_mapping(root / SWEEP_FILE, json.loads).get("runs")
+    except FedsimError:  # none, or unreadable: no runs of an earlier sweep are known
+        recorded = None
     try:
         for label in recorded if isinstance(recorded, dict) else {}:
             if (root / label / "config.yaml").is_file() and (root / label).resolve().parent == root.resolve():
