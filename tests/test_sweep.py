@@ -492,6 +492,14 @@ def test_files_missing_whatever_the_point_are_the_sweep_s_not_a_grid_value_s(con
     assert not (tmp_path / "out").exists()
 
 
+def test_a_configuration_the_grid_replaces_in_every_run_need_not_be_valid_alone(config_file, fake_runs, tmp_path):
+    # more clients a round than the file has clients: no run of the sweep uses that value
+    runs = sweep(config_file, ["clients_per_round=2,4"], ["clients_per_round=100"], out=tmp_path / "out", log=print)
+    assert [run.config.clients_per_round for run in runs] == [2, 4] and len(fake_runs) == 2
+    with pytest.raises(ConfigError, match="clients_per_round: must be <= data.num_clients"):  # runs that use it
+        sweep(config_file, ["local.lr=0.1,0.2"], ["clients_per_round=100"], out=tmp_path / "other")
+
+
 def test_a_bad_target_is_refused(config_file, fake_runs, tmp_path):
     for target in (0, 1.5, float("nan")):
         with pytest.raises(ConfigError, match="--target"):

@@ -98,7 +98,7 @@ def plan(
             "or --grid seed=... to sweep the seed as a setting"
         )
     _warn_lost_overrides(axes, seeds, list(overrides))
-    base = load_config(config, list(overrides))
+    base = base_config(config, overrides, axes)
     keys = {(key, text): set_keys([(text, settings)]) for key, values in axes for text, settings in values}
     name, blame = base.name, Blame(keys, base.origin[0])
     runs, seen = [], {}
@@ -124,6 +124,23 @@ def plan(
     if len(set(labels)) < len(labels):
         raise ConfigError("--grid: two grid points give the same run name; make the values distinct")
     return runs
+
+
+def base_config(config, overrides, axes: list) -> Config:
+    """What the grid points start from: the file with the overrides; or, where that alone is
+    refused and the grid replaces it (a rule with options only its axis gives), the file with the
+    first grid point, so that a sweep of valid points is not refused for a configuration none of
+    them runs."""
+    try:
+        return load_config(config, list(overrides))
+    except ConfigError as refused:
+        first = [item for _, values in axes for item in values[0][1]]
+        if first:
+            try:
+                return load_config(config, [*overrides, *first])
+            except ConfigError:
+                pass
+        raise refused from None
 
 
 def _warn_lost_overrides(axes: list, seeds: list[int] | None, overrides: list[str]) -> None:
@@ -249,7 +266,7 @@ def prepare(
     target = check_target(target, "--target")
     runs = plan(config, grid, overrides, seeds)
     pivoted = parse_pivot(pivot, [key for key, _ in runs[0].point] if runs else [])
-    root = sweep_root(out, load_config(config, list(overrides)).name, overwrite, runs)
+    root = sweep_root(out, base_config(config, overrides, grid_axes(config, grid)[0]).name, overwrite, runs)
     for run in runs:
         run.todo = "start" if overwrite else left_to_do(root / run.label, run.config)
     datasets = {}  # each dataset read once
