@@ -258,7 +258,7 @@ def load_runs(pattern: str | os.PathLike) -> list[History]:
     return runs
 
 
-def as_histories(runs, purpose: str) -> list[History]:
+def as_histories(runs: History | str | os.PathLike | Iterable, purpose: str) -> list[History]:
     """History objects from a mix of Histories, a sweep's runs (``fedsim.sweep``'s, their
     ``history``), run directories and glob patterns, for ``purpose`` ("to plot", "for the table");
     among several, runs that failed or have no evaluated round are left out with a warning."""

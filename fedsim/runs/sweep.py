@@ -126,7 +126,7 @@ def plan(
     return runs
 
 
-def base_config(config, overrides, axes: list) -> Config:
+def base_config(config: str | os.PathLike | dict | Config, overrides: list[str], axes: list) -> Config:
     """What the grid points start from: the file with the overrides; or, where that alone is
     refused and the grid replaces it (a rule with options only its axis gives), the file with the
     first grid point, so that a sweep of valid points is not refused for a configuration none of
