@@ -80,6 +80,13 @@ def plan(
     ``overrides``, then the point, then the seed. Without ``seeds`` a run is named after its
     point; with them the runs of a point share the point's name, and their directories end in
     ``-seed=S``."""
+    return _planned(config, grid, overrides, seeds)[0]
+
+
+def _planned(
+    config: str | os.PathLike | dict | Config, grid: list[str], overrides: list[str], seeds: str | Iterable[int] | None
+) -> tuple[list[SweepRun], str]:
+    """``plan``'s runs, and the sweep's name (its configuration's, which its runs' names begin with)."""
     axes, file_seeds, where = grid_axes(config, grid)
     if seeds is not None:
         seeds = parse_seeds(seeds)
@@ -123,7 +130,7 @@ def plan(
     labels = [run.label for run in runs]
     if len(set(labels)) < len(labels):
         raise ConfigError("--grid: two grid points give the same run name; make the values distinct")
-    return runs
+    return runs, name
 
 
 def base_config(config: str | os.PathLike | dict | Config, overrides: list[str], axes: list) -> Config:
@@ -264,9 +271,9 @@ def prepare(
     from .parts import check_run
 
     target = check_target(target, "--target")
-    runs = plan(config, grid, overrides, seeds)
+    runs, name = _planned(config, grid, overrides, seeds)
     pivoted = parse_pivot(pivot, [key for key, _ in runs[0].point] if runs else [])
-    root = sweep_root(out, base_config(config, overrides, grid_axes(config, grid)[0]).name, overwrite, runs)
+    root = sweep_root(out, name, overwrite, runs)
     for run in runs:
         run.todo = "start" if overwrite else left_to_do(root / run.label, run.config)
     datasets = {}  # each dataset read once
