@@ -38,8 +38,12 @@ def _mean(rows: torch.Tensor) -> torch.Tensor:
 
 def _std(rows: torch.Tensor) -> torch.Tensor:
     """Coordinate-wise standard deviation with Bessel's correction (ByzFL's ``ddof=1``); 0 for a
-    single row, whose spread is unknown."""
-    return rows.std(dim=0) if len(rows) > 1 else torch.zeros_like(rows[0])
+    single row, whose spread is unknown. Two passes, the mean and then the squares about it:
+    ``rows.std(dim=0)`` along the short first dimension takes 8 times as long on a CPU (87 ms for
+    10 rows of ByzFL's CNN on a 2-core one, most of an optimal ALIE's round outside its search)."""
+    if len(rows) < 2:
+        return torch.zeros_like(rows[0])
+    return (rows - rows.mean(dim=0)).square_().sum(dim=0).div_(len(rows) - 1).sqrt_()
 
 
 def alie_z_max(n: int, f: int) -> float:
