@@ -174,6 +174,35 @@ def test_sweep_runs_every_point_into_its_folder_and_tables_them(config_file, fak
     assert table[2].split() == ["small-aggregator=mean-seed=7", "0.7000", "0.7000", "2.00"]
 
 
+def test_a_ctrl_c_in_the_python_call_says_how_to_continue_it_and_still_stops(
+    config_file, fake_runs, tmp_path, monkeypatch
+):
+    """Where the sweep's lines go, as the command says it on stderr; the KeyboardInterrupt goes on."""
+    lines = []
+
+    def log_until(line: str) -> None:
+        lines.append(line)
+        if line.startswith("[2/"):
+            raise KeyboardInterrupt
+
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        sweep(config_file, ["seed=1,2,3"], out=out, log=log_until)
+    assert lines[-1] == (
+        f"sweep interrupted; 1 of 3 runs finished, tabled in {out / 'sweep.csv'}; "
+        "call fedsim.sweep again with the same arguments to continue it"
+    )
+    monkeypatch.chdir(tmp_path)  # no out: the sweep's own directory is named
+    lines.clear()
+    with pytest.raises(KeyboardInterrupt):
+        sweep(config_file, ["seed=2,3"], log=log_until)
+    root = Path(lines[0].removeprefix("sweep of 2 runs into "))
+    assert lines[-1] == (
+        f"sweep interrupted; 1 of 2 runs finished, tabled in {root / 'sweep.csv'}; "
+        f"call fedsim.sweep again with out={str(root)!r} to continue it"
+    )
+
+
 def for_colour_images():
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 30 * 30, 10))
 

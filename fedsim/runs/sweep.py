@@ -241,7 +241,14 @@ def sweep(
     if isinstance(pivot, (list, tuple)):
         pivot = ",".join(map(str, pivot))
     try:
-        return prepare(config, grid, overrides, out, overwrite, seeds, target, pivot).run(quiet, log)
+        planned = prepare(config, grid, overrides, out, overwrite, seeds, target, pivot)
+        try:
+            return planned.run(quiet, log)
+        except KeyboardInterrupt:  # said where the sweep's lines go; the caller's Ctrl-C still stops it
+            from ..results.progress import RoundLog
+
+            (log or RoundLog(progress=False))(planned.interrupted_message(in_python=True))
+            raise
     except UnguardedScript as e:
         raise SystemExit(f"fedsim: error: {e}") from None  # one line: the script cannot work as it is
 
@@ -385,10 +392,16 @@ class Sweep:
         if self.pivot:
             write_pivot(finished, *self.pivot, self.root / "pivot.csv")
 
-    def interrupted_message(self) -> str:
-        """What an interrupted sweep left, read from the disk, and how to continue it."""
+    def interrupted_message(self, in_python: bool = False) -> str:
+        """What an interrupted sweep left, read from the disk, and how to continue it: with the same
+        command, or (``in_python``) the same call of ``fedsim.sweep``."""
         finished = sum(run.history is not None for run in self.runs)
-        again = "run the same command again" if self.named else f"run the same command with --out {self.root}"
+        if in_python:
+            again = "call fedsim.sweep again" + (
+                " with the same arguments" if self.named else f" with out={str(self.root)!r}"
+            )
+        else:
+            again = "run the same command again" if self.named else f"run the same command with --out {self.root}"
         tables = [name for name in TABLES if (self.root / name).is_file()]
         if not finished or not tables:
             return f"sweep interrupted before any run finished; {again} to continue it"
