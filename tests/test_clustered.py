@@ -362,7 +362,7 @@ def scored_with_cluster_models(history) -> dict[int, float]:
     federation = load_federation(cfg)
     model = FlatModel(fedsim.load_model(history.run_dir), "cpu")
     scores = {}
-    for client, split in enumerate(federation.test_parts(cfg.seed)):
+    for client, split in enumerate(federation.test_parts()):
         model.flat.copy_(models[int(state["client_state"]["cluster"][client][0])])
         scores[client] = evaluate(model.module, federation.data.test_x[split], federation.data.test_y[split], 1000)[0]
     return scores

@@ -168,7 +168,7 @@ def test_natural_partition_gives_each_run_client_one_writer(tmp_path):
     )
     federation = load_federation(cfg)
     data = federation.data
-    for part, test_part, writer in zip(federation.parts, federation.test_parts(0), sizes):
+    for part, test_part, writer in zip(federation.parts, federation.test_parts(), sizes):
         assert {data.client_names[c] for c in data.train_clients[part]} == {writer}
         assert {data.client_names[c] for c in data.test_clients[test_part]} == {writer}
     assert sorted(len(p) for p in federation.parts) == [5, 8, 11]  # each keeps n - round(0.1 n)

@@ -102,7 +102,7 @@ def test_natural_partition_gives_each_writer_its_own_samples_and_its_own_test_sa
     federation = load_federation(natural_config(root, 5))
     data = federation.data
     assert federation.natural and len(federation.parts) == 5
-    test_parts = federation.test_parts(seed=0)
+    test_parts = federation.test_parts()
     for writer_id, (part, test_part) in enumerate(zip(federation.parts, test_parts)):
         writer = SORTED_WRITERS[writer_id]
         assert part.tolist() == (data.train_clients == writer_id).nonzero().flatten().tolist()

@@ -378,7 +378,7 @@ def test_rotations_turn_each_clients_training_and_test_images_by_its_group():
     plain, turned = federation(), federation(rotations=4)
     assert torch.equal(plain.parts.indices, turned.parts.indices)
     assert torch.equal(plain.data.train_y, turned.data.train_y) and torch.equal(plain.data.test_y, turned.data.test_y)
-    tests = plain.test_parts(0)
+    tests = plain.test_parts()
     for c in range(8):
         for x, y, index in (
             (turned.data.train_x, plain.data.train_x, plain.parts[c]),
@@ -406,3 +406,28 @@ def test_rotations_are_checked_in_one_line():
     cfg = load_config({"clients_per_round": 4, "data": data})
     with pytest.raises(DataError, match=r"data.rotations: turns images by 180 degrees, which needs images \[C, H, W\]"):
         load_federation(cfg)
+
+
+def test_data_seed_keeps_one_split_under_every_run_seed():
+    """data.seed draws the split (the partition and the clients' test splits) in place of the run's
+    seed; unset, each seed draws its own, and data.seed = S is the split of a run of seed S."""
+    from fedsim.experiment.federation import load_federation
+    from fedsim.experiment.validation import load_config
+
+    def federation(run_seed, data_seed=None):
+        data = {"dataset": "synthetic", "num_clients": 8, "limit": 800, "partition": "dirichlet", "alpha": 0.5}
+        data |= {"test_partition": True, "seed": data_seed}
+        return load_federation(load_config({"seed": run_seed, "clients_per_round": 8, "data": data}))
+
+    def same(a, b) -> bool:
+        return torch.equal(a.parts.indices, b.parts.indices) and all(
+            torch.equal(x, y) for x, y in zip(a.test_parts(), b.test_parts())
+        )
+
+    own = [federation(seed) for seed in (0, 1, 2)]
+    fixed = [federation(seed, 0) for seed in (0, 1, 2)]
+    assert not same(own[0], own[1]) and not same(own[1], own[2])
+    assert all(same(f, own[0]) for f in fixed) and all(f.seed == 0 for f in fixed)
+    assert same(federation(5, 2), own[2])
+    with pytest.raises(ConfigError, match=r"^config: data.seed: must be >= 0, got -1$"):
+        load_config({"data": {"seed": -1}})

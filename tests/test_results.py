@@ -115,6 +115,13 @@ def test_runs_that_differ_only_in_seed_and_run_specific_keys_are_grouped(tmp_pat
     assert len(group_repeats([History([{"round": 1}]), History([{"round": 1}])])) == 2  # no config: never pooled
 
 
+def test_a_run_recorded_before_a_key_with_a_null_default_was_added_repeats_one_with_it():
+    older = History([{"round": 1}], {"seed": 0, "data": {"dataset": "mnist"}})
+    newer = History([{"round": 1}], {"seed": 1, "data": {"dataset": "mnist", "seed": None}})
+    fixed = History([{"round": 1}], {"seed": 2, "data": {"dataset": "mnist", "seed": 0}})
+    assert group_repeats([older, newer, fixed]) == [[older, newer], [fixed]]
+
+
 def test_results_table_pools_seeds_and_prints_markdown(tmp_path):
     runs = histories_of(
         tmp_path,

@@ -4,6 +4,7 @@ line, and the experiment files whose comments give sweep commands."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -249,6 +250,28 @@ def test_another_sweep_in_the_directory_of_one_is_refused(config_file, fake_runs
         log=lambda line: None,
     )
     assert len(fake_runs) == 4
+
+
+def test_a_sweep_recorded_before_a_key_was_added_is_the_same_sweep(config_file, fake_runs, tmp_path):
+    """sweep.json from a fedsim without data.seed: its runs ran as the key's default does, so the
+    same command goes on in the directory; a value recorded otherwise is still another sweep."""
+    out, lines = tmp_path / "out", []
+    sweep(config_file, ["aggregator=mean,median"], out=out, log=lambda line: None)
+    recorded = json.loads((out / "sweep.json").read_text())
+
+    def recorded_as(change) -> None:
+        runs = {
+            label: yaml.safe_dump(change(yaml.safe_load(text)), sort_keys=True)
+            for label, text in recorded["runs"].items()
+        }
+        (out / "sweep.json").write_text(json.dumps({"runs": runs}))
+
+    recorded_as(lambda keys: {k: v for k, v in keys.items() if k != "data.seed"})
+    sweep(config_file, ["aggregator=mean,median"], out=out, log=lines.append)
+    assert lines[0] == f"sweep of 2 runs into {out}" and len(fake_runs) == 4  # fake runs leave no files to keep
+    recorded_as(lambda keys: {k: v for k, v in keys.items() if k != "data.seed"} | {"data.partition": "shards"})
+    with pytest.raises(FedsimError, match="its run small-aggregator=mean has data.partition: 'shards', this one"):
+        sweep(config_file, ["aggregator=mean,median"], out=out)
 
 
 @pytest.mark.slow

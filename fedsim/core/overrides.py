@@ -25,6 +25,14 @@ def _inside(key: str, whole: str) -> bool:
     return key.startswith((whole + ".", whole + "["))
 
 
+def with_keys_added_since(recorded: dict, defaults: dict) -> dict:
+    """A config recorded as dotted keys by an earlier fedsim, with the keys added since at their
+    ``defaults`` (the run ran as they do): a key counts as recorded when the record holds it, a part
+    of its mapping, or the mapping it is part of."""
+    added = {key: value for key, value in defaults.items() if not any(overlap(key, r) for r in recorded)}
+    return {**added, **recorded}
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """'local.lr=0.1' -> ('local.lr', 0.1); the value is read as YAML (text that is not YAML
     stays text)."""

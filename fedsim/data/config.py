@@ -61,6 +61,12 @@ class DataConfig:
         "than it has)",
     )
     limit: int | None = option(None, "use only the first N training samples (quick runs)")
+    seed: int | None = option(
+        None,
+        "the split's seed (the partition, the clients' test splits, `natural`'s subset of clients); `null`: the "
+        "run's `seed`. A fixed value keeps one split under every seed of a sweep, as ByzFL's benchmark keeps its "
+        "`data_distribution_seed`",
+    )
     download: bool = option(True, "download a missing dataset into `data.root` (`false`: fail at once, offline)")
     placement: str = option(
         "auto",
@@ -128,6 +134,8 @@ class DataConfig:
             template_fields(self.hf["text"])  # a template's braces, before any data is read
         check_tokenizer_spec(self.tokenizer)
         checks.within("sequence_length", self.sequence_length, 2, 1_000_000)
+        if self.seed is not None:
+            checks.at_least("seed", self.seed, 0)
         if self.limit is not None and self.limit < self.num_clients:
             checks.fail(
                 "limit", f"must be >= data.num_clients ({self.num_clients}) so every client gets data, got {self.limit}"

@@ -173,7 +173,7 @@ def write_report(config: Any, federation: Any, out_dir: str | os.PathLike) -> di
         "dataset": data.name,
         "partition": d.partition,
         "options": options,
-        "seed": config.seed,
+        "seed": federation.seed,
         "summary": token_summary(stats) if data.tokens else summary_text(stats),
         **stats,
     }
@@ -181,7 +181,7 @@ def write_report(config: Any, federation: Any, out_dir: str | os.PathLike) -> di
     if names is not None:  # the data's own ids of the clients (which writers or roles the seed drew)
         report["client_names"] = list(names)
     if d.test_partition:
-        test_parts = federation.test_parts(config.seed)
+        test_parts = federation.test_parts()
         if data.tokens:
             test_stats = token_stats(test_parts, data.test_y)
             report["test_samples"], report["test_tokens"] = test_stats["samples"], test_stats["tokens"]

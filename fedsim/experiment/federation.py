@@ -42,6 +42,7 @@ class Federation:
     parts: Parts  # one index tensor per client into data.train_x
     natural: bool = False  # the parts are the data's own clients (data.partition: natural)
     own_clients: torch.Tensor | None = None  # natural parts: each part's own client in the data (part_clients)
+    seed: int = 0  # the seed the split was drawn with: data.seed, else the run's
 
     def client_names(self) -> ClientNames | None:
         """Each client's own id in the data (a LEAF writer, a play role, an ``hf:`` client value),
@@ -50,13 +51,13 @@ class Federation:
             return None
         return ClientNames(self.data.client_names, self.own_clients)
 
-    def test_parts(self, seed: int) -> Parts | list[torch.Tensor]:
+    def test_parts(self) -> Parts | list[torch.Tensor]:
         """Each client's own test split (data.test_partition): a natural client's own test
         samples where the data has them, else the test set dealt by each client's label mix."""
         data = self.data
         if self.own_clients is not None and data.test_clients is not None:
             return natural_test_split(self.own_clients, data.test_clients)
-        return local_test_split(data.train_y, self.parts, data.test_y, seed)
+        return local_test_split(data.train_y, self.parts, data.test_y, self.seed)
 
 
 def load_federation(cfg: Config, datasets: dict | None = None) -> Federation:
@@ -70,22 +71,28 @@ def load_federation(cfg: Config, datasets: dict | None = None) -> Federation:
         data = load_dataset(d.dataset, d.root, d.limit, d.download, d.hf, d.tokenizer, d.sequence_length)
         if datasets is not None:
             datasets[key] = data
-    options = options_for(d.partition, d)
+    options, seed = options_for(d.partition, d), split_seed(cfg)
     try:
-        parts = split(data.train_y, d.partition, d.num_clients, cfg.seed, data.columns(), **options)
+        parts = split(data.train_y, d.partition, d.num_clients, seed, data.columns(), **options)
     except ConfigError as error:
         if d.limit is None or d.partition != "natural" or not str(error).startswith("data.num_clients"):
             raise
         raise ConfigError(f"{error}, in the first {d.limit:,} training samples that data.limit keeps") from None
     if d.partition != "natural":
-        federation = Federation(data, parts)
+        federation = Federation(data, parts, seed=seed)
     else:
         kept = part_clients(data, parts)  # natural splits data with clients of its own (Dataset.columns)
-        federation = Federation(_kept_clients_tests(data, kept), parts, True, kept)
-    return rotated(federation, d.rotations, cfg.seed) if d.rotations > 1 else federation
+        federation = Federation(_kept_clients_tests(data, kept), parts, True, kept, seed)
+    return rotated(federation, d.rotations) if d.rotations > 1 else federation
 
 
-def rotated(federation: Federation, rotations: int, seed: int) -> Federation:
+def split_seed(cfg: Config) -> int:
+    """The seed of the run's split (the partition, the clients' test splits, natural's subset of
+    clients): ``data.seed``, else the run's ``seed``."""
+    return cfg.seed if cfg.data.seed is None else cfg.data.seed
+
+
+def rotated(federation: Federation, rotations: int) -> Federation:
     """Planted clusters (data.rotations): client c's training samples and its test split turned by
     (c mod ``rotations``) quarter turns of 4 / ``rotations``, in a copy of the data (a loaded
     dataset is shared by the runs of a sweep). Test samples in no client's split (a class no
@@ -109,7 +116,7 @@ def rotated(federation: Federation, rotations: int, seed: int) -> Federation:
             x[rows] = torch.rot90(x[rows], group * 4 // rotations, dims=(-2, -1))
         return x
 
-    test_x = turned(data.test_x, federation.test_parts(seed))
+    test_x = turned(data.test_x, federation.test_parts())
     data = dataclasses.replace(data, train_x=turned(data.train_x, federation.parts), test_x=test_x)
     return dataclasses.replace(federation, data=data)
 

@@ -395,8 +395,14 @@ def _dotted(config: dict) -> list[str]:
 
 
 def _experiment_key(config: dict, distinguish: set) -> tuple:
+    """What a run computes, from its config.yaml. A key at null counts as absent: a run recorded
+    before a key with a null default was added (data.seed, say) lacks it, and ran as null does."""
     return tuple(
-        sorted((k, repr(v)) for k, v in flatten_config(config) if k not in RUN_SPECIFIC_KEYS or k in distinguish)
+        sorted(
+            (k, repr(v))
+            for k, v in flatten_config(config)
+            if v is not None and (k not in RUN_SPECIFIC_KEYS or k in distinguish)
+        )
     )
 
 

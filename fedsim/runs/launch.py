@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from ..core.errors import ConfigError, FedsimError, UnguardedScript, explain_resource_error
-from ..core.overrides import overlap
+from ..core.overrides import overlap, with_keys_added_since
 from ..execution.distributed import Ranks, RankStopped
 from ..execution.pool import PoolKeeper
 from ..execution.processes import UNGUARDED_SCRIPT, in_worker_start, start_fork_server, worker_imports
@@ -262,9 +262,7 @@ def _check_same_run(path: Path, state: dict, cfg: Config, asked=frozenset()) -> 
         return  # a checkpoint from before runs recorded their identity
     before, now = yaml.safe_load(identity), yaml.safe_load(run_identity(cfg))
 
-    # a key added since ran at its default; it counts as recorded when the checkpoint holds it, a part
-    # of its mapping, or the mapping it is part of
-    before = {**{k: v for k, v in yaml.safe_load(run_identity(Config())).items() if not _part_of(k, before)}, **before}
+    before = with_keys_added_since(before, yaml.safe_load(run_identity(Config())))
     changed = sorted(k for k in set(before) | set(now) if before.get(k, "(unset)") != now.get(k, "(unset)"))
     if not changed:
         return

@@ -172,7 +172,7 @@ class Session:
         )
         if self.ranks.several:
             self.executor = RanksExecutor(self.executor, self.ranks, cfg, self.state, device)
-        test_parts = federation.test_parts(cfg.seed) if cfg.eval_per_client else None
+        test_parts = federation.test_parts() if cfg.eval_per_client else None
         self.client_eval = (
             ClientEvaluation(test_parts, data_device, self.client_names) if test_parts is not None else None
         )

@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from ..core.errors import FedsimError, write_error
+from ..core.overrides import with_keys_added_since
 from ..experiment.config import Config
 from ..experiment.validation import load_config
 from ..results.keys import PLACEMENT_KEYS, flatten_config
@@ -34,8 +35,8 @@ def sweep_root(out: str | os.PathLike | None, name: str, overwrite: bool, runs: 
     """The sweep's directory: a new one, or ``out``, which must be empty (or replaced, with
     ``overwrite``) or hold this same sweep, to be continued."""
     if out is not None and not overwrite and (Path(out) / SWEEP_FILE).is_file():
-        recorded = read_mapping(Path(out) / SWEEP_FILE, json.loads).get("runs")
-        planned = {run.label: identity(run.config) for run in runs}
+        recorded = _computed(read_mapping(Path(out) / SWEEP_FILE, json.loads).get("runs"))
+        planned = _computed({run.label: identity(run.config) for run in runs})
         if recorded != planned:
             raise FedsimError(
                 f"--out {out}: holds another sweep ({_difference(recorded, planned)}); give the "
@@ -45,12 +46,28 @@ def sweep_root(out: str | os.PathLike | None, name: str, overwrite: bool, runs: 
     return RunDirectory.target(out, f"{name}-sweep", overwrite)
 
 
-def _difference(recorded, planned: dict) -> str:
-    recorded = recorded if isinstance(recorded, dict) else {}
+def _computed(runs: object) -> dict:
+    """sweep.json's runs (label: ``identity``) as what each computes, a mapping of its keys, those
+    added to fedsim since the sweep was recorded at their defaults; an unreadable record as {}."""
+    if not isinstance(runs, dict):
+        return {}
+    defaults, computed = yaml.safe_load(identity(Config())), {}
+    for label, text in runs.items():
+        try:
+            keys = yaml.safe_load(text) if isinstance(text, str) else None
+        except yaml.YAMLError:
+            keys = None
+        computed[label] = with_keys_added_since(keys, defaults) if isinstance(keys, dict) else text
+    return computed
+
+
+def _difference(recorded: dict, planned: dict) -> str:
     label = next(label for label in [*planned, *recorded] if recorded.get(label) != planned.get(label))
     if label not in recorded or label not in planned:
         return f"{label} is a run of {'this sweep' if label in planned else 'that sweep'} only"
-    before, now = yaml.safe_load(recorded[label]), yaml.safe_load(planned[label])
+    before, now = recorded[label], planned[label]
+    if not isinstance(before, dict):
+        return f"its run {label} is recorded unreadably"
     key = next(k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k))
     return f"its run {label} has {key}: {before.get(key)!r}, this one {now.get(key)!r}"
 
