@@ -425,3 +425,35 @@ def test_the_stragglers_experiment_has_a_third_of_stragglers_as_its_header_says(
     plans = [system.round(cfg.seed, rnd, 100, 10, sizes) for rnd in range(1, cfg.rounds + 1)]
     late = sum(len(p.stragglers) for p in plans) / sum(len(p.sampled) for p in plans)
     assert f"{100 * late:.1f} %" in text
+
+
+@pytest.mark.slow
+def test_a_round_too_few_for_the_rule_changes_nothing_is_counted_and_resumes(tmp_path):
+    """Dropouts thin some rounds below the 2f + 1 updates the trimmed mean needs for f = attack.count
+    = 2: those rounds (the optimal attack's search of the rule included) leave the model as it was,
+    the run goes on, summary.json counts them, and a resume keeps the count."""
+    config = {
+        "name": "thin",
+        "rounds": 6,
+        "clients_per_round": 6,
+        "workers": 0,
+        "eval_every": 1,
+        "checkpoint_every": 1,
+        "model": "mnist_2nn",
+        "aggregator": "trimmed_mean",
+        "data": {"dataset": "synthetic", "num_clients": 8, "limit": 400},
+        "local": {"batch_size": 32, "lr": 0.05},
+        "attack": {"type": "optimal_alie", "count": 2},
+        "system": {"dropout": 0.5},
+    }
+    whole = fedsim.run(config, out=tmp_path / "whole", quiet=True)
+    rows = whole.rows
+    short = [i for i, row in enumerate(rows) if row["clients"] - row["dropped_clients"] + 2 < 5]
+    assert [i for i in short if i > 0] and whole.summary["rounds_left_out"] == len(short)
+    for i in (i for i in short if i > 0):
+        assert rows[i]["test_loss"] == rows[i - 1]["test_loss"]
+    assert len({row["test_loss"] for row in rows}) == len(rows) - len([i for i in short if i > 0])
+    fedsim.run(config, out=tmp_path / "resumed", quiet=True, rounds=3)
+    resumed = fedsim.resume(tmp_path / "resumed", quiet=True, rounds=6)
+    assert resumed.summary["rounds_left_out"] == whole.summary["rounds_left_out"]
+    assert [row["test_loss"] for row in resumed.rows] == [row["test_loss"] for row in rows]

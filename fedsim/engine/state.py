@@ -56,6 +56,7 @@ class GlobalState:
         # checkpoint of an earlier version, which did not count them)
         self.bytes_sent: int | None = 0
         self.simulated_time: float | None = 0.0  # simulated seconds since round 1 (None: as bytes_sent)
+        self.rounds_left_out = 0  # rounds whose updates were too few for the rule (engine/update.py)
         self.schedule = None  # an async run's clients in flight (engine/async_loop.py's Schedule)
         self.server_state = {
             name: torch.zeros(*shape, device=device) for name, shape in algorithm.server_state(n).items()
@@ -108,6 +109,7 @@ class GlobalState:
             "client_state": self.clients.state_dict(),
             "bytes_sent": self.bytes_sent,
             "simulated_time": self.simulated_time,
+            "rounds_left_out": self.rounds_left_out,
             **({"schedule": self.schedule.state_dict()} if self.schedule is not None else {}),
             "torch_rng": torch.get_rng_state(),
             **({"base_digest": self.base_digest} if self.base_digest else {}),
@@ -128,6 +130,7 @@ class GlobalState:
             self.aggregator_state[name] = state["aggregator"][name].to(like.device)
         self.bytes_sent = state.get("bytes_sent")  # a checkpoint of an earlier version did not count them
         self.simulated_time = state.get("simulated_time")
+        self.rounds_left_out = state.get("rounds_left_out", 0)  # an earlier version's checkpoint: it left none out
         if self.schedule is not None:
             self.schedule.load_state_dict(state.get("schedule"), source, self.model.flat)
         torch.set_rng_state(state["torch_rng"])

@@ -27,6 +27,7 @@ from ..fl.aggregation import (
     Memory,
     PreAggregator,
     Rule,
+    TooFewUpdates,
     equivariant,
     expanding,
     is_equivariant,
@@ -135,7 +136,7 @@ class AggregateUpdates:
         )
         self.compression = compression  # compression.Compression, or None: updates travel whole
         self.pre_aggregators = pre_aggregators or []
-        self._warned_breakdown = False
+        self._warned_breakdown = self._warned_too_few = False
         if remembers(aggregate):  # what it remembers before round 1; a resume then replaces it
             state.aggregator_state = aggregate.start_memory(state.model.flat)
         self._memory: Memory | None = None  # what the rule leaves of the round's update, kept with the round
@@ -239,7 +240,10 @@ class AggregateUpdates:
             aggregate=self._rule(rnd),
         )
         with user_code(f"attack {self.names['attack']} failed in round {rnd}"):
-            sent = self.attack.rewrite(view)
+            try:
+                sent = self.attack.rewrite(view)
+            except TooFewUpdates:  # the attack tried the server's rule, which cannot take the round: see update
+                sent = None
         if sent is not None:
             stack[mask] = self._checked(sent, int(mask.sum()), stack, rnd)
         if not outsiders:
@@ -357,8 +361,13 @@ class AggregateUpdates:
         overflow)."""
         state, names = self.state, self.names
         rows = self._client_rows(round_)
-        with user_code(f"algorithm {names['algorithm']}: server_update failed in round {rnd}"):
-            delta = self.algorithm.server_update(round_, state.server_state, rows)
+        try:
+            with user_code(f"algorithm {names['algorithm']}: server_update failed in round {rnd}"):
+                delta = self.algorithm.server_update(round_, state.server_state, rows)
+        except TooFewUpdates as error:
+            self._memory = None
+            self._left_out(rnd, len(round_.updates), error)
+            return
         why = " although every client update used was finite"
         advice = "lower server_lr or attack.scale, or bound updates with aggregator: norm_clip"
         check_finite(
@@ -388,6 +397,20 @@ class AggregateUpdates:
         for name, tensor in rows.items():  # kept only once the whole round is
             check_finite(state, tensor, rnd, f"the algorithm's client state {name!r} became non-finite", why, advice)
             state.clients.scatter(name, clients, tensor)
+
+    def _left_out(self, rnd: int, count: int, error: TooFewUpdates) -> None:
+        """A round whose updates are too few for the rule (dropouts or availability thinned it below
+        the clients_per_round the run was checked with) changes nothing: the global model, the
+        server's and the clients' states stay as they were, as in a round no client reported to.
+        Said once per run; summary.json counts such rounds (``rounds_left_out``)."""
+        self.state.rounds_left_out += 1
+        if not self._warned_too_few:
+            self._warned_too_few = True
+            logger.warning(
+                f"round {rnd}: its {count} updates are too few for {self.names['aggregator']} "
+                f"({str(error).partition(': ')[2]}); such a round changes nothing "
+                f"(said once per run; summary.json's rounds_left_out counts them)"
+            )
 
     def _client_rows(self, round_: Round) -> dict[str, torch.Tensor]:
         """The algorithm's rows of the round's kept clients as they started the round (copies), the

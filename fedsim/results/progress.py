@@ -205,6 +205,9 @@ def final_line(summary: dict, run_dir: str | os.PathLike) -> str:
         figures.append(f"staleness {summary['staleness_mean']:.2f} on average, {summary['staleness_max']} at most")
     if summary.get("clients_lost"):
         figures.append(f"{summary['clients_lost']} sampled clients' work lost")
+    if summary.get("rounds_left_out"):
+        left_out = summary["rounds_left_out"]
+        figures.append(f"{left_out} round{'s' if left_out > 1 else ''} left out, too few updates for the rule")
     said = "".join(f"; {figure}" for figure in figures)
     return f"{final} after round {summary['rounds']} ({summary['wall_seconds']:.1f} s){said}; results in {run_dir}"
 

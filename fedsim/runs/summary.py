@@ -46,6 +46,7 @@ def account(session: Any, status: str, ended_by: BaseException | None) -> dict:
         **s.state.algorithm.summary(s.client_rows),
         "checkpoint_round": s.state.saved_round,
         "bytes_sent": s.state.bytes_sent,
+        **({"rounds_left_out": s.state.rounds_left_out} if s.state.rounds_left_out else {}),
         **s.state.clients.summary(),
         **({"client_eval_model": "personal" if personal else "global"} if s.client_eval else {}),
         "startup_seconds": s.startup_seconds,

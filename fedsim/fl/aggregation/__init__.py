@@ -163,6 +163,16 @@ def fail(message: str) -> NoReturn:
     raise ConfigError(f"aggregator_options: {message}")
 
 
+class TooFewUpdates(ConfigError):
+    """A rule or pre-aggregator given fewer updates than its options need: refused before a run
+    whose rounds would all be so, a round of a run that dropouts or availability thinned left out
+    (engine/update.py)."""
+
+
+def too_few(message: str) -> NoReturn:
+    raise TooFewUpdates(f"aggregator_options: {message}")
+
+
 def normalized(weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     w = weights.to(device=like.device, dtype=like.dtype)
     return w / w.sum()
@@ -344,11 +354,11 @@ def squared_distances(updates: torch.Tensor) -> torch.Tensor:
 def assumed_attackers(rule: str, needs: str, k: int, f: int | None, largest: int) -> int:
     """``f``, or the ``largest`` number of attackers that ``rule`` allows among ``k`` clients."""
     if largest < 0:
-        fail(f"{rule} needs {needs} clients per round, so at least 3; got k = {k}")
+        too_few(f"{rule} needs {needs} clients per round, so at least 3; got k = {k}")
     if f is None:
         return largest
     if f > largest:
-        fail(
+        too_few(
             f"f = {f} is too large for k = {k} clients per round: {rule} needs {needs}, "
             f"so aggregator_options.f must be in [0, {largest}]"
         )

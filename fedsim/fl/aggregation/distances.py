@@ -23,6 +23,7 @@ from . import (
     row_norms,
     squared_distances,
     tolerating,
+    too_few,
 )
 
 
@@ -78,7 +79,7 @@ def multi_krum(f: int | None = None, m: int | None = None) -> Rule:
         assumed = _check_krum(k, f)
         chosen = k - assumed if m is None else m
         if chosen > k - assumed:
-            fail(
+            too_few(
                 f"m = {m} is too large for k = {k} clients per round and f = {assumed}: "
                 f"aggregator_options.m must be in [1, {k - assumed}]"
             )
@@ -222,7 +223,7 @@ def dnc(f: int | None = None, iterations: int = 5, coordinates: int = 10000, c: 
         k, p = updates.shape
         assumed = (k - 1) // 2 if f is None else f
         if assumed >= k:
-            fail(f"f = {assumed} is too large for k = {k} clients per round: dnc keeps k - c f, so f must be < {k}")
+            too_few(f"f = {assumed} is too large for k = {k} clients per round: dnc keeps k - c f, so f must be < {k}")
         dropped = min(round(c * assumed), k - 1)
         draws = generator or torch.Generator()
         good = torch.ones(k, dtype=torch.bool, device=updates.device)

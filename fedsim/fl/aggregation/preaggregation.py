@@ -23,6 +23,7 @@ from . import (
     Memory,
     PreAggregator,
     Rule,
+    TooFewUpdates,
     combine,
     equivariant,
     expanding,
@@ -43,7 +44,7 @@ def _assumed(name: str, f: int | None, k: int) -> int:
     if f is None:
         return largest
     if f >= k:
-        raise ConfigError(f"pre_aggregators: {name}'s f = {f} must be smaller than the k = {k} updates of a round")
+        raise TooFewUpdates(f"pre_aggregators: {name}'s f = {f} must be smaller than the k = {k} updates of a round")
     return f
 
 

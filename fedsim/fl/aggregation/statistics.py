@@ -6,7 +6,7 @@ import math
 from fractions import Fraction
 
 from ...core.checks import is_number
-from . import AGGREGATORS, OPTIONS, Rule, fail, mean_of, middle, sorted_rows, tolerating
+from . import AGGREGATORS, OPTIONS, Rule, fail, mean_of, middle, sorted_rows, tolerating, too_few
 
 
 @AGGREGATORS.register(
@@ -57,7 +57,7 @@ def trimmed_mean(beta: float | None = None, f: int | None = None) -> Rule:
     def rule(updates, weights):
         k = updates.shape[0]
         if f is not None and 2 * f >= k:
-            fail(
+            too_few(
                 f"f = {f} is too large for k = {k} clients per round: the trimmed mean drops 2f "
                 f"values, so aggregator_options.f must be in [0, {(k - 1) // 2}]"
             )
