@@ -15,7 +15,7 @@ import fedsim
 from fedsim.experiment.config import AttackConfig
 from fedsim.fl import aggregation
 from fedsim.fl.aggregation.preaggregation import pre_aggregated, pre_aggregator
-from fedsim.fl.attacks import ATTACKS, RoundView, attacker_mask, make_attack
+from fedsim.fl.attacks import ATTACKS, Attack, RoundView, attacker_mask, make_attack
 from fedsim.fl.attacks.omniscient import alie_z_max
 
 needs_byzfl = pytest.mark.skipif(not installed("byzfl"), reason="byzfl is not installed")
@@ -292,6 +292,20 @@ def test_an_unknown_attack_option_is_refused_in_one_line():
         fedsim.core.errors.ConfigError, match=r"attack.options: alie takes no option 'tau'; it takes: z"
     ):
         make_attack(AttackConfig("alie", 0.2, options={"tau": 1.5}))
+
+
+class Misspelt(Attack):
+    def rewite(self, view):  # rewrite, misspelt: the attackers would stay honest
+        return -view.honest.mean(dim=0)
+
+
+def test_an_attack_that_defines_neither_rewrite_nor_relabel_is_refused_in_one_line():
+    with pytest.raises(
+        fedsim.core.errors.ConfigError,
+        match=r"^config: attack.type: Misspelt defines neither rewrite nor relabel, so its attackers would send honest updates",
+    ):
+        fedsim.load_config({"attack": {"type": "test_attacks:Misspelt", "count": 1}})
+    assert make_attack(AttackConfig("none", 0.0)).rewrite(None) is None  # no attack: the one that defines neither
 
 
 # ----------------------------------------------------------------------------- against ByzFL
@@ -693,6 +707,9 @@ def test_attack_scale_is_read_by_an_attack_of_ones_own_that_takes_it():
     class Scaled(fedsim.attacks.Attack):
         def __init__(self, scale=1.0):
             self.scale = scale
+
+        def rewrite(self, view):
+            return self.scale * view.own
 
     def loaded(attack_type):
         attack = {"type": attack_type, "fraction": 0.25, "scale": 3}

@@ -158,6 +158,12 @@ def attack_class(spec: Any) -> type:
     if not (isinstance(target, type) and issubclass(target, Attack)):
         what = type(target).__name__ if not isinstance(target, type) else f"class {target.__name__}"
         Checks("attack").fail("type", f"{spec!r} is a {what}, not a subclass of fedsim.attacks.Attack")
+    if target is not Attack and target.rewrite is Attack.rewrite and target.relabel is Attack.relabel:
+        Checks("attack").fail(  # a misspelt method would otherwise leave every attacker honest, unsaid
+            "type",
+            f"{target.__name__} defines neither rewrite nor relabel, so its attackers would send honest "
+            "updates; define one of them (see docs/extending.md)",
+        )
     return target
 
 
