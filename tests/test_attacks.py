@@ -302,7 +302,7 @@ class Misspelt(Attack):
 def test_an_attack_that_defines_neither_rewrite_nor_relabel_is_refused_in_one_line():
     with pytest.raises(
         fedsim.core.errors.ConfigError,
-        match=r"^config: attack.type: Misspelt defines neither rewrite nor relabel, so its attackers would send honest updates",
+        match=r"^config: attack.type: Misspelt defines neither rewrite nor relabel, so its attackers would send honest",
     ):
         fedsim.load_config({"attack": {"type": "test_attacks:Misspelt", "count": 1}})
     assert make_attack(AttackConfig("none", 0.0)).rewrite(None) is None  # no attack: the one that defines neither
@@ -600,9 +600,11 @@ class SendsNaN(fedsim.attacks.Attack):
         return torch.full_like(view.honest[0], float("nan"))
 
 
+@pytest.mark.slow
 def test_non_finite_updates_of_count_byzantine_clients_follow_on_nonfinite(tmp_path, caplog):
     """They have no client id, but what they send is held to the rule for every client's update: fail
-    stops the run in one line; drop leaves them out, warns, and counts them as attackers and dropped."""
+    stops the run in one line; drop leaves them out, warns once per run, and counts them as attackers
+    and dropped every round."""
     attack = {"type": SendsNaN, "count": 2}
     with pytest.raises(fedsim.core.errors.NonFiniteError, match="for 2 of the 2 Byzantine clients of attack.count"):
         tiny_attacked_step(tmp_path, "fail", attack, on_nonfinite="fail")
@@ -611,6 +613,10 @@ def test_non_finite_updates_of_count_byzantine_clients_follow_on_nonfinite(tmp_p
     assert torch.equal(dropped, clean)  # the same three honest updates and rule
     assert history.attackers == [2] and history.dropped_clients == [2]
     assert any("sent non-finite (NaN/Inf) updates for 2 of the 2" in r.message for r in caplog.records)
+    caplog.clear()
+    _, history = tiny_attacked_step(tmp_path, "rounds", attack, on_nonfinite="drop", rounds=3)
+    assert history.dropped_clients == [2, 2, 2]  # counted every round, said once
+    assert sum("sent non-finite (NaN/Inf) updates" in r.message for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize(

@@ -136,7 +136,7 @@ class AggregateUpdates:
         )
         self.compression = compression  # compression.Compression, or None: updates travel whole
         self.pre_aggregators = pre_aggregators or []
-        self._warned_breakdown = self._warned_too_few = False
+        self._warned_breakdown = self._warned_too_few = self._warned_outsiders = False
         if remembers(aggregate):  # what it remembers before round 1; a resume then replaces it
             state.aggregator_state = aggregate.start_memory(state.model.flat)
         self._memory: Memory | None = None  # what the rule leaves of the round's update, kept with the round
@@ -272,14 +272,20 @@ class AggregateUpdates:
     def _outsiders_nonfinite(self, rnd: int, left_out: int, outsiders: int) -> None:
         """The rule for non-finite updates (``stop_on_nonfinite``) for the Byzantine clients outside the
         federation, which have no client id: stop under ``on_nonfinite: fail``, else leave them out, warn
-        and count them (``dropped_clients``)."""
+        once per run (an attack that sends them does so round after round) and count them
+        (``dropped_clients``)."""
         what = f"attack {self.names['attack']} sent non-finite (NaN/Inf) updates for {left_out} of the {outsiders}"
         if self.cfg.on_nonfinite == "fail":
             raise NonFiniteError(
                 f"round {rnd}: {what} Byzantine clients of attack.count "
                 f"(on_nonfinite: fail; use drop to leave such clients out)"
             )
-        logger.warning(f"round {rnd}: {what} Byzantine clients of attack.count; dropped them")
+        if not self._warned_outsiders:
+            self._warned_outsiders = True
+            logger.warning(
+                f"round {rnd}: {what} Byzantine clients of attack.count; dropped them, as in every such round "
+                f"(said once per run; dropped_clients counts them)"
+            )
 
     def _warn_breakdown(self, rnd: int, count: int, n: int) -> None:
         """Once per run: a round in which half the clients or more, or more than the rule withstands,
