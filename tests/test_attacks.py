@@ -294,6 +294,13 @@ def test_an_unknown_attack_option_is_refused_in_one_line():
         make_attack(AttackConfig("alie", 0.2, options={"tau": 1.5}))
 
 
+def test_an_unknown_attack_is_refused_naming_the_import_path_form_as_the_rules_do():
+    with pytest.raises(fedsim.core.errors.ConfigError) as info:
+        fedsim.load_config({"attack": {"type": "alei", "count": 1}})
+    assert str(info.value).startswith("config: attack.type: unknown attack 'alei' (did you mean 'alie'?); choose one")
+    assert str(info.value).endswith(", sign_flip, or give an import path (pkg.module:name)")
+
+
 class Misspelt(Attack):
     def rewite(self, view):  # rewrite, misspelt: the attackers would stay honest
         return -view.honest.mean(dim=0)

@@ -31,7 +31,7 @@ import torch
 from ...core.blocks import finite_rows
 from ...core.checks import Checks, refuse_unknown
 from ...core.errors import UserCodeError, user_code
-from ...core.registry import Registry, is_import_path, load_attr
+from ...core.registry import Registry, is_import_path, load_attr, registered
 from ...core.sections import option
 from ...core.streams import attackers_rng
 from ...data.tensors import IGNORE_INDEX
@@ -77,7 +77,7 @@ class AttackConfig:
     def check(self) -> None:
         checks = Checks("attack")
         if isinstance(self.type, str) and not is_import_path(self.type):
-            checks.choice("type", self.type, ATTACKS)
+            registered("attack.type", ATTACKS, self.type)
         checks.within("fraction", self.fraction, 0, 1, "[)")
         checks.count("count", self.count, 1, optional=True)
         if self.count is not None and self.fraction:
@@ -154,7 +154,7 @@ def attack_class(spec: Any) -> type:
     if not isinstance(spec, str):
         target = spec
     else:
-        target = load_attr("attack.type", spec) if is_import_path(spec) else ATTACKS.get(spec)
+        target = load_attr("attack.type", spec) if is_import_path(spec) else registered("attack.type", ATTACKS, spec)
     if not (isinstance(target, type) and issubclass(target, Attack)):
         what = type(target).__name__ if not isinstance(target, type) else f"class {target.__name__}"
         Checks("attack").fail("type", f"{spec!r} is a {what}, not a subclass of fedsim.attacks.Attack")
