@@ -809,10 +809,14 @@ def test_a_pre_aggregator_of_ones_own_gets_its_options_and_is_checked_in_one_lin
     def raising(updates, weights, generator):
         raise ValueError("no")
 
+    def nan(updates, weights, generator):  # would be blamed on the rule and the server's step
+        return updates * float("nan"), weights
+
     label = f"pre_aggregators[1] ({__name__}:test_a_pre_aggregator_of_ones_own_gets_its_options_and_is_checked"
     for step, says in (
         (broken, "_in_one_line.<locals>.broken) returned (shape (10, 2) torch.float32 on cpu, shape (10,) "),
         (raising, "_in_one_line.<locals>.raising) failed on 10 updates of 60 values (ValueError: no)"),
+        (nan, "_in_one_line.<locals>.nan) returned non-finite (NaN/Inf) rows from 10 finite updates of 60 values"),
     ):
         with pytest.raises(UserCodeError) as refused:
             entry_of_a_run(step, None, "pre_aggregators[1]")(u, w, torch.Generator())

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...core.blocks import finite_rows
 from ...core.checks import Checks, refuse_unknown
 from ...core.errors import ConfigError, UserCodeError, cut, user_code
 from ...core.registry import registered
@@ -176,7 +177,8 @@ def pre_aggregator(spec: object, f: int | None = None, key: str = "pre_aggregato
 def own_step(step: Callable, options: dict, label: str) -> PreAggregator:
     """A pre-aggregator of one's own, ``step(updates, weights, generator, **options)``, with its
     options bound; what it raises, or returns other than a stack of the updates' length, dtype and
-    device with one weight a row, is said in one line naming it (``label``)."""
+    device with one weight a row, or non-finite rows from finite updates, is said in one line naming
+    it (``label``): the round's check would otherwise blame the rule."""
 
     def checked(updates, weights, generator):
         with user_code(f"{label} failed on {len(updates)} updates of {updates.shape[1]} values"):
@@ -190,6 +192,11 @@ def own_step(step: Callable, options: dict, label: str) -> PreAggregator:
             and (rows.shape[1], rows.dtype, rows.device) == (updates.shape[1], updates.dtype, updates.device)
             and tuple(counts.shape) == (len(rows),)
         ):
+            if not bool(finite_rows(rows).all()) and bool(finite_rows(updates).all()):
+                raise UserCodeError(
+                    f"{label} returned non-finite (NaN/Inf) rows from {len(updates)} finite updates of "
+                    f"{updates.shape[1]} values"
+                )
             return rows, counts
         got = ", ".join(
             f"shape {tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
