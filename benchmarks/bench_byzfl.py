@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import harness
@@ -49,6 +51,7 @@ ATTACKS = {
     "optimal_ipm": "Optimal_InnerProductManipulation",
     "optimal_alie": "Optimal_ALittleIsEnough",
 }
+BYZFL_GRID = ((1.0, 0.66, 0.33, 0.0), (1, 2, 3, 4))  # its default_config's gammas and f: a heatmap's axes
 RUN_MACHINE = ("device", "device_name", "cpus", "torch")  # what a run's summary says of its machine
 COLUMNS = [
     ("tool", "tool", ""),
@@ -339,30 +342,53 @@ def attack_table(cells: list[dict]) -> str:
     return harness.format_table(columns, [{**cell, **cell["by_attack"]} for cell in cells])
 
 
-def write_heatmaps(sides: dict, folder: Path) -> list[Path]:
+def fullest(cells: list[dict]) -> tuple[int, int]:
+    """The attacks and seeds of the fullest of ``cells``: a cell with fewer was not run in full."""
+    return max(((c["attacks"], c["seeds"]) for c in cells), default=(0, 0))
+
+
+def heatmap_rows(
+    cells: list[dict], full: tuple[int, int], gammas: Iterable[float] = (), fs: Iterable[int] = ()
+) -> tuple[list[float], list[int], list[list[float | None]]]:
+    """One rule's heatmap: gamma down and f across (those of ``cells``, and ``gammas`` and ``fs``
+    beside them), each value a cell's figure, or None where the cell was not run in full: it has
+    fewer than the ``full`` (attacks, seeds) (a grid cut short), since ByzFL's figure is the worst
+    attack over all of them."""
+    done = {(c["gamma"], c["f"]): c["accuracy"] for c in cells if (c["attacks"], c["seeds"]) == full}
+    down = sorted({c["gamma"] for c in cells} | set(gammas), reverse=True)
+    across = sorted({c["f"] for c in cells} | set(fs))
+    return down, across, [[done.get((g, f)) for f in across] for g in down]
+
+
+def write_heatmaps(sides: dict, folder: Path, gammas: Iterable[float] = (), fs: Iterable[int] = ()) -> list[Path]:
     """One heatmap per tool and rule, as ByzFL draws its own: gamma down, f across, each cell the
-    worst attack's accuracy (``{tool}_{rule}_heatmap.png``)."""
+    worst attack's accuracy (``{tool}_{rule}_heatmap.png``); a cell not run in full is grey."""
+    import numpy as np
+    from matplotlib import colormaps
     from matplotlib.figure import Figure
 
     folder.mkdir(parents=True, exist_ok=True)
+    colours = colormaps["RdYlGn"].with_extremes(bad="0.85")
     written = []
     for tool, side in sides.items():
+        full = fullest(side["cells"])
         for rule in dict.fromkeys(cell["rule"] for cell in side["cells"]):
-            cells = {(c["gamma"], c["f"]): c["accuracy"] for c in side["cells"] if c["rule"] == rule}
-            gammas = sorted({g for g, _ in cells}, reverse=True)
-            fs = sorted({f for _, f in cells})
-            values = [[cells.get((g, f), float("nan")) for f in fs] for g in gammas]
-            fig = Figure(figsize=(max(3.0, 1.0 + 0.7 * len(fs)), 0.9 + 0.5 * len(gammas)), layout="constrained")
+            down, across, rows = heatmap_rows([c for c in side["cells"] if c["rule"] == rule], full, gammas, fs)
+            values = np.ma.masked_invalid([[math.nan if v is None else v for v in row] for row in rows])
+            fig = Figure(figsize=(max(3.0, 1.0 + 0.7 * len(across)), 1.1 + 0.5 * len(down)), layout="constrained")
             ax = fig.subplots()
-            ax.imshow(values, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-            for i, row in enumerate(values):
+            ax.imshow(values, cmap=colours, vmin=0, vmax=1, aspect="auto")
+            for i, row in enumerate(rows):
                 for j, value in enumerate(row):
-                    ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
-            ax.set_xticks(range(len(fs)), [str(f) for f in fs])
-            ax.set_yticks(range(len(gammas)), [f"{g:g}" for g in gammas])
+                    ax.text(j, i, "–" if value is None else f"{value:.2f}", ha="center", va="center", fontsize=8)
+            ax.set_xticks(range(len(across)), [str(f) for f in across])
+            ax.set_yticks(range(len(down)), [f"{g:g}" for g in down])
             ax.set_xlabel("f (Byzantine clients)")
             ax.set_ylabel("γ")
-            ax.set_title(f"{rule} ({tool}), worst attack", fontsize=8)
+            title = f"{rule} ({tool}), worst of {full[0]} attacks, {full[1]} seeds"
+            if any(v is None for row in rows for v in row):
+                title += "\n–: not run in full"
+            ax.set_title(title, fontsize=8)
             path = folder / f"{tool}_{rule}_heatmap.png"
             fig.savefig(path, dpi=200)
             written.append(path)
@@ -385,7 +411,8 @@ def main(argv=None) -> int:
             )
         print("\neach attack's figure: the best evaluation of its seeds' mean curve")
         print(attack_table(side["cells"]))
-        for path in write_heatmaps({"fedsim": side}, Path(args.heatmaps)) if args.heatmaps else []:
+        heatmaps = write_heatmaps({"fedsim": side}, Path(args.heatmaps), *BYZFL_GRID) if args.heatmaps else []
+        for path in heatmaps:
             print(f"wrote {path}")
         path = harness.write_results(
             "bench_byzfl", args, harness.machine_info(), "cpu", [], {"sides": {"fedsim": side}}
@@ -431,7 +458,7 @@ def main(argv=None) -> int:
         print(f"{tool}: {side['wall_seconds']:.1f} s from launch to exit")
     if len(sides) == 2:
         print(f"byzfl / fedsim: {sides['byzfl']['wall_seconds'] / sides['fedsim']['wall_seconds']:.2f}x")
-    for path in write_heatmaps(sides, Path(args.heatmaps)) if args.heatmaps else []:
+    for path in write_heatmaps(sides, Path(args.heatmaps), grid["gammas"], grid["f"]) if args.heatmaps else []:
         print(f"wrote {path}")
     path = harness.write_results("bench_byzfl", args, machine, args.device, [], {"sides": sides, "grid": grid})
     print(f"\nwrote {path}")

@@ -39,6 +39,28 @@ def test_a_cell_is_the_worst_attacks_best_of_the_seeds_mean_curve(bench_byzfl):
     assert table[2].split() == ["trimmed_mean", "0.33", "4", "0.7500", "0.7500", "0.7000"]
 
 
+def test_a_heatmap_leaves_cells_not_run_in_full_blank_and_shows_the_whole_grid(bench_byzfl, tmp_path):
+    def cell(gamma, f, accuracy, attacks=3, seeds=3):
+        return {
+            "rule": "trimmed_mean",
+            "gamma": gamma,
+            "f": f,
+            "accuracy": accuracy,
+            "attacks": attacks,
+            "seeds": seeds,
+        }
+
+    cells = [cell(0.33, 1, 0.97), cell(0.33, 2, 0.5, seeds=2), cell(0.0, 1, 0.8, attacks=1)]
+    full = bench_byzfl.fullest(cells)
+    assert full == (3, 3)
+    down, across, rows = bench_byzfl.heatmap_rows(cells, full, gammas=(1.0, 0.33), fs=(1, 2, 3))
+    assert (down, across) == ([1.0, 0.33, 0.0], [1, 2, 3])  # gamma down, as ByzFL's heatmaps
+    # a cell short of seeds or attacks is not ByzFL's figure (the worst attack over all seeds): blank
+    assert rows == [[None, None, None], [0.97, None, None], [None, None, None]]
+    (path,) = bench_byzfl.write_heatmaps({"fedsim": {"cells": cells}}, tmp_path, (1.0, 0.33), (1, 2, 3))
+    assert path == tmp_path / "fedsim_trimmed_mean_heatmap.png" and path.stat().st_size > 0
+
+
 def test_commands_run_n_at_a_time_and_stop_at_the_budget(bench_byzfl, tmp_path):
     """Two sleepers run at once (each leaves its mark), the budget stops both, the third never starts."""
     marks = [tmp_path / f"ran{i}" for i in range(3)]

@@ -398,8 +398,10 @@ def assert_same_run(resumed, whole) -> None:
 def test_every_algorithm_resumes_to_the_uninterrupted_run_bit_for_bit(name, tmp_path):
     """Stopped after round 2 of 4, by a run of 2 rounds, by SIGTERM, or by a kill -9 after round 3's
     rows but before its checkpoint: resumed, each ends as the run of 4 rounds did, exactly."""
-    live = LiveModel()
-    whole = fedsim.run(algorithm_config(name, tmp_path, 4), out=tmp_path / "whole", quiet=True, callbacks=[live])
+    live, killed = LiveModel(), StopAt(3, copy_to=tmp_path / "killed")  # the copy leaves the run as it was
+    whole = fedsim.run(
+        algorithm_config(name, tmp_path, 4), out=tmp_path / "whole", quiet=True, callbacks=[live, killed]
+    )
     whole = whole.run_dir
     loaded = fedsim.load_model(whole).state_dict()
     assert loaded.keys() == live.state.keys()
@@ -411,8 +413,6 @@ def test_every_algorithm_resumes_to_the_uninterrupted_run_bit_for_bit(name, tmp_
             fedsim.run(algorithm_config(name, tmp_path, 4), out=tmp_path / "term", quiet=True, callbacks=[StopAt(2)])
     finally:
         signal.signal(signal.SIGTERM, previous)
-    killed = StopAt(3, copy_to=tmp_path / "killed")
-    fedsim.run(algorithm_config(name, tmp_path, 4), out=tmp_path / "copied", quiet=True, callbacks=[killed])
     assert len(fedsim.load_run(tmp_path / "killed").rows) == 3
     assert torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)["round"] == 2
     for stopped in ("stopped", "term", "killed"):
