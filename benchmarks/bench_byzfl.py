@@ -3,9 +3,9 @@
     python benchmarks/bench_byzfl.py                        # 100 steps; gamma 1, 0.33, 0; f 1, 4; TM; 3 attacks
     python benchmarks/bench_byzfl.py --only fedsim --steps 800 --gammas 1,0.66,0.33,0 --f 1,2,3,4 \\
         --rules trimmed_mean,geometric_median --seeds 0,1,2   # ByzFL's whole default grid, fedsim alone
-    python benchmarks/bench_byzfl.py --only fedsim --steps 800 --gammas 0.33,0 --f 1,2,3,4 \
+    python benchmarks/bench_byzfl.py --only fedsim --steps 800 --gammas 1,0.66 --f 1,2,3,4 \
         --rules trimmed_mean,geometric_median --seeds 0,1,2 --workers 0 --device cuda --parallel 12 \
-        --budget-s 355                                      # GPU call 3: ByzFL's published rows
+        --budget-s 355                                      # GPU call 3: the rows at gamma >= 0.66
     python benchmarks/bench_byzfl.py --from-sweep runs/byzfl-sweep-X --heatmaps docs/figures
         # the cells and heatmaps of sweeps of experiments/robustness/byzfl.yaml already run
 
