@@ -15,7 +15,9 @@ import pytest
 import torch
 import yaml
 
+import fedsim
 from fedsim.cli import main
+from fedsim.core.errors import FedsimError
 
 GOOD = {
     "name": "bad",
@@ -587,6 +589,8 @@ def test_an_output_directory_with_files_is_refused_unless_overwrite(tmp_path, ca
         main(["run", str(path), "--out", str(taken)])
     assert exit_info.value.code == 2
     assert f"--out {taken}: directory exists and is not empty; pass --overwrite" in capsys.readouterr().err
+    with pytest.raises(FedsimError, match="^out .*: directory exists and is not empty; pass overwrite=True to"):
+        fedsim.run(str(path), out=taken)  # in fedsim.run's own words
     assert (taken / "notes.txt").read_text() == "mine"
 
 

@@ -21,6 +21,7 @@ from support import child_pids, documented_commands, start, wait_for_round, work
 import fedsim
 import fedsim.runs.launch
 import fedsim.runs.parts
+from fedsim.cli import main
 from fedsim.core.errors import ConfigError, FedsimError
 from fedsim.core.overrides import parse_grid
 from fedsim.results.history import History
@@ -231,16 +232,25 @@ def test_every_combination_is_checked_whole_before_the_first_run(config_file, fa
     assert fake_runs == [] and not (tmp_path / "out").exists()
 
 
-def test_another_sweep_in_the_directory_of_one_is_refused(config_file, fake_runs, tmp_path):
+def test_another_sweep_in_the_directory_of_one_is_refused(config_file, fake_runs, tmp_path, capsys):
     sweep(config_file, ["aggregator=mean,median"], out=tmp_path / "out", log=lambda line: None)
     with pytest.raises(FedsimError) as info:
         sweep(config_file, ["aggregator=mean,median"], ["local.lr=0.5"], out=tmp_path / "out")
-    assert str(info.value) == (
-        f"--out {tmp_path / 'out'}: holds another sweep (its run small-aggregator=mean has "
-        f"local.lr: {yaml.safe_load(config_file.read_text())['local']['lr']!r}, this one 0.5); "
-        f"give the command that started it to continue it, --overwrite to replace it, or "
-        f"another --out"
+    difference = (
+        f"holds another sweep (its run small-aggregator=mean has "
+        f"local.lr: {yaml.safe_load(config_file.read_text())['local']['lr']!r}, this one 0.5)"
     )
+    assert str(info.value) == (  # in fedsim.sweep's own words
+        f"out {tmp_path / 'out'}: {difference}; call fedsim.sweep with the arguments that started it to "
+        f"continue it, overwrite=True to replace it, or another out"
+    )
+    command = ["sweep", str(config_file), "--grid", "aggregator=mean,median", "--set", "local.lr=0.5"]
+    with pytest.raises(SystemExit):
+        main([*command, "--out", str(tmp_path / "out")])
+    assert (
+        f"--out {tmp_path / 'out'}: {difference}; give the command that started it to continue it, "
+        f"--overwrite to replace it, or another --out"
+    ) in capsys.readouterr().err
     sweep(
         config_file,
         ["aggregator=mean,median"],
@@ -460,9 +470,9 @@ def test_seeds_repeat_every_point_under_one_name(config_file):
         ([], "0,x", "expected integers"),
         ([], "1,2,1", "listed twice"),
         ([], "0,-1", "seed"),  # the config's own check: seeds are >= 0
-        ([], 3, r"^--seeds: expected a list of integers or a string such as 0,1,2, got int 3$"),
-        ([], {0: 1}, "--seeds: expected a list of integers"),
-        ([], [0.5], r"^--seeds \[0.5\]: expected integers"),
+        ([], 3, r"^seeds: expected a list of integers or a string such as 0,1,2, got int 3$"),  # as the call names it
+        ([], {0: 1}, "^seeds: expected a list of integers"),
+        ([], [0.5], r"^seeds \[0.5\]: expected integers"),
     ],
 )
 def test_bad_seeds_are_refused_before_anything_runs(config_file, fake_runs, tmp_path, grid, seeds, words):
@@ -552,10 +562,13 @@ def test_a_configuration_the_grid_replaces_in_every_run_need_not_be_valid_alone(
         sweep(config_file, ["local.lr=0.1,0.2"], ["clients_per_round=100"], out=tmp_path / "other")
 
 
-def test_a_bad_target_is_refused(config_file, fake_runs, tmp_path):
+def test_a_bad_target_is_refused(config_file, fake_runs, tmp_path, capsys):
     for target in (0, 1.5, float("nan")):
-        with pytest.raises(ConfigError, match="--target"):
+        with pytest.raises(ConfigError, match="^target: must be a test accuracy"):
             sweep(config_file, [], seeds=[0], target=target, out=tmp_path / "out")
+    with pytest.raises(SystemExit):
+        main(["sweep", str(config_file), "--seeds", "0", "--target", "1.5", "--out", str(tmp_path / "out")])
+    assert "--target: must be a test accuracy, a fraction in (0, 1], got 1.5" in capsys.readouterr().err
     assert fake_runs == []
 
 

@@ -76,6 +76,12 @@ RUN_FILES = (
 )
 
 
+# how a caller names the output folder and its replacement: the command line's flags, or the
+# arguments of fedsim.run and fedsim.sweep
+FLAGS = ("--out", "--overwrite")
+ARGUMENTS = ("out", "overwrite=True")
+
+
 class RunDirectory:
     """Writes one run's files; rows are flushed as they come, so an interrupted run keeps them.
 
@@ -89,24 +95,28 @@ class RunDirectory:
         self._lock = None
 
     @staticmethod
-    def target(out: str | os.PathLike | None, name: str, overwrite: bool = False) -> Path:
+    def target(
+        out: str | os.PathLike | None, name: str, overwrite: bool = False, spelled: tuple[str, str] = FLAGS
+    ) -> Path:
         """The directory a new run will write: ``out``, or ``runs/<name>-<timestamp>``.
-        Refuses an ``out`` that holds files unless ``overwrite``; creates nothing."""
+        Refuses an ``out`` that holds files unless ``overwrite``, naming both as ``spelled``
+        (FLAGS or ARGUMENTS); creates nothing."""
+        flag, overwriting = spelled
         if out is None:
             stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
             base = f"{safe_dir_name(name)}-{stamp}"
             path, n = Path("runs") / base, 2
             while path.exists():
                 path, n = Path("runs") / f"{base}-{n}", n + 1
-            check_output_path(path)
+            check_output_path(path, flag)
             return path
         path = Path(out)
-        check_output_path(path)
+        check_output_path(path, flag)
         if path.exists() and not path.is_dir():
-            raise FedsimError(f"--out {path}: exists and is not a directory")
+            raise FedsimError(f"{flag} {path}: exists and is not a directory")
         if path.is_dir() and any(path.iterdir()) and not overwrite:
             raise FedsimError(
-                f"--out {path}: directory exists and is not empty; pass --overwrite to replace its run files"
+                f"{flag} {path}: directory exists and is not empty; pass {overwriting} to replace its run files"
             )
         return path
 

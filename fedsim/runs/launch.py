@@ -24,7 +24,7 @@ from ..experiment.validation import load_config
 from ..results.history import History
 from ..results.keys import RESUMABLE_KEYS, flatten_config
 from ..results.progress import RoundLog, console_logging
-from ..results.rundir import RunDirectory, read_mapping
+from ..results.rundir import ARGUMENTS, FLAGS, RunDirectory, read_mapping
 from .session import Session, run_identity, started_with
 
 
@@ -51,7 +51,9 @@ def run(
     refuse_in_a_worker()
     cfg = load_config(config, _with_dataset_key(overrides))
     try:
-        return start_run(cfg, out=out, overwrite=overwrite, quiet=quiet, progress=progress, callbacks=callbacks)
+        return start_run(
+            cfg, out=out, overwrite=overwrite, quiet=quiet, progress=progress, callbacks=callbacks, spelled=ARGUMENTS
+        )
     except UnguardedScript as e:
         raise SystemExit(f"fedsim: error: {e}") from None  # one line: the script cannot work as it is
 
@@ -98,14 +100,15 @@ def start_run(
     callbacks: Iterable[object] = (),
     ranks: Ranks | None = None,
     pools: PoolKeeper | None = None,
+    spelled: tuple[str, str] = FLAGS,
 ) -> History:
     """Run ``cfg`` into ``out`` (default ``runs/<name>[-<overrides>]-<timestamp>``, see
     config.directory_name); on ranks other than 0
     (see distributed.py) only train. ``pools``: a PoolKeeper whose workers the run may use
-    (execution/pool.py)."""
+    (execution/pool.py). ``spelled``: how the caller names ``out`` and ``overwrite``."""
     ranks = ranks or Ranks()
     # before loading anything
-    path = RunDirectory.target(out, directory_name(cfg), overwrite) if ranks.is_root else None
+    path = RunDirectory.target(out, directory_name(cfg), overwrite, spelled) if ranks.is_root else None
     session = _setup(cfg, quiet, progress, callbacks, ranks, pools)
     if not ranks.is_root:
         return session.run(None)

@@ -36,7 +36,7 @@ from ..core.overrides import overlap
 from ..experiment.config import Config
 from ..experiment.validation import load_config
 from ..results.history import check_target, load_run
-from ..results.rundir import safe_dir_name
+from ..results.rundir import ARGUMENTS, FLAGS, safe_dir_name
 from .sweepdir import SWEEP_FILE, TABLES, clear_for_overwrite, identity, left_to_do, placement, sweep_root
 from .sweepgrid import grid_axes, set_keys
 from .sweepruns import SweepRun, _printable, _row, format_pivot, format_table, write_csv, write_pivot, write_table
@@ -240,8 +240,10 @@ def sweep(
     grid, overrides = _texts("grid", grid, "aggregator=fedavg,median"), _texts("overrides", overrides, "rounds=20")
     if isinstance(pivot, (list, tuple)):
         pivot = ",".join(map(str, pivot))
+    # checked here first, to be named as this call names them
+    seeds, target = (parse_seeds(seeds, "seeds") if seeds is not None else None), check_target(target)
     try:
-        planned = prepare(config, grid, overrides, out, overwrite, seeds, target, pivot)
+        planned = prepare(config, grid, overrides, out, overwrite, seeds, target, pivot, spelled=ARGUMENTS)
         try:
             return planned.run(quiet, log)
         except KeyboardInterrupt:  # said where the sweep's lines go; the caller's Ctrl-C still stops it
@@ -271,16 +273,18 @@ def prepare(
     seeds: str | Iterable[int] | None = None,
     target: float | None = None,
     pivot: str | None = None,
+    spelled: tuple[str, str] = FLAGS,
 ) -> Sweep:
     """The sweep planned and checked whole before any run trains: every configuration as a run
     checks it before its workers start (the data and its limit, the model's probe, ...), and
-    what is left to do of a sweep interrupted earlier in ``out``. Writes nothing."""
+    what is left to do of a sweep interrupted earlier in ``out``. Writes nothing. ``spelled``:
+    how the caller names ``out`` and ``overwrite``."""
     from .parts import check_run
 
     target = check_target(target, "--target")
     runs, name = _planned(config, grid, overrides, seeds)
     pivoted = parse_pivot(pivot, [key for key, _ in runs[0].point] if runs else [])
-    root = sweep_root(out, name, overwrite, runs)
+    root = sweep_root(out, name, overwrite, runs, spelled)
     for run in runs:
         run.todo = "start" if overwrite else left_to_do(root / run.label, run.config)
     datasets = {}  # each dataset read once

@@ -15,7 +15,7 @@ from ..core.overrides import with_keys_added_since
 from ..experiment.config import Config
 from ..experiment.validation import load_config
 from ..results.keys import PLACEMENT_KEYS, flatten_config
-from ..results.rundir import RUN_FILES, RunDirectory, read_mapping
+from ..results.rundir import FLAGS, RUN_FILES, RunDirectory, read_mapping
 
 SWEEP_FILE = "sweep.json"  # what each run of the sweep is, so that the same sweep continues it
 TABLES = ("sweep.csv", "runs.csv", "pivot.csv")  # the tables a sweep writes beside its runs
@@ -31,19 +31,24 @@ def placement(cfg: Config) -> dict:
     return {k: v for k, v in flatten_config(cfg.to_dict()) if k in PLACEMENT_KEYS}
 
 
-def sweep_root(out: str | os.PathLike | None, name: str, overwrite: bool, runs: list) -> Path:
+def sweep_root(
+    out: str | os.PathLike | None, name: str, overwrite: bool, runs: list, spelled: tuple[str, str] = FLAGS
+) -> Path:
     """The sweep's directory: a new one, or ``out``, which must be empty (or replaced, with
-    ``overwrite``) or hold this same sweep, to be continued."""
+    ``overwrite``) or hold this same sweep, to be continued. ``spelled``: how the caller names
+    ``out`` and ``overwrite`` (the command's flags or fedsim.sweep's arguments)."""
     if out is not None and not overwrite and (Path(out) / SWEEP_FILE).is_file():
         recorded = _computed(read_mapping(Path(out) / SWEEP_FILE, json.loads).get("runs"))
         planned = _computed({run.label: identity(run.config) for run in runs})
         if recorded != planned:
+            flag, overwriting = spelled
+            again = "give the command" if spelled == FLAGS else "call fedsim.sweep with the arguments"
             raise FedsimError(
-                f"--out {out}: holds another sweep ({_difference(recorded, planned)}); give the "
-                f"command that started it to continue it, --overwrite to replace it, or another --out"
+                f"{flag} {out}: holds another sweep ({_difference(recorded, planned)}); {again} that "
+                f"started it to continue it, {overwriting} to replace it, or another {flag}"
             )
         return Path(out)
-    return RunDirectory.target(out, f"{name}-sweep", overwrite)
+    return RunDirectory.target(out, f"{name}-sweep", overwrite, spelled)
 
 
 def _computed(runs: object) -> dict:
