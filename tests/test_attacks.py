@@ -315,6 +315,38 @@ def test_an_attack_that_defines_neither_rewrite_nor_relabel_is_refused_in_one_li
     assert make_attack(AttackConfig("none", 0.0)).rewrite(None) is None  # no attack: the one that defines neither
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"delta": 0}, "delta must not be 0: it is the search's first step from start"),
+        ({"evals": 0}, "evals"),
+        ({"ratio": 1}, "ratio must be in (0.5, 1)"),
+        ({"start": "x"}, "start must be a number"),
+    ],
+)
+def test_the_line_searchs_options_are_checked_in_one_line(options, message):
+    for attack in ("optimal_alie", "optimal_ipm"):
+        with pytest.raises(fedsim.core.errors.ConfigError) as refused:
+            fedsim.load_config({"attack": {"type": attack, "count": 1, "options": options}})
+        assert "\n" not in str(refused.value) and message in str(refused.value)
+
+
+class FailsToBuild(Attack):
+    def __init__(self, factor=1.0):
+        raise RuntimeError("cannot build")
+
+    def rewrite(self, view):
+        return view.honest.mean(dim=0)
+
+
+def test_an_attack_whose_constructor_raises_is_named_in_one_line():
+    with pytest.raises(fedsim.core.errors.ConfigError) as refused:
+        fedsim.load_config({"attack": {"type": FailsToBuild, "count": 1}})
+    assert str(refused.value) == (
+        "config: attack.type: FailsToBuild failed when it was built (RuntimeError: cannot build)"
+    )
+
+
 # ----------------------------------------------------------------------------- against ByzFL
 
 
@@ -642,6 +674,26 @@ def test_an_attack_that_returns_what_cannot_be_sent_is_named_in_one_line(tmp_pat
     message = str(refused.value)
     assert "\n" not in message and f"attack test_attacks:Broken returned {got} in round 1" in message
     assert "expected a float tensor of shape (15,)" in message and "or (2, 15), one row per attacker" in message
+
+
+class Doubles(fedsim.attacks.Attack):
+    def __init__(self, graph=False):
+        self.graph = graph
+
+    def rewrite(self, view):
+        mean = view.honest.mean(dim=0)
+        return 2 * (mean.clone().requires_grad_() if self.graph else mean)
+
+
+def test_what_an_attack_sends_is_its_values_even_from_a_tensor_that_requires_grad(tmp_path):
+    # the median sorts into a preallocated stack (torch.stack(out=...)), which refuses a graph
+    median = {"aggregator": "median"}
+    plain, _ = tiny_attacked_step(tmp_path, "plain", {"type": Doubles, "count": 2}, **median)
+    graph, _ = tiny_attacked_step(
+        tmp_path, "graph", {"type": Doubles, "count": 2, "options": {"graph": True}}, **median
+    )
+    clean, _ = tiny_attacked_step(tmp_path, "clean", **median)
+    assert torch.equal(graph, plain) and not torch.equal(plain, clean)
 
 
 @pytest.mark.parametrize(

@@ -260,7 +260,8 @@ class AggregateUpdates:
         length = stack.shape[1]
         if isinstance(sent, torch.Tensor) and sent.dtype.is_floating_point:
             if tuple(sent.shape) in ((length,), (attackers, length)):
-                return sent.to(device=stack.device, dtype=stack.dtype)
+                # the values are what the attackers send: a graph the attack may have built is not
+                return sent.detach().to(device=stack.device, dtype=stack.dtype)
             got = f"shape {tuple(sent.shape)}"
         else:
             got = f"a tensor of {sent.dtype}" if isinstance(sent, torch.Tensor) else type(sent).__name__

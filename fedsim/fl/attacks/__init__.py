@@ -30,7 +30,7 @@ import torch
 
 from ...core.blocks import finite_rows
 from ...core.checks import Checks, refuse_unknown
-from ...core.errors import UserCodeError, user_code
+from ...core.errors import ConfigError, UserCodeError, user_code
 from ...core.registry import Registry, is_import_path, load_attr, registered
 from ...core.sections import option
 from ...core.streams import attackers_rng
@@ -172,15 +172,12 @@ def make_attack(attack_config: Any) -> Attack:
     cls = attack_class(attack_config.type)
     takes = list(inspect.signature(cls).parameters)
     options = dict(attack_config.options)
-    refuse_unknown(
-        "attack.options",
-        cls.__name__ if not isinstance(attack_config.type, str) else attack_config.type,
-        options,
-        takes,
-    )
+    name = cls.__name__ if not isinstance(attack_config.type, str) else attack_config.type
+    refuse_unknown("attack.options", name, options, takes)
     if "scale" in takes:
         options.setdefault("scale", attack_config.scale)
-    return cls(**options)
+    with user_code(f"attack.type: {name} failed when it was built", ConfigError):  # the class may be the user's
+        return cls(**options)
 
 
 def checked_relabel(attack: Attack, name: str) -> Callable[[torch.Tensor, int], torch.Tensor]:

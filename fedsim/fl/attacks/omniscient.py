@@ -241,6 +241,10 @@ class _LineSearch(Attack):
         self.evals = OPTIONS.count("evals", evals, 1)
         self.start = OPTIONS.number("start", start, "must be a number")
         self.delta = OPTIONS.number("delta", delta, "must be a number")
+        if self.delta == 0:  # the search would never move from start
+            OPTIONS.fail(
+                "delta", "must not be 0: it is the search's first step from start (negative: it searches below)"
+            )
         self.ratio = OPTIONS.within("ratio", OPTIONS.number("ratio", ratio, "must be a number"), 0.5, 1, "()")
 
     def line(self, honest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
