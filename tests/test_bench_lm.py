@@ -100,7 +100,7 @@ def test_quick_run_measures_the_sequential_loop_and_batched_adapters_on_a_shared
     command = [sys.executable, str(REPO / "benchmarks" / "bench_lm.py"), "--quick"]
     command += ["--device", "cpu", "--data-root", str(tmp_path), "--output", str(output)]  # no texts: generated
     # the shared base and a copy per worker are fedsim runs as the batched adapters are, on the
-    # process backend: what they run is the test below, and how they are compared the one above
+    # process backend: their configurations and their comparison are checked by the tests above
     command += ["--kinds", "sequential,batched"]
     env = {k: v for k, v in os.environ.items() if k != "FEDSIM_DATA"}
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
