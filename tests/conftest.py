@@ -11,6 +11,10 @@ from pathlib import Path
 # processes share the cores with the runs they start, and an OpenMP thread that spins while it
 # waits for work takes a core another process needs (the suite took 12.5 minutes so, 8 without)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Every command a test starts imports fedsim from its sources. Where the environment forbids
+# bytecode files, each would compile all of fedsim again, a fifth of a second of a core a process
+# over hundreds of processes: the ones tests start keep them (in __pycache__, which git ignores)
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
