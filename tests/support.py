@@ -154,6 +154,23 @@ def _shm_inodes_mapped_by_others() -> set[int]:
 # ----------------------------------------------------------------------------- the real command
 
 
+def fork_server_of(pid: int) -> list[int]:
+    """The fork server that ``pid`` started (it imports torch for the workers; see processes.py)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                if (
+                    int(stat[stat.rindex(")") + 2 :].split()[1]) == pid
+                    and b"multiprocessing.forkserver" in (entry / "cmdline").read_bytes()
+                ):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
 def tagged_processes(tag: str) -> list[int]:
     """Live processes whose environment carries FEDSIM_TEST_TAG=tag."""
     needle = f"FEDSIM_TEST_TAG={tag}".encode()

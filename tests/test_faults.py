@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from support import TESTS_DIR, assert_one_line_error, run_cli, start, tagged_processes, wait_for_round
+from support import TESTS_DIR, assert_one_line_error, fork_server_of, run_cli, start, tagged_processes, wait_for_round
 
 import fedsim
 from fedsim.cli import main
@@ -645,23 +645,6 @@ def test_a_directory_in_use_is_refused_before_torch_is_imported(tmp_path):
         held.unlock()
 
 
-def _fork_server_of(pid: int) -> list[int]:
-    """The fork server that ``pid`` started (it imports torch for the workers; see processes.py)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                if (
-                    int(stat[stat.rindex(")") + 2 :].split()[1]) == pid
-                    and b"multiprocessing.forkserver" in (entry / "cmdline").read_bytes()
-                ):
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
-
-
 @pytest.mark.slow
 def test_ctrl_c_while_the_workers_import_torch_is_one_line(tmp_path):
     config = write_config(tmp_path, workers=2)
@@ -671,7 +654,7 @@ def test_ctrl_c_while_the_workers_import_torch_is_one_line(tmp_path):
         popen_options={"start_new_session": True},
     )
     deadline = time.monotonic() + 60
-    while not _fork_server_of(proc.pid) and time.monotonic() < deadline:
+    while not fork_server_of(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.2)  # the fork server is importing torch for the workers now, and so is the command
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to every process of the group

@@ -15,12 +15,15 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
 from support import (
     BASE,
+    TESTS_DIR,
     assert_one_line_error,
+    fork_server_of,
     installed,
     run_cli,
     shm_entries,
@@ -161,6 +164,82 @@ def test_a_signal_handled_inside_a_finalizer_still_stops_the_command(tmp_path, s
     script.write_text(SIGNALLED_IN_A_FINALIZER.format(signum=int(signum)))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
     assert (done.stdout.strip(), done.stderr) == (raised, "")
+
+
+SIGNALLED_ON_ANOTHER_THREAD = """
+import os, signal, subprocess, sys, threading, time
+from fedsim.execution.interrupts import children_born_blocking, install_handlers
+
+install_handlers(lambda: None)
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # a thread that blocks no signal
+try:
+    with children_born_blocking({{signal.SIGINT, signal.SIGTERM}}):
+        blocked = "import signal; print(sorted(map(int, signal.pthread_sigmask(signal.SIG_BLOCK, ()))))"
+        child = subprocess.Popen([sys.executable, "-c", blocked], stdout=subprocess.PIPE, text=True)
+        os.kill(os.getpid(), {signum})  # this thread blocks it: the kernel hands it to the other one
+        time.sleep(0.5)
+        print("held", flush=True)
+    time.sleep(30)
+    print("went on")
+except BaseException as e:  # KeyboardInterrupt, or fedsim.execution.interrupts.Terminated
+    print(type(e).__name__)
+print(child.communicate()[0].strip())
+"""
+
+
+@pytest.mark.parametrize("signum, raised", [(signal.SIGINT, "KeyboardInterrupt"), (signal.SIGTERM, "Terminated")])
+def test_a_signal_while_a_child_starts_is_held_then_stops_the_command(tmp_path, signum, raised):
+    """While a worker or the fork server starts, the stop signals are blocked in the main thread
+    for the child to be born with them blocked; one that another thread receives meanwhile is
+    held, and raised once the start is done, never lost."""
+    script = tmp_path / "another_thread.py"
+    script.write_text(SIGNALLED_ON_ANOTHER_THREAD.format(signum=int(signum)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split("\n")[:3] == ["held", raised, "[2, 15]"], done.stdout + done.stderr
+    assert done.stderr == ""
+
+
+FORK_SERVER_WAITING = """
+import os, sys, time
+if "multiprocessing.forkserver" in " ".join(sys.orig_argv):  # a fork server slow to start, until told
+    while not os.path.exists({go!r}):
+        time.sleep(0.01)
+"""
+
+
+def _blocked(pid: int) -> set[int]:
+    """The signals that the main thread of ``pid`` blocks (its SigBlk in /proc)."""
+    mask = int(re.search(r"^SigBlk:\s*(\w+)", Path(f"/proc/{pid}/status").read_text(), re.M).group(1), 16)
+    return {signum for signum in range(1, 65) if mask >> (signum - 1) & 1}
+
+
+def test_ctrl_c_while_the_workers_start_stops_the_run_in_one_line(tmp_path):
+    # the command waits for a worker's start with the stop signals blocked in its main thread, as
+    # long as the fork server's imports take: here until the test says so (sitecustomize)
+    go = tmp_path / "go"
+    (tmp_path / "sitecustomize.py").write_text(FORK_SERVER_WAITING.format(go=str(go)))
+    tag = uuid.uuid4().hex
+    proc = start(
+        ["run", str(write_config(tmp_path)), "--out", str(tmp_path / "run")],
+        tag,
+        popen_options={"start_new_session": True},
+        PYTHONPATH=f"{tmp_path}{os.pathsep}{TESTS_DIR}",
+    )
+    # exactly those two blocked once the fork server runs: the pool's start of a worker (the
+    # resource tracker is started with the same two blocked, but before the fork server)
+    deadline = time.monotonic() + 60
+    while not (fork_server_of(proc.pid) and _blocked(proc.pid) == {signal.SIGINT, signal.SIGTERM}):
+        assert time.monotonic() < deadline, "the command never started a worker"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C, while the worker is being started
+    time.sleep(0.3)
+    go.touch()
+    _, err = proc.communicate(timeout=60)
+    run_dir = tmp_path / "run"
+    assert proc.returncode == 130, err
+    assert err == f"fedsim: interrupted before the first checkpoint; what was written is in {run_dir}\n", err
+    time.sleep(0.5)
+    assert tagged_processes(tag) == []
 
 
 # ----------------------------------------------------------------------------- resume

@@ -9,6 +9,7 @@ ends, so an interrupt never leaves those files half-written or out of step with 
 from __future__ import annotations
 
 import atexit
+import multiprocessing.resource_tracker
 import os
 import signal
 import sys
@@ -162,20 +163,27 @@ def _deliver(signum: int, handler) -> None:
 
 
 @contextmanager
-def born_ignoring_sigint() -> Iterator[None]:
-    """Ctrl-C reaches every process of the terminal's group, and the server decides what it
-    means; the fork server still importing torch (see processes.py) would print a traceback.
-    An ignored signal stays ignored across exec and fork, so the fork server is started while
-    SIGINT is ignored here, and the workers it forks inherit that; meanwhile SIGINT is also
-    blocked, which on Linux keeps one that arrives pending for the server's own handler instead
-    of discarding it."""
+def children_born_blocking(signals: set[int]) -> Iterator[None]:
+    """Start child processes inside this block: they are born with ``signals`` blocked, and a
+    signal that comes meanwhile is held here until the block ends, as ``shielded`` holds it.
+
+    Ctrl-C reaches every process of the terminal's group (torchrun's SIGTERM every process of a
+    rank's group), and the server decides what it means; a child still importing torch would print
+    a traceback, or die before the server could stop it. A blocked signal stays blocked across fork
+    and exec, and pending until the child ignores it: the fork server ignores SIGINT once its
+    imports are done, a worker both as it begins. (Ignoring them here for the child to inherit
+    that would lose one: only this thread can block them, and one delivered to another thread
+    while they are ignored is discarded.) Held, a Ctrl-C cannot cut multiprocessing's start of a
+    child short either. It waits for the start to end, a second one too."""
     if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may change handlers; the worker ignores SIGINT once it runs
+        yield  # signals are only ever handled in the main thread
         return
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    # multiprocessing starts its resource tracker with a child's first start, and unblocks
+    # SIGINT and SIGTERM in this thread as it does: start it before they are blocked
+    multiprocessing.resource_tracker.ensure_running()
+    with shielded():
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one pending is held by shielded now

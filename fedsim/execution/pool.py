@@ -40,10 +40,9 @@ from ..core.threads import torch_threads
 from ..engine.buffers import RoundBuffers
 from ..engine.loop import Executor
 from ..experiment.config import Config, vmap_group_size
+from .interrupts import children_born_blocking, shielded
 from .processes import UNGUARDED_SCRIPT, leave_library_warnings_to_the_server, worker_context
 from .resources import (
-    STOP_SIGNALS,
-    born_ignoring_stop_signals,
     check_descriptors,
     die_with_parent,
     exit_cause,
@@ -58,6 +57,11 @@ from .resources import (
 from .runner import ClientRunner
 
 STARTING, IDLE = -2, -1  # RoundBuffers.progress values besides a client id
+
+# what reaches a worker through its process group: Ctrl-C, and torchrun's or systemd's SIGTERM;
+# the server decides what they mean, and stops its workers itself
+GROUP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
 RECEIVING = "receiving the run's config and shared buffers"
 NOT_RUNNING = "starting its process (the fork server may still be importing torch)"  # no stage reported yet
 FIRST_ROUND_TIMEOUT = 900.0  # the first round also pays for cuDNN set-up and first kernels
@@ -86,8 +90,9 @@ def _worker_main(rank: int, device: str, sharing_strategy: str, conn: Connection
         keep_freed_memory()
         name_this_process(f"fedsim-worker{rank}")
         leave_library_warnings_to_the_server()
-        for signum in STOP_SIGNALS:  # Ctrl-C, and torchrun's or systemd's SIGTERM, reach the whole process
-            signal.signal(signum, signal.SIG_IGN)  # group; the server decides, and stops its workers itself
+        for signum in GROUP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)  # born blocked: see _fork_workers
         torch.multiprocessing.set_sharing_strategy(sharing_strategy)
         trainer = buffers = None
         conn.send(("stage", RECEIVING))
@@ -176,7 +181,10 @@ class WorkerPool(Executor):
                 daemon=True,
                 args=(rank, str(self.device), self.sharing_strategy, child_end),
             )
-            with born_ignoring_stop_signals():
+            # a spawned worker is born with this thread's signal mask, a fork server's with the
+            # server's; and a Ctrl-C held until the start is done does not cut short the request
+            # the fork server reads (it dies of one cut short, with a traceback)
+            with children_born_blocking(GROUP_SIGNALS):
                 process.start()
             child_end.close()
             self.processes.append(process)
@@ -193,11 +201,12 @@ class WorkerPool(Executor):
             check_descriptors(buffers, self.num_workers)
             if not self.processes:
                 self._fork_workers()
-            for conn in self.conns:
-                try:
-                    conn.send(("setup", self.config, self.runner, buffers))
-                except BrokenPipeError:
-                    pass  # that worker died while starting; waiting below names it
+            with shielded():  # a KeyboardInterrupt while a tensor is shared leaves multiprocessing's sharer broken
+                for conn in self.conns:
+                    try:
+                        conn.send(("setup", self.config, self.runner, buffers))
+                    except BrokenPipeError:
+                        pass  # that worker died while starting; waiting below names it
             self._await_all("ready", self.start_seconds)
         except BaseException:
             self._release()
@@ -337,10 +346,10 @@ class WorkerPool(Executor):
 
     def _release(self) -> None:
         self._closed = True
+        stop_resource_sharer()  # first: its thread prints a traceback if a worker dies while fetching a descriptor
         self.kill()
         for conn in self.conns:
             conn.close()
-        stop_resource_sharer()
         _LIVE_POOLS.discard(self)
 
     def kill(self) -> None:

@@ -34,7 +34,7 @@ import sys
 import warnings
 from collections.abc import Mapping
 
-from .interrupts import born_ignoring_sigint
+from .interrupts import children_born_blocking
 
 # What every worker needs, imported once in the fork server (an import that fails there is
 # retried in the worker, where it reports its error)
@@ -74,7 +74,7 @@ def start_fork_server(extra: list[str] | tuple[str, ...] = ()) -> None:
     stop = getattr(server, "_stop", None)  # multiprocessing's own, for its tests (3.8 on)
     if running is not None and stop and not set(extra) <= imported and not multiprocessing.active_children():
         stop()  # the workers are its children, and none is alive
-    with born_ignoring_sigint():
+    with children_born_blocking({signal.SIGINT}):  # the fork server ignores it once torch is imported
         multiprocessing.forkserver.ensure_running()
     if server._forkserver_pid != running:
         _started = (server._forkserver_pid, imported | frozenset(extra))

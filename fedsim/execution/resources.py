@@ -13,7 +13,6 @@ import resource
 import signal
 import sys
 import threading
-from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -163,30 +162,6 @@ def start_seconds() -> float:
             f"{START_SECONDS_VARIABLE}: must be a number of seconds > 0 and at most 1,000,000, got {text[:40]!r}"
         )
     return seconds
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def born_ignoring_stop_signals() -> Iterator[None]:
-    """Ctrl-C reaches every process of the terminal's group, torchrun's SIGTERM every process of
-    a rank's group, and the server decides what they mean; a worker still importing torch would
-    print a traceback, or die before the server could stop it. An ignored signal stays ignored
-    across exec, so the worker is started while both are ignored here; meanwhile they are also
-    blocked, which on Linux keeps one that arrives pending for the server's own handler instead
-    of discarding it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may change handlers; the worker ignores them once it runs
-        return
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
-    handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def stop_resource_sharer() -> None:
