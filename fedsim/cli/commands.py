@@ -31,8 +31,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise FedsimError("--nodes, --node-rank and --rendezvous go with --ranks (the ranks of each machine)")
     if args.resume or args.out:
         refuse_if_in_use(args.resume or args.out)
-    _import_whole(args)
     _start_fork_server(args)
+    _import_whole(args)
     from ..execution.distributed import Ranks
     from ..execution.rendezvous import launched
 
@@ -316,8 +316,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    _import_whole(args)
     _start_fork_server(args)
+    _import_whole(args)
     from ..execution.pool import kill_all_pools
     from ..runs.sweep import prepare
 
