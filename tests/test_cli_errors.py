@@ -163,6 +163,15 @@ CASES = [
         ["--set", "algorithm=fedprox", "--set", "algorithm_options.nu=1"],
         ["--set algorithm_options: fedprox takes no option 'nu'; it takes: mu"],
     ),
+    (
+        "option written without the space after its colon",
+        yaml.safe_dump(GOOD),
+        ["--set", "pre_aggregators=[{bucketing: {s:2}}]"],
+        [
+            "--set pre_aggregators[0]: bucketing takes no option 's:2'; it takes: s (YAML reads a colon with no space"
+            " after it as part of the name: write s: 2)"
+        ],
+    ),
     ("moved key", yaml.safe_dump(GOOD), ["--set", "local.mu=0.1"], ["--set local.mu: is now algorithm_options.mu"]),
     # components named by import path: importable, the right kind, the right signature
     (

@@ -130,4 +130,7 @@ def refuse_unknown(section: str, name: str, options: Mapping, takes: list[str]) 
     unknown = sorted(set(options) - set(takes))
     if unknown:
         listed = f"it takes: {', '.join(takes)}" if takes else "it takes no options"
+        option, colon, value = str(unknown[0]).partition(":")
+        if colon and option in takes:  # {s:0} is one key in YAML, "s:0"; {s: 0} is s = 0
+            listed += f" (YAML reads a colon with no space after it as part of the name: write {option}: {value})"
         raise ConfigError(f"{section}: {name} takes no option {unknown[0]!r}; {listed}")
