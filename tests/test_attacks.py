@@ -230,6 +230,16 @@ def test_minmax_and_minsum_follow_the_authors_search(kind, perturbation):
         assert distances.sum() <= between.sum(1).min() * (1 + 1e-6)
 
 
+@pytest.mark.parametrize("kind", ["minmax", "minsum"])
+def test_minmax_and_minsum_send_a_mean_of_no_direction_as_it_is(kind):
+    """unit_vec is mu / ||mu||, which a zero mean does not have: honest updates that cancel, or the
+    Byzantine clients of attack.count in a round that no honest client reports (what they see is
+    their own update, the honest mean of nothing: 0). The perturbation is then 0, and they send mu."""
+    v = torch.randn(20, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sent_by(kind, torch.stack([v, -v, v]), torch.tensor([2])), torch.zeros(20))
+    assert torch.equal(sent_by(kind, torch.zeros(1, 20), torch.tensor([0])), torch.zeros(20))
+
+
 def test_mimic_copies_the_honest_update_farthest_along_their_main_direction():
     g = torch.Generator().manual_seed(3)
     direction = torch.randn(200, generator=g)

@@ -106,8 +106,8 @@ class InnerProductManipulation(Attack):
 
 
 def _deviation(honest: torch.Tensor, mean: torch.Tensor, perturbation: str) -> torch.Tensor:
-    if perturbation == "unit_vec":
-        return mean / row_norms(mean[None]).to(mean.dtype)
+    if perturbation == "unit_vec":  # a zero mean has no direction: 0, and the attackers send the mean
+        return mean / row_norms(mean[None]).to(mean.dtype).clamp_min(torch.finfo(mean.dtype).tiny)
     if perturbation == "sign":
         return torch.sign(mean)
     return -_std(honest)  # the gradients' sigma, in the updates' direction (see above)
