@@ -7,6 +7,7 @@ written, and exit with 130 and 143 (129 after SIGHUP, a closed terminal); a seco
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Sequence
 
@@ -51,4 +52,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = 1
     if argv is None:  # the process's own command line (not a call from Python): its signals are its own
         exiting()
+        _skip_the_collections_of_shut_down()
     sys.exit(code)
+
+
+def _skip_the_collections_of_shut_down() -> None:
+    """The interpreter's shut-down collects garbage over every object alive, several times: with
+    torch imported, about half a second of CPU after the command is done. The garbage of now is
+    collected here, its finalizers run; what is alive now is left out of those collections
+    (``gc.freeze``), and is freed by reference counting as modules are emptied, as it was."""
+    gc.collect()
+    gc.freeze()
