@@ -794,6 +794,7 @@ def test_attack_scale_is_read_by_an_attack_of_ones_own_that_takes_it():
     assert unused_settings(loaded("alie")) == ["attack.scale is 3.0 but attack.type alie does not use it"]
 
 
+@pytest.mark.slow
 def test_a_round_whose_every_update_overflows_after_an_attack_blew_up_the_model_says_so(small_config, tmp_path):
     """Scaled by 3e38, the attackers' updates pass the plain mean: the global CNN's weights reach about
     1e35, its next updates overflow, and the run stops naming the attack, not the learning rate."""

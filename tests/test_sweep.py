@@ -209,6 +209,7 @@ def for_colour_images():
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 30 * 30, 10))
 
 
+@pytest.mark.slow
 def test_every_combination_is_checked_whole_before_the_first_run(config_file, fake_runs, monkeypatch, tmp_path):
     checked = []
     monkeypatch.setattr(
